@@ -1,0 +1,35 @@
+"""The `Routing` container: routed (token, expert) pairs with their scores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Routed (token, expert) pairs produced by a router (DESIGN §2).
+
+    Attributes:
+        token_idx: ``(P,)`` int32 — source token of each pair, in ``[0, num_tokens)``.
+        expert_idx: ``(P,)`` int32 — expert of each pair, in ``[0, num_experts)``.
+        scores: ``(P,)`` float32 — gate weight ``s_{t,e}`` of each pair; differentiable with
+            respect to the router logits it came from.
+        num_tokens: ``T``, the number of tokens routed.
+        num_experts: ``E``, the number of experts.
+
+    Pairs may come in any order; a token may have 0..E pairs and an expert 0..T.
+    ``P = T·K`` for top-K token choice and data-dependent for token rounding.
+    """
+
+    token_idx: torch.Tensor
+    expert_idx: torch.Tensor
+    scores: torch.Tensor
+    num_tokens: int
+    num_experts: int
+
+    @property
+    def num_pairs(self) -> int:
+        """``P``, the number of routed pairs."""
+        return self.token_idx.numel()
