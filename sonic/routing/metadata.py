@@ -61,3 +61,55 @@ class RoutingMetadata:
     def from_tensors(cls, tensors, num_tokens: int, num_experts: int) -> "RoutingMetadata":
         """Inverse of :meth:`tensors`."""
         return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts)
+
+
+def routing_metadata(routing: Routing) -> RoutingMetadata:
+    """Group a routing's pairs by expert and by token (DESIGN §2, MetaShuffling).
+
+    Args:
+        routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64, in range.
+
+    Returns:
+        A :class:`RoutingMetadata` on the routing's device, built with stable sorts (so it is
+        deterministic) and no device→host synchronisation.
+    """
+    return pairs_metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
+                          routing.num_experts)
+
+
+def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to the host.
+    counts = torch.zeros(bins, dtype=torch.int32, device=idx.device)
+    counts.scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.int32))
+    offsets = torch.zeros(bins + 1, dtype=torch.int32, device=idx.device)
+    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
+    return counts, offsets
+
+
+def pairs_metadata(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
+                   num_experts: int) -> RoutingMetadata:
+    """:func:`routing_metadata` on raw pair tensors (PyTorch reference implementation).
+
+    Args:
+        token_idx: ``(P,)`` int32/int64 in ``[0, num_tokens)``.
+        expert_idx: ``(P,)`` int32/int64 in ``[0, num_experts)``.
+    """
+    num_pairs = token_idx.numel()
+    device = token_idx.device
+    expert_counts, expert_offsets = _counts_and_offsets(expert_idx, num_experts)
+    sorted_pairs = torch.argsort(expert_idx, stable=True)
+    rows = torch.arange(num_pairs, dtype=torch.int32, device=device)
+    pair_rows = torch.empty_like(rows).scatter_(0, sorted_pairs, rows)
+    _, token_offsets = _counts_and_offsets(token_idx, num_tokens)
+    token_rows = pair_rows[torch.argsort(token_idx, stable=True)]
+    return RoutingMetadata(
+        expert_counts=expert_counts,
+        expert_offsets=expert_offsets,
+        sorted_pairs=sorted_pairs.to(torch.int32),
+        gather_idx=token_idx[sorted_pairs].to(torch.int32),
+        pair_rows=pair_rows,
+        token_offsets=token_offsets,
+        token_rows=token_rows,
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+    )

@@ -1,0 +1,28 @@
+"""sonic: CuTe-DSL kernels and memory-minimal autograd for Mixture-of-Experts training.
+
+Implements SonicMoE (Guo et al., arXiv 2512.14080): the expert computation keeps only the layer
+input, the up-projection output H and routing metadata for backward; top-K token choice and
+tile-aware token rounding routers; a PyTorch reference backend that runs everywhere.
+"""
+
+from sonic.autograd import moe_experts
+from sonic.backend import explain_backend
+from sonic.memory import ActivationMemoryReport, profile_activation_memory
+from sonic.nn import MoE
+from sonic.routing import (Routing, RoutingMetadata, routing_metadata, token_rounding_routing,
+                           topk_routing)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActivationMemoryReport",
+    "MoE",
+    "Routing",
+    "RoutingMetadata",
+    "explain_backend",
+    "moe_experts",
+    "profile_activation_memory",
+    "routing_metadata",
+    "token_rounding_routing",
+    "topk_routing",
+]

@@ -1,0 +1,80 @@
+"""Argument checks shared by the public entry points: every error names the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
+    """Raise ``TypeError`` unless ``t`` is a tensor of one of ``dtypes`` with ``ndim`` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_float(name: str, t, ndim: int) -> None:
+    check_tensor(name, t, ndim=ndim, dtypes=_FLOAT_DTYPES)
+
+
+def check_index(name: str, t, ndim: int = 1) -> None:
+    check_tensor(name, t, ndim=ndim, dtypes=_INDEX_DTYPES)
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` if the named tensors are not all on one device."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "all inputs must be on one device")
+
+
+def check_choice(name: str, value, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def check_int(name: str, value, *, low: int, high: int | None = None) -> None:
+    """Raise unless ``low <= value (<= high)``; ``bool`` is not accepted as an int."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def can_read_values(t: torch.Tensor) -> bool:
+    """Whether checking index values is possible and cheap enough here: not on meta/fake tensors,
+    not while a CUDA graph is being captured, and not under ``torch.compile`` tracing."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return False
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return False  # tensor subclasses such as FakeTensor carry no values
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return not torch.compiler.is_compiling()
+
+
+def check_index_range(name: str, t: torch.Tensor, upper: int) -> None:
+    """Raise ``ValueError`` unless every value of ``t`` is in ``[0, upper)``.
+
+    On CUDA this reads two scalars back (one synchronisation); it is skipped where values cannot
+    be read (see :func:`can_read_values`).
+    """
+    if not can_read_values(t):
+        return
+    lo, hi = torch.aminmax(t)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= upper:
+        raise ValueError(f"{name} values must be in [0, {upper}), got values in [{lo}, {hi}]")

@@ -1,0 +1,95 @@
+"""Backend selection: which implementation runs each step of the MoE dataflow.
+
+``"torch"`` is the PyTorch reference (any device). ``"cute"`` runs sonic's CuTe-DSL kernels
+where they exist, on a supported GPU, and the reference for the steps that have no kernel yet.
+``"auto"`` picks ``"cute"`` when the kernels can run on the tensors' device, else ``"torch"``;
+:func:`explain_backend` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sonic._validation import check_choice
+from sonic.reference import ops as reference
+from sonic.routing.metadata import pairs_metadata
+
+BACKENDS = ("auto", "torch", "cute")
+
+
+@dataclass(frozen=True)
+class ExpertOps:
+    """The implementations of one backend; signatures as in :mod:`sonic.reference.ops`."""
+
+    name: str
+    metadata: Callable
+    grouped_mm: Callable
+    grouped_mm_varlen_k: Callable
+    aggregate: Callable
+
+
+TORCH_OPS = ExpertOps(
+    name="torch",
+    metadata=pairs_metadata,
+    grouped_mm=reference.grouped_mm,
+    grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
+    aggregate=reference.aggregate,
+)
+
+
+def kernel_support(device: torch.device) -> tuple[bool, str]:
+    """Whether sonic's CuTe kernels can run on ``device``, and if not, why."""
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA GPU"
+    from sonic.kernels.runtime import kernels_available
+    return kernels_available(device)
+
+
+def explain_backend(backend: str = "auto", device: torch.device | str | None = None) -> str:
+    """One line saying which backend ``backend`` resolves to on ``device`` and why."""
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    check_choice("backend", backend, BACKENDS)
+    if backend == "torch":
+        return "torch: requested"
+    ok, reason = kernel_support(device)
+    return "cute: kernels available" if ok else f"torch: {reason}"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"torch"`` or ``"cute"`` for ``backend`` on ``device``.
+
+    Raises:
+        ValueError: unknown ``backend``.
+        RuntimeError: ``backend="cute"`` where the kernels cannot run (the message says why).
+    """
+    check_choice("backend", backend, BACKENDS)
+    if backend == "torch":
+        return "torch"
+    ok, reason = kernel_support(device)
+    if backend == "cute" and not ok:
+        raise RuntimeError(f"backend='cute' cannot run here: {reason}")
+    return "cute" if ok else "torch"
+
+
+def expert_ops(backend: str, device: torch.device) -> ExpertOps:
+    """The :class:`ExpertOps` that ``backend`` resolves to on ``device``."""
+    if resolve_backend(backend, device) == "torch":
+        return TORCH_OPS
+    return _cute_ops()
+
+
+def _cute_ops() -> ExpertOps:
+    from sonic.kernels.aggregation import aggregate
+    from sonic.kernels.routing_metadata import routing_metadata_pairs
+    # The grouped GEMMs stay PyTorch's until the CuTe grouped-GEMM kernels land.
+    return ExpertOps(
+        name="cute",
+        metadata=routing_metadata_pairs,
+        grouped_mm=reference.grouped_mm,
+        grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
+        aggregate=aggregate,
+    )

@@ -1,0 +1,126 @@
+"""`MoE`: a drop-in Mixture-of-Experts feed-forward layer (router + SwiGLU experts)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from sonic._validation import check_choice, check_int
+from sonic.autograd.moe_experts import moe_experts
+from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
+from sonic.routing.topk import SCORES, topk_routing
+from sonic.routing.types import Routing
+
+ROUTERS = ("topk", "token_rounding")
+
+
+def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss ``E · Σ_e f_e · p_e`` (Fedus et al. 2021, eq. 4).
+
+    ``f_e``: fraction of routed pairs that went to expert e (not differentiable); ``p_e``: mean
+    router probability of expert e. Equals 1 for perfectly uniform routing.
+    """
+    num_experts = logits.shape[1]
+    probs = torch.softmax(logits.float(), dim=-1)
+    counts = torch.zeros(num_experts, device=logits.device, dtype=torch.float32)
+    counts.scatter_add_(0, routing.expert_idx.long(), torch.ones_like(routing.scores).detach())
+    fraction = counts / max(routing.num_pairs, 1)
+    return num_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts FFN: a linear router and ``E`` SwiGLU experts run by :func:`moe_experts`.
+
+    Args:
+        d_model: ``d``, the model dimension.
+        d_expert: ``n``, each expert's intermediate dimension.
+        num_experts: ``E``.
+        top_k: ``K``, experts per token (``1 <= K <= E``).
+        router: ``"topk"`` (token choice) or ``"token_rounding"`` (SonicMoE §5.2, training only);
+            settable later: ``layer.router = "token_rounding"``. In ``eval()`` mode the layer
+            always routes by top-K, as the paper evaluates token-rounding models.
+        tile: ``M_tile`` that token rounding rounds expert counts to.
+        score: top-K score function, ``"softmax_topk"`` or ``"topk_softmax"``.
+        renormalize: renormalise ``"topk_softmax"`` scores to sum to 1.
+        rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
+        gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
+        aux_loss_coef: weight of the load-balancing loss left in :attr:`aux_loss` after forward.
+        backend: see :func:`moe_experts`.
+
+    Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
+    :meth:`reset_parameters` for their initialisation.
+
+    ``forward(x)``: ``x (..., d)`` → same shape and dtype. After each training forward,
+    :attr:`aux_loss` holds ``aux_loss_coef ·`` :func:`load_balancing_loss` (a zero tensor when the
+    coefficient is 0) and :attr:`last_routing` the :class:`Routing` used.
+    """
+
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
+                 router: str = "topk", tile: int = 128, score: str = "softmax_topk",
+                 renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
+                 aux_loss_coef: float = 0.0, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        check_int("d_model", d_model, low=1)
+        check_int("d_expert", d_expert, low=1)
+        check_int("num_experts", num_experts, low=1)
+        check_int("top_k", top_k, low=1, high=num_experts)
+        check_int("tile", tile, low=1)
+        check_choice("score", score, SCORES)
+        check_choice("rounding", rounding, ROUNDINGS)
+        check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
+        self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
+        self.router = router
+        self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
+        self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
+        factory = {"device": device, "dtype": dtype}
+        self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
+        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
+        self.aux_loss: torch.Tensor | None = None
+        self.last_routing: Routing | None = None
+        self.reset_parameters()
+
+    @property
+    def router(self) -> str:
+        return self._router
+
+    @router.setter
+    def router(self, value: str) -> None:
+        check_choice("router", value, ROUTERS)
+        self._router = value
+
+    def reset_parameters(self) -> None:
+        """Experts like ``nn.Linear`` (U(±1/sqrt(fan_in))); router N(0, 0.02²) so that routing
+        starts near uniform."""
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_expert), 1 / math.sqrt(self.d_expert))
+        nn.init.normal_(self.gate.weight, std=0.02)
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """Routing for ``logits (T, E)`` under the current router and mode."""
+        if self.training and self.router == "token_rounding":
+            return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding)
+        return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.d_model)
+        logits = self.gate(tokens)
+        routing = self.route(logits)
+        out = moe_experts(tokens, self.w1, self.w2, routing.scores.to(torch.float32),
+                          routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
+                          backend=self.backend)
+        self.last_routing = routing
+        if self.aux_loss_coef:
+            self.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
+        else:
+            self.aux_loss = logits.new_zeros((), dtype=torch.float32)
+        return out.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}")

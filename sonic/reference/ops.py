@@ -1,0 +1,136 @@
+"""PyTorch reference of every GPU kernel of the MoE dataflow (DESIGN §3).
+
+Same inputs, outputs and numerics contract as the CuTe kernels (bf16/fp32 in, fp32 accumulation),
+so it is both the test oracle and the fallback backend. Runs on any device PyTorch supports.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; fp64 stays fp64 (gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` needs 16-byte aligned base and non-unit strides."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
+
+
+def _use_grouped_mm(*operands: torch.Tensor) -> bool:
+    a = operands[0]
+    if a.device.type == "cuda":
+        ok_dtype = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
+    else:
+        ok_dtype = a.dtype in (torch.float32, torch.bfloat16)
+    return ok_dtype and (a.device.type == "meta" or all(_aligned(t) for t in operands))
+
+
+def _expert_bounds(offsets: torch.Tensor) -> list[int]:
+    return offsets.tolist()  # the per-expert loop needs host offsets: one synchronisation
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """varlen-M grouped GEMM: ``C[rows of e] = A[rows of e] · B[e]``.
+
+    Args:
+        a: ``(P, k)`` rows grouped by expert.
+        b: ``(E, k, m)`` per-expert right operand (any strides, e.g. a transposed weight view).
+        offsets: ``(E+1,)`` int32 expert row offsets (``offsets[E] == P``).
+
+    Returns:
+        ``(P, m)`` in ``a``'s dtype, fp32 accumulation.
+    """
+    if _use_grouped_mm(a, b):
+        return torch._grouped_mm(a, b, offs=offsets[1:])
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    bounds = _expert_bounds(offsets)
+    for e in range(b.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        torch.matmul(a[lo:hi], b[e], out=out[lo:hi])
+    return out
+
+
+def grouped_mm_varlen_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """varlen-K grouped GEMM (weight gradients): ``C[e] = A_eᵀ · B_e`` over expert e's rows.
+
+    Args:
+        a: ``(P, m)``; b: ``(P, k)``, rows grouped by expert; offsets: ``(E+1,)`` int32.
+
+    Returns:
+        ``(E, m, k)`` in ``a``'s dtype; experts with no rows get zeros.
+    """
+    at = a.t()
+    if _use_grouped_mm(at, b):
+        return torch._grouped_mm(at, b, offs=offsets[1:])
+    num_experts = offsets.shape[0] - 1
+    out = a.new_zeros(num_experts, a.shape[1], b.shape[1])
+    bounds = _expert_bounds(offsets)
+    for e in range(num_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.matmul(at[:, lo:hi], b[lo:hi], out=out[e])
+    return out
+
+
+def split_gate_up(h: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(gate, up)`` of ``h (P, 2n)``: halves (``"concat"``) or alternate columns."""
+    if gate_up == "concat":
+        return h.chunk(2, dim=-1)
+    return h[:, 0::2], h[:, 1::2]
+
+
+def merge_gate_up(gate: torch.Tensor, up: torch.Tensor, gate_up: str) -> torch.Tensor:
+    """Inverse of :func:`split_gate_up`."""
+    if gate_up == "concat":
+        return torch.cat([gate, up], dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
+    """``A = silu(gate) ⊙ up`` of ``H (P, 2n)`` → ``(P, n)`` in ``h``'s dtype (fp32 math)."""
+    gate, up = split_gate_up(h, gate_up)
+    acc = accumulate_dtype(h.dtype)
+    return (F.silu(gate.to(acc)) * up.to(acc)).to(h.dtype)
+
+
+def dswiglu(da: torch.Tensor, h: torch.Tensor, gate_up: str) -> torch.Tensor:
+    """Gradient of :func:`swiglu`: ``dH (P, 2n)`` from ``dA (P, n)`` and ``H`` (fp32 math).
+
+    ``d_up = dA ⊙ silu(g)``, ``d_gate = dA ⊙ u ⊙ σ(g)(1 + g(1 − σ(g)))`` (DESIGN §3).
+    """
+    gate, up = split_gate_up(h, gate_up)
+    acc = accumulate_dtype(h.dtype)
+    g, u, da32 = gate.to(acc), up.to(acc), da.to(acc)
+    sig = torch.sigmoid(g)
+    d_gate = da32 * u * sig * (1 + g * (1 - sig))
+    d_up = da32 * g * sig
+    return merge_gate_up(d_gate, d_up, gate_up).to(h.dtype)
+
+
+def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Tensor,
+              row_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert aggregation, a per-token gather-sum: ``o_t = Σ_rows(t) s[row] · Y[row]``.
+
+    Args:
+        y: ``(P, d)`` rows grouped by expert.
+        token_rows: ``(P,)`` rows of each token, grouped by token (``RoutingMetadata.token_rows``).
+        token_offsets: ``(T+1,)`` int32.
+        row_scores: ``(P,)`` fp32 score of each row, or ``None`` for a plain sum (backward dX).
+
+    Returns:
+        ``(T, d)`` in ``y``'s dtype, accumulated in fp32 without atomics (deterministic); tokens
+        with no rows get zeros.
+    """
+    acc = accumulate_dtype(y.dtype)
+    rows = y.index_select(0, token_rows).to(acc)
+    if row_scores is not None:
+        rows = rows * row_scores.index_select(0, token_rows).to(acc).unsqueeze(-1)
+    out = torch.segment_reduce(rows, "sum", offsets=token_offsets, axis=0)
+    return out.to(y.dtype)
