@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sonic._validation import check_choice, check_int
+from sonic.reference.ops import accumulate_dtype
 from sonic.routing.topk import check_router_args, topk_indices
 from sonic.routing.types import Routing
 
@@ -48,7 +49,7 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     Returns:
         A :class:`Routing` whose pairs are grouped by expert (ascending), each expert's tokens in
         descending ``C`` order; ``P = Σ r_e`` is data-dependent, so building it reads ``P`` back to
-        the host once. Scores are fp32, differentiable with respect to ``logits``.
+        the host once. Scores are fp32 (fp64 for fp64 logits), differentiable with respect to ``logits``.
 
     Raises:
         TypeError / ValueError: bad ``logits``, ``k`` outside ``[1, E]``, ``tile < 1``, unknown
@@ -61,8 +62,9 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     check_choice("rounding", rounding, ROUNDINGS)
     num_tokens, num_experts = logits.shape
     device = logits.device
-    probs = torch.softmax(logits.float(), dim=-1)
-    picks = topk_indices(logits.float(), k)
+    logits32 = logits.to(accumulate_dtype(logits.dtype))
+    probs = torch.softmax(logits32, dim=-1)
+    picks = topk_indices(logits32, k)
     picked = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, picks, True)
     picked_probs = torch.where(picked, probs, torch.zeros_like(probs))
     tc_scores = picked_probs / picked_probs.sum(dim=-1, keepdim=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sonic._validation import check_choice, check_float, check_int
+from sonic.reference.ops import accumulate_dtype
 from sonic.routing.types import Routing
 
 SCORES = ("softmax_topk", "topk_softmax")
@@ -43,7 +44,7 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
     Returns:
         A :class:`Routing` with ``P = T·k`` pairs in token-major order (pair ``t·k + j`` is token
         ``t``'s ``j``-th choice, experts by descending logit, the lower index first on ties);
-        scores are fp32 and differentiable with respect to ``logits``.
+        scores are fp32 (fp64 for fp64 logits) and differentiable with respect to ``logits``.
 
     Raises:
         TypeError / ValueError: ``logits`` not a 2-D float tensor, ``k`` outside ``[1, E]``,
@@ -52,7 +53,7 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
     check_router_args(logits, k)
     check_choice("score", score, SCORES)
     num_tokens, num_experts = logits.shape
-    logits32 = logits.float()
+    logits32 = logits.to(accumulate_dtype(logits.dtype))
     idx = topk_indices(logits32, k)
     if score == "softmax_topk":
         scores = torch.softmax(logits32.gather(1, idx), dim=-1)

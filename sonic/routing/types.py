@@ -14,7 +14,7 @@ class Routing:
     Attributes:
         token_idx: ``(P,)`` int32 — source token of each pair, in ``[0, num_tokens)``.
         expert_idx: ``(P,)`` int32 — expert of each pair, in ``[0, num_experts)``.
-        scores: ``(P,)`` float32 — gate weight ``s_{t,e}`` of each pair; differentiable with
+        scores: ``(P,)`` float32 (float64 for float64 logits) — gate weight ``s_{t,e}`` of each pair; differentiable with
             respect to the router logits it came from.
         num_tokens: ``T``, the number of tokens routed.
         num_experts: ``E``, the number of experts.

@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+import sonic
+from sonic.routing.metadata import pairs_metadata
+from sonic.routing.token_rounding import rounded_counts
+
+
+def _logits(T, E, seed=0, dtype=torch.float32):
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@pytest.mark.parametrize("score", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_routing_matches_torch(score, renormalize):
+    logits = _logits(33, 12)
+    r = sonic.topk_routing(logits, 3, score=score, renormalize=renormalize)
+    vals, idx = torch.topk(logits, 3)
+    assert torch.equal(r.expert_idx.view(33, 3).long(), idx)
+    assert torch.equal(r.token_idx.long(), torch.arange(33).repeat_interleave(3))
+    if score == "softmax_topk":
+        expected = torch.softmax(vals, -1)
+    else:
+        expected = torch.softmax(logits, -1).gather(1, idx)
+        if renormalize:
+            expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(r.scores.view(33, 3), expected)
+    assert r.scores.dtype == torch.float32 and r.num_tokens == 33 and r.num_experts == 12
+
+
+def test_topk_ties_prefer_lower_expert():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    r = sonic.topk_routing(logits, 3)
+    assert r.expert_idx.tolist() == [1, 2, 4]
+
+
+@pytest.mark.parametrize("score", ["softmax_topk", "topk_softmax"])
+def test_router_gradients(score):
+    logits = _logits(7, 5, dtype=torch.float64).requires_grad_()
+    weights = torch.randn(7 * 2, dtype=torch.float64)
+    r = sonic.topk_routing(logits, 2, score=score, renormalize=True)
+    (r.scores * weights).sum().backward()
+    manual = logits.detach().clone().requires_grad_()
+    vals, idx = torch.topk(manual, 2)
+    if score == "softmax_topk":
+        s = torch.softmax(vals, -1)
+    else:
+        s = torch.softmax(manual, -1).gather(1, idx)
+        s = s / s.sum(-1, keepdim=True)
+    (s.flatten() * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, manual.grad)
+    assert logits.grad.abs().sum() > 0
+
+
+def _tc_counts(logits, k):
+    return torch.bincount(torch.topk(logits, k).indices.flatten(), minlength=logits.shape[1])
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "up", "down"])
+@pytest.mark.parametrize("T,E,k,tile", [(500, 8, 2, 16), (1000, 16, 4, 32), (90, 4, 1, 128)])
+def test_token_rounding_properties(rounding, T, E, k, tile):
+    logits = _logits(T, E, seed=T + E)
+    r = sonic.token_rounding_routing(logits, k, tile=tile, rounding=rounding)
+    f = _tc_counts(logits, k)
+    counts = torch.bincount(r.expert_idx.long(), minlength=E)
+    assert torch.all((counts - f).abs() < tile)
+    assert torch.all((counts % tile == 0) | (counts == T))
+    if rounding == "up":
+        assert torch.all(counts >= f)
+    if rounding == "down":
+        assert torch.all(counts <= f)
+    # no duplicate pairs; expert-major order
+    pair_ids = r.expert_idx.long() * T + r.token_idx.long()
+    assert pair_ids.unique().numel() == r.num_pairs
+    assert torch.all(r.expert_idx[1:] >= r.expert_idx[:-1])
+
+    probs = torch.softmax(logits, -1)
+    picked = torch.zeros(T, E, dtype=torch.bool).scatter_(1, torch.topk(logits, k).indices, True)
+    tc = torch.where(picked, probs, 0)
+    tc = tc / tc.sum(-1, keepdim=True)
+    kept = torch.zeros(T, E, dtype=torch.bool)
+    kept[r.token_idx.long(), r.expert_idx.long()] = True
+    for e in range(E):
+        if counts[e] <= f[e]:   # dropped: only picks kept, the strongest by token-choice score
+            assert torch.all(picked[kept[:, e], e])
+            if (picked[:, e] & ~kept[:, e]).any() and kept[:, e].any():
+                assert tc[kept[:, e], e].min() >= tc[picked[:, e] & ~kept[:, e], e].max()
+        else:                   # added: every pick kept, additions are the strongest non-picks
+            assert torch.all(kept[picked[:, e], e])
+            added = kept[:, e] & ~picked[:, e]
+            rest = ~kept[:, e] & ~picked[:, e]
+            if rest.any():
+                assert probs[added, e].min() >= probs[rest, e].max()
+    # scores: renormalised TC score for picks, softmax probability for additions
+    t, e = r.token_idx.long(), r.expert_idx.long()
+    expected = torch.where(picked[t, e], tc[t, e], probs[t, e])
+    torch.testing.assert_close(r.scores, expected)
+
+
+def test_rounded_counts_modes():
+    counts = torch.tensor([0, 1, 63, 64, 65, 127, 128, 200])
+    assert rounded_counts(counts, 128, "up", 1000).tolist() == [0, 128, 128, 128, 128, 128, 128, 256]
+    assert rounded_counts(counts, 128, "down", 1000).tolist() == [0, 0, 0, 0, 0, 0, 128, 128]
+    assert rounded_counts(counts, 128, "nearest", 1000).tolist() == [0, 0, 0, 128, 128, 128, 128, 256]
+    assert rounded_counts(counts, 128, "up", 150).tolist()[-1] == 150
+
+
+def test_token_rounding_gradients_reach_logits():
+    logits = _logits(64, 4, dtype=torch.float64).requires_grad_()
+    r = sonic.token_rounding_routing(logits, 2, tile=8, rounding="up")
+    r.scores.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
+def test_token_rounding_gradcheck():
+    logits = _logits(24, 4, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda l: sonic.token_rounding_routing(l, 2, tile=4).scores, (logits,))
+
+
+def _naive_metadata(tok, exp, T, E):
+    rows = sorted(range(len(tok)), key=lambda p: (exp[p], p))
+    pair_rows = [0] * len(tok)
+    for r, p in enumerate(rows):
+        pair_rows[p] = r
+    by_token = sorted(range(len(tok)), key=lambda p: (tok[p], p))
+    return rows, pair_rows, [pair_rows[p] for p in by_token]
+
+
+@pytest.mark.parametrize("T,E,P", [(1, 1, 1), (30, 7, 55), (100, 64, 300), (5, 3, 0)])
+def test_routing_metadata_matches_naive(T, E, P):
+    g = torch.Generator().manual_seed(P)
+    tok = torch.randint(0, T, (P,), generator=g, dtype=torch.int32)
+    exp = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    m = sonic.routing_metadata(sonic.Routing(tok, exp, torch.rand(P), T, E))
+    rows, pair_rows, token_rows = _naive_metadata(tok.tolist(), exp.tolist(), T, E)
+    assert m.sorted_pairs.tolist() == rows
+    assert m.pair_rows.tolist() == pair_rows
+    assert m.token_rows.tolist() == token_rows
+    assert m.gather_idx.tolist() == [int(tok[p]) for p in rows]
+    counts = torch.bincount(exp.long(), minlength=E)
+    assert m.expert_counts.tolist() == counts.tolist()
+    assert m.expert_offsets.tolist() == [0] + counts.cumsum(0).tolist()
+    assert m.token_offsets.tolist() == [0] + torch.bincount(tok.long(), minlength=T).cumsum(0).tolist()
+    assert all(t.dtype == torch.int32 for t in m.tensors())
