@@ -52,6 +52,14 @@ def test_router_gradients(score):
     assert logits.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("score", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_router_gradcheck(score, renormalize):
+    logits = _logits(9, 6, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda l: sonic.topk_routing(l, 3, score=score, renormalize=renormalize).scores, (logits,))
+
+
 def _tc_counts(logits, k):
     return torch.bincount(torch.topk(logits, k).indices.flatten(), minlength=logits.shape[1])
 

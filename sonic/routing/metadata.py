@@ -63,18 +63,23 @@ class RoutingMetadata:
         return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts)
 
 
-def routing_metadata(routing: Routing) -> RoutingMetadata:
+def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetadata:
     """Group a routing's pairs by expert and by token (DESIGN §2, MetaShuffling).
 
     Args:
         routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64, in range.
+        backend: ``"auto"`` uses the CuTe index-shuffling kernel on a supported GPU and the
+            PyTorch reference (:func:`pairs_metadata`) elsewhere; ``"torch"`` or ``"cute"``.
 
     Returns:
-        A :class:`RoutingMetadata` on the routing's device, built with stable sorts (so it is
-        deterministic) and no device→host synchronisation.
+        A :class:`RoutingMetadata` on the routing's device, deterministic (stable order within
+        each expert) and built without a device→host synchronisation.
     """
-    return pairs_metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
-                          routing.num_experts)
+    from sonic.backend import expert_ops
+
+    ops = expert_ops(backend, routing.token_idx.device)
+    return ops.metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
+                        routing.num_experts)
 
 
 def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

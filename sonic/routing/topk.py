@@ -1,4 +1,4 @@
-"""Top-K token-choice routing (DESIGN §2; SonicMoE paper §2)."""
+"""Top-K token-choice routing (DESIGN §2; SonicMoE paper §2, kernel §4.3)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     A stable descending sort, so among equal logits the lower expert index comes first — the
     order the bitonic top-K kernel produces (DESIGN §4) — and results are deterministic.
     """
-    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
 
 
 def token_major_pairs(num_tokens: int, k: int, device) -> torch.Tensor:
@@ -30,40 +30,100 @@ def token_major_pairs(num_tokens: int, k: int, device) -> torch.Tensor:
     return torch.arange(num_tokens, dtype=torch.int32, device=device).repeat_interleave(k)
 
 
+def _torch_topk_scores(logits: torch.Tensor, k: int, score: str, renormalize: bool):
+    idx = topk_indices(logits, k)
+    if score == "softmax_topk":
+        scores = torch.softmax(logits.gather(1, idx), dim=-1)
+    else:
+        scores = torch.softmax(logits, dim=-1).gather(1, idx)
+        if renormalize:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores, idx.to(torch.int32)
+
+
+class TopKScores(torch.autograd.Function):
+    """Top-K selection and scores in one call, with a hand-written backward.
+
+    The forward runs the bitonic top-K kernel where the backend resolves to the CuTe kernels,
+    and a stable sort otherwise. For backward it keeps only the ``(T, K)`` scores and indices
+    (plus, for ``"topk_softmax"``, the logits by reference to recompute the softmax) rather than
+    the ``(T, E)`` sort results plain autograd would keep.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, k: int, score: str, renormalize: bool, use_kernel: bool):
+        if use_kernel:
+            from sonic.kernels.topk import topk_scores
+            scores, idx = topk_scores(logits, k, score=score, renormalize=renormalize)
+        else:
+            scores, idx = _torch_topk_scores(logits.to(accumulate_dtype(logits.dtype)), k, score,
+                                             renormalize)
+        ctx.score, ctx.renormalize, ctx.num_experts = score, renormalize, logits.shape[1]
+        ctx.logits_dtype = logits.dtype
+        ctx.save_for_backward(scores, idx, logits if score == "topk_softmax" else None)
+        ctx.mark_non_differentiable(idx)
+        return scores, idx
+
+    @staticmethod
+    def backward(ctx, grad_scores, _grad_idx):
+        scores, idx, logits = ctx.saved_tensors
+        idx = idx.long()
+        g = grad_scores.to(scores.dtype)
+        if ctx.renormalize and ctx.score == "topk_softmax":
+            # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs, with s recovered as r·Σs.
+            probs = torch.softmax(logits.to(scores.dtype), dim=-1)
+            total = probs.gather(1, idx).sum(-1, keepdim=True)
+            g = (g - (g * scores).sum(-1, keepdim=True)) / total
+            selected = scores * total
+        elif ctx.score == "topk_softmax":
+            probs = torch.softmax(logits.to(scores.dtype), dim=-1)
+            selected = scores
+        if ctx.score == "softmax_topk":
+            grad_selected = scores * (g - (g * scores).sum(-1, keepdim=True))
+            grad = torch.zeros(idx.shape[0], ctx.num_experts, dtype=scores.dtype, device=idx.device)
+            grad.scatter_(1, idx, grad_selected)
+        else:
+            # softmax backward: p ⊙ (G − ⟨G, p⟩) with G the selected entries' gradient scattered.
+            grad = torch.zeros_like(probs).scatter_(1, idx, g)
+            grad = probs * (grad - (g * selected).sum(-1, keepdim=True))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
 def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
-                 renormalize: bool = False) -> Routing:
+                 renormalize: bool = False, backend: str = "auto") -> Routing:
     """Top-K token choice: every token picks the K experts with the largest logits.
 
     Args:
-        logits: ``(T, E)`` float router logits (any float dtype; scores are computed in fp32).
+        logits: ``(T, E)`` float router logits.
         k: experts per token, ``1 <= k <= E``.
         score: ``"softmax_topk"`` — softmax over the K selected logits (sums to 1), or
             ``"topk_softmax"`` — the K largest entries of the softmax over all E experts.
         renormalize: with ``"topk_softmax"``, divide the K scores by their sum.
+        backend: ``"auto"`` runs the bitonic top-K kernel (paper §4.3) on a supported GPU for
+            bf16/fp32 logits, ``"torch"`` a stable sort; ``"cute"`` requires the kernel.
 
     Returns:
         A :class:`Routing` with ``P = T·k`` pairs in token-major order (pair ``t·k + j`` is token
         ``t``'s ``j``-th choice, experts by descending logit, the lower index first on ties);
         scores are fp32 (fp64 for fp64 logits) and differentiable with respect to ``logits``.
+        The kernel orders fp32 logits by value with the lowest ``log2(E)`` mantissa bits
+        cleared (ties within that go to the lower index); bf16 logits are ordered exactly.
 
     Raises:
         TypeError / ValueError: ``logits`` not a 2-D float tensor, ``k`` outside ``[1, E]``,
-            unknown ``score``.
+            unknown ``score`` or ``backend``.
     """
+    from sonic.backend import resolve_backend
+
     check_router_args(logits, k)
     check_choice("score", score, SCORES)
     num_tokens, num_experts = logits.shape
-    logits32 = logits.to(accumulate_dtype(logits.dtype))
-    idx = topk_indices(logits32, k)
-    if score == "softmax_topk":
-        scores = torch.softmax(logits32.gather(1, idx), dim=-1)
-    else:
-        scores = torch.softmax(logits32, dim=-1).gather(1, idx)
-        if renormalize:
-            scores = scores / scores.sum(dim=-1, keepdim=True)
+    use_kernel = (resolve_backend(backend, logits.device) == "cute" and num_tokens > 0
+                  and logits.dtype in (torch.bfloat16, torch.float32))
+    scores, idx = TopKScores.apply(logits, k, score, renormalize, use_kernel)
     return Routing(
         token_idx=token_major_pairs(num_tokens, k, logits.device),
-        expert_idx=idx.flatten().to(torch.int32),
+        expert_idx=idx.flatten(),
         scores=scores.flatten(),
         num_tokens=num_tokens,
         num_experts=num_experts,
