@@ -1,0 +1,125 @@
+"""A small byte-level transformer language model whose FFNs are `sonic.MoE` layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sonic import MoE
+from sonic.train.data import VOCAB_SIZE
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention on ``(B, S, d_model)`` through
+    ``F.scaled_dot_product_attention`` (which picks a fused kernel where one exists)."""
+
+    def __init__(self, d_model: int, num_heads: int, *, device=None, dtype=None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
+        self.proj = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, d = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.num_heads, d // self.num_heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, d))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + moe(norm(x))``."""
+
+    def __init__(self, d_model: int, num_heads: int, moe: MoE, *, device=None, dtype=None):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, num_heads, device=device, dtype=dtype)
+        self.moe_norm = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(self.moe_norm(x))
+
+
+class ByteMoELM(nn.Module):
+    """Byte-level (vocab 256) causal language model with MoE feed-forward layers.
+
+    Token and learned position embeddings, ``num_layers`` pre-norm blocks (causal attention +
+    ``sonic.MoE`` with SwiGLU experts), a final LayerNorm and an output head tied to the token
+    embedding.
+
+    Args:
+        max_seq_len: longest sequence the position embedding covers.
+        d_model: ``d``, the embedding dim; must be a multiple of ``num_heads``.
+        num_layers: transformer blocks.
+        num_heads: attention heads.
+        num_experts, top_k, d_expert: ``E``, ``K`` and ``n`` of every MoE layer.
+        router, tile, aux_loss_coef, backend: passed to `sonic.MoE` (``router`` is the
+            training-time router; ``eval()`` routes by top-K).
+        device, dtype: where and in which dtype the parameters live.
+
+    Raises:
+        ValueError: ``d_model`` not a multiple of ``num_heads``, or a non-positive size.
+    """
+
+    def __init__(self, *, max_seq_len: int, d_model: int, num_layers: int, num_heads: int,
+                 num_experts: int, top_k: int, d_expert: int, router: str, tile: int,
+                 aux_loss_coef: float, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        for name, value in (("max_seq_len", max_seq_len), ("d_model", d_model),
+                            ("num_layers", num_layers), ("num_heads", num_heads)):
+            if value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value}")
+        if d_model % num_heads:
+            raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, "
+                             f"got {d_model}")
+        self.max_seq_len = max_seq_len
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, d_model, device=device, dtype=dtype)
+        self.pos_emb = nn.Embedding(max_seq_len, d_model, device=device, dtype=dtype)
+        self.blocks = nn.ModuleList(
+            Block(d_model, num_heads,
+                  MoE(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
+                      aux_loss_coef=aux_loss_coef, backend=backend, device=device,
+                      dtype=dtype),
+                  device=device, dtype=dtype)
+            for _ in range(num_layers))
+        self.norm = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self._init_dense(num_layers)
+
+    def _init_dense(self, num_layers: int) -> None:
+        # GPT-2 style: small embeddings, and residual-branch outputs scaled by 1/sqrt(2·layers)
+        # so the residual stream's variance does not grow with depth. The experts keep the
+        # initialisation sonic.MoE gives them.
+        std = 0.02
+        nn.init.normal_(self.tok_emb.weight, std=std)
+        nn.init.normal_(self.pos_emb.weight, std=std)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.qkv.weight, std=std)
+            nn.init.normal_(block.attn.proj.weight, std=std / (2 * num_layers) ** 0.5)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        """The `sonic.MoE` layer of every block, first to last."""
+        return [block.moe for block in self.blocks]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-byte logits.
+
+        Args:
+            tokens: ``(B, S)`` int64 bytes in ``[0, 256)``, ``S <= max_seq_len``.
+
+        Returns:
+            ``(B, S, 256)`` logits in the parameters' dtype.
+
+        Raises:
+            ValueError: ``tokens`` not 2-D or longer than ``max_seq_len``.
+        """
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
+            raise ValueError(f"tokens: expected (B, S) with S <= {self.max_seq_len}, "
+                             f"got shape {tuple(tokens.shape)}")
+        x = self.tok_emb(tokens) + self.pos_emb.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.tok_emb.weight.t()
