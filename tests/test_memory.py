@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from sonic.baselines import torch_gmm_moe
 from sonic.memory import profile_activation_memory
-from sonic.memory.__main__ import CONFIGS, main, parse_config
+from sonic.baselines.configs import CONFIGS, parse_config
+from sonic.memory.__main__ import main
 
 MiB = float(1 << 20)
 

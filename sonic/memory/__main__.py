@@ -21,37 +21,10 @@ import torch
 
 import sonic
 from sonic.baselines import torch_gmm_moe
+from sonic.baselines.configs import ACCEPTED, CONFIGS, parse_config
 from sonic.memory.profile import ActivationMemoryReport, profile_activation_memory
 
-# (T, d, n, E, K) of the paper's configurations, as measured in ANCHORS.md.
-CONFIGS = {
-    "7B": (24576, 1536, 256, 128, 8),
-    "OLMoE": (32768, 2048, 1024, 64, 8),
-    "30B": (32768, 4096, 1024, 128, 8),
-}
-_ACCEPTED = f"{', '.join(CONFIGS)} or five positive integers T,d,n,E,K (e.g. 64,32,16,8,2)"
 _MiB = float(1 << 20)
-
-
-def parse_config(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
-    """``"7B"`` (any case) or ``"T,d,n,E,K"`` → ``(name, (T, d, n, E, K))``.
-
-    Raises:
-        argparse.ArgumentTypeError: any other text, or ``K > E``.
-    """
-    for name, sizes in CONFIGS.items():
-        if text.strip().lower() == name.lower():
-            return name, sizes
-    parts = text.split(",")
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        sizes = ()
-    if len(sizes) != 5 or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected {_ACCEPTED}, got {text!r}")
-    if sizes[4] > sizes[3]:
-        raise argparse.ArgumentTypeError(f"K must be <= E in T,d,n,E,K, got {text!r}")
-    return ",".join(map(str, sizes)), sizes
 
 
 def measure(sizes: tuple[int, int, int, int, int],
@@ -115,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Activation memory kept for backward by one MoE layer: sonic vs torch-gmm "
                     "(bf16, measured with saved-tensor hooks).")
     parser.add_argument("--config", required=True, type=parse_config, metavar="CONFIG",
-                        help=f"{_ACCEPTED}")
+                        help=f"{ACCEPTED}")
     parser.add_argument("--device", choices=("meta", "cpu", "cuda"), default="meta",
                         help="where to run; meta (default) allocates nothing")
     parser.add_argument("--json", action="store_true",
