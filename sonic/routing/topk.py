@@ -41,6 +41,13 @@ def _torch_topk_scores(logits: torch.Tensor, k: int, score: str, renormalize: bo
     return scores, idx.to(torch.int32)
 
 
+def _kernel_fits(logits: torch.Tensor, k: int) -> bool:
+    """Whether the bitonic top-K kernel serves this call (its limits: E ≤ 512, K ≤ 16)."""
+    from sonic.kernels.topk import MAX_E, MAX_K
+    return (logits.shape[0] > 0 and logits.shape[1] <= MAX_E and k <= MAX_K
+            and logits.dtype in (torch.bfloat16, torch.float32))
+
+
 class TopKScores(torch.autograd.Function):
     """Top-K selection and scores in one call, with a hand-written backward.
 
@@ -100,7 +107,8 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
             ``"topk_softmax"`` — the K largest entries of the softmax over all E experts.
         renormalize: with ``"topk_softmax"``, divide the K scores by their sum.
         backend: ``"auto"`` runs the bitonic top-K kernel (paper §4.3) on a supported GPU for
-            bf16/fp32 logits, ``"torch"`` a stable sort; ``"cute"`` requires the kernel.
+            bf16/fp32 logits with ``E <= 512`` and ``k <= 16``, a stable sort otherwise;
+            ``"torch"`` always the stable sort; ``"cute"`` requires a supported GPU.
 
     Returns:
         A :class:`Routing` with ``P = T·k`` pairs in token-major order (pair ``t·k + j`` is token
@@ -118,8 +126,7 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
     check_router_args(logits, k)
     check_choice("score", score, SCORES)
     num_tokens, num_experts = logits.shape
-    use_kernel = (resolve_backend(backend, logits.device) == "cute" and num_tokens > 0
-                  and logits.dtype in (torch.bfloat16, torch.float32))
+    use_kernel = resolve_backend(backend, logits.device) == "cute" and _kernel_fits(logits, k)
     scores, idx = TopKScores.apply(logits, k, score, renormalize, use_kernel)
     return Routing(
         token_idx=token_major_pairs(num_tokens, k, logits.device),
