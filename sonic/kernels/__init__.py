@@ -1,0 +1,18 @@
+"""CuTe-DSL GPU kernels for Hopper (sm_90a).
+
+Importing this package does not import ``cutlass`` (the ``gpu`` extra): kernel modules import it
+lazily, so CPU-only installs can import ``sonic``. Check :func:`kernels_available` before
+calling a kernel. Entry points:
+
+* :func:`sonic.kernels.routing_metadata.routing_metadata_topk`,
+  :func:`sonic.kernels.routing_metadata.routing_metadata_pairs` — routing metadata.
+* :func:`sonic.kernels.aggregation.aggregate` — expert aggregation (per-token gather-sum).
+
+``python -m sonic.kernels --list`` lists the registered variants; ``--compile-check sm_90a``
+compiles them all on the CPU.
+"""
+
+from sonic.kernels.registry import KernelVariant, register, variants
+from sonic.kernels.runtime import kernels_available
+
+__all__ = ["KernelVariant", "register", "variants", "kernels_available"]

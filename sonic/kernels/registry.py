@@ -1,0 +1,71 @@
+"""Registry of the CuTe-DSL kernel variants that the compile check builds.
+
+Each kernel module registers a few representative static configurations (dtype, E, K, tile...)
+at import time. ``python -m sonic.kernels --compile-check sm_90a`` and
+``tests/test_kernels_compile.py`` compile every registered variant on the CPU with placeholder
+arguments and check that the PTX holds the instructions the kernel is meant to use.
+
+Importing this module does not import ``cutlass``: kernel modules import it lazily, inside
+``compile_fake`` and their launch functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+# Kernel modules that register variants, in listing order. A module that does not exist yet
+# (kernels land one at a time) is skipped by :func:`variants`.
+KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm")
+
+_REGISTRY: dict[tuple[str, str], "KernelVariant"] = {}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One static configuration of one kernel, compilable without a GPU.
+
+    Attributes:
+        kernel: kernel name, e.g. ``"topk"``, ``"routing_metadata"``, ``"aggregation"``.
+        variant: short name of the static configuration, e.g. ``"bf16_d4096_scored"``.
+        compile_fake: compiles this variant for the architecture in ``CUTE_DSL_ARCH`` with
+            placeholder (fake) arguments and returns the compiled object, whose
+            ``artifacts.PTX`` holds the PTX when compiled with ``--keep-ptx``.
+        ptx_markers: PTX substrings that must appear in the compiled PTX.
+    """
+
+    kernel: str
+    variant: str
+    compile_fake: Callable[[], object]
+    ptx_markers: tuple[str, ...]
+
+
+def register(v: KernelVariant) -> KernelVariant:
+    """Add ``v`` to the registry and return it.
+
+    Registering the same (kernel, variant) twice replaces the earlier entry, so re-importing a
+    module is harmless.
+
+    Raises:
+        TypeError: ``v`` is not a :class:`KernelVariant`.
+    """
+    if not isinstance(v, KernelVariant):
+        raise TypeError(f"register() expects a KernelVariant, got {type(v).__name__}")
+    _REGISTRY[(v.kernel, v.variant)] = v
+    return v
+
+
+def variants() -> list[KernelVariant]:
+    """Every registered variant, after importing each module of :data:`KERNEL_MODULES`.
+
+    A kernel module that is missing is skipped; any other import error propagates.
+    """
+    for name in KERNEL_MODULES:
+        qualified = f"{__package__}.{name}"
+        try:
+            importlib.import_module(qualified)
+        except ModuleNotFoundError as err:
+            if err.name != qualified:
+                raise
+    return list(_REGISTRY.values())

@@ -1,0 +1,467 @@
+"""Routing metadata ("index shuffling") on the GPU: a stable counting sort of pairs by expert.
+
+DESIGN §2 and §4; MetaShuffling (PyTorch blog, 2025). From the routed pairs this builds a
+:class:`sonic.RoutingMetadata` on the device, with no host synchronisation (graph-capturable)
+and bitwise-deterministic results: positions come from counts and ranks, never from the order
+in which atomics land.
+
+The pairs are cut into chunks of ``CHUNK`` consecutive pairs, one CTA each:
+
+1. *histogram* — each CTA counts its chunk's pairs per expert (``hist[chunk, e]``). For
+   arbitrary pairs it also counts pairs per token (atomics: only the totals matter).
+2. *scatter* — each CTA sums the histograms of all chunks (expert totals, their exclusive prefix
+   = ``expert_offsets``) and of the chunks before its own (its first row per expert), then walks
+   its chunk in order, 256 pairs at a time: a pair's row is that base plus the number of earlier
+   pairs of the same expert in the step (``match.any`` + ``popc`` inside a warp, per-warp
+   counts in shared memory across warps). Rows of an expert therefore keep pair order.
+
+Top-K pairs are token-major (``p = t·K + j``), so ``token_offsets[t] = t·K`` and ``token_rows``
+equals ``pair_rows``: two launches in all. Arbitrary pairs (token rounding) need the pairs
+grouped by token as well: an exclusive scan of the per-token counts (one CTA), then each pair
+takes a slot in its token's segment, and a last launch orders every segment by pair index
+(a pair's place = the number of smaller pair indices in its segment), so ``token_rows`` keeps
+pair order too: four launches.
+"""
+
+
+import torch
+
+from sonic.kernels import runtime
+from sonic.kernels.registry import KernelVariant, register
+from sonic.routing.metadata import RoutingMetadata
+
+# Threads per CTA and pairs per thread of the chunked passes; a CTA's chunk is their product.
+THREADS = 256
+ITEMS = 8
+CHUNK = THREADS * ITEMS
+# Threads of the single-CTA scan over per-token counts, and values per thread in a scan tile.
+SCAN_THREADS = 1024
+SCAN_ITEMS = 16
+
+
+def _kernels():
+    """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
+    import cutlass
+    from cutlass import cute
+    from cuda.bindings import driver as cuda
+
+    Int32 = cutlass.Int32
+
+    @cute.jit
+    def block_exclusive_scan(vals: cute.Tensor, copy: cute.Tensor, n: Int32, scratch: cute.Tensor,
+                             nthreads: cutlass.Constexpr):
+        """In-place exclusive prefix sum of ``vals[0:n]`` (shared or global) by the whole CTA,
+        also written to ``copy`` (which may be ``vals`` itself).
+
+        Tiles of ``nthreads·SCAN_ITEMS`` values, each thread owning ``SCAN_ITEMS`` consecutive
+        ones (loaded together, so a tile costs one memory round trip); thread sums are scanned
+        in a warp with shuffles and across warps through ``scratch`` (one int per warp), and a
+        running carry links the tiles. Returns the total. All threads must call it.
+        """
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        items = cute.make_rmem_tensor((SCAN_ITEMS,), Int32)
+        carry = Int32(0)
+        for tile in cutlass.range(0, n, nthreads * SCAN_ITEMS):
+            lo = tile + tidx * SCAN_ITEMS
+            local = Int32(0)
+            # Clamped, branch-free loads: all SCAN_ITEMS are in flight at once.
+            for i in cutlass.range_constexpr(SCAN_ITEMS):
+                items[i] = vals[cutlass.min(lo + i, n - 1)]
+            for i in cutlass.range_constexpr(SCAN_ITEMS):
+                items[i] = Int32(cutlass.select_(lo + i < n, items[i], 0))
+                local += items[i]
+            incl = local
+            for k in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << k)
+                if lane >= (1 << k):
+                    incl += up
+            if lane == 31:
+                scratch[warp] = incl
+            cute.arch.sync_threads()
+            total = Int32(0)
+            before = Int32(0)
+            for w in cutlass.range_constexpr(nthreads // 32):
+                s = scratch[w]
+                if w < warp:
+                    before += s
+                total += s
+            run = carry + before + incl - local
+            for i in cutlass.range_constexpr(SCAN_ITEMS):
+                if lo + i < n:
+                    vals[lo + i] = run
+                    copy[lo + i] = run
+                run += items[i]
+            carry += total
+            # scratch is rewritten by the next tile.
+            cute.arch.sync_threads()
+        return carry
+
+    class RoutingMetadataKernels:
+        """The launches of one static configuration: ``E`` experts, top-K or arbitrary pairs."""
+
+        def __init__(self, num_experts: int, topk: bool):
+            self.E = num_experts
+            self.topk = topk
+            self.warps = THREADS // 32
+            # Threads that share one expert's sum over the chunk histograms (scatter prologue).
+            self.groups = min(16, max(1, THREADS // num_experts))
+
+        @cute.jit
+        def __call__(self, expert_idx: cutlass.Int64, token_idx: cutlass.Int64, hist: cutlass.Int64,
+                     token_work: cutlass.Int64, token_slots: cutlass.Int64,
+                     expert_counts: cutlass.Int64, expert_offsets: cutlass.Int64,
+                     sorted_pairs: cutlass.Int64, gather_idx: cutlass.Int64, pair_rows: cutlass.Int64,
+                     token_offsets: cutlass.Int64, token_rows: cutlass.Int64,
+                     num_pairs: Int32, num_tokens: Int32, k: Int32, stream: cuda.CUstream):
+            (expert_idx, token_idx, hist, token_work, token_slots, expert_counts, expert_offsets,
+             sorted_pairs, gather_idx, pair_rows, token_offsets, token_rows) = (
+                runtime.gmem_ptr(Int32, a, 4) for a in (
+                    expert_idx, token_idx, hist, token_work, token_slots, expert_counts,
+                    expert_offsets, sorted_pairs, gather_idx, pair_rows, token_offsets, token_rows))
+            chunks = cutlass.max((num_pairs + CHUNK - 1) // CHUNK, 1)
+            hist_smem = self.E * 4
+            self.histogram(expert_idx, token_idx, hist, token_work, num_pairs, num_tokens).launch(
+                grid=[chunks, 1, 1], block=[THREADS, 1, 1], smem=hist_smem, stream=stream)
+            if cutlass.const_expr(not self.topk):
+                self.token_scan(token_work, token_offsets, num_tokens).launch(
+                    grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], smem=SCAN_THREADS // 32 * 4,
+                    stream=stream)
+            scatter_smem = (self.warps + 2 + 2 * self.groups) * self.E * 4 + self.warps * 4 + 64
+            self.scatter(expert_idx, token_idx, hist, token_work, token_slots, expert_counts,
+                         expert_offsets,
+                         sorted_pairs, gather_idx, pair_rows, token_offsets, token_rows,
+                         num_pairs, num_tokens, k, chunks).launch(
+                grid=[chunks, 1, 1], block=[THREADS, 1, 1], smem=scatter_smem, stream=stream)
+            if cutlass.const_expr(not self.topk):
+                self.token_order(token_slots, token_offsets, token_idx, pair_rows, token_rows,
+                                 num_pairs, num_tokens).launch(
+                    grid=[chunks, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+        def _chunk_experts(self, experts: cute.Tensor, first: Int32, num_pairs: Int32):
+            """Experts of this thread's pairs ``first + i·THREADS`` (``i < ITEMS``); ``E`` (no
+            expert) past the end or out of range.
+
+            Branch-free, and every load is issued before any value is used, so the ITEMS loads
+            overlap instead of costing ITEMS memory round trips.
+            """
+            last = num_pairs - 1
+            raw = [experts[cutlass.min(first + i * THREADS, last)] for i in range(ITEMS)]
+            return [Int32(cutlass.select_((first + i * THREADS < num_pairs) & (raw[i] >= 0)
+                                          & (raw[i] < self.E), raw[i], self.E))
+                    for i in range(ITEMS)]
+
+        @cute.kernel
+        def histogram(self, expert_idx: cute.Pointer, token_idx: cute.Pointer, hist: cute.Pointer,
+                      token_work: cute.Pointer, num_pairs: Int32, num_tokens: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            chunk, _, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            smem = cutlass.memory.SmemAllocator()
+            counts = smem.allocate_tensor(Int32, cute.make_layout(self.E), byte_alignment=16)
+            experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
+            for e in cutlass.range(tidx, self.E, THREADS):
+                counts[e] = 0
+            cute.arch.sync_threads()
+            chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
+            for i in cutlass.range_constexpr(ITEMS):
+                p = chunk * CHUNK + i * THREADS + tidx
+                e = chunk_experts[i]
+                # One shared-memory atomic per expert present in the warp, not per pair: an
+                # expert taking every token would otherwise serialise the whole CTA.
+                peers = cute.arch.match_sync(0xFFFFFFFF, e)
+                below = peers & ((cutlass.Uint32(1) << lane) - 1)
+                if e < self.E and below == 0:
+                    cute.arch.atomic_add(counts.iterator + e, Int32(cute.arch.popc(peers)))
+                if cutlass.const_expr(not self.topk):
+                    if p < num_pairs:
+                        tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+                        t = tokens[p]
+                        work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+                        cute.arch.atomic_add(work.iterator + t, Int32(1))
+            cute.arch.sync_threads()
+            out = cute.make_tensor(hist, cute.make_layout((self.E, chunk + 1), stride=(1, self.E)))
+            for e in cutlass.range(tidx, self.E, THREADS):
+                out[e, chunk] = counts[e]
+
+        @cute.kernel
+        def token_scan(self, token_work: cute.Pointer, token_offsets: cute.Pointer,
+                       num_tokens: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            smem = cutlass.memory.SmemAllocator()
+            scratch = smem.allocate_tensor(Int32, cute.make_layout(SCAN_THREADS // 32), byte_alignment=16)
+            work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+            offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+            # ``work`` ends up holding each token's first slot too: the scatter advances it as a
+            # cursor.
+            total = block_exclusive_scan(work, offsets, num_tokens, scratch, SCAN_THREADS)
+            if tidx == 0:
+                offsets[num_tokens] = total
+
+        @cute.kernel
+        def scatter(self, expert_idx: cute.Pointer, token_idx: cute.Pointer, hist: cute.Pointer,
+                    token_work: cute.Pointer, token_slots: cute.Pointer,
+                    expert_counts: cute.Pointer, expert_offsets: cute.Pointer,
+                    sorted_pairs: cute.Pointer,
+                    gather_idx: cute.Pointer, pair_rows: cute.Pointer,
+                    token_offsets: cute.Pointer, token_rows: cute.Pointer,
+                    num_pairs: Int32, num_tokens: Int32, k: Int32, chunks: Int32):
+            E = self.E
+            tidx, _, _ = cute.arch.thread_idx()
+            chunk, _, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            smem = cutlass.memory.SmemAllocator()
+            base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+            totals = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+            warp_counts = smem.allocate_tensor(Int32, cute.make_layout((E, self.warps)), byte_alignment=16)
+            scratch = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=16)
+            partial = smem.allocate_tensor(Int32, cute.make_layout((E, self.groups, 2)), byte_alignment=16)
+            hists = cute.make_tensor(hist, cute.make_layout((E, chunks), stride=(1, E)))
+            experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
+
+            # Rows before this chunk per expert, and totals per expert, from all histograms.
+            # Every CTA reads all of them, so the loads are spread over the whole CTA: ``groups``
+            # threads per expert each sum every groups-th chunk (reads coalesced along experts),
+            # then the partial sums meet in shared memory.
+            for j in cutlass.range(tidx, self.groups * E, THREADS):
+                g = j // E
+                e = j - g * E
+                before = Int32(0)
+                total = Int32(0)
+                for c in cutlass.range(g, chunks, self.groups, unroll=8):
+                    v = hists[e, c]
+                    total += v
+                    if c < chunk:
+                        before += v
+                partial[e, g, 0] = before
+                partial[e, g, 1] = total
+            cute.arch.sync_threads()
+            for e in cutlass.range(tidx, E, THREADS):
+                before = Int32(0)
+                total = Int32(0)
+                for g in cutlass.range_constexpr(self.groups):
+                    before += partial[e, g, 0]
+                    total += partial[e, g, 1]
+                base[e] = before
+                totals[e] = total
+                for w in cutlass.range_constexpr(self.warps):
+                    warp_counts[e, w] = 0
+            cute.arch.sync_threads()
+            if chunk == 0:
+                counts_out = cute.make_tensor(expert_counts, cute.make_layout(E))
+                for e in cutlass.range(tidx, E, THREADS):
+                    counts_out[e] = totals[e]
+            cute.arch.sync_threads()
+            block_exclusive_scan(totals, totals, E, scratch, THREADS)
+            if chunk == 0:
+                offsets_out = cute.make_tensor(expert_offsets, cute.make_layout(E + 1))
+                for e in cutlass.range(tidx, E, THREADS):
+                    offsets_out[e] = totals[e]
+                if tidx == 0:
+                    offsets_out[E] = num_pairs
+            for e in cutlass.range(tidx, E, THREADS):
+                base[e] = base[e] + totals[e]
+
+            sorted_out = cute.make_tensor(sorted_pairs, cute.make_layout(num_pairs))
+            gather_out = cute.make_tensor(gather_idx, cute.make_layout(num_pairs))
+            rows_out = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
+            tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+            work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+            token_rows_out = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
+            slots_out = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
+            lanes_below = (cutlass.Uint32(1) << lane) - 1
+            # Experts of all this thread's pairs, loaded up front so the steps below only wait on
+            # shared memory.
+            chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
+            for i in cutlass.range_constexpr(ITEMS):
+                p = chunk * CHUNK + i * THREADS + tidx
+                e = chunk_experts[i]
+                peers = cute.arch.match_sync(0xFFFFFFFF, e)
+                rank = Int32(cute.arch.popc(peers & lanes_below))
+                leader = rank == 0 and e < E
+                if leader:
+                    warp_counts[e, warp] = Int32(cute.arch.popc(peers))
+                cute.arch.sync_threads()
+                if e < E:
+                    row = base[e] + rank
+                    for w in cutlass.range_constexpr(self.warps):
+                        if w < warp:
+                            row += warp_counts[e, w]
+                    t = Int32(0)
+                    if cutlass.const_expr(self.topk):
+                        t = p // k
+                        token_rows_out[p] = row
+                    else:
+                        t = tokens[p]
+                        slot = cute.arch.atomic_add(work.iterator + t, Int32(1))
+                        # Slots within a token land in atomic order; token_order sorts them.
+                        slots_out[slot] = p
+                    sorted_out[row] = p
+                    gather_out[row] = t
+                    rows_out[p] = row
+                cute.arch.sync_threads()
+                if leader:
+                    cute.arch.atomic_add(base.iterator + e, Int32(cute.arch.popc(peers)))
+                    warp_counts[e, warp] = 0
+                cute.arch.sync_warp()
+
+            if cutlass.const_expr(self.topk):
+                offsets_out = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+                for t in cutlass.range(chunk * THREADS + tidx, num_tokens + 1, chunks * THREADS):
+                    offsets_out[t] = t * k
+
+        @cute.kernel
+        def token_order(self, token_slots: cute.Pointer, token_offsets: cute.Pointer,
+                        token_idx: cute.Pointer, pair_rows: cute.Pointer, token_rows: cute.Pointer,
+                        num_pairs: Int32, num_tokens: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            chunk, _, _ = cute.arch.block_idx()
+            tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+            rows = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
+            slots = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
+            offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+            out = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
+            for i in cutlass.range_constexpr(ITEMS):
+                p = chunk * CHUNK + i * THREADS + tidx
+                if p < num_pairs:
+                    t = tokens[p]
+                    lo = offsets[t]
+                    place = lo
+                    for j in cutlass.range(lo, offsets[t + 1], unroll=4):
+                        if slots[j] < p:
+                            place += 1
+                    out[place] = rows[p]
+
+    return RoutingMetadataKernels
+
+
+_KERNEL_CLASS = None
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _kernels()
+    return _KERNEL_CLASS
+
+
+def _compile(num_experts: int, topk: bool, keep_ptx: bool = False):
+    """Compile the launches of one static configuration with placeholder arguments."""
+    import cutlass
+
+    addresses = [runtime.fake_address() for _ in range(12)]
+    return runtime.compile_launcher(_kernel_class()(num_experts, topk), *addresses,
+                                    cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+                                    keep_ptx=keep_ptx)
+
+
+def _check_num(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens: int,
+            k: int, num_experts: int) -> RoutingMetadata:
+    device = expert_idx.device
+    num_pairs = expert_idx.numel()
+    if num_pairs >= 2**31 - CHUNK:
+        raise ValueError(f"at most 2**31 - {CHUNK} pairs are supported, got {num_pairs}")
+    i32 = dict(dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        empty = torch.empty(0, **i32)
+        return RoutingMetadata(
+            expert_counts=torch.zeros(num_experts, **i32),
+            expert_offsets=torch.zeros(num_experts + 1, **i32), sorted_pairs=empty,
+            gather_idx=empty.clone(), pair_rows=empty.clone(),
+            token_offsets=torch.zeros(num_tokens + 1, **i32), token_rows=empty.clone(),
+            num_tokens=num_tokens, num_experts=num_experts)
+    topk = token_idx is None
+    fn = runtime.compiled(("routing_metadata", num_experts, topk),
+                          lambda: _compile(num_experts, topk))
+    chunks = -(-num_pairs // CHUNK)
+    # One allocation split into the seven outputs (field order) and the scratch: allocations
+    # dominate the host time of a call.
+    sizes = (num_experts, num_experts + 1, num_pairs, num_pairs, num_pairs, num_tokens + 1,
+             num_pairs, chunks * num_experts, 0 if topk else num_pairs)
+    *fields, hist, token_slots = torch.empty(sum(sizes), **i32).split(sizes)
+    out = RoutingMetadata.from_tensors(fields, num_tokens=num_tokens, num_experts=num_experts)
+    if topk:
+        # Unused by the top-K launches (tokens follow from pair order); any int32 buffer will do.
+        token_idx = token_work = token_slots = expert_idx
+    else:
+        token_work = torch.zeros(max(num_tokens, 1), **i32)
+    fn(*(t.data_ptr() for t in (expert_idx, token_idx, hist, token_work, token_slots)),
+       *(t.data_ptr() for t in out.tensors()), num_pairs, num_tokens, k)
+    return out
+
+
+def routing_metadata_topk(expert_idx: torch.Tensor, num_experts: int) -> RoutingMetadata:
+    """Routing metadata of top-K routing, on the GPU in two launches (DESIGN §2, MetaShuffling).
+
+    Pairs are token-major: pair ``p = t·K + j`` is token ``t``'s ``j``-th expert, as produced by
+    :func:`sonic.topk_routing`. Same result as ``sonic.routing_metadata`` on those pairs:
+    rows sorted stably by expert, ``token_offsets[t] = t·K``, ``token_rows = pair_rows``.
+
+    Args:
+        expert_idx: ``(T, K)`` int32, contiguous, on a CUDA device; values in ``[0, E)``
+            (pairs with other values get no row and leave rows unwritten).
+        num_experts: ``E`` >= 1 (a compile-time constant: each new ``E`` compiles once).
+
+    Returns:
+        :class:`sonic.RoutingMetadata`, all int32 on ``expert_idx``'s device, built without a
+        host synchronisation; bitwise deterministic.
+
+    Raises:
+        TypeError: ``expert_idx`` is not an int32 tensor, or ``num_experts`` not an int.
+        ValueError: ``expert_idx`` is not a contiguous 2-D CUDA tensor, or ``num_experts`` < 1.
+    """
+    runtime.check_tensor("expert_idx", expert_idx, dtypes=(torch.int32,), ndim=2)
+    _check_num("num_experts", num_experts, 1)
+    num_tokens, k = expert_idx.shape
+    return _launch(expert_idx, None, num_tokens, max(k, 1), num_experts)
+
+
+def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
+                           num_experts: int) -> RoutingMetadata:
+    """Routing metadata of arbitrary (token, expert) pairs (token rounding), on the GPU.
+
+    Same result as ``sonic.routing_metadata``: rows sorted stably by expert, and per token its
+    rows in pair order (``token_offsets``, ``token_rows``). Four launches (DESIGN §2,
+    MetaShuffling); no host synchronisation; bitwise deterministic.
+
+    Args:
+        token_idx: ``(P,)`` int32, contiguous, CUDA; values in ``[0, T)``.
+        expert_idx: ``(P,)`` int32, contiguous, same device; values in ``[0, E)`` (pairs with
+            other values get no row and leave rows unwritten).
+        num_tokens: ``T`` >= 0.
+        num_experts: ``E`` >= 1 (a compile-time constant: each new ``E`` compiles once).
+
+    Returns:
+        :class:`sonic.RoutingMetadata`, all int32 on the pairs' device.
+
+    Raises:
+        TypeError: an index is not an int32 tensor, or a count not an int.
+        ValueError: an index is not a contiguous 1-D CUDA tensor, the two differ in length or
+            device, or a count is out of range.
+    """
+    runtime.check_tensor("token_idx", token_idx, dtypes=(torch.int32,), ndim=1)
+    runtime.check_tensor("expert_idx", expert_idx, dtypes=(torch.int32,), ndim=1,
+                         device=token_idx.device)
+    if token_idx.numel() != expert_idx.numel():
+        raise ValueError(f"token_idx and expert_idx must have the same length, got "
+                         f"{token_idx.numel()} and {expert_idx.numel()}")
+    _check_num("num_tokens", num_tokens, 0)
+    _check_num("num_experts", num_experts, 1)
+    return _launch(expert_idx, token_idx, num_tokens, 1, num_experts)
+
+
+_PTX_MARKERS = ("match.any.sync.b32", "popc.b32", "atom.shared.add", "bar.sync")
+for _experts, _topk in ((128, True), (512, False)):
+    register(KernelVariant(
+        kernel="routing_metadata", variant=f"E{_experts}_{'topk' if _topk else 'pairs'}",
+        compile_fake=lambda e=_experts, t=_topk: _compile(e, t, keep_ptx=True),
+        ptx_markers=_PTX_MARKERS))

@@ -1,0 +1,287 @@
+"""Compiling, caching and launching the CuTe-DSL kernels from PyTorch.
+
+Conventions every kernel module follows:
+
+* A kernel is compiled once per *static configuration* — a hashable key of dtypes and
+  compile-time sizes (``d``, ``E``, ``K``, tile shape...). Batch-dependent sizes (``T``, ``P``,
+  counts) are runtime ``Int32`` arguments, so a new batch never recompiles (:func:`compiled`).
+* Tensors cross the boundary as raw device addresses: Python ints (:func:`address`) received as
+  ``cutlass.Int64`` by the ``@cute.jit`` entry, which turns them into typed, aligned global
+  pointers (:func:`gmem_ptr`) and builds its own layouts from the runtime sizes. Only integers
+  and the stream are marshalled per call.
+* :func:`compile_launcher` compiles and returns a :class:`Launcher` that appends PyTorch's
+  current CUDA stream to every call. When the ``apache-tvm-ffi`` wheel is importable (it is not a
+  dependency of ``nvidia-cutlass-dsl`` 4.8.1) the kernel is compiled with ``--enable-tvm-ffi``:
+  measured on H100 (``benchmarks/bench_aggregation.py``), a launcher call then costs ~9 µs of
+  host time instead of ~36 µs. ``SONIC_TVM_FFI=0`` turns it off.
+* The same ``build`` function compiles with placeholder arguments on the CPU (the compile check,
+  ``CUTE_DSL_ARCH=sm_90a``) and on the GPU (first launch), so what CI compiles is what runs.
+
+The older pointer convention (:func:`ptr`, :func:`fake_ptr`, :func:`current_stream`,
+:func:`compile_kernel`: ``cute.Pointer`` arguments built per call) still works, at a few µs more
+per pointer.
+
+``cutlass`` is imported lazily, inside the functions, so ``import sonic`` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Hashable, Iterable
+
+import torch
+
+_CACHE: dict[Hashable, object] = {}
+_CACHE_LOCK = threading.Lock()
+
+# Placeholder address used when compiling: any 256-byte-aligned value; the kernel never sees it.
+_FAKE_ADDRESS = 1 << 20
+
+
+def kernels_available(device: torch.device | str | int | None = None) -> tuple[bool, str]:
+    """Whether the CuTe-DSL kernels can run on ``device``.
+
+    True only for a CUDA device of compute capability 9.x (Hopper, sm_90a) when the CuTe DSL
+    (``nvidia-cutlass-dsl``, the ``gpu`` extra) is importable.
+
+    Args:
+        device: a CUDA device (``torch.device``, string or index); ``None`` means the current
+            CUDA device.
+
+    Returns:
+        ``(ok, reason)``: ``reason`` is empty when ``ok`` and otherwise says, for users, why the
+        kernels are unavailable.
+    """
+    if device is None:
+        if not torch.cuda.is_available():
+            return False, "no CUDA device is available (torch.cuda.is_available() is False)"
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda":
+        return False, f"tensors are on {device}, the CuTe-DSL kernels need a CUDA device"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is available (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        name = torch.cuda.get_device_name(device)
+        return False, (f"{name} has compute capability {major}.{minor}; the CuTe-DSL kernels are "
+                       "built for Hopper (sm_90a, compute capability 9.x)")
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except ImportError as err:
+        return False, (f"the CuTe DSL is not importable ({err}); install the 'gpu' extra: "
+                       "pip install 'sonic-cute-moe[gpu]'")
+    return True, ""
+
+
+def compiled(key: Hashable, build: Callable[[], object]) -> object:
+    """The compiled kernel for static configuration ``key``, built by ``build()`` on first use.
+
+    ``key`` must hold every compile-time choice (kernel name, dtypes, static sizes) and nothing
+    batch-dependent. Thread-safe: concurrent first calls compile once.
+    """
+    fn = _CACHE.get(key)
+    if fn is None:
+        with _CACHE_LOCK:
+            fn = _CACHE.get(key)
+            if fn is None:
+                fn = build()
+                _CACHE[key] = fn
+    return fn
+
+
+def cute_dtype(dtype: torch.dtype):
+    """The CuTe-DSL numeric type of a torch dtype (bf16, fp16, fp32, int32, int64).
+
+    Raises:
+        TypeError: no CuTe-DSL type is mapped for ``dtype``.
+    """
+    import cutlass
+
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+             torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+             torch.int64: cutlass.Int64}
+    if dtype not in table:
+        raise TypeError(f"no CuTe-DSL type for torch dtype {dtype}")
+    return table[dtype]
+
+
+def ptr(t: torch.Tensor, align: int = 16):
+    """A global-memory ``cute.Pointer`` to ``t``'s data, promising ``align``-byte alignment.
+
+    The promise must match the one the kernel was compiled with (:func:`fake_ptr`); a tensor
+    whose address is not aligned cannot take the kernel's vector loads.
+
+    Raises:
+        ValueError: ``t``'s data pointer is not ``align``-byte aligned.
+    """
+    from cutlass import cute
+    from cutlass.cute.runtime import make_ptr
+
+    address = t.data_ptr()
+    if address % align:
+        raise ValueError(f"tensor data at {address:#x} is not {align}-byte aligned; "
+                         "pass a tensor that owns its storage (e.g. .clone())")
+    return make_ptr(cute_dtype(t.dtype), address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_ptr(dtype, align: int = 16):
+    """A placeholder ``cute.Pointer`` of CuTe-DSL type ``dtype`` for compiling (never dereferenced)."""
+    from cutlass import cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, _FAKE_ADDRESS, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def current_stream():
+    """PyTorch's current CUDA stream as a ``cuda.CUstream`` (the kernels' launch stream)."""
+    from cuda.bindings import driver
+
+    return driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def fake_stream():
+    """A placeholder stream for compiling."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream()
+
+
+def compile_kernel(fn, *args, keep_ptx: bool = False):
+    """``cute.compile(fn, *args)``, keeping the PTX in ``.artifacts.PTX`` when ``keep_ptx``.
+
+    On a machine without a GPU the target comes from ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``).
+    """
+    from cutlass import cute
+
+    return cute.compile(fn, *args, options="--keep-ptx" if keep_ptx else "")
+
+
+def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype], ndim: int,
+                 device: torch.device | None = None) -> None:
+    """Validate a kernel argument: a contiguous CUDA tensor of ``ndim`` dims and allowed dtype.
+
+    Raises:
+        TypeError: ``t`` is not a tensor, or its dtype is not in ``dtypes``.
+        ValueError: ``t`` has another number of dimensions, is not contiguous, or is not on a
+            CUDA device (or not on ``device``).
+    """
+    dtypes = tuple(dtypes)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def set_compile_arch(arch: str) -> None:
+    """Make CuTe DSL compile for ``arch`` (e.g. ``"sm_90a"``) without a GPU.
+
+    Must run before ``cutlass`` is first imported in the process; afterwards it has no effect.
+
+    Raises:
+        RuntimeError: ``cutlass`` is already imported with another target.
+    """
+    import sys
+
+    current = os.environ.get("CUTE_DSL_ARCH")
+    if "cutlass" in sys.modules and current != arch:
+        raise RuntimeError(f"cutlass is already imported (CUTE_DSL_ARCH={current!r}); set "
+                           f"CUTE_DSL_ARCH={arch} before importing it")
+    os.environ["CUTE_DSL_ARCH"] = arch
+
+
+def tvm_ffi_enabled() -> bool:
+    """Whether :func:`compile_launcher` compiles for TVM-FFI calls (faster host launch).
+
+    True when ``apache-tvm-ffi`` is importable and ``SONIC_TVM_FFI`` is not ``"0"``.
+    """
+    global _TVM_FFI
+    if _TVM_FFI is None:
+        import importlib.util
+
+        _TVM_FFI = (os.environ.get("SONIC_TVM_FFI", "1") != "0"
+                    and importlib.util.find_spec("tvm_ffi") is not None)
+    return _TVM_FFI
+
+
+_TVM_FFI: bool | None = None
+
+
+class Launcher:
+    """A compiled kernel entry that runs on PyTorch's current CUDA stream.
+
+    Call it with the ``@cute.jit`` entry's arguments minus the trailing stream; ``artifacts``
+    is the compiled object's (``artifacts.PTX`` when compiled with ``keep_ptx``).
+    """
+
+    __slots__ = ("fn", "tvm_ffi")
+
+    def __init__(self, fn, tvm_ffi: bool):
+        self.fn = fn
+        self.tvm_ffi = tvm_ffi
+
+    @property
+    def artifacts(self):
+        return self.fn.artifacts
+
+    def __call__(self, *args):
+        handle = torch.cuda.current_stream().cuda_stream
+        if self.tvm_ffi:
+            return self.fn(*args, handle)
+        from cuda.bindings import driver
+
+        return self.fn(*args, driver.CUstream(handle))
+
+
+def compile_launcher(fn, *args, keep_ptx: bool = False) -> Launcher:
+    """Compile ``fn(*args, stream)`` (``args`` without the stream) into a :class:`Launcher`.
+
+    ``args`` are placeholders: :func:`fake_address` for addresses, ``cutlass.Int32(...)`` for
+    sizes. Uses TVM-FFI when :func:`tvm_ffi_enabled`.
+    """
+    from cutlass import cute
+
+    tvm_ffi = tvm_ffi_enabled()
+    options = " ".join(o for o, on in (("--keep-ptx", keep_ptx), ("--enable-tvm-ffi", tvm_ffi)) if on)
+    return Launcher(cute.compile(fn, *args, fake_stream(), options=options), tvm_ffi)
+
+
+def address(t: torch.Tensor, align: int = 16) -> int:
+    """Device address of ``t``'s data, checked to be ``align``-byte aligned.
+
+    The alignment must match the one the kernel assumes (:func:`gmem_ptr`).
+
+    Raises:
+        ValueError: the address is not ``align``-byte aligned.
+    """
+    a = t.data_ptr()
+    if a % align:
+        raise ValueError(f"tensor data at {a:#x} is not {align}-byte aligned; pass a tensor "
+                         "that owns its storage (e.g. .clone())")
+    return a
+
+
+def fake_address():
+    """Placeholder address argument (``cutlass.Int64``) for compiling."""
+    import cutlass
+
+    return cutlass.Int64(_FAKE_ADDRESS)
+
+
+def gmem_ptr(dtype, addr, align: int):
+    """Inside ``@cute.jit``: the global-memory ``cute.Pointer`` of element type ``dtype`` at
+    ``addr`` (an ``Int64`` argument), assumed ``align``-byte aligned."""
+    from cutlass import cute
+
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
