@@ -22,7 +22,8 @@ BACKENDS = ("auto", "torch", "cute")
 
 @dataclass(frozen=True)
 class ExpertOps:
-    """The implementations of one backend; signatures as in :mod:`sonic.reference.ops`."""
+    """The implementations of one backend; signatures as in :mod:`sonic.reference.ops` and
+    :func:`sonic.routing.metadata.pairs_metadata`."""
 
     name: str
     metadata: Callable
@@ -82,13 +83,23 @@ def expert_ops(backend: str, device: torch.device) -> ExpertOps:
     return _cute_ops()
 
 
+def _cute_metadata(token_idx, expert_idx, num_tokens, num_experts, *, top_k=None):
+    from sonic.kernels.routing_metadata import routing_metadata_pairs, routing_metadata_topk
+
+    expert_idx = expert_idx.to(torch.int32).contiguous()
+    if top_k is not None:
+        return routing_metadata_topk(expert_idx.view(num_tokens, top_k), num_experts)
+    return routing_metadata_pairs(token_idx.to(torch.int32).contiguous(), expert_idx,
+                                  num_tokens, num_experts)
+
+
 def _cute_ops() -> ExpertOps:
     from sonic.kernels.aggregation import aggregate
-    from sonic.kernels.routing_metadata import routing_metadata_pairs
+
     # The grouped GEMMs stay PyTorch's until the CuTe grouped-GEMM kernels land.
     return ExpertOps(
         name="cute",
-        metadata=routing_metadata_pairs,
+        metadata=_cute_metadata,
         grouped_mm=reference.grouped_mm,
         grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
         aggregate=aggregate,

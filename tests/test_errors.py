@@ -91,3 +91,10 @@ def test_zero_tokens_give_empty_result():
     r = sonic.topk_routing(torch.randn(0, 4), 2)
     assert r.num_pairs == 0
     assert sonic.token_rounding_routing(torch.randn(0, 4), 2, tile=4).num_pairs == 0
+
+
+def test_moe_experts_rejects_metadata_of_other_pairs(problem):
+    x, w1, w2, s, tok, exp = problem
+    other = sonic.routing_metadata(sonic.Routing(tok[:-2], exp[:-2], s[:-2], 10, 3))
+    with pytest.raises(ValueError, match="metadata must describe P=20 pairs"):
+        _call(x, w1, w2, s, tok, exp, metadata=other)

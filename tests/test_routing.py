@@ -151,3 +151,13 @@ def test_routing_metadata_matches_naive(T, E, P):
     assert m.expert_offsets.tolist() == [0] + counts.cumsum(0).tolist()
     assert m.token_offsets.tolist() == [0] + torch.bincount(tok.long(), minlength=T).cumsum(0).tolist()
     assert all(t.dtype == torch.int32 for t in m.tensors())
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 1, 1), (37, 9, 3), (64, 128, 8)])
+def test_topk_metadata_path_equals_general_path(T, E, k):
+    r = sonic.topk_routing(_logits(T, E, seed=T), k)
+    assert r.top_k == k
+    fast = sonic.routing_metadata(r)
+    general = pairs_metadata(r.token_idx, r.expert_idx, T, E)
+    for a, b in zip(fast.tensors(), general.tensors()):
+        assert torch.equal(a, b)

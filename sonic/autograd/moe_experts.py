@@ -21,9 +21,10 @@ class MoEExpertsFunction(torch.autograd.Function):
     """Autograd function behind :func:`moe_experts`; ``ops`` selects the kernels."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, token_idx, expert_idx, gate_up: str, ops: ExpertOps):
-        num_experts = w1.shape[0]
-        meta = ops.metadata(token_idx, expert_idx, x.shape[0], num_experts)
+    def forward(ctx, x, w1, w2, scores, token_idx, expert_idx, gate_up: str, ops: ExpertOps,
+                meta: RoutingMetadata | None):
+        if meta is None:
+            meta = ops.metadata(token_idx, expert_idx, x.shape[0], w1.shape[0])
         offsets = meta.expert_offsets
         # The CuTe up-proj gathers rows while loading; here the gathered copy is transient.
         h = ops.grouped_mm(x.index_select(0, meta.gather_idx), w1.transpose(1, 2), offsets)
@@ -65,12 +66,12 @@ class MoEExpertsFunction(torch.autograd.Function):
             grad_x = ops.aggregate(dx_rows, meta.token_rows, meta.token_offsets, None)
         if need_w1:
             grad_w1 = ops.grouped_mm_varlen_k(dh, x.index_select(0, meta.gather_idx), offsets)
-        return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None
+        return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None, None
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                 token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: str = "concat",
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", metadata: RoutingMetadata | None = None) -> torch.Tensor:
     """Routed SwiGLU experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·SwiGLU(W1[e]·x_t)``.
 
     Args:
@@ -86,6 +87,8 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         gate_up: ``"concat"`` or ``"interleaved"``.
         backend: ``"auto"`` (CuTe kernels where they can run, see
             :func:`sonic.explain_backend`), ``"torch"`` (PyTorch reference) or ``"cute"``.
+        metadata: the :func:`sonic.routing_metadata` of exactly these pairs, if the caller has
+            it already (e.g. from the faster top-K path); built here otherwise.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; fp32 accumulation. Differentiable in x, w1, w2 and scores.
@@ -125,5 +128,11 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             raise ValueError(f"{name} must have shape (P={num_pairs},) like scores, got {tuple(t.shape)}")
     check_index_range("token_idx", token_idx, num_tokens)
     check_index_range("expert_idx", expert_idx, num_experts)
+    if metadata is not None and (metadata.num_pairs, metadata.num_tokens, metadata.num_experts) != (
+            num_pairs, num_tokens, num_experts):
+        raise ValueError(f"metadata must describe P={num_pairs} pairs of T={num_tokens} tokens and "
+                         f"E={num_experts} experts, got P={metadata.num_pairs}, "
+                         f"T={metadata.num_tokens}, E={metadata.num_experts}")
     ops = expert_ops(backend, x.device)
-    return MoEExpertsFunction.apply(x, w1, w2, scores, token_idx, expert_idx, gate_up, ops)
+    return MoEExpertsFunction.apply(x, w1, w2, scores, token_idx, expert_idx, gate_up, ops,
+                                    metadata)

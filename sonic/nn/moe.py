@@ -10,6 +10,7 @@ from torch import nn
 from sonic._validation import check_choice, check_int
 from sonic.autograd.moe_experts import moe_experts
 from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
 from sonic.routing.topk import SCORES, topk_routing
 from sonic.routing.types import Routing
@@ -114,7 +115,8 @@ class MoE(nn.Module):
         routing = self.route(logits)
         out = moe_experts(tokens, self.w1, self.w2, routing.scores.to(torch.float32),
                           routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
-                          backend=self.backend)
+                          backend=self.backend,
+                          metadata=routing_metadata(routing, backend=self.backend))
         self.last_routing = routing
         if self.aux_loss_coef:
             self.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)

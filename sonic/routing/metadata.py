@@ -79,7 +79,7 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
 
     ops = expert_ops(backend, routing.token_idx.device)
     return ops.metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
-                        routing.num_experts)
+                        routing.num_experts, top_k=routing.top_k)
 
 
 def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,12 +92,14 @@ def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, tor
 
 
 def pairs_metadata(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
-                   num_experts: int) -> RoutingMetadata:
+                   num_experts: int, *, top_k: int | None = None) -> RoutingMetadata:
     """:func:`routing_metadata` on raw pair tensors (PyTorch reference implementation).
 
     Args:
         token_idx: ``(P,)`` int32/int64 in ``[0, num_tokens)``.
         expert_idx: ``(P,)`` int32/int64 in ``[0, num_experts)``.
+        top_k: ``K`` if the pairs are token-major top-K choices (see :attr:`Routing.top_k`):
+            the per-token grouping is then the pair order itself and needs no sort.
     """
     num_pairs = token_idx.numel()
     device = token_idx.device
@@ -105,8 +107,13 @@ def pairs_metadata(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens
     sorted_pairs = torch.argsort(expert_idx, stable=True)
     rows = torch.arange(num_pairs, dtype=torch.int32, device=device)
     pair_rows = torch.empty_like(rows).scatter_(0, sorted_pairs, rows)
-    _, token_offsets = _counts_and_offsets(token_idx, num_tokens)
-    token_rows = pair_rows[torch.argsort(token_idx, stable=True)]
+    if top_k is None:
+        _, token_offsets = _counts_and_offsets(token_idx, num_tokens)
+        token_rows = pair_rows[torch.argsort(token_idx, stable=True)]
+    else:
+        token_offsets = torch.arange(0, num_tokens * top_k + 1, top_k, dtype=torch.int32,
+                                     device=device)
+        token_rows = pair_rows
     return RoutingMetadata(
         expert_counts=expert_counts,
         expert_offsets=expert_offsets,

@@ -18,6 +18,9 @@ class Routing:
             respect to the router logits it came from.
         num_tokens: ``T``, the number of tokens routed.
         num_experts: ``E``, the number of experts.
+        top_k: ``K`` when the pairs are top-K token choices in token-major order (pair
+            ``t·K + j`` is token t's j-th expert), which lets :func:`sonic.routing_metadata` take
+            its faster top-K path; ``None`` for arbitrary pairs (token rounding).
 
     Pairs may come in any order; a token may have 0..E pairs and an expert 0..T.
     ``P = T·K`` for top-K token choice and data-dependent for token rounding.
@@ -28,6 +31,7 @@ class Routing:
     scores: torch.Tensor
     num_tokens: int
     num_experts: int
+    top_k: int | None = None
 
     @property
     def num_pairs(self) -> int:
