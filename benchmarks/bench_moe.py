@@ -37,7 +37,8 @@ def _sonic_layer(router: str, tile: int):
         else:
             r = sonic.topk_routing(logits, k)
         layer.pairs = r.num_pairs
-        return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx)
+        return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
+                                 metadata=sonic.routing_metadata(r))
     layer.pairs = 0
     return layer
 
