@@ -6,7 +6,8 @@ At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K row
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
 the speedup and the kernel's relative error against torch:
 
-* ``up``: varlen-M, ``gather(X)·W1ᵀ`` (N = 2n, K = d) — torch: ``index_select`` + ``_grouped_mm``;
+* ``up``: varlen-M, ``gather(X)·W1ᵀ`` (N = 2n, K = d) — torch: ``index_select`` +
+  ``_grouped_mm``;
 * ``down``: varlen-M, contiguous ``A·W2ᵀ`` (N = d, K = n) — torch: ``_grouped_mm``;
 * ``dW1``: varlen-K, ``dHᵀ·gather(X)`` (M = 2n, N = d) — torch: ``index_select`` +
   ``_grouped_mm`` of ``dHᵀ`` and the gathered rows;

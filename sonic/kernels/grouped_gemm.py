@@ -1,0 +1,844 @@
+"""Grouped GEMMs over expert-sorted rows on Hopper (sm_90a): varlen-M and varlen-K.
+
+DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1: every expert's GEMM runs in ONE persistent,
+warp-specialised launch whose tile scheduler reads the per-expert row ranges ``expert_offsets``
+on the device, so no host synchronisation and no per-expert launch is needed.
+
+* **varlen-M** (forward up/down-proj, backward dX̃ and dH):
+  ``C[rows of e] = A[rows of e] · B[e]ᵀ``
+  with ``A (P, K)`` — or, gathered, row ``r`` of ``A`` is ``X[gather_idx[r]]`` — ``B (E, N, K)``
+  (the ``nn.Linear`` layout, K-major) and ``C (P, N)``.
+* **varlen-K** (weight gradients dW1, dW2): ``C[e] = A_eᵀ · B_e``, the reduction running over
+  expert ``e``'s rows of ``A (P, M)`` and ``B (P, N)`` (either optionally gathered by row
+  index), ``C (E, M, N)``.
+
+Kernel structure (one class, the mode a static choice): a producer warpgroup fills a ring of
+shared-memory stages; two consumer warpgroups run WGMMA with fp32 accumulators and store bf16,
+either cooperatively on one ``128 × tile_n`` tile (64 rows each) or ping-pong, each on its own
+``128 × 128`` tile, one warpgroup's epilogue overlapping the other's mainloop (SonicMoE §4.2).
+Stages are handed over through two mbarriers each (full: data landed; empty: the consumer
+warps are done reading it).
+
+* B of varlen-M is loaded by TMA; contiguous A too (rows past the expert's end belong to the next
+  expert or are TMA's zero fill; they only reach masked output rows).
+* Gathered A, and both operands of varlen-K, are loaded by all four producer warps with 16-byte
+  ``cp.async`` copies whose completion is tracked by the stage's full barrier
+  (``cp.async.mbarrier.arrive.noinc``). Chunks outside the expert's rows (varlen-K) or past
+  ``K`` are copied from a 16-byte zero buffer instead, so every shared-memory write of a stage
+  goes through the same tracked path and no stale value (possibly NaN) enters the reduction.
+* The tile scheduler is static round-robin over a linear tile index. For varlen-M it maps an
+  index to (expert, m-tile, n-tile) with a per-CTA table of each expert's first m-tile built in
+  shared memory from ``expert_offsets`` (a warp scan) and a binary search: experts with no rows
+  own no tile. Ragged last tiles are masked in the epilogue (predicated 16-byte stores from a
+  shared-memory staging buffer), so a tile never writes rows of the next expert.
+"""
+
+import torch
+
+from sonic.kernels import runtime
+from sonic.kernels.registry import KernelVariant, register
+
+TILE_M = 128
+TILE_K = 64
+# Elements per cp.async copy: 16 bytes of bf16.
+VEC = 8
+# Largest E: the varlen-M tile table lives in shared memory (4 bytes per expert).
+MAX_EXPERTS = 1024
+PRODUCER_THREADS = 128
+CONSUMER_WARPGROUPS = 2
+THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
+# Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
+# 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
+# conflicts.
+SLAB = 64
+PAD = 8
+# Shared memory per CTA on sm_90 (227 KiB) less room for barriers and the tile table.
+_SMEM_BYTES = 227 * 1024 - (MAX_EXPERTS + 1) * 4 - 1024
+_MAX_STAGES = 8
+
+
+def _rows_per_warpgroup(pingpong: bool) -> int:
+    return TILE_M if pingpong else TILE_M // CONSUMER_WARPGROUPS
+
+
+def _stages(tile_n: int, pingpong: bool) -> int:
+    stage_bytes = (TILE_M + tile_n) * TILE_K * 2
+    epilogue_bytes = CONSUMER_WARPGROUPS * _rows_per_warpgroup(pingpong) * (SLAB + PAD) * 2
+    return min(_MAX_STAGES, (_SMEM_BYTES - epilogue_bytes) // stage_bytes)
+
+
+def _kernel_class():
+    """Build the CuTe-DSL kernel class (imports cutlass, so only on first use)."""
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is not None:
+        return _KERNEL_CLASS
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cuda.bindings import driver as cuda
+    from cutlass import cute
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.memory import SmemAllocator
+    from cutlass.tensor_utils import LayoutEnum
+
+    Int32, Int64 = cutlass.Int32, cutlass.Int64
+    BF16, F32 = cutlass.BFloat16, cutlass.Float32
+    ROW, COL = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
+
+    class GroupedGemmKernel:
+        """One static configuration of the grouped GEMM.
+
+        varlen-M: ``dim_k`` (K) and ``dim_n`` (N) static, ``gather_a`` selects cp.async rows.
+        varlen-K: ``dim_m`` (M) and ``dim_n`` (N) static, ``gather_a``/``gather_b`` select
+        gathered rows of either operand.
+        """
+
+        def __init__(self, varlen_k: bool, tile_n: int, dim_m: int, dim_n: int, dim_k: int,
+                     gather_a: bool, gather_b: bool, pingpong: bool):
+            if pingpong and tile_n != 128:
+                raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
+            self.varlen_k = varlen_k
+            self.tile_n = tile_n
+            self.pingpong = pingpong
+            # Cooperative: both warpgroups share a tile (64 rows each) and every stage.
+            # Ping-pong: each warpgroup owns every other tile, so a stage has one reader.
+            self.stage_readers = 4 if pingpong else 4 * CONSUMER_WARPGROUPS
+            self.dim_m, self.dim_n, self.dim_k = dim_m, dim_n, dim_k
+            self.gather_a, self.gather_b = gather_a, gather_b
+            self.stages = _stages(tile_n, pingpong)
+            self.rows_wg = _rows_per_warpgroup(pingpong)
+            self.tile_mnk = (TILE_M, tile_n, TILE_K)
+            self.n_tiles = (dim_n + tile_n - 1) // tile_n
+            self.m_tiles = (dim_m + TILE_M - 1) // TILE_M
+            self.k_tiles = (dim_k + TILE_K - 1) // TILE_K
+            # varlen-M loads B (and contiguous A) by TMA; everything else by cp.async.
+            self.tma_a = not varlen_k and not gather_a
+            self.cp_async = varlen_k or gather_a
+            # One arrival per cp.async thread (triggered when its copies have landed) plus one
+            # for the TMA transaction count.
+            self.full_arrivals = ((PRODUCER_THREADS if self.cp_async else 0)
+                                  + (0 if varlen_k else 1))
+            self.tma_bytes = 0 if varlen_k else (tile_n + (0 if gather_a else TILE_M)) * TILE_K * 2
+            # The cp.async producer keeps row indices in registers; give it a few more.
+            self.producer_regs = 56 if self.cp_async else 40
+            self.consumer_regs = 224 if self.cp_async else 232
+            # Operand majorness: varlen-M reads K-major rows, varlen-K MN-major rows.
+            self.a_layout = COL if varlen_k else ROW
+            self.b_layout = COL if varlen_k else ROW
+
+        @cute.jit
+        def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, gidx_a_addr: Int64,
+                     gidx_b_addr: Int64, zeros_addr: Int64, offsets_addr: Int64, rows_a: Int32,
+                     num_experts: Int32, num_ctas: Int32, stream: cuda.CUstream):
+            gmem = runtime.gmem_ptr
+            a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
+            gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
+            zeros, offsets = gmem(BF16, zeros_addr, 16), gmem(Int32, offsets_addr, 4)
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                BF16, BF16, self.a_layout.sm90_mma_major_mode(),
+                self.b_layout.sm90_mma_major_mode(), F32,
+                (1 if self.pingpong else CONSUMER_WARPGROUPS, 1, 1),
+                tiler_mn=(64, self.tile_n))
+            a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, BF16, self.stages)
+            b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, BF16, self.stages)
+
+            tma_atom_a, tma_a = None, None
+            tma_atom_b, tma_b = None, None
+            if cutlass.const_expr(self.tma_a):
+                m_a = cute.make_tensor(a, cute.make_layout((rows_a, self.dim_k),
+                                                           stride=(self.dim_k, 1)))
+                tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(a_smem, (None, None, 0)),
+                    (TILE_M, TILE_K))
+            if cutlass.const_expr(not self.varlen_k):
+                m_b = cute.make_tensor(b, cute.make_layout(
+                    (self.dim_n, self.dim_k, num_experts),
+                    stride=(self.dim_k, 1, self.dim_n * self.dim_k)))
+                tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_smem, (None, None, 0)),
+                    (self.tile_n, TILE_K))
+
+            @cute.struct
+            class SharedStorage:
+                full: cute.struct.MemRange[Int64, self.stages]
+                empty: cute.struct.MemRange[Int64, self.stages]
+                tile_start: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
+                sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[
+                    BF16, CONSUMER_WARPGROUPS * self.rows_wg * (SLAB + PAD)], 128]
+
+            self.shared_storage = SharedStorage
+            self.kernel(tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, a_smem, b_smem,
+                        a, b, c, gidx_a, gidx_b, zeros, offsets, num_experts).launch(
+                grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1,
+                stream=stream)
+
+        @cute.kernel
+        def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
+                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+                   a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, gidx_a: cute.Pointer,
+                   gidx_b: cute.Pointer, zeros: cute.Pointer, offsets: cute.Pointer,
+                   num_experts: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            grid, _, _ = cute.arch.grid_dim()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            smem = SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            full = storage.full.data_ptr()
+            empty = storage.empty.data_ptr()
+            table = storage.tile_start.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
+            s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+            s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+            m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
+
+            if warp == 0:
+                if cutlass.const_expr(self.tma_a):
+                    cpasync.prefetch_descriptor(tma_atom_a)
+                if cutlass.const_expr(not self.varlen_k):
+                    cpasync.prefetch_descriptor(tma_atom_b)
+                with cute.arch.elect_one():
+                    for s in cutlass.range_constexpr(self.stages):
+                        cute.arch.mbarrier_init(full + s, self.full_arrivals)
+                        cute.arch.mbarrier_init(empty + s, self.stage_readers)
+                cute.arch.mbarrier_init_fence()
+                if cutlass.const_expr(not self.varlen_k):
+                    self.build_tile_table(m_off, table, num_experts)
+            cute.arch.sync_threads()
+
+            if cutlass.const_expr(self.varlen_k):
+                total = num_experts * (self.m_tiles * self.n_tiles)
+            else:
+                total = table[num_experts] * self.n_tiles
+
+            if tidx < PRODUCER_THREADS:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if cutlass.const_expr(self.cp_async):
+                    self.produce_cp_async(tidx, warp, bidx, grid, total, tma_atom_b, tma_b,
+                                          s_a, s_b, a, b, gidx_a, gidx_b, zeros, m_off, table,
+                                          num_experts, full, empty)
+                else:
+                    if warp == 0:
+                        self.produce_tma(bidx, grid, total, tma_atom_a, tma_a, tma_atom_b,
+                                         tma_b, s_a, s_b, m_off, table, num_experts, full,
+                                         empty)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(tidx - PRODUCER_THREADS, bidx, grid, total, tiled_mma, s_a, s_b,
+                             storage.sC.data_ptr(), c, m_off, table, num_experts, full, empty)
+
+        @cute.jit
+        def build_tile_table(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+            """``table[e]`` = first linear m-tile of expert ``e``; ``table[E]`` = all m-tiles.
+
+            One warp: each lane sums the m-tile counts of a contiguous chunk of experts, a
+            shuffle scan turns the sums into chunk starts, then each lane writes its chunk.
+            """
+            lane = cute.arch.lane_idx()
+            chunk = (num_experts + 31) // 32
+            lo = lane * chunk
+            hi = lo + chunk
+            if hi > num_experts:
+                hi = num_experts
+            local = Int32(0)
+            for e in cutlass.range(lo, hi, unroll=1):
+                local += (m_off[e + 1] - m_off[e] + TILE_M - 1) // TILE_M
+            inclusive = local
+            for i in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(inclusive, 1 << i)
+                if lane >= (1 << i):
+                    inclusive += other
+            run = inclusive - local
+            for e in cutlass.range(lo, hi, unroll=1):
+                table[e] = run
+                run += (m_off[e + 1] - m_off[e] + TILE_M - 1) // TILE_M
+            if lane == 31:
+                table[num_experts] = inclusive
+
+        @cute.jit
+        def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+            """Linear tile ``t`` → (expert, first row of the tile, rows, n-tile, m-tile).
+
+            varlen-M: the first row is a row of ``P`` and ``rows`` the rows of the expert left
+            from it; varlen-K: the first row is the expert's first row of ``P``, ``rows`` its
+            row count and the m-tile indexes ``M``.
+            """
+            e = Int32(0)
+            row0 = Int32(0)
+            rows = Int32(0)
+            nt = Int32(0)
+            mt = Int32(0)
+            if cutlass.const_expr(self.varlen_k):
+                per_expert = self.m_tiles * self.n_tiles
+                e = t // per_expert
+                rest = t - e * per_expert
+                mt = rest // self.n_tiles
+                nt = rest - mt * self.n_tiles
+                row0 = m_off[e]
+                rows = m_off[e + 1] - row0
+            else:
+                mg = t // self.n_tiles
+                nt = t - mg * self.n_tiles
+                # Largest e with table[e] <= mg: empty experts share their start with the next
+                # expert, so the search lands on the one that owns the tile.
+                lo = Int32(0)
+                hi = num_experts - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if table[mid] <= mg:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                e = lo
+                mt = mg - table[e]
+                row0 = m_off[e] + mt * TILE_M
+                rows = m_off[e + 1] - row0
+            return e, row0, rows, nt, mt
+
+        @cute.jit
+        def produce_tma(self, bidx: Int32, grid: Int32, total: Int32, tma_atom_a, tma_a,
+                        tma_atom_b, tma_b, s_a: cute.Tensor, s_b: cute.Tensor,
+                        m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                        full: cute.Pointer, empty: cute.Pointer):
+            """varlen-M, contiguous A: one warp issues the TMA loads of A and B."""
+            g_b = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None, None))
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
+                                               cute.group_modes(s_b, 0, 2),
+                                               cute.group_modes(g_b, 0, 2))
+            stage = Int32(0)
+            phase = Int32(1)
+            t = bidx
+            while t < total:
+                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                g_a = cute.local_tile(cute.domain_offset((row0, 0), tma_a), (TILE_M, TILE_K),
+                                      (0, None))
+                t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
+                                                   cute.group_modes(s_a, 0, 2),
+                                                   cute.group_modes(g_a, 0, 2))
+                for kt in cutlass.range(self.k_tiles, unroll=1):
+                    cute.arch.mbarrier_wait(empty + stage, phase)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
+                    cute.copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage],
+                              tma_bar_ptr=full + stage)
+                    cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
+                              tma_bar_ptr=full + stage)
+                    stage += 1
+                    if stage == self.stages:
+                        stage = 0
+                        phase ^= 1
+                t += grid
+
+        @cute.jit
+        def chunk_copy(self, tiled_copy, ptid: Int32, smem: cute.Tensor):
+            """This thread's slice of a stage: ``(VEC, rows, cols, stages)`` 16-byte chunks."""
+            return tiled_copy.get_slice(ptid).partition_D(smem)
+
+        @cute.jit
+        def copy_chunk(self, atom, src_base: cute.Pointer, offset: Int64, valid,
+                       zeros: cute.Pointer, dst: cute.Tensor):
+            """cp.async one 16-byte chunk from ``src_base + offset``, or zeros if not ``valid``."""
+            if valid:
+                src = cute.make_tensor(src_base + cute.assume(offset, divby=VEC),
+                                       cute.make_layout(dst.shape))
+                cute.copy(atom, src, dst)
+            else:
+                cute.copy(atom, cute.make_tensor(zeros, cute.make_layout(dst.shape)), dst)
+
+        @cute.jit
+        def produce_cp_async(self, ptid: Int32, warp: Int32, bidx: Int32, grid: Int32,
+                             total: Int32, tma_atom_b, tma_b, s_a: cute.Tensor, s_b: cute.Tensor,
+                             a: cute.Pointer, b: cute.Pointer, gidx_a: cute.Pointer,
+                             gidx_b: cute.Pointer, zeros: cute.Pointer, m_off: cute.Tensor,
+                             table: cute.Tensor, num_experts: Int32, full: cute.Pointer,
+                             empty: cute.Pointer):
+            """All four producer warps cp.async their chunks of A (and of B for varlen-K)."""
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                       BF16, num_bits_per_copy=128)
+            if cutlass.const_expr(self.varlen_k):
+                self.produce_varlen_k(ptid, bidx, grid, total, atom, s_a, s_b, a, b, gidx_a,
+                                      gidx_b, zeros, m_off, table, num_experts, full, empty)
+            else:
+                self.produce_gather_m(ptid, warp, bidx, grid, total, atom, tma_atom_b, tma_b,
+                                      s_a, s_b, a, gidx_a, zeros, m_off, table, num_experts,
+                                      full, empty)
+
+        @cute.jit
+        def produce_gather_m(self, ptid: Int32, warp: Int32, bidx: Int32, grid: Int32,
+                             total: Int32, atom, tma_atom_b, tma_b, s_a: cute.Tensor,
+                             s_b: cute.Tensor, x: cute.Pointer, gidx: cute.Pointer,
+                             zeros: cute.Pointer, m_off: cute.Tensor, table: cute.Tensor,
+                             num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+            """varlen-M, gathered A: row indices of the tile are read once into registers;
+            each k-tile then costs ``TILE_M·TILE_K/VEC/128`` 16-byte copies per thread."""
+            g_b = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None, None))
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
+                                               cute.group_modes(s_b, 0, 2),
+                                               cute.group_modes(g_b, 0, 2))
+            # K-major chunks: TILE_K / VEC threads along a row, the rest along M.
+            along_k = TILE_K // VEC
+            along_m = PRODUCER_THREADS // along_k
+            tiled_copy = cute.make_tiled_copy_tv(
+                atom, cute.make_layout((along_m, along_k), stride=(along_k, 1)),
+                cute.make_layout((1, VEC)))
+            t_sa = self.chunk_copy(tiled_copy, ptid, s_a)
+            rows_per_thread = TILE_M // along_m
+            row_of = ptid // along_k
+            col_of = (ptid - row_of * along_k) * VEC
+            src_row = cute.make_rmem_tensor((rows_per_thread,), Int32)
+            stage = Int32(0)
+            phase = Int32(1)
+            t = bidx
+            while t < total:
+                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                for i in cutlass.range_constexpr(rows_per_thread):
+                    r = row_of + i * along_m
+                    src_row[i] = -1
+                    if r < rows:
+                        src_row[i] = cute.make_tensor(gidx + row0, cute.make_layout(TILE_M))[r]
+                for kt in cutlass.range(self.k_tiles, unroll=1):
+                    cute.arch.mbarrier_wait(empty + stage, phase)
+                    if warp == 0:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
+                        cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
+                                  tma_bar_ptr=full + stage)
+                    k0 = kt * TILE_K + col_of
+                    for i in cutlass.range_constexpr(rows_per_thread):
+                        self.copy_chunk(atom, x, Int64(src_row[i]) * self.dim_k + k0,
+                                        src_row[i] >= 0 and k0 < self.dim_k, zeros,
+                                        t_sa[None, i, 0, stage])
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                    stage += 1
+                    if stage == self.stages:
+                        stage = 0
+                        phase ^= 1
+                t += grid
+
+        @cute.jit
+        def produce_varlen_k(self, ptid: Int32, bidx: Int32, grid: Int32, total: Int32, atom,
+                             s_a: cute.Tensor, s_b: cute.Tensor, a: cute.Pointer, b: cute.Pointer,
+                             gidx_a: cute.Pointer, gidx_b: cute.Pointer, zeros: cute.Pointer,
+                             m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                             full: cute.Pointer, empty: cute.Pointer):
+            """varlen-K: both operands are ``TILE_K`` rows of the expert, MN-major in shared
+            memory; rows past the expert's end are zero-filled."""
+            copy_a = self.mn_major_copy(atom, TILE_M)
+            copy_b = self.mn_major_copy(atom, self.tile_n)
+            t_sa = self.chunk_copy(copy_a, ptid, s_a)
+            t_sb = self.chunk_copy(copy_b, ptid, s_b)
+            stage = Int32(0)
+            phase = Int32(1)
+            t = bidx
+            while t < total:
+                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                k_tiles = (rows + TILE_K - 1) // TILE_K
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    cute.arch.mbarrier_wait(empty + stage, phase)
+                    self.load_mn_major(ptid, atom, t_sa, stage, a, gidx_a, self.gather_a,
+                                       self.dim_m, mt * TILE_M, TILE_M, row0, rows, kt, zeros)
+                    self.load_mn_major(ptid, atom, t_sb, stage, b, gidx_b, self.gather_b,
+                                       self.dim_n, nt * self.tile_n, self.tile_n, row0, rows, kt,
+                                       zeros)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                    stage += 1
+                    if stage == self.stages:
+                        stage = 0
+                        phase ^= 1
+                t += grid
+
+        def mn_major_copy(self, atom, tile_mn: int):
+            """Thread layout for an MN-major ``(tile_mn, TILE_K)`` operand: chunks along MN."""
+            along_mn = tile_mn // VEC
+            along_k = PRODUCER_THREADS // along_mn
+            return cute.make_tiled_copy_tv(
+                atom, cute.make_layout((along_mn, along_k), stride=(1, along_mn)),
+                cute.make_layout((VEC, 1)))
+
+        @cute.jit
+        def load_mn_major(self, ptid: Int32, atom, t_s: cute.Tensor, stage: Int32,
+                          src: cute.Pointer, gidx: cute.Pointer, gathered: cutlass.Constexpr,
+                          width: cutlass.Constexpr, col0: Int32, tile_mn: cutlass.Constexpr,
+                          row0: Int32, rows: Int32, kt: Int32, zeros: cute.Pointer):
+            """One k-tile (``TILE_K`` rows from ``row0 + kt·TILE_K``) of a varlen-K operand."""
+            along_mn = tile_mn // VEC
+            along_k = PRODUCER_THREADS // along_mn
+            k_of = ptid // along_mn
+            col = col0 + (ptid - k_of * along_mn) * VEC
+            for i in cutlass.range_constexpr(TILE_K // along_k):
+                r = kt * TILE_K + k_of + i * along_k
+                valid = r < rows and col < width
+                src_row = row0 + r
+                if cutlass.const_expr(gathered):
+                    if r < rows:
+                        src_row = cute.make_tensor(gidx + row0, cute.make_layout(rows))[r]
+                self.copy_chunk(atom, src, Int64(src_row) * width + col, valid, zeros,
+                                t_s[None, 0, i, stage])
+
+        @cute.jit
+        def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
+            """k-tiles of tile ``t``: ``K / TILE_K`` (varlen-M) or the expert's rows (varlen-K)."""
+            k_tiles = Int32(self.k_tiles)
+            if cutlass.const_expr(self.varlen_k):
+                e = t // (self.m_tiles * self.n_tiles)
+                k_tiles = (m_off[e + 1] - m_off[e] + TILE_K - 1) // TILE_K
+            return k_tiles
+
+        @cute.jit
+        def consume(self, ctid: Int32, bidx: Int32, grid: Int32, total: Int32,
+                    tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
+                    s_c: cute.Pointer, c: cute.Pointer, m_off: cute.Tensor, table: cute.Tensor,
+                    num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+            """WGMMA over the k-tiles of each tile, then the masked store.
+
+            Cooperative: both warpgroups run every tile of the CTA. Ping-pong: warpgroup ``w``
+            runs the CTA's tiles ``w, w+2, ...``; two named barriers hand the tensor cores from
+            one warpgroup's mainloop to the other's, so one warpgroup's epilogue overlaps the
+            other's mainloop (SonicMoE §4.2). A warpgroup skips the stages of the other's tiles.
+            """
+            wg = cute.arch.make_warp_uniform(ctid // 128)
+            wg_tid = ctid - wg * 128
+            stage_c = s_c + wg * (self.rows_wg * (SLAB + PAD))
+            # First tile row of this warpgroup's accumulator.
+            wg_row0 = wg * self.rows_wg
+            mma_tid = ctid
+            step = grid
+            t = bidx
+            if cutlass.const_expr(self.pingpong):
+                wg_row0 = Int32(0)
+                mma_tid = ctid - wg * 128
+                step = 2 * grid
+                t = bidx + wg * grid
+            thr_mma = tiled_mma.get_slice(mma_tid)
+            t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+            t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), F32)
+            k_blocks = cute.size(t_ca, mode=[2])
+            coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n)))
+            lane = cute.arch.lane_idx()
+            stage = Int32(0)
+            phase = Int32(0)
+            if cutlass.const_expr(self.pingpong):
+                if wg == 1:
+                    if bidx < total:
+                        stage, phase = self.skip(stage, phase,
+                                                 self.tile_k_tiles(bidx, m_off, num_experts))
+            while t < total:
+                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                k_tiles = self.tile_k_tiles(t, m_off, num_experts)
+                if cutlass.const_expr(self.pingpong):
+                    if t != bidx:
+                        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                prev = Int32(0)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    cute.arch.mbarrier_wait(full + stage, phase)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, acc, t_ca[None, None, kb, stage],
+                                  t_cb[None, None, kb, stage], acc)
+                    warpgroup.commit_group()
+                    # Keep one WGMMA batch in flight; the previous stage is then free.
+                    warpgroup.wait_group(1)
+                    if kt > 0:
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(empty + prev)
+                    prev = stage
+                    stage += 1
+                    if stage == self.stages:
+                        stage = 0
+                        phase ^= 1
+                warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(empty + prev)
+                if cutlass.const_expr(self.pingpong):
+                    # The other warpgroup's next tile is t + grid; it may start its mainloop.
+                    if t + grid < total:
+                        cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+                        stage, phase = self.skip(stage, phase,
+                                                 self.tile_k_tiles(t + grid, m_off, num_experts))
+                self.store(acc, coords, stage_c, wg_tid, wg, wg_row0, c, e, row0, rows, nt, mt)
+                t += step
+
+        @cute.jit
+        def skip(self, stage: Int32, phase: Int32, k_tiles: Int32):
+            """Advance a consumer's ring position past ``k_tiles`` stages."""
+            ahead = stage + k_tiles
+            wraps = ahead // self.stages
+            return ahead - wraps * self.stages, phase ^ (wraps & 1)
+
+        @cute.jit
+        def store(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
+                  wg_tid: Int32, wg: Int32, wg_row0: Int32, c: cute.Pointer, e: Int32,
+                  row0: Int32, rows: Int32, nt: Int32, mt: Int32):
+            """bf16 store of this warpgroup's rows of the tile, masked to the expert's rows
+            (varlen-M) or to M (varlen-K), and to N.
+
+            Per SLAB of columns: the accumulator's column pairs go to the warpgroup's staging
+            buffer, then each thread stores whole 16-byte row chunks (N is a multiple of 8, so a
+            chunk is entirely inside or outside); a row of a slab is one 128-byte line.
+            """
+            cols = self.dim_n - nt * self.tile_n
+            if cutlass.const_expr(self.varlen_k):
+                rows = self.dim_m - mt * TILE_M
+                base = (Int64(e) * self.dim_m + mt * TILE_M) * self.dim_n + nt * self.tile_n
+            else:
+                base = Int64(row0) * self.dim_n + nt * self.tile_n
+            pitch = SLAB + PAD
+            chunks_per_row = SLAB // VEC
+            pair_f32 = cute.make_rmem_tensor((2,), F32)
+            pair = cute.make_rmem_tensor((2,), BF16)
+            chunk = cute.make_rmem_tensor((VEC,), BF16)
+            for sl in cutlass.range_constexpr(self.tile_n // SLAB):
+                # The WGMMA accumulator holds, per 8-column group j, the column pair (v0 = 0, 1)
+                # of two rows (v1 = 0, 1) for each 64-row block mm.
+                for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    for j in cutlass.range_constexpr(SLAB // 8):
+                        for v1 in cutlass.range_constexpr(2):
+                            first = ((0, v1, sl * (SLAB // 8) + j), mm, 0)
+                            second = ((1, v1, sl * (SLAB // 8) + j), mm, 0)
+                            m, n = coords[first]
+                            pair_f32[0] = acc[first]
+                            pair_f32[1] = acc[second]
+                            pair.store(pair_f32.load().to(BF16))
+                            offset = (m - wg_row0) * pitch + (n - sl * SLAB)
+                            cute.autovec_copy(pair, cute.make_tensor(
+                                stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+                for q in cutlass.range_constexpr(self.rows_wg * chunks_per_row // 128):
+                    index = wg_tid + q * 128
+                    r = index // chunks_per_row
+                    col = (index - r * chunks_per_row) * VEC
+                    m = wg_row0 + r
+                    n = sl * SLAB + col
+                    if m < rows and n < cols:
+                        cute.autovec_copy(cute.make_tensor(
+                            stage_c + cute.assume(r * pitch + col, divby=VEC),
+                            cute.make_layout(VEC)), chunk)
+                        cute.autovec_copy(chunk, cute.make_tensor(
+                            c + cute.assume(base + (Int64(m) * self.dim_n + n), divby=VEC),
+                            cute.make_layout(VEC)))
+                # The next slab overwrites the staging buffer.
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+
+    _KERNEL_CLASS = GroupedGemmKernel
+    return GroupedGemmKernel
+
+
+_KERNEL_CLASS = None
+
+
+def _plan(varlen_k: bool, dim_n: int, dim_k: int) -> tuple[int, bool]:
+    """Tile N and schedule: ``(tile_n, pingpong)``.
+
+    A very short reduction (varlen-M with ``K <= 512``, e.g. the 7B down-proj, K = n = 256)
+    makes the epilogue a large share of a tile: ping-pong on 128 x 128 tiles hides it behind
+    the other warpgroup's mainloop (SonicMoE §4.2). Everything else runs cooperative
+    128 x 256 tiles (128 x 128 when N is small and not a multiple of 256, to waste less of the
+    last N tile). Measured on H100 at the ANCHORS shapes: ping-pong wins at K = 256 (446 vs
+    431 TFLOPS), cooperative at K = 1024 (625 vs 544 and 579 vs 472).
+    """
+    if not varlen_k and dim_k <= 512:
+        return 128, True
+    return (256 if dim_n % 256 == 0 or dim_n >= 1024 else 128), False
+
+
+def _compile(varlen_k: bool, tile_n: int, pingpong: bool, dim_m: int, dim_n: int, dim_k: int,
+             gather_a: bool, gather_b: bool, keep_ptx: bool = False):
+    """Compile one static configuration with placeholder arguments."""
+    import cutlass
+
+    kernel = _kernel_class()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong)
+    addresses = [runtime.fake_address() for _ in range(7)]
+    sizes = [cutlass.Int32(1) for _ in range(3)]
+    return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_ctas(device: torch.device, tiles_bound: int) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(_SM_COUNT[index], tiles_bound))
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros(device: torch.device) -> torch.Tensor:
+    # The 16-byte source of the zero-filled chunks (never written).
+    if device not in _ZEROS:
+        _ZEROS[device] = torch.zeros(64, dtype=torch.bfloat16, device=device)
+    return _ZEROS[device]
+
+
+def _check_offsets(expert_offsets, device) -> int:
+    runtime.check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1,
+                         device=device)
+    num_experts = expert_offsets.numel() - 1
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"expert_offsets must have E+1 entries with 1 <= E <= {MAX_EXPERTS}, "
+                         f"got {expert_offsets.numel()} entries")
+    return num_experts
+
+
+def _check_width(name: str, size: int) -> None:
+    if size <= 0 or size % VEC:
+        raise ValueError(f"{name} must be a positive multiple of {VEC}, got {size}")
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                 gather_idx: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """varlen-M grouped GEMM: ``out[r] = A[r] · b[e]ᵀ`` for every row ``r`` of expert ``e``.
+
+    DESIGN §3 (up-proj ``H = gather(X)·W1ᵀ``, down-proj ``Y = A·W2ᵀ``, backward
+    ``dX̃ = dH·W1``) and §4; SonicMoE (arXiv 2512.14080) §4.1. One persistent launch for all
+    experts, fp32 accumulation, bf16 output, bitwise deterministic; no host synchronisation.
+
+    Args:
+        a: bf16, contiguous, CUDA. ``(P, K)`` rows already sorted by expert, or with
+            ``gather_idx`` the ``(T, K)`` source rows (``A[r] = a[gather_idx[r]]``, gathered
+            while loading, never materialised).
+        b: ``(E, N, K)`` bf16, contiguous (per expert the ``nn.Linear`` (out, in) layout).
+        expert_offsets: ``(E+1,)`` int32, contiguous: expert ``e`` owns rows
+            ``[expert_offsets[e], expert_offsets[e+1])``; non-decreasing from 0 with
+            ``expert_offsets[E] == P`` (as :class:`sonic.RoutingMetadata` builds it). Read on
+            the device only; not validated against the data.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``, or None.
+        out: ``(P, N)`` bf16, contiguous, written in place and returned; allocated if None.
+
+    Returns:
+        ``(P, N)`` bf16.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: a tensor is not a contiguous CUDA tensor of the right rank, devices differ,
+            shapes disagree, ``K`` or ``N`` is not a positive multiple of 8, or ``E`` exceeds
+            1024.
+    """
+    runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
+    device = a.device
+    runtime.check_tensor("b", b, dtypes=(torch.bfloat16,), ndim=3, device=device)
+    num_experts = _check_offsets(expert_offsets, device)
+    if b.shape[0] != num_experts:
+        raise ValueError(f"b must have E = {num_experts} experts (expert_offsets has E+1 "
+                         f"entries), got shape {tuple(b.shape)}")
+    dim_n, dim_k = b.shape[1], b.shape[2]
+    if a.shape[1] != dim_k:
+        raise ValueError(f"a must have K = {dim_k} columns (b is (E, N, K)), got shape "
+                         f"{tuple(a.shape)}")
+    _check_width("K", dim_k)
+    _check_width("N", dim_n)
+    if gather_idx is not None:
+        runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                             device=device)
+        num_pairs = gather_idx.numel()
+    else:
+        num_pairs = a.shape[0]
+    if out is None:
+        out = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+    else:
+        runtime.check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=device)
+        if tuple(out.shape) != (num_pairs, dim_n):
+            raise ValueError(f"out must have shape ({num_pairs}, {dim_n}), got "
+                             f"{tuple(out.shape)}")
+    if num_pairs == 0 or a.shape[0] == 0:
+        return out
+    gathered = gather_idx is not None
+    tile_n, pingpong = _plan(False, dim_n, dim_k)
+    key = ("grouped_gemm_varlen_m", tile_n, pingpong, dim_n, dim_k, gathered)
+    fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, 0, dim_n, dim_k,
+                                                gathered, False))
+    n_tiles = (dim_n + tile_n - 1) // tile_n
+    # Each expert adds at most one partial m-tile.
+    tiles_bound = ((num_pairs + TILE_M - 1) // TILE_M + num_experts) * n_tiles
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    # Without gather the index addresses are never read; expert_offsets' stands in for them.
+    idx = addr(gather_idx, 4) if gathered else offsets_addr
+    fn(addr(a, 16), addr(b, 16), addr(out, 16), idx, idx, addr(_zeros(device), 16),
+       offsets_addr, a.shape[0], num_experts, _num_ctas(device, tiles_bound))
+    return out
+
+
+def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                          gather_idx_a: torch.Tensor | None = None,
+                          gather_idx_b: torch.Tensor | None = None) -> torch.Tensor:
+    """varlen-K grouped GEMM: ``C[e] = A_eᵀ · B_e`` over the rows of expert ``e``.
+
+    DESIGN §3 backward (``dW2[e] = gather(dO)ᵀ_e · A'_e``, ``dW1[e] = dH_eᵀ · gather(X)_e``)
+    and §4; SonicMoE (arXiv 2512.14080) §4.1. One persistent launch, fp32 accumulation in row
+    order (bitwise deterministic), bf16 output; an expert with no rows gets zeros.
+
+    Args:
+        a: bf16, contiguous, CUDA: ``(P, M)``, or the ``(T_a, M)`` source rows when
+            ``gather_idx_a`` is given (row ``r`` of ``A`` is ``a[gather_idx_a[r]]``).
+        b: bf16, contiguous: ``(P, N)``, or ``(T_b, N)`` with ``gather_idx_b``.
+        expert_offsets: ``(E+1,)`` int32, contiguous, non-decreasing from 0, last entry ``P``.
+        gather_idx_a, gather_idx_b: ``(P,)`` int32, contiguous, or None.
+
+    Returns:
+        ``(E, M, N)`` bf16.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: a tensor is not a contiguous CUDA tensor of the right rank, devices differ,
+            the row counts disagree, ``M`` or ``N`` is not a positive multiple of 8, or ``E``
+            exceeds 1024.
+    """
+    runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
+    device = a.device
+    runtime.check_tensor("b", b, dtypes=(torch.bfloat16,), ndim=2, device=device)
+    num_experts = _check_offsets(expert_offsets, device)
+    dim_m, dim_n = a.shape[1], b.shape[1]
+    _check_width("M (columns of a)", dim_m)
+    _check_width("N (columns of b)", dim_n)
+    rows = []
+    for name, x, idx in (("a", a, gather_idx_a), ("b", b, gather_idx_b)):
+        if idx is not None:
+            runtime.check_tensor(f"gather_idx_{name}", idx, dtypes=(torch.int32,), ndim=1,
+                                 device=device)
+            rows.append(idx.numel())
+        else:
+            rows.append(x.shape[0])
+    if rows[0] != rows[1]:
+        raise ValueError(f"a and b must have the same number of rows P (after gathering), got "
+                         f"{rows[0]} and {rows[1]}")
+    out = torch.empty(num_experts, dim_m, dim_n, dtype=torch.bfloat16, device=device)
+    if rows[0] == 0:
+        return out.zero_()
+    ga, gb = gather_idx_a is not None, gather_idx_b is not None
+    tile_n, pingpong = _plan(True, dim_n, 0)
+    key = ("grouped_gemm_varlen_k", tile_n, pingpong, dim_m, dim_n, ga, gb)
+    fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, dim_m, dim_n, 0, ga, gb))
+    tiles = num_experts * ((dim_m + TILE_M - 1) // TILE_M) * ((dim_n + tile_n - 1) // tile_n)
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    # An index address that is not gathered is never read; expert_offsets' stands in for it.
+    fn(addr(a, 16), addr(b, 16), addr(out, 16), addr(gather_idx_a, 4) if ga else offsets_addr,
+       addr(gather_idx_b, 4) if gb else offsets_addr, addr(_zeros(device), 16), offsets_addr,
+       a.shape[0], num_experts, _num_ctas(device, tiles))
+    return out
+
+
+_MARKERS_TMA = ("wgmma.mma_async", "cp.async.bulk.tensor")
+_MARKERS_GATHER = ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.cg")
+_MARKERS_VARLEN_K = ("wgmma.mma_async", "cp.async.cg")
+
+for _n, _k, _gather in ((512, 1536, True), (1536, 256, False)):
+    register(KernelVariant(
+        kernel="grouped_gemm",
+        variant=f"varlen_m_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
+        compile_fake=lambda n=_n, k=_k, g=_gather: _compile(False, *_plan(False, n, k), 0, n, k,
+                                                            g, False, keep_ptx=True),
+        ptx_markers=_MARKERS_GATHER if _gather else _MARKERS_TMA))
+register(KernelVariant(
+    kernel="grouped_gemm", variant="varlen_k_m512_n1536_gather_b",
+    compile_fake=lambda: _compile(True, *_plan(True, 1536, 0), 512, 1536, 0, False, True,
+                                  keep_ptx=True),
+    ptx_markers=_MARKERS_VARLEN_K))

@@ -1,0 +1,164 @@
+"""GPU grouped GEMMs (varlen-M, varlen-K, gathered or not) against per-expert fp32 matmuls."""
+
+import pytest
+import torch
+
+from sonic.kernels import kernels_available
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernels():
+    ok, reason = kernels_available()
+    if not ok:
+        pytest.skip(reason)
+
+
+def _poison_allocator():
+    # 0xFF bytes are NaN in bf16: an output element the kernel skips shows up.
+    torch.full((512 << 20,), -1, dtype=torch.int8, device="cuda")
+    torch.cuda.synchronize()
+
+
+def _counts(mode, num_experts, num_pairs, gen):
+    if mode == "one":
+        counts = torch.zeros(num_experts, dtype=torch.long)
+        counts[num_experts // 2] = num_pairs
+        return counts
+    weights = torch.rand(num_experts, generator=gen) + 0.05
+    if mode == "empty":
+        weights[torch.randperm(num_experts, generator=gen)[: (num_experts + 1) // 2]] = 0
+    choice = torch.multinomial(weights, num_pairs, replacement=True, generator=gen)
+    return torch.bincount(choice, minlength=num_experts)
+
+
+def _offsets(counts):
+    off = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    off[1:] = counts.cumsum(0)
+    return off.cuda()
+
+
+def _rand(*shape, gen):
+    return (torch.randn(*shape, generator=gen) + 0.1).to(torch.bfloat16).cuda()
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _ref_varlen_m(a_rows, b, offsets):
+    out = torch.empty(a_rows.shape[0], b.shape[1], dtype=torch.float32, device="cuda")
+    off = offsets.tolist()
+    for e in range(b.shape[0]):
+        out[off[e]:off[e + 1]] = a_rows[off[e]:off[e + 1]].float() @ b[e].float().t()
+    return out
+
+
+def _ref_varlen_k(a_rows, b_rows, offsets):
+    off = offsets.tolist()
+    out = torch.empty(len(off) - 1, a_rows.shape[1], b_rows.shape[1], device="cuda")
+    for e in range(len(off) - 1):
+        out[e] = a_rows[off[e]:off[e + 1]].float().t() @ b_rows[off[e]:off[e + 1]].float()
+    return out
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("num_pairs,num_experts,dim_n,dim_k,mode", [
+    (1, 1, 64, 64, "ragged"),
+    (1000, 8, 1536, 256, "ragged"),
+    (3001, 16, 512, 1536, "empty"),
+    (777, 4, 200, 136, "one"),
+    (20000, 512, 256, 128, "ragged"),
+    (4097, 128, 3072, 64, "empty"),
+    (2500, 32, 200, 2048, "ragged"),
+    (1500, 64, 1024, 1096, "empty"),
+])
+def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered):
+    from sonic.kernels.grouped_gemm import grouped_gemm
+
+    gen = torch.Generator().manual_seed(num_pairs + dim_n + dim_k)
+    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
+    b = _rand(num_experts, dim_n, dim_k, gen=gen)
+    if gathered:
+        num_tokens = max(num_pairs // 3, 1)
+        x = _rand(num_tokens, dim_k, gen=gen)
+        idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
+        a_rows = x[idx.long()]
+        args, kwargs = (x, b, offsets), {"gather_idx": idx}
+    else:
+        a_rows = _rand(num_pairs, dim_k, gen=gen)
+        args, kwargs = (a_rows, b, offsets), {}
+    inputs = [t.clone() for t in args]
+    ref = _ref_varlen_m(a_rows, b, offsets)
+    _poison_allocator()
+    out = grouped_gemm(*args, **kwargs)
+    assert out.shape == (num_pairs, dim_n) and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    preset = torch.full_like(out, float("nan"))
+    again = grouped_gemm(*args, **kwargs, out=preset)
+    assert again is preset and torch.equal(out, again)
+    for before, after in zip(inputs, args):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("gather_a,gather_b", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("num_pairs,num_experts,dim_m,dim_n,mode", [
+    (1, 2, 64, 64, "ragged"),
+    (3001, 8, 512, 1536, "ragged"),
+    (2000, 16, 200, 136, "empty"),
+    (777, 4, 256, 512, "one"),
+    (20000, 512, 128, 256, "ragged"),
+])
+def test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b):
+    from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k
+
+    gen = torch.Generator().manual_seed(num_pairs + dim_m + dim_n)
+    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
+    num_tokens = max(num_pairs // 2, 1)
+    kwargs, rows, args = {}, [], []
+    for name, width, gathered in (("a", dim_m, gather_a), ("b", dim_n, gather_b)):
+        if gathered:
+            src = _rand(num_tokens, width, gen=gen)
+            idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen,
+                                dtype=torch.int32).cuda()
+            kwargs[f"gather_idx_{name}"] = idx
+            rows.append(src[idx.long()])
+        else:
+            src = _rand(num_pairs, width, gen=gen)
+            rows.append(src)
+        args.append(src)
+    ref = _ref_varlen_k(rows[0], rows[1], offsets)
+    _poison_allocator()
+    out = grouped_gemm_varlen_k(args[0], args[1], offsets, **kwargs)
+    assert out.shape == (num_experts, dim_m, dim_n) and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2,
+                               atol=2e-2 * ref.abs().max().clamp_min(1).item())
+    _poison_allocator()
+    assert torch.equal(out, grouped_gemm_varlen_k(args[0], args[1], offsets, **kwargs))
+
+
+def test_validation():
+    from sonic.kernels.grouped_gemm import grouped_gemm, grouped_gemm_varlen_k
+
+    a = torch.randn(16, 64, device="cuda").bfloat16()
+    b = torch.randn(2, 32, 64, device="cuda").bfloat16()
+    off = torch.tensor([0, 8, 16], dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="a must have dtype bfloat16"):
+        grouped_gemm(a.float(), b, off)
+    with pytest.raises(ValueError, match="b must have E = 2 experts"):
+        grouped_gemm(a, b[:1], off)
+    with pytest.raises(ValueError, match="a must have K = 64"):
+        grouped_gemm(a[:, :32].contiguous(), b, off)
+    with pytest.raises(ValueError, match="K must be a positive multiple of 8"):
+        grouped_gemm(a[:, :12].contiguous(), b[:, :, :12].contiguous(), off)
+    with pytest.raises(ValueError, match="out must have shape"):
+        grouped_gemm(a, b, off, out=torch.empty(16, 31, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="same number of rows"):
+        grouped_gemm_varlen_k(a, a[:8].contiguous(), off)
+    with pytest.raises(TypeError, match="gather_idx_b must have dtype int32"):
+        grouped_gemm_varlen_k(a, a, off, gather_idx_b=off.long())
