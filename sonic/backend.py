@@ -29,6 +29,8 @@ class ExpertOps:
     metadata: Callable
     grouped_mm: Callable
     grouped_mm_varlen_k: Callable
+    swiglu: Callable
+    dswiglu_epilogue: Callable
     aggregate: Callable
 
 
@@ -37,6 +39,8 @@ TORCH_OPS = ExpertOps(
     metadata=pairs_metadata,
     grouped_mm=reference.grouped_mm,
     grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
+    swiglu=reference.swiglu,
+    dswiglu_epilogue=reference.dswiglu_epilogue,
     aggregate=reference.aggregate,
 )
 
@@ -102,5 +106,7 @@ def _cute_ops() -> ExpertOps:
         metadata=_cute_metadata,
         grouped_mm=reference.grouped_mm,
         grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
+        swiglu=reference.swiglu,
+        dswiglu_epilogue=reference.dswiglu_epilogue,
         aggregate=aggregate,
     )

@@ -13,7 +13,7 @@ import torch
 from sonic._validation import (check_choice, check_float, check_index, check_index_range,
                                check_same_device)
 from sonic.backend import ExpertOps, expert_ops
-from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype, dswiglu, swiglu
+from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import RoutingMetadata
 
 
@@ -28,7 +28,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         offsets = meta.expert_offsets
         # The CuTe up-proj gathers rows while loading; here the gathered copy is transient.
         h = ops.grouped_mm(x.index_select(0, meta.gather_idx), w1.transpose(1, 2), offsets)
-        y = ops.grouped_mm(swiglu(h, gate_up), w2.transpose(1, 2), offsets)
+        y = ops.grouped_mm(ops.swiglu(h, gate_up), w2.transpose(1, 2), offsets)
         row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
         out = ops.aggregate(y, meta.token_rows, meta.token_offsets, row_scores)
         ctx.save_for_backward(x, w1, w2, h, scores, *meta.tensors())
@@ -43,27 +43,24 @@ class MoEExpertsFunction(torch.autograd.Function):
         ops, gate_up = ctx.ops, ctx.gate_up
         need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
         offsets = meta.expert_offsets
-        acc = accumulate_dtype(x.dtype)
         grad_out = grad_out.contiguous().to(x.dtype)
-        row_scores = scores.index_select(0, meta.sorted_pairs).to(acc).unsqueeze(-1)
+        row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
 
-        # dH kernel: dA' = gather(dO)·W2, then ds, dA = s·dA', dH = dSwiGLU(dA, H), A' = s·A.
+        # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
         grad_out_rows = grad_out.index_select(0, meta.gather_idx)
-        da_prime = ops.grouped_mm(grad_out_rows, w2, offsets).to(acc)
-        a = swiglu(h, gate_up).to(acc)
-        grad_scores = None
-        if need_s:
-            ds_rows = (da_prime * a).sum(dim=-1)
-            grad_scores = ds_rows.index_select(0, meta.pair_rows).to(scores.dtype)
-        dh = dswiglu((da_prime * row_scores).to(x.dtype), h, gate_up)
+        da_prime = ops.grouped_mm(grad_out_rows, w2, offsets)
+        dh, a_scaled, ds_rows = ops.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+        del da_prime
+        grad_scores = ds_rows.index_select(0, meta.pair_rows).to(scores.dtype) if need_s else None
 
         grad_w2 = grad_w1 = grad_x = None
         if need_w2:
-            a_scaled = (a * row_scores).to(x.dtype)
             grad_w2 = ops.grouped_mm_varlen_k(grad_out_rows, a_scaled, offsets)
+        del grad_out_rows, a_scaled
         if need_x:
             dx_rows = ops.grouped_mm(dh, w1, offsets)
             grad_x = ops.aggregate(dx_rows, meta.token_rows, meta.token_offsets, None)
+            del dx_rows
         if need_w1:
             grad_w1 = ops.grouped_mm_varlen_k(dh, x.index_select(0, meta.gather_idx), offsets)
         return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None, None

@@ -94,24 +94,42 @@ def merge_gate_up(gate: torch.Tensor, up: torch.Tensor, gate_up: str) -> torch.T
 
 
 def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
-    """``A = silu(gate) ⊙ up`` of ``H (P, 2n)`` → ``(P, n)`` in ``h``'s dtype (fp32 math)."""
+    """Up-proj epilogue: ``A = silu(gate) ⊙ up`` of ``H (P, 2n)`` → ``(P, n)`` in ``h``'s dtype.
+
+    fp32 math (fp64 for fp64 input), one rounding at the end.
+    """
     gate, up = split_gate_up(h, gate_up)
     acc = accumulate_dtype(h.dtype)
     return (F.silu(gate.to(acc)) * up.to(acc)).to(h.dtype)
 
 
-def dswiglu(da: torch.Tensor, h: torch.Tensor, gate_up: str) -> torch.Tensor:
-    """Gradient of :func:`swiglu`: ``dH (P, 2n)`` from ``dA (P, n)`` and ``H`` (fp32 math).
+def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
+                     gate_up: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Epilogue of the dH kernel (DESIGN §3, backward step 1; SonicMoE App. C).
 
-    ``d_up = dA ⊙ silu(g)``, ``d_gate = dA ⊙ u ⊙ σ(g)(1 + g(1 − σ(g)))`` (DESIGN §3).
+    From ``dA' = gather(dO)·W2 (P, n)``, the saved ``H (P, 2n)`` and the score of each row,
+    recomputes ``A = silu(g) ⊙ u`` (never stored by the forward) and returns
+
+    * ``dH (P, 2n)``: ``dSwiGLU(dA, H)`` with ``dA = s·dA'`` — ``d_up = dA ⊙ silu(g)``,
+      ``d_gate = dA ⊙ u ⊙ σ(g)(1 + g(1 − σ(g)))``;
+    * ``A' = s·A (P, n)``: the right operand of dW2;
+    * ``ds (P,)``: ``⟨dA', A⟩``, the score gradient of each row (``⟨dO_t, y⟩`` without ``y``).
+
+    ``dH`` and ``A'`` are in ``h``'s dtype, ``ds`` in the accumulation dtype (fp32; fp64 for fp64).
+    Math in the accumulation dtype; neither ``A`` nor ``dA`` is rounded before it is used.
     """
     gate, up = split_gate_up(h, gate_up)
     acc = accumulate_dtype(h.dtype)
-    g, u, da32 = gate.to(acc), up.to(acc), da.to(acc)
+    g, u, dap = gate.to(acc), up.to(acc), da_prime.to(acc)
+    s = row_scores.to(acc).unsqueeze(-1)
     sig = torch.sigmoid(g)
-    d_gate = da32 * u * sig * (1 + g * (1 - sig))
-    d_up = da32 * g * sig
-    return merge_gate_up(d_gate, d_up, gate_up).to(h.dtype)
+    silu = g * sig
+    a = silu * u
+    ds = (dap * a).sum(dim=-1)
+    da = s * dap
+    d_gate = da * u * sig * (1 + g * (1 - sig))
+    d_up = da * silu
+    return merge_gate_up(d_gate, d_up, gate_up).to(h.dtype), (s * a).to(h.dtype), ds
 
 
 def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Tensor,
