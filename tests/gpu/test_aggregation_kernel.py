@@ -3,23 +3,16 @@
 import pytest
 import torch
 
-from sonic.kernels import kernels_available
 from sonic.routing.metadata import pairs_metadata
+
+from kernel_checks import poison_allocator, require_kernels
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _needs_kernels():
-    ok, reason = kernels_available()
-    if not ok:
-        pytest.skip(reason)
-
-
-def _poison_allocator():
-    # 0xFF bytes are NaN in bf16 and fp32: an output element the kernel skips shows up.
-    torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")
-    torch.cuda.synchronize()
+    require_kernels()
 
 
 def _reference(y, meta, row_scores):
@@ -62,13 +55,13 @@ def test_matches_reference(t, e, p, d, mode, dtype, scored):
     row_scores = torch.rand(meta.num_pairs, generator=gen).cuda() + 0.1 if scored else None
     inputs = [y.clone(), meta.token_rows.clone(), meta.token_offsets.clone()]
     ref = _reference(y, meta, row_scores)
-    _poison_allocator()
+    poison_allocator()
     out = aggregate(y, meta.token_rows, meta.token_offsets, row_scores)
     assert out.shape == (t, d) and out.dtype == dtype
     assert not out.isnan().any()
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
-    _poison_allocator()
+    poison_allocator()
     again = aggregate(y, meta.token_rows, meta.token_offsets, row_scores)
     assert torch.equal(out, again)
     for a, b in zip(inputs, (y, meta.token_rows, meta.token_offsets)):

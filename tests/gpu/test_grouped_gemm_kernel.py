@@ -3,22 +3,15 @@
 import pytest
 import torch
 
-from sonic.kernels import kernels_available
+
+from kernel_checks import poison_allocator, require_kernels
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _needs_kernels():
-    ok, reason = kernels_available()
-    if not ok:
-        pytest.skip(reason)
-
-
-def _poison_allocator():
-    # 0xFF bytes are NaN in bf16: an output element the kernel skips shows up.
-    torch.full((512 << 20,), -1, dtype=torch.int8, device="cuda")
-    torch.cuda.synchronize()
+    require_kernels()
 
 
 def _counts(mode, num_experts, num_pairs, gen):
@@ -91,7 +84,7 @@ def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered):
         args, kwargs = (a_rows, b, offsets), {}
     inputs = [t.clone() for t in args]
     ref = _ref_varlen_m(a_rows, b, offsets)
-    _poison_allocator()
+    poison_allocator(512 << 20)
     out = grouped_gemm(*args, **kwargs)
     assert out.shape == (num_pairs, dim_n) and out.dtype == torch.bfloat16
     assert not out.isnan().any()
@@ -131,14 +124,14 @@ def test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b
             rows.append(src)
         args.append(src)
     ref = _ref_varlen_k(rows[0], rows[1], offsets)
-    _poison_allocator()
+    poison_allocator(512 << 20)
     out = grouped_gemm_varlen_k(args[0], args[1], offsets, **kwargs)
     assert out.shape == (num_experts, dim_m, dim_n) and out.dtype == torch.bfloat16
     assert not out.isnan().any()
     assert _rel_err(out, ref) < 1e-2
     torch.testing.assert_close(out.float(), ref, rtol=2e-2,
                                atol=2e-2 * ref.abs().max().clamp_min(1).item())
-    _poison_allocator()
+    poison_allocator(512 << 20)
     assert torch.equal(out, grouped_gemm_varlen_k(args[0], args[1], offsets, **kwargs))
 
 

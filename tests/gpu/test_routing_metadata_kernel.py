@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from sonic.kernels import kernels_available
 from sonic.routing.metadata import RoutingMetadata, pairs_metadata
+
+from kernel_checks import poison_allocator, require_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -14,16 +15,7 @@ FIELDS = ("expert_counts", "expert_offsets", "sorted_pairs", "gather_idx", "pair
 
 @pytest.fixture(autouse=True)
 def _needs_kernels():
-    ok, reason = kernels_available()
-    if not ok:
-        pytest.skip(reason)
-
-
-def _poison_allocator():
-    # Freed blocks go back to the caching allocator, so the kernels' output buffers are likely
-    # to start as 0xFF bytes (-1): a row the kernel forgets to write shows up.
-    torch.full((64 << 20,), -1, dtype=torch.int8, device="cuda")
-    torch.cuda.synchronize()
+    require_kernels()
 
 
 def _assert_same(got: RoutingMetadata, ref: RoutingMetadata):
@@ -61,10 +53,10 @@ def test_topk_matches_reference(t, k, e, mode):
     experts = experts.cuda()
     tokens = torch.arange(t, dtype=torch.int32, device="cuda").repeat_interleave(experts.shape[1])
     ref = pairs_metadata(tokens, experts.reshape(-1), t, e)
-    _poison_allocator()
+    poison_allocator(64 << 20)
     first = routing_metadata_topk(experts, e)
     _assert_same(first, ref)
-    _poison_allocator()
+    poison_allocator(64 << 20)
     second = routing_metadata_topk(experts, e)
     for name in FIELDS:
         assert torch.equal(getattr(first, name), getattr(second, name)), name
@@ -95,10 +87,10 @@ def test_pairs_matches_reference(t, e, p, mode):
     tokens, experts = _random_pairs(t, e, p, mode, gen)
     tokens, experts = tokens.cuda(), experts.cuda()
     ref = pairs_metadata(tokens, experts, t, e)
-    _poison_allocator()
+    poison_allocator(64 << 20)
     first = routing_metadata_pairs(tokens, experts, t, e)
     _assert_same(first, ref)
-    _poison_allocator()
+    poison_allocator(64 << 20)
     second = routing_metadata_pairs(tokens, experts, t, e)
     for name in FIELDS:
         assert torch.equal(getattr(first, name), getattr(second, name)), name

@@ -12,6 +12,8 @@ import torch
 
 from sonic.kernels import runtime, topk
 
+from kernel_checks import require_kernels
+
 T_GRID = (1, 1000, 4097)
 E_GRID = (1, 8, 96, 128, 257, 512)
 K_GRID = (1, 2, 8, 16)
@@ -21,12 +23,6 @@ SCORE_MODES = (("softmax_topk", False), ("topk_softmax", False), ("topk_softmax"
 
 # Scores are fp32 softmaxes computed in another summation order than PyTorch's: a few ulp apart.
 RTOL, ATOL = 1e-5, 1e-7
-
-
-def _needs_kernels():
-    ok, reason = runtime.kernels_available()
-    if not ok:
-        pytest.skip(reason)
 
 
 def reference(logits, k, score, renormalize):
@@ -86,7 +82,7 @@ def check_against_reference(logits, k, score="softmax_topk", renormalize=False):
 @pytest.mark.parametrize("E,k", EK_GRID)
 @pytest.mark.parametrize("T", T_GRID)
 def test_grid_matches_stable_sort(T, E, k, dtype):
-    _needs_kernels()
+    require_kernels()
     # fp32 logits on a 1/256 grid: exact order expected (see the precision note of the module).
     kind = "normal" if dtype == torch.bfloat16 else "grid"
     check_against_reference(random_logits(T, E, dtype, seed=T * 1000 + E * 17 + k, kind=kind), k)
@@ -96,7 +92,7 @@ def test_grid_matches_stable_sort(T, E, k, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("E,k", [(8, 8), (96, 6), (128, 8), (257, 16), (512, 16), (512, 1)])
 def test_exact_ties_keep_lower_expert_first(E, k, dtype):
-    _needs_kernels()
+    require_kernels()
     check_against_reference(random_logits(4097, E, dtype, seed=E + k, kind="ties"), k)
 
 
@@ -105,7 +101,7 @@ def test_exact_ties_keep_lower_expert_first(E, k, dtype):
 @pytest.mark.parametrize("E,k", [(8, 2), (96, 6), (128, 8), (257, 16), (512, 16)])
 @pytest.mark.parametrize("score,renormalize", SCORE_MODES)
 def test_score_modes(score, renormalize, E, k, dtype):
-    _needs_kernels()
+    require_kernels()
     kind = "normal" if dtype == torch.bfloat16 else "grid"
     logits = random_logits(1000, E, dtype, seed=E * k, kind=kind)
     check_against_reference(logits, k, score, renormalize)
@@ -118,7 +114,7 @@ def test_score_modes(score, renormalize, E, k, dtype):
 def test_fp32_full_precision_logits(E, k):
     """Unrounded fp32: the order may differ from torch only between logits equal in their top
     ``23 - log2(E_pad)`` mantissa bits; scores are exact softmaxes of the selected logits."""
-    _needs_kernels()
+    require_kernels()
     logits = random_logits(4097, E, torch.float32, seed=E + 7)
     scores, idx = run_poisoned(logits, k)
     picked = logits.gather(1, idx.long())
@@ -132,7 +128,7 @@ def test_fp32_full_precision_logits(E, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_bitwise_deterministic(dtype):
-    _needs_kernels()
+    require_kernels()
     logits = random_logits(4097, 257, dtype, seed=3)
     for score, renormalize in SCORE_MODES:
         s1, i1 = run_poisoned(logits, 16, score=score, renormalize=renormalize)
@@ -144,7 +140,7 @@ def test_bitwise_deterministic(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_unaligned_and_strided_inputs(dtype):
-    _needs_kernels()
+    require_kernels()
     T, E, k = 1000, 128, 8
     kind = "normal" if dtype == torch.bfloat16 else "grid"
     # A view one element into its storage: not 16-byte aligned, takes the scalar-load variant.
@@ -157,7 +153,7 @@ def test_unaligned_and_strided_inputs(dtype):
 
 @pytest.mark.gpu
 def test_matches_sonic_topk_routing():
-    _needs_kernels()
+    require_kernels()
     import sonic
 
     logits = random_logits(1000, 96, torch.bfloat16, seed=5)
@@ -170,7 +166,7 @@ def test_matches_sonic_topk_routing():
 
 @pytest.mark.gpu
 def test_empty_batch():
-    _needs_kernels()
+    require_kernels()
     scores, idx = topk.topk_scores(torch.randn(0, 64, device="cuda"), 4)
     assert scores.shape == idx.shape == (0, 4)
 
