@@ -8,6 +8,8 @@ where they exist, on a supported GPU, and the reference for the steps that have 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,7 +79,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     ok, reason = kernel_support(device)
     if backend == "cute" and not ok:
         raise RuntimeError(f"backend='cute' cannot run here: {reason}")
+    if not ok and device.type == "cuda":
+        _warn_fallback(reason)
     return "cute" if ok else "torch"
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    # Once per reason: a GPU user should learn that the kernels are not running, not every call.
+    warnings.warn(f"sonic: CuTe kernels unavailable ({reason}); using the PyTorch reference "
+                  "backend", RuntimeWarning, stacklevel=3)
 
 
 def expert_ops(backend: str, device: torch.device) -> ExpertOps:
