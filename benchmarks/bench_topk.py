@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, copy_bandwidth, device_name, host_overhead_us  # noqa: E402
 
-from sonic.kernels import topk  # noqa: E402
+from sonic.kernels import runtime, topk  # noqa: E402
 from sonic.kernels.topk import topk_scores  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # back-to-back timing rotates inputs over this many bytes (> L2)
@@ -76,6 +76,7 @@ def run(T: int, E: int, K: int, dtype: torch.dtype, copy_gbps: float) -> dict:
     copy_b2b_us = back_to_back_us(lambda i: copies[i].copy_(inputs[i]), n_inputs)
     del copies
     kernel_us = bench(lambda: topk_scores(logits, K))
+    one_row = logits[:1]  # host time: the launch path of a one-token call
     torch_us = bench(lambda: torch_router(logits, K))
     read_gbps = nbytes / (kernel_us * 1e-6) / 1e9
     return {
@@ -89,7 +90,7 @@ def run(T: int, E: int, K: int, dtype: torch.dtype, copy_gbps: float) -> dict:
         "b2b_read_gbps": nbytes / (kernel_b2b_us * 1e-6) / 1e9,
         # Same-size copies back to back: the ceiling at this size (launch and ramp included).
         "b2b_pct_of_same_size_copy": 100 * (nbytes / kernel_b2b_us) / (2 * nbytes / copy_b2b_us),
-        "kernel_host_us": host_overhead_us(lambda: topk_scores(logits[:1], K)),
+        "kernel_host_us": host_overhead_us(lambda: topk_scores(one_row, K)),
     }
 
 
@@ -100,8 +101,8 @@ def sweep_keys_per_lane(T: int, E: int, K: int, dtype: torch.dtype, choices) -> 
     inputs = [torch.randn(T, E, device="cuda").to(dtype) for _ in range(n_inputs)]
     out = {}
     for v in choices:
-        plan = topk._Plan(dtype, E, K, "softmax_topk", False, True, v)
-        out[v] = back_to_back_us(lambda i: topk._run(plan, inputs[i]), n_inputs)
+        out[v] = back_to_back_us(lambda i: topk._run(inputs[i], K, "softmax_topk", False, True, v),
+                                 n_inputs)
     return out
 
 
@@ -117,7 +118,9 @@ def main() -> None:
     args = parser.parse_args()
 
     copy = copy_bandwidth()
-    print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
+    launch = "TVM-FFI" if runtime.tvm_ffi_enabled() else "plain"
+    print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write); "
+          f"launcher: {launch}")
     print(f"{'T':>6} {'E':>4} {'K':>2} {'dtype':>8} | {'torch us':>8} {'kernel us':>9} "
           f"{'read GB/s':>9} "
           f"{'% copy':>6} {'speedup':>7} | {'b2b torch':>9} {'b2b kernel':>10} {'GB/s':>5} "

@@ -14,6 +14,8 @@ are shared through L1. The kernel is bandwidth-bound: the bytes read are ``P·d�
 indices, the bytes written ``T·d·size``.
 """
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -28,6 +30,7 @@ UNROLL = 4
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
+@functools.cache
 def _kernels():
     """Build the CuTe-DSL kernel class (imports cutlass, so only on first use)."""
     import cutlass
@@ -91,22 +94,12 @@ def _kernels():
     return AggregationKernel
 
 
-_KERNEL_CLASS = None
-
-
-def _kernel_class():
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is None:
-        _KERNEL_CLASS = _kernels()
-    return _KERNEL_CLASS
-
-
 def _compile(dtype: torch.dtype, d: int, scored: bool, keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     addresses = [runtime.fake_address() for _ in range(5)]
-    return runtime.compile_launcher(_kernel_class()(runtime.cute_dtype(dtype), d, scored),
+    return runtime.compile_launcher(_kernels()(runtime.cute_dtype(dtype), d, scored),
                                     *addresses, cutlass.Int32(1), keep_ptx=keep_ptx)
 
 

@@ -33,6 +33,8 @@ warps are done reading it).
   shared-memory staging buffer), so a tile never writes rows of the next expert.
 """
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -67,11 +69,9 @@ def _stages(tile_n: int, pingpong: bool) -> int:
     return min(_MAX_STAGES, (_SMEM_BYTES - epilogue_bytes) // stage_bytes)
 
 
-def _kernel_class():
+@functools.cache
+def _kernels():
     """Build the CuTe-DSL kernel class (imports cutlass, so only on first use)."""
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is not None:
-        return _KERNEL_CLASS
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
     from cuda.bindings import driver as cuda
@@ -623,11 +623,7 @@ def _kernel_class():
                 # The next slab overwrites the staging buffer.
                 cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
 
-    _KERNEL_CLASS = GroupedGemmKernel
     return GroupedGemmKernel
-
-
-_KERNEL_CLASS = None
 
 
 def _plan(varlen_k: bool, dim_n: int, dim_k: int) -> tuple[int, bool]:
@@ -650,7 +646,7 @@ def _compile(varlen_k: bool, tile_n: int, pingpong: bool, dim_m: int, dim_n: int
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
-    kernel = _kernel_class()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong)
+    kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong)
     addresses = [runtime.fake_address() for _ in range(7)]
     sizes = [cutlass.Int32(1) for _ in range(3)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)

@@ -24,6 +24,8 @@ pair order too: four launches.
 """
 
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -39,6 +41,7 @@ SCAN_THREADS = 1024
 SCAN_ITEMS = 16
 
 
+@functools.cache
 def _kernels():
     """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
     import cutlass
@@ -337,22 +340,12 @@ def _kernels():
     return RoutingMetadataKernels
 
 
-_KERNEL_CLASS = None
-
-
-def _kernel_class():
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is None:
-        _KERNEL_CLASS = _kernels()
-    return _KERNEL_CLASS
-
-
 def _compile(num_experts: int, topk: bool, keep_ptx: bool = False):
     """Compile the launches of one static configuration with placeholder arguments."""
     import cutlass
 
     addresses = [runtime.fake_address() for _ in range(12)]
-    return runtime.compile_launcher(_kernel_class()(num_experts, topk), *addresses,
+    return runtime.compile_launcher(_kernels()(num_experts, topk), *addresses,
                                     cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
                                     keep_ptx=keep_ptx)
 

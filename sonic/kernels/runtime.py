@@ -17,10 +17,6 @@ Conventions every kernel module follows:
 * The same ``build`` function compiles with placeholder arguments on the CPU (the compile check,
   ``CUTE_DSL_ARCH=sm_90a``) and on the GPU (first launch), so what CI compiles is what runs.
 
-The older pointer convention (:func:`ptr`, :func:`fake_ptr`, :func:`current_stream`,
-:func:`compile_kernel`: ``cute.Pointer`` arguments built per call) still works, at a few µs more
-per pointer.
-
 ``cutlass`` is imported lazily, inside the functions, so ``import sonic`` works without it.
 """
 
@@ -106,57 +102,6 @@ def cute_dtype(dtype: torch.dtype):
     if dtype not in table:
         raise TypeError(f"no CuTe-DSL type for torch dtype {dtype}")
     return table[dtype]
-
-
-def ptr(t: torch.Tensor, align: int = 16):
-    """A global-memory ``cute.Pointer`` to ``t``'s data, promising ``align``-byte alignment.
-
-    The promise must match the one the kernel was compiled with (:func:`fake_ptr`); a tensor
-    whose address is not aligned cannot take the kernel's vector loads.
-
-    Raises:
-        ValueError: ``t``'s data pointer is not ``align``-byte aligned.
-    """
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-
-    address = t.data_ptr()
-    if address % align:
-        raise ValueError(f"tensor data at {address:#x} is not {align}-byte aligned; "
-                         "pass a tensor that owns its storage (e.g. .clone())")
-    return make_ptr(cute_dtype(t.dtype), address, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def fake_ptr(dtype, align: int = 16):
-    """A placeholder ``cute.Pointer`` of CuTe-DSL type ``dtype`` for compiling (never dereferenced)."""
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, _FAKE_ADDRESS, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def current_stream():
-    """PyTorch's current CUDA stream as a ``cuda.CUstream`` (the kernels' launch stream)."""
-    from cuda.bindings import driver
-
-    return driver.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
-def fake_stream():
-    """A placeholder stream for compiling."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    return make_fake_stream()
-
-
-def compile_kernel(fn, *args, keep_ptx: bool = False):
-    """``cute.compile(fn, *args)``, keeping the PTX in ``.artifacts.PTX`` when ``keep_ptx``.
-
-    On a machine without a GPU the target comes from ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``).
-    """
-    from cutlass import cute
-
-    return cute.compile(fn, *args, options="--keep-ptx" if keep_ptx else "")
 
 
 def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype], ndim: int,
@@ -251,10 +196,11 @@ def compile_launcher(fn, *args, keep_ptx: bool = False) -> Launcher:
     sizes. Uses TVM-FFI when :func:`tvm_ffi_enabled`.
     """
     from cutlass import cute
+    from cutlass.cute.runtime import make_fake_stream
 
     tvm_ffi = tvm_ffi_enabled()
     options = " ".join(o for o, on in (("--keep-ptx", keep_ptx), ("--enable-tvm-ffi", tvm_ffi)) if on)
-    return Launcher(cute.compile(fn, *args, fake_stream(), options=options), tvm_ffi)
+    return Launcher(cute.compile(fn, *args, make_fake_stream(), options=options), tvm_ffi)
 
 
 def address(t: torch.Tensor, align: int = 16) -> int:

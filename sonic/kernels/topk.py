@@ -94,6 +94,11 @@ class _Plan:
         return self.E_pad // self.keys_per_lane
 
     @property
+    def in_align(self) -> int:
+        """Alignment in bytes the kernel assumes of the logits' base address."""
+        return _VEC_BYTES if self.aligned else torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def vec(self) -> int:
         """Logits per load: the largest power of two dividing ``E`` that fits 16 bytes."""
         if not self.aligned:
@@ -200,9 +205,10 @@ def _group_top(keys: list, k_pad: int, lanes: int) -> list:
 
 
 def _make_kernel(plan: _Plan):
-    """The ``@cute.jit`` launcher of ``plan``: ``(logits, scores, indices pointers, T, stream)``."""
+    """The ``@cute.jit`` entry of ``plan``: ``(logits, scores, indices addresses, T, stream)``."""
     import cutlass
     import cutlass.cute as cute
+    from cuda.bindings import driver as cuda
     from cutlass import Float32, Int32, const_expr
 
     E, K = plan.E, plan.K
@@ -210,6 +216,7 @@ def _make_kernel(plan: _Plan):
     G, V, vec, ovec = plan.lanes_per_row, plan.keys_per_lane, plan.vec, plan.out_vec
     rows_per_cta = plan.rows_per_cta
     mask = E_pad - 1
+    in_dtype, in_align = runtime.cute_dtype(plan.dtype), plan.in_align
     exact_keys = plan.dtype != torch.float32  # bf16/fp16 survive the packing bit-exactly
     flip_bits = 0x7FFF0000 if exact_keys else 0x7FFFFFFF
     softmax_all = plan.score == "topk_softmax"
@@ -338,11 +345,15 @@ def _make_kernel(plan: _Plan):
                     cute.autovec_copy(frag_i, out_i[None, q])
 
     @cute.jit
-    def launch(p_logits: cute.Pointer, p_scores: cute.Pointer, p_idx: cute.Pointer,
-               num_rows: Int32, stream):
-        mX = cute.make_tensor(p_logits, cute.make_layout((num_rows, E), stride=(E, 1)))
-        mScores = cute.make_tensor(p_scores, cute.make_layout((num_rows, K), stride=(K, 1)))
-        mIdx = cute.make_tensor(p_idx, cute.make_layout((num_rows, K), stride=(K, 1)))
+    def launch(logits: cutlass.Int64, scores: cutlass.Int64, indices: cutlass.Int64,
+               num_rows: Int32, stream: cuda.CUstream):
+        gmem = runtime.gmem_ptr
+        mX = cute.make_tensor(gmem(in_dtype, logits, in_align),
+                              cute.make_layout((num_rows, E), stride=(E, 1)))
+        mScores = cute.make_tensor(gmem(Float32, scores, _VEC_BYTES),
+                                   cute.make_layout((num_rows, K), stride=(K, 1)))
+        mIdx = cute.make_tensor(gmem(Int32, indices, _VEC_BYTES),
+                                cute.make_layout((num_rows, K), stride=(K, 1)))
         kernel(mX, mScores, mIdx, num_rows).launch(
             grid=[cute.ceil_div(num_rows, rows_per_cta), 1, 1],
             block=[_THREADS, 1, 1],
@@ -352,20 +363,13 @@ def _make_kernel(plan: _Plan):
     return launch
 
 
-def _compile(plan: _Plan, keep_ptx: bool = False):
+def _compile(plan: _Plan, keep_ptx: bool = False) -> runtime.Launcher:
+    """Compile ``plan`` with placeholder arguments."""
     import cutlass
 
-    launch = _make_kernel(plan)
-    return runtime.compile_kernel(
-        launch,
-        runtime.fake_ptr(runtime.cute_dtype(plan.dtype), align=_VEC_BYTES if plan.aligned else
-                         torch.empty((), dtype=plan.dtype).element_size()),
-        runtime.fake_ptr(cutlass.Float32),
-        runtime.fake_ptr(cutlass.Int32),
-        cutlass.Int32(1),
-        runtime.fake_stream(),
-        keep_ptx=keep_ptx,
-    )
+    return runtime.compile_launcher(_make_kernel(plan), runtime.fake_address(),
+                                    runtime.fake_address(), runtime.fake_address(),
+                                    cutlass.Int32(1), keep_ptx=keep_ptx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,43 +425,53 @@ def topk_scores(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         raise ValueError(f"k must be in [1, {min(E, MAX_K)}] (k <= E and k <= {MAX_K}), got {k}")
     if score not in SCORES:
         raise ValueError(f"score must be one of {', '.join(map(repr, SCORES))}, got {score!r}")
-    if logits.device.type != "cuda":
-        raise ValueError(f"logits must be on a CUDA device, got {logits.device}")
-    _check_device(logits.device)
+    device = logits.device
+    if device.type != "cuda":
+        raise ValueError(f"logits must be on a CUDA device, got {device}")
+    _check_device(device)
 
     logits = logits.contiguous()
-    aligned = logits.data_ptr() % _VEC_BYTES == 0
-    return _run(_Plan(logits.dtype, E, k, score, renormalize and score == "topk_softmax", aligned),
-                logits)
+    return _run(logits, k, score, renormalize and score == "topk_softmax",
+                logits.data_ptr() % _VEC_BYTES == 0)
 
 
-_DEVICE_OK: dict = {}
+# Per CUDA device (a tensor's device, index included): ``kernels_available``'s answer.
+_DEVICE_OK: dict[torch.device, tuple[bool, str]] = {}
 
 
 def _check_device(device: torch.device) -> None:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_OK:
-        _DEVICE_OK[index] = runtime.kernels_available(torch.device("cuda", index))
-    ok, reason = _DEVICE_OK[index]
-    if not ok:
-        raise RuntimeError(f"topk_scores needs the CuTe-DSL kernels: {reason}")
+    status = _DEVICE_OK.get(device)
+    if status is None:
+        status = _DEVICE_OK[device] = runtime.kernels_available(device)
+    if not status[0]:
+        raise RuntimeError(f"topk_scores needs the CuTe-DSL kernels: {status[1]}")
 
 
-def _run(plan: _Plan, logits: torch.Tensor) -> tuple:
-    """Launch the kernel of ``plan`` on contiguous CUDA ``logits``; returns (scores, indices)."""
-    T = logits.shape[0]
-    scores = torch.empty((T, plan.K), dtype=torch.float32, device=logits.device)
-    indices = torch.empty((T, plan.K), dtype=torch.int32, device=logits.device)
+def _run(logits: torch.Tensor, k: int, score: str, renormalize: bool, aligned: bool,
+         keys_per_lane: int = _KEYS_PER_LANE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel of ``_Plan(logits.dtype, E, k, score, renormalize, aligned,
+    keys_per_lane)`` on contiguous CUDA ``logits``; returns ``(scores, indices)``.
+
+    The compile-cache key is a plain tuple of those fields, cheap to hash: the plan itself is
+    built only on a cache miss.
+    """
+    T, E = logits.shape
+    device = logits.device
+    scores = torch.empty((T, k), dtype=torch.float32, device=device)
+    indices = torch.empty((T, k), dtype=torch.int32, device=device)
     if T == 0:
         return scores, indices
-    fn = runtime.compiled(("topk", plan), lambda: _compile(plan))
-    args = (runtime.ptr(logits, _VEC_BYTES if plan.aligned else logits.element_size()),
-            runtime.ptr(scores), runtime.ptr(indices), T)
-    if logits.device.index == torch.cuda.current_device():
-        fn(*args, runtime.current_stream())
+    key = ("topk", logits.dtype, E, k, score, renormalize, aligned, keys_per_lane)
+    fn = runtime.compiled(key, lambda: _compile(_Plan(*key[1:])))
+    # Fresh outputs from the caching allocator are always 16-byte aligned.
+    args = (runtime.address(logits, _VEC_BYTES if aligned else logits.element_size()),
+            scores.data_ptr(), indices.data_ptr(), T)
+    # The launcher runs on the current device's stream.
+    if device.index == torch.cuda.current_device():
+        fn(*args)
     else:
-        with torch.cuda.device(logits.device):
-            fn(*args, runtime.current_stream())
+        with torch.cuda.device(device):
+            fn(*args)
     return scores, indices
 
 

@@ -165,6 +165,26 @@ def test_matches_sonic_topk_routing():
 
 
 @pytest.mark.gpu
+def test_runs_on_the_current_stream():
+    """The launch is ordered after earlier work of the caller's stream: logits written there
+    behind a long sleep are the ones selected from."""
+    require_kernels()
+    T, E, k = 4097, 128, 8
+    source = random_logits(T, E, torch.bfloat16, seed=21)
+    logits = random_logits(T, E, torch.bfloat16, seed=22)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of ms: a launch on another stream would overtake it
+        logits.copy_(source)
+        scores, idx = topk.topk_scores(logits, k)
+    torch.cuda.synchronize()
+    ref_s, ref_i = reference(source, k, "softmax_topk", False)
+    assert torch.equal(idx.long(), ref_i)
+    torch.testing.assert_close(scores, ref_s, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.gpu
 def test_empty_batch():
     require_kernels()
     scores, idx = topk.topk_scores(torch.randn(0, 64, device="cuda"), 4)
