@@ -11,7 +11,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 python3 -m pytest -m gpu -q -rf ${1:+-k "$1"} > "$out/tests.log" 2>&1
 tail -n 25 "$out/tests.log"
-for b in topk routing_metadata aggregation grouped_gemm moe; do
+for b in topk routing_metadata aggregation swiglu grouped_gemm moe; do
   [ -f "benchmarks/bench_$b.py" ] || continue
   echo "== bench_$b"
   python3 "benchmarks/bench_$b.py"

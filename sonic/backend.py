@@ -108,16 +108,38 @@ def _cute_metadata(token_idx, expert_idx, num_tokens, num_experts, *, top_k=None
                                   num_tokens, num_experts)
 
 
+def _epilogue_kernel_fits(h: torch.Tensor) -> bool:
+    # The standalone SwiGLU kernels take bf16 rows with n a multiple of 8; fp32/fp16 MoEs run
+    # the reference.
+    return h.dtype == torch.bfloat16 and h.is_contiguous() and h.shape[1] % 16 == 0
+
+
+def _cute_swiglu(h, gate_up):
+    from sonic.kernels import swiglu as kernels
+
+    fn = kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu
+    return fn(h, gate_up)
+
+
+def _cute_dswiglu_epilogue(da_prime, h, row_scores, gate_up):
+    from sonic.kernels import swiglu as kernels
+
+    if _epilogue_kernel_fits(h):
+        return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores.float().contiguous(),
+                                        gate_up)
+    return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+
+
 def _cute_ops() -> ExpertOps:
     from sonic.kernels.aggregation import aggregate
 
-    # The grouped GEMMs stay PyTorch's until the CuTe grouped-GEMM kernels land.
+    # The grouped GEMMs stay PyTorch's until the CuTe grouped-GEMM kernels beat it.
     return ExpertOps(
         name="cute",
         metadata=_cute_metadata,
         grouped_mm=reference.grouped_mm,
         grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
-        swiglu=reference.swiglu,
-        dswiglu_epilogue=reference.dswiglu_epilogue,
+        swiglu=_cute_swiglu,
+        dswiglu_epilogue=_cute_dswiglu_epilogue,
         aggregate=aggregate,
     )

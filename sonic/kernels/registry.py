@@ -17,7 +17,7 @@ from typing import Callable
 
 # Kernel modules that register variants, in listing order. A module that does not exist yet
 # (kernels land one at a time) is skipped by :func:`variants`.
-KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm")
+KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu")
 
 _REGISTRY: dict[tuple[str, str], "KernelVariant"] = {}
 

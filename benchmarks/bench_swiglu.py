@@ -1,0 +1,73 @@
+"""SwiGLU and dSwiGLU-epilogue kernels vs the PyTorch reference, same run, same inputs.
+
+    python benchmarks/bench_swiglu.py [--gate-up concat interleaved]
+
+At the ANCHORS.md shapes (P = T·K rows, n = d_expert) times ``sonic.kernels.swiglu.swiglu`` and
+``dswiglu_epilogue`` against ``sonic.reference.ops`` (today's GPU path, which builds ``(P, n)``
+fp32 temporaries) on the same bf16 inputs. Per shape, layout and kernel it prints the median µs of
+both (``_timing.bench``, L2 flushed), the kernel's GB/s on bytes read + written (SwiGLU: ``H``
+read, ``A`` written = ``6·P·n`` bytes; backward: ``H``, ``dA'``, scores read, ``dH``, ``A'``,
+``ds`` written = ``12·P·n + 8·P`` bytes), its percentage of the same-run device copy bandwidth
+(target ≥ 70 %), the speedup, and the largest difference from the reference (a sanity check; the
+tests hold the tolerances).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import bench, copy_bandwidth, device_name  # noqa: E402
+
+from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
+from sonic.reference import ops as ref  # noqa: E402
+
+# (name, T, K, n) from ANCHORS.md; OLMoE and 30B share d_expert = 1024.
+SHAPES = [("7B", 24576, 8, 256), ("OLMoE/30B", 32768, 8, 1024)]
+
+
+def _max_diff(outs, refs) -> float:
+    return max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, refs))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gate-up", nargs="+", default=list(ref.GATE_UP_LAYOUTS),
+                        choices=ref.GATE_UP_LAYOUTS)
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
+    print(f"{'shape':<10} {'P':>7} {'n':>5} {'gate_up':<11} {'kernel':<8} | {'torch us':>9} "
+          f"{'kernel us':>9} {'GB/s':>6} {'% copy':>6} {'speedup':>7} {'max diff':>9}")
+    for name, t, k, n in SHAPES:
+        p = t * k
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(p, 2 * n, device="cuda", generator=gen, dtype=torch.bfloat16)
+        da_prime = torch.randn(p, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+        scores = torch.rand(p, device="cuda", generator=gen) + 0.1
+        for gate_up in args.gate_up:
+            cases = (
+                ("swiglu", 6 * p * n,
+                 lambda: (ref.swiglu(h, gate_up),), lambda: (swiglu(h, gate_up),)),
+                ("dswiglu", 12 * p * n + 8 * p,
+                 lambda: ref.dswiglu_epilogue(da_prime, h, scores, gate_up),
+                 lambda: dswiglu_epilogue(da_prime, h, scores, gate_up)),
+            )
+            for kernel, nbytes, torch_fn, kernel_fn in cases:
+                diff = _max_diff(kernel_fn(), torch_fn())
+                torch_us = bench(torch_fn)
+                kern_us = bench(kernel_fn)
+                gbs = nbytes / (kern_us * 1e-6) / 1e9
+                print(f"{name:<10} {p:>7} {n:>5} {gate_up:<11} {kernel:<8} | {torch_us:>9.1f} "
+                      f"{kern_us:>9.1f} {gbs:>6.0f} {100 * gbs / copy:>5.1f}% "
+                      f"{torch_us / kern_us:>6.2f}x {diff:>9.2e}")
+        del h, da_prime, scores
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

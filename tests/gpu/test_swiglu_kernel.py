@@ -1,0 +1,171 @@
+"""GPU SwiGLU and dSwiGLU-epilogue kernels against the PyTorch reference evaluated in fp32.
+
+Tolerances (inputs of unit scale: H = 2·randn, dA' = randn, scores in [0.1, 1.1)):
+
+* bf16 outputs: the kernel (σ from the hardware ex2/rcp approximations) and the fp32 reference
+  agree to ~1e-6 relative before the kernel's single rounding to bf16, which adds at most half
+  a bf16 ulp (2**-9 ≈ 0.002 relative); so ``rtol=1e-2`` leaves a margin of ~5, and
+  ``atol=1e-3`` only covers values near zero (e.g. ``d_gate`` where ``1 + g(1 − σ)``
+  cancels), whose absolute error is ~1e-5 at most.
+* ``ds``: an fp32 sum of ``n`` products in another order than torch's; its error is a small
+  multiple of ``√n · eps · Σ|dA'·A|`` (an fp32 emulation of the kernel's order and
+  approximations stays below ``5e-7 · Σ|dA'·A|`` on these inputs), so ``rtol=1e-4`` plus an
+  absolute term of ``1e-5 · Σ|dA'·A|`` per row (rows whose sum cancels to near zero).
+"""
+
+import pytest
+import torch
+
+from sonic.reference import ops as ref
+
+from kernel_checks import poison_allocator, require_kernels
+
+BF16_TOL = dict(rtol=1e-2, atol=1e-3)
+LAYOUTS = ("concat", "interleaved")
+
+
+def _inputs(p, n, seed, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    h = (2 * torch.randn(p, 2 * n, generator=gen)).to(torch.bfloat16).to(device)
+    da_prime = torch.randn(p, n, generator=gen).to(torch.bfloat16).to(device)
+    scores = (torch.rand(p, generator=gen) + 0.1).to(device)
+    return da_prime, h, scores
+
+
+def _assert_ds_close(ds, da_prime, h, scores, gate_up, ref_ds):
+    gate, up = ref.split_gate_up(h.float(), gate_up)
+    magnitude = (da_prime.float() * torch.nn.functional.silu(gate) * up).abs().sum(dim=-1)
+    err = (ds - ref_ds).abs()
+    bound = 1e-4 * ref_ds.abs() + 1e-5 * magnitude
+    assert bool((err <= bound).all()), f"ds off by {(err - bound).max().item():.3g} over the bound"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("n", [8, 256, 520, 1024])
+@pytest.mark.parametrize("p", [1, 7, 1000, 4097])
+def test_swiglu_matches_reference(p, n, gate_up):
+    require_kernels()
+    from sonic.kernels.swiglu import swiglu
+
+    _, h, _ = _inputs(p, n, seed=p * 31 + n)
+    h_before = h.clone()
+    expected = ref.swiglu(h.float(), gate_up)
+    poison_allocator()
+    a = swiglu(h, gate_up)
+    assert a.shape == (p, n) and a.dtype == torch.bfloat16
+    assert not a.isnan().any()
+    torch.testing.assert_close(a.float(), expected, **BF16_TOL)
+    poison_allocator()
+    assert torch.equal(a, swiglu(h, gate_up))
+    assert torch.equal(h, h_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("n", [8, 256, 520, 1024])
+@pytest.mark.parametrize("p", [1, 7, 1000, 4097])
+def test_dswiglu_epilogue_matches_reference(p, n, gate_up):
+    require_kernels()
+    from sonic.kernels.swiglu import dswiglu_epilogue
+
+    da_prime, h, scores = _inputs(p, n, seed=p * 17 + n)
+    before = [t.clone() for t in (da_prime, h, scores)]
+    ref_dh, ref_a, ref_ds = ref.dswiglu_epilogue(da_prime.float(), h.float(), scores, gate_up)
+    poison_allocator()
+    dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    assert dh.shape == (p, 2 * n) and dh.dtype == torch.bfloat16
+    assert a_scaled.shape == (p, n) and a_scaled.dtype == torch.bfloat16
+    assert ds.shape == (p,) and ds.dtype == torch.float32
+    for out in (dh, a_scaled, ds):
+        assert not out.isnan().any()
+    torch.testing.assert_close(dh.float(), ref_dh, **BF16_TOL)
+    torch.testing.assert_close(a_scaled.float(), ref_a, **BF16_TOL)
+    _assert_ds_close(ds, da_prime, h, scores, gate_up, ref_ds)
+    poison_allocator()
+    again = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    for first, second in zip((dh, a_scaled, ds), again):
+        assert torch.equal(first, second)
+    for b, t in zip(before, (da_prime, h, scores)):
+        assert torch.equal(b, t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
+def test_rows_past_2_31_elements(gate_up):
+    """P·2n > 2**31: the last rows are addressed with 64-bit offsets (checked on a tail slice)."""
+    require_kernels()
+    from sonic.kernels.swiglu import dswiglu_epilogue, swiglu
+
+    n = 1024
+    p = (1 << 31) // (2 * n) + 5
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    h = torch.randn(p, 2 * n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    da_prime = torch.randn(p, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    scores = torch.rand(p, device="cuda", generator=gen) + 0.1
+    tail = slice(p - 16, p)
+    a = swiglu(h, gate_up)
+    torch.testing.assert_close(a[tail].float(), ref.swiglu(h[tail].float(), gate_up), **BF16_TOL)
+    del a
+    dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    ref_dh, ref_a, ref_ds = ref.dswiglu_epilogue(da_prime[tail].float(), h[tail].float(),
+                                                 scores[tail], gate_up)
+    torch.testing.assert_close(dh[tail].float(), ref_dh, **BF16_TOL)
+    torch.testing.assert_close(a_scaled[tail].float(), ref_a, **BF16_TOL)
+    _assert_ds_close(ds[tail], da_prime[tail], h[tail], scores[tail], gate_up, ref_ds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
+def test_zero_rows_returns_empty(gate_up):
+    require_kernels()
+    from sonic.kernels.swiglu import dswiglu_epilogue, swiglu
+
+    da_prime, h, scores = _inputs(0, 64, seed=0)
+    assert swiglu(h, gate_up).shape == (0, 64)
+    dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    assert dh.shape == (0, 128) and a_scaled.shape == (0, 64) and ds.shape == (0,)
+
+
+@pytest.mark.gpu
+def test_validation_on_gpu():
+    require_kernels()
+    from sonic.kernels.swiglu import dswiglu_epilogue, swiglu
+
+    da_prime, h, scores = _inputs(16, 64, seed=1)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        swiglu(torch.randn(16, 20, device="cuda").to(torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        dswiglu_epilogue(da_prime[:, :10].contiguous(), h[:, :20].contiguous(), scores)
+    with pytest.raises(ValueError, match="da_prime must have shape"):
+        dswiglu_epilogue(da_prime[:, :32].contiguous(), h, scores)
+    with pytest.raises(ValueError, match="da_prime must have shape"):
+        dswiglu_epilogue(da_prime[:8].contiguous(), h, scores)
+    with pytest.raises(ValueError, match="row_scores must have one entry per row"):
+        dswiglu_epilogue(da_prime, h, scores[:8].contiguous())
+    with pytest.raises(TypeError, match="row_scores must have dtype float32"):
+        dswiglu_epilogue(da_prime, h, scores.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="da_prime must have dtype bfloat16"):
+        dswiglu_epilogue(da_prime.float(), h, scores)
+    with pytest.raises(ValueError, match="h must be contiguous"):
+        swiglu(h[:, ::2])
+    with pytest.raises(ValueError, match="da_prime must be on a CUDA device"):
+        dswiglu_epilogue(da_prime.cpu(), h, scores)
+
+
+def test_validation_without_gpu():
+    from sonic.kernels.swiglu import dswiglu_epilogue, swiglu
+
+    da_prime, h, scores = _inputs(4, 16, seed=2, device="cpu")
+    with pytest.raises(TypeError, match="h must have dtype bfloat16"):
+        swiglu(h.float())
+    with pytest.raises(TypeError, match="h must have dtype bfloat16"):
+        dswiglu_epilogue(da_prime, h.half(), scores)
+    with pytest.raises(ValueError, match="h must be on a CUDA device"):
+        swiglu(h)
+    with pytest.raises(ValueError, match="h must be on a CUDA device"):
+        dswiglu_epilogue(da_prime, h, scores)
+    with pytest.raises(ValueError, match="h must have 2 dimension"):
+        swiglu(h[0])
+    with pytest.raises(ValueError, match="gate_up must be one of"):
+        swiglu(h, "split")
