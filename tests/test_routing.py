@@ -161,3 +161,32 @@ def test_topk_metadata_path_equals_general_path(T, E, k):
     general = pairs_metadata(r.token_idx, r.expert_idx, T, E)
     for a, b in zip(fast.tensors(), general.tensors()):
         assert torch.equal(a, b)
+
+
+def _token_rounding_by_full_sort(logits, k, tile, rounding):
+    """Algorithm 4 literally: sort every expert's column by the combined score C, keep r_e."""
+    T, E = logits.shape
+    probs = torch.softmax(logits, -1)
+    picks = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    picked = torch.zeros(T, E, dtype=torch.bool).scatter_(1, picks, True)
+    tc = torch.zeros(T, E).scatter_(1, picks, torch.softmax(logits.gather(1, picks), -1))
+    combined = torch.where(picked, tc, probs - 1)
+    order = torch.sort(combined, dim=0, descending=True, stable=True).indices
+    kept_counts = rounded_counts(picked.sum(0), tile, rounding, T)
+    kept = torch.zeros(T, E, dtype=torch.bool)
+    for e in range(E):
+        kept[order[: kept_counts[e], e], e] = True
+    return kept
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "up", "down"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_token_rounding_equals_full_sort(rounding, ties):
+    T, E, k, tile = 300, 8, 2, 16
+    logits = _logits(T, E, seed=5)
+    if ties:  # many exact ties in both the picks' scores and the non-picks' probabilities
+        logits = (logits * 2).round() / 2
+    r = sonic.token_rounding_routing(logits, k, tile=tile, rounding=rounding)
+    kept = torch.zeros(T, E, dtype=torch.bool)
+    kept[r.token_idx.long(), r.expert_idx.long()] = True
+    assert torch.equal(kept, _token_rounding_by_full_sort(logits, k, tile, rounding))

@@ -103,7 +103,8 @@ class MoE(nn.Module):
     def route(self, logits: torch.Tensor) -> Routing:
         """Routing for ``logits (T, E)`` under the current router and mode."""
         if self.training and self.router == "token_rounding":
-            return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding)
+            return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding,
+                                          backend=self.backend)
         return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
                             backend=self.backend)
 

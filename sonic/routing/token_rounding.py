@@ -6,7 +6,7 @@ import torch
 
 from sonic._validation import check_choice, check_int
 from sonic.reference.ops import accumulate_dtype
-from sonic.routing.topk import check_router_args, topk_indices
+from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
 
 ROUNDINGS = ("nearest", "up", "down")
@@ -27,7 +27,7 @@ def rounded_counts(counts: torch.Tensor, tile: int, rounding: str, num_tokens: i
 
 
 def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
-                           rounding: str = "nearest") -> Routing:
+                           rounding: str = "nearest", backend: str = "auto") -> Routing:
     """Token rounding: top-K token choice, then each expert's token count rounded to a tile.
 
     Training-time routing that removes the padding waste of partially filled GEMM tiles:
@@ -45,11 +45,12 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
         k: experts per token of the underlying token choice, ``1 <= k <= E``.
         tile: ``M_tile`` of the grouped GEMM (128 on Hopper), ``>= 1``.
         rounding: ``"nearest"`` (the paper's NR-f, default), ``"up"`` or ``"down"``.
+        backend: backend of the token-choice step, as in :func:`topk_routing`.
 
     Returns:
         A :class:`Routing` whose pairs are grouped by expert (ascending), each expert's tokens in
-        descending ``C`` order; ``P = Σ r_e`` is data-dependent, so building it reads ``P`` back to
-        the host once. Scores are fp32 (fp64 for fp64 logits), differentiable with respect to ``logits``.
+        ascending order; ``P = Σ r_e`` is data-dependent, so building it reads ``P`` back to the
+        host once. Scores are fp32 (fp64 for fp64 logits), differentiable with respect to ``logits``.
 
     Raises:
         TypeError / ValueError: bad ``logits``, ``k`` outside ``[1, E]``, ``tile < 1``, unknown
@@ -61,21 +62,24 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
     num_tokens, num_experts = logits.shape
-    device = logits.device
-    logits32 = logits.to(accumulate_dtype(logits.dtype))
-    probs = torch.softmax(logits32, dim=-1)
-    picks = topk_indices(logits32, k)
+    probs = torch.softmax(logits.to(accumulate_dtype(logits.dtype)), dim=-1)
+    # Token choice (the bitonic top-K kernel where it runs): its scores S/ΣS_picked are the
+    # renormalised TC scores of step 2.
+    tc = topk_routing(logits, k, backend=backend)
+    picks = tc.expert_idx.view(num_tokens, k).long()
     picked = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, picks, True)
-    picked_probs = torch.where(picked, probs, torch.zeros_like(probs))
-    tc_scores = picked_probs / picked_probs.sum(dim=-1, keepdim=True)
-    combined = torch.where(picked, tc_scores, probs - 1.0).detach()
+    tc_scores = torch.zeros_like(probs).scatter(1, picks, tc.scores.view(num_tokens, k).to(probs.dtype))
 
     counts = picked.sum(dim=0)
-    kept = rounded_counts(counts, tile, rounding, num_tokens)
-    order = torch.argsort(combined, dim=0, descending=True, stable=True)       # (T, E)
-    rank = torch.arange(num_tokens, device=device)
-    expert_idx, ranks = (rank[None, :] < kept[:, None]).nonzero(as_tuple=True)  # expert-major
-    token_idx = order[ranks, expert_idx]
+    change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
+    # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
+    # its -change weakest picks or adds its change strongest non-picks. Both sets have fewer than
+    # `tile` members, so a top-`tile` selection per expert replaces a sort of the whole column.
+    width = min(tile, num_tokens)
+    drop_rank = _boundary_ranks(torch.where(picked, tc_scores, torch.inf), width, weakest=True)
+    add_rank = _boundary_ranks(torch.where(picked, -torch.inf, probs), width, weakest=False)
+    kept = (picked & ~(drop_rank < -change)) | (add_rank < change)
+    expert_idx, token_idx = kept.t().nonzero(as_tuple=True)                # expert-major
     scores = torch.where(picked[token_idx, expert_idx], tc_scores[token_idx, expert_idx],
                          probs[token_idx, expert_idx])
     return Routing(
@@ -85,3 +89,22 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
         num_tokens=num_tokens,
         num_experts=num_experts,
     )
+
+
+def _boundary_ranks(values: torch.Tensor, width: int, *, weakest: bool) -> torch.Tensor:
+    """``(T, E)`` rank of each entry among the ``width`` weakest (or strongest) of its column,
+    ``T`` for every other entry.
+
+    Order: by value, ties broken as a stable descending sort would (the lower token ranks as
+    stronger), through exact int64 keys ``value bits ‖ (T−1−t)`` — deterministic on any device.
+    Values must be non-negative or ±inf; ranking uses their fp32 rounding.
+    """
+    num_tokens = values.shape[0]
+    bits = values.detach().float().view(torch.int32).long()       # monotone for x >= 0 and ±inf
+    bits = torch.where(values < 0, -1, bits)                       # -inf below every value
+    rev = torch.arange(num_tokens - 1, -1, -1, device=values.device)[:, None]
+    keys = (bits << 32 | rev).t()                                  # (E, T)
+    order = torch.topk(keys, width, dim=1, largest=not weakest, sorted=True).indices
+    ranks = torch.full_like(keys, num_tokens)
+    ranks.scatter_(1, order, torch.arange(width, device=values.device).expand_as(order))
+    return ranks.t()
