@@ -7,6 +7,12 @@ calling a kernel. Entry points:
 * :func:`sonic.kernels.routing_metadata.routing_metadata_topk`,
   :func:`sonic.kernels.routing_metadata.routing_metadata_pairs` — routing metadata.
 * :func:`sonic.kernels.aggregation.aggregate` — expert aggregation (per-token gather-sum).
+* :func:`sonic.kernels.topk.topk_scores` — bitonic top-K with fused softmax scores.
+* :func:`sonic.kernels.swiglu.swiglu`, :func:`sonic.kernels.swiglu.dswiglu_epilogue` — the
+  SwiGLU forward and the dSwiGLU + dS + A' backward epilogue as one-pass kernels.
+* :func:`sonic.kernels.grouped_gemm.grouped_gemm`,
+  :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k` — varlen-M / varlen-K grouped GEMMs
+  with optional row gather.
 
 ``python -m sonic.kernels --list`` lists the registered variants; ``--compile-check sm_90a``
 compiles them all on the CPU.

@@ -15,8 +15,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-# Kernel modules that register variants, in listing order. A module that does not exist yet
-# (kernels land one at a time) is skipped by :func:`variants`.
+# Kernel modules that register variants, in listing order.
 KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu")
 
 _REGISTRY: dict[tuple[str, str], "KernelVariant"] = {}
@@ -57,15 +56,7 @@ def register(v: KernelVariant) -> KernelVariant:
 
 
 def variants() -> list[KernelVariant]:
-    """Every registered variant, after importing each module of :data:`KERNEL_MODULES`.
-
-    A kernel module that is missing is skipped; any other import error propagates.
-    """
+    """Every registered variant, after importing each module of :data:`KERNEL_MODULES`."""
     for name in KERNEL_MODULES:
-        qualified = f"{__package__}.{name}"
-        try:
-            importlib.import_module(qualified)
-        except ModuleNotFoundError as err:
-            if err.name != qualified:
-                raise
+        importlib.import_module(f"{__package__}.{name}")
     return list(_REGISTRY.values())
