@@ -17,10 +17,20 @@ The pairs are cut into chunks of ``CHUNK`` consecutive pairs, one CTA each:
 
 Top-K pairs are token-major (``p = t·K + j``), so ``token_offsets[t] = t·K`` and ``token_rows``
 equals ``pair_rows``: two launches in all. Arbitrary pairs (token rounding) need the pairs
-grouped by token as well: an exclusive scan of the per-token counts (one CTA), then each pair
-takes a slot in its token's segment, and a last launch orders every segment by pair index
-(a pair's place = the number of smaller pair indices in its segment), so ``token_rows`` keeps
-pair order too: four launches.
+grouped by token as well: an exclusive scan of the per-token counts into ``token_offsets``, then
+each pair takes a slot in its token's segment, and a last launch orders every segment by pair
+index (a pair's place = the number of smaller pair indices in its segment), so ``token_rows``
+keeps pair order too: four launches.
+
+The token scan runs one CTA per tile of ``SCAN_TILE`` tokens. A CTA first sums the counts of all
+tokens before its tile itself (redundant across CTAs, but with no inter-CTA communication the
+result cannot depend on scheduling), then scans its tile. Every load and store is coalesced: a
+warp owns ``32·TOKEN_ITEMS`` consecutive tokens as ``TOKEN_ITEMS`` rows of 32, lane ``l``
+holding element ``l`` of each row, so a warp instruction touches one 128-byte line. The counts
+are only read (a CTA may still be summing them while another writes its offsets), so the
+scatter takes slots by decrementing them: slot ``offsets[t] + old - 1``; it issues those
+atomics before its histogram prologue so their latency overlaps it. The segment ordering runs
+one pair per thread, since each pair's work is a chain of dependent loads.
 """
 
 
@@ -36,9 +46,13 @@ from sonic.routing.metadata import RoutingMetadata
 THREADS = 256
 ITEMS = 8
 CHUNK = THREADS * ITEMS
-# Threads of the single-CTA scan over per-token counts, and values per thread in a scan tile.
-SCAN_THREADS = 1024
+# Values per thread in a tile of block_exclusive_scan (the scatter's scan over experts).
 SCAN_ITEMS = 16
+# Threads per CTA of the token scan, tokens per thread, and tokens per CTA (its tile). At 1024
+# threads a thread has at most 64 registers: the TOKEN_ITEMS-long arrays must fit (ptxas: 42).
+SCAN_THREADS = 1024
+TOKEN_ITEMS = 8
+SCAN_TILE = SCAN_THREADS * TOKEN_ITEMS
 
 
 @functools.cache
@@ -128,9 +142,10 @@ def _kernels():
             self.histogram(expert_idx, token_idx, hist, token_work, num_pairs, num_tokens).launch(
                 grid=[chunks, 1, 1], block=[THREADS, 1, 1], smem=hist_smem, stream=stream)
             if cutlass.const_expr(not self.topk):
+                # One CTA more than the full tiles: token_offsets has T + 1 entries.
                 self.token_scan(token_work, token_offsets, num_tokens).launch(
-                    grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], smem=SCAN_THREADS // 32 * 4,
-                    stream=stream)
+                    grid=[num_tokens // SCAN_TILE + 1, 1, 1], block=[SCAN_THREADS, 1, 1],
+                    smem=SCAN_THREADS // 32 * 4, stream=stream)
             scatter_smem = (self.warps + 2 + 2 * self.groups) * self.E * 4 + self.warps * 4 + 64
             self.scatter(expert_idx, token_idx, hist, token_work, token_slots, expert_counts,
                          expert_offsets,
@@ -140,7 +155,7 @@ def _kernels():
             if cutlass.const_expr(not self.topk):
                 self.token_order(token_slots, token_offsets, token_idx, pair_rows, token_rows,
                                  num_pairs, num_tokens).launch(
-                    grid=[chunks, 1, 1], block=[THREADS, 1, 1], stream=stream)
+                    grid=[chunks * ITEMS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
         def _chunk_experts(self, experts: cute.Tensor, first: Int32, num_pairs: Int32):
             """Experts of this thread's pairs ``first + i·THREADS`` (``i < ITEMS``); ``E`` (no
@@ -192,15 +207,61 @@ def _kernels():
         def token_scan(self, token_work: cute.Pointer, token_offsets: cute.Pointer,
                        num_tokens: Int32):
             tidx, _, _ = cute.arch.thread_idx()
+            tile, _, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
             smem = cutlass.memory.SmemAllocator()
-            scratch = smem.allocate_tensor(Int32, cute.make_layout(SCAN_THREADS // 32), byte_alignment=16)
-            work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+            warp_sums = smem.allocate_tensor(Int32, cute.make_layout(SCAN_THREADS // 32),
+                                             byte_alignment=16)
+            # token_work has max(T, 1) entries: index 0 is always readable.
+            counts = cute.make_tensor(token_work, cute.make_layout(cutlass.max(num_tokens, 1)))
             offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
-            # ``work`` ends up holding each token's first slot too: the scatter advances it as a
-            # cursor.
-            total = block_exclusive_scan(work, offsets, num_tokens, scratch, SCAN_THREADS)
-            if tidx == 0:
-                offsets[num_tokens] = total
+            first = tile * SCAN_TILE
+
+            # Pairs of the tokens before this tile: whole tiles, so no bound checks, and
+            # TOKEN_ITEMS independent loads in flight per thread.
+            before = Int32(0)
+            for start in cutlass.range(0, first, SCAN_TILE):
+                got = [counts[start + i * SCAN_THREADS + tidx] for i in range(TOKEN_ITEMS)]
+                for v in got:
+                    before += v
+            for k in cutlass.range_constexpr(5):
+                before += cute.arch.shuffle_sync_bfly(before, 1 << k)
+            if lane == 0:
+                warp_sums[warp] = before
+            cute.arch.sync_threads()
+            prefix = Int32(0)
+            for w in cutlass.range_constexpr(SCAN_THREADS // 32):
+                prefix += warp_sums[w]
+            # warp_sums is rewritten below.
+            cute.arch.sync_threads()
+
+            # This warp's tokens: row i is seg + 32·i + lane. Entries at or past T count 0, so
+            # offsets[T] (written by the CTA whose tile holds index T) is the total.
+            seg = first + warp * (32 * TOKEN_ITEMS)
+            idx = [seg + 32 * i + lane for i in range(TOKEN_ITEMS)]
+            raw = [counts[cutlass.max(cutlass.min(j, num_tokens - 1), 0)] for j in idx]
+            vals = [Int32(cutlass.select_(j < num_tokens, v, 0)) for j, v in zip(idx, raw)]
+            incl = list(vals)
+            for k in cutlass.range_constexpr(5):
+                ups = [cute.arch.shuffle_sync_up(v, 1 << k) for v in incl]
+                incl = [Int32(v + cutlass.select_(lane >= (1 << k), u, 0))
+                        for v, u in zip(incl, ups)]
+            # Exclusive prefix within the warp's segment; run ends as the segment's total.
+            run = Int32(0)
+            excl = []
+            for v, c in zip(incl, vals):
+                excl.append(run + v - c)
+                run += cute.arch.shuffle_sync(v, 31)
+            if lane == 0:
+                warp_sums[warp] = run
+            cute.arch.sync_threads()
+            for w in cutlass.range_constexpr(SCAN_THREADS // 32):
+                if w < warp:
+                    prefix += warp_sums[w]
+            for j, e in zip(idx, excl):
+                if j <= num_tokens:
+                    offsets[j] = prefix + e
 
         @cute.kernel
         def scatter(self, expert_idx: cute.Pointer, token_idx: cute.Pointer, hist: cute.Pointer,
@@ -223,6 +284,28 @@ def _kernels():
             partial = smem.allocate_tensor(Int32, cute.make_layout((E, self.groups, 2)), byte_alignment=16)
             hists = cute.make_tensor(hist, cute.make_layout((E, chunks), stride=(1, E)))
             experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
+            tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+            work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+            slots_out = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
+            token_starts = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+
+            # Everything per pair that needs no histogram is issued first, so its memory latency
+            # overlaps the prologue. Experts and tokens of all this thread's pairs (tokens are
+            # unused, hence never loaded, for top-K): the steps below then only wait on shared
+            # memory.
+            chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
+            chunk_tokens = [tokens[cutlass.min(chunk * CHUNK + i * THREADS + tidx, num_pairs - 1)]
+                            for i in range(ITEMS)]
+            if cutlass.const_expr(not self.topk):
+                # Each pair takes a slot in its token's segment: work[t] still holds the token's
+                # count (the scan only reads it), and each decrement hands out one slot. Slots
+                # land in atomic order; token_order sorts them. Branch-free atomics (pairs with
+                # no row add 0) so all ITEMS are in flight at once; the slots are stored after
+                # the prologue.
+                left = [cute.arch.atomic_add(work.iterator + t,
+                                             Int32(cutlass.select_(e < E, Int32(-1), Int32(0))))
+                        for t, e in zip(chunk_tokens, chunk_experts)]
+                starts = [token_starts[t] for t in chunk_tokens]
 
             # Rows before this chunk per expert, and totals per expert, from all histograms.
             # Every CTA reads all of them, so the loads are spread over the whole CTA: ``groups``
@@ -270,14 +353,12 @@ def _kernels():
             sorted_out = cute.make_tensor(sorted_pairs, cute.make_layout(num_pairs))
             gather_out = cute.make_tensor(gather_idx, cute.make_layout(num_pairs))
             rows_out = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
-            tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
-            work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
             token_rows_out = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
-            slots_out = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
             lanes_below = (cutlass.Uint32(1) << lane) - 1
-            # Experts of all this thread's pairs, loaded up front so the steps below only wait on
-            # shared memory.
-            chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
+            if cutlass.const_expr(not self.topk):
+                for i in cutlass.range_constexpr(ITEMS):
+                    if chunk_experts[i] < E:
+                        slots_out[starts[i] + left[i] - 1] = chunk * CHUNK + i * THREADS + tidx
             for i in cutlass.range_constexpr(ITEMS):
                 p = chunk * CHUNK + i * THREADS + tidx
                 e = chunk_experts[i]
@@ -297,10 +378,7 @@ def _kernels():
                         t = p // k
                         token_rows_out[p] = row
                     else:
-                        t = tokens[p]
-                        slot = cute.arch.atomic_add(work.iterator + t, Int32(1))
-                        # Slots within a token land in atomic order; token_order sorts them.
-                        slots_out[slot] = p
+                        t = chunk_tokens[i]
                     sorted_out[row] = p
                     gather_out[row] = t
                     rows_out[p] = row
@@ -311,31 +389,31 @@ def _kernels():
                 cute.arch.sync_warp()
 
             if cutlass.const_expr(self.topk):
-                offsets_out = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
                 for t in cutlass.range(chunk * THREADS + tidx, num_tokens + 1, chunks * THREADS):
-                    offsets_out[t] = t * k
+                    token_starts[t] = t * k
 
         @cute.kernel
         def token_order(self, token_slots: cute.Pointer, token_offsets: cute.Pointer,
                         token_idx: cute.Pointer, pair_rows: cute.Pointer, token_rows: cute.Pointer,
                         num_pairs: Int32, num_tokens: Int32):
             tidx, _, _ = cute.arch.thread_idx()
-            chunk, _, _ = cute.arch.block_idx()
+            block, _, _ = cute.arch.block_idx()
             tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
             rows = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
             slots = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
             offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
             out = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
-            for i in cutlass.range_constexpr(ITEMS):
-                p = chunk * CHUNK + i * THREADS + tidx
-                if p < num_pairs:
-                    t = tokens[p]
-                    lo = offsets[t]
-                    place = lo
-                    for j in cutlass.range(lo, offsets[t + 1], unroll=4):
-                        if slots[j] < p:
-                            place += 1
-                    out[place] = rows[p]
+            # One pair per thread (grid = P / THREADS): each pair's loads form a dependent chain,
+            # so occupancy, not per-thread work, hides their latency.
+            p = block * THREADS + tidx
+            if p < num_pairs:
+                t = tokens[p]
+                lo = offsets[t]
+                place = lo
+                for j in cutlass.range(lo, offsets[t + 1], unroll=4):
+                    if slots[j] < p:
+                        place += 1
+                out[place] = rows[p]
 
     return RoutingMetadataKernels
 

@@ -79,6 +79,13 @@ def _random_pairs(t, e, p, mode, gen):
     (1, 1, 1, "random"), (1, 8, 5, "random"), (1000, 128, 7919, "random"),
     (4097, 512, 40000, "random"), (4097, 64, 30000, "one_expert"),
     (3000, 256, 12345, "empty_tokens"), (5000, 64, 40000, "expert_major"), (10, 4, 0, "random"),
+    # The token scan's boundaries: one token; a tile of SCAN_TILE = 8192 tokens, just below,
+    # at (an extra CTA writes only token_offsets[T]) and just above; several tiles; many tiles
+    # with half the tokens empty; the benchmark's size in token-rounding (expert-major) order.
+    (1, 16, 3000, "random"), (8191, 128, 30000, "random"), (8192, 128, 30000, "random"),
+    (8193, 64, 30001, "expert_major"), (16384, 128, 131072, "random"),
+    (40000, 32, 2049, "random"), (200000, 128, 150000, "empty_tokens"),
+    (32768, 128, 262144, "expert_major"),
 ])
 def test_pairs_matches_reference(t, e, p, mode):
     from sonic.kernels.routing_metadata import routing_metadata_pairs
