@@ -99,13 +99,23 @@ def expert_ops(backend: str, device: torch.device) -> ExpertOps:
 
 
 def _cute_metadata(token_idx, expert_idx, num_tokens, num_experts, *, top_k=None):
-    from sonic.kernels.routing_metadata import routing_metadata_pairs, routing_metadata_topk
+    from sonic.kernels import routing_metadata as kernels
 
+    if num_experts > kernels.MAX_EXPERTS:
+        return pairs_metadata(token_idx, expert_idx, num_tokens, num_experts, top_k=top_k)
     expert_idx = expert_idx.to(torch.int32).contiguous()
     if top_k is not None:
-        return routing_metadata_topk(expert_idx.view(num_tokens, top_k), num_experts)
-    return routing_metadata_pairs(token_idx.to(torch.int32).contiguous(), expert_idx,
-                                  num_tokens, num_experts)
+        return kernels.routing_metadata_topk(expert_idx.view(num_tokens, top_k), num_experts)
+    return kernels.routing_metadata_pairs(token_idx.to(torch.int32).contiguous(), expert_idx,
+                                          num_tokens, num_experts)
+
+
+def _cute_aggregate(y, token_rows, token_offsets, row_scores):
+    from sonic.kernels import aggregation as kernels
+
+    if y.dtype not in kernels.DTYPES or y.shape[1] % kernels.VEC:
+        return reference.aggregate(y, token_rows, token_offsets, row_scores)
+    return kernels.aggregate(y, token_rows, token_offsets, row_scores)
 
 
 def _epilogue_kernel_fits(h: torch.Tensor) -> bool:
@@ -130,9 +140,9 @@ def _cute_dswiglu_epilogue(da_prime, h, row_scores, gate_up):
     return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
 
 
+# Each step runs its kernel where the kernel serves the call (dtype, sizes) and the reference
+# elsewhere, so "auto" never fails on a shape the reference handles.
 def _cute_ops() -> ExpertOps:
-    from sonic.kernels.aggregation import aggregate
-
     # The grouped GEMMs stay PyTorch's until the CuTe grouped-GEMM kernels beat it.
     return ExpertOps(
         name="cute",
@@ -141,5 +151,5 @@ def _cute_ops() -> ExpertOps:
         grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
         swiglu=_cute_swiglu,
         dswiglu_epilogue=_cute_dswiglu_epilogue,
-        aggregate=aggregate,
+        aggregate=_cute_aggregate,
     )

@@ -27,7 +27,7 @@ THREADS = 256
 # Rows of a token loaded ahead: keeps several independent row loads in flight per thread.
 UNROLL = 4
 
-_DTYPES = (torch.bfloat16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
@@ -129,7 +129,7 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
             on different devices, lengths disagree, ``d`` is not a multiple of 8, or ``y`` is
             not 16-byte aligned.
     """
-    runtime.check_tensor("y", y, dtypes=_DTYPES, ndim=2)
+    runtime.check_tensor("y", y, dtypes=DTYPES, ndim=2)
     runtime.check_tensor("token_rows", token_rows, dtypes=(torch.int32,), ndim=1, device=y.device)
     runtime.check_tensor("token_offsets", token_offsets, dtypes=(torch.int32,), ndim=1,
                          device=y.device)

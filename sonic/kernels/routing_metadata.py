@@ -42,6 +42,9 @@ from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
 from sonic.routing.metadata import RoutingMetadata
 
+# Largest E: the scatter keeps per-expert counts of every warp in shared memory, which must stay
+# under the 48 KiB a launch gets without opting in to more.
+MAX_EXPERTS = 512
 # Threads per CTA and pairs per thread of the chunked passes; a CTA's chunk is their product.
 THREADS = 256
 ITEMS = 8
@@ -428,11 +431,12 @@ def _compile(num_experts: int, topk: bool, keep_ptx: bool = False):
                                     keep_ptx=keep_ptx)
 
 
-def _check_num(name: str, value, minimum: int) -> None:
+def _check_num(name: str, value, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens: int,
@@ -480,7 +484,7 @@ def routing_metadata_topk(expert_idx: torch.Tensor, num_experts: int) -> Routing
     Args:
         expert_idx: ``(T, K)`` int32, contiguous, on a CUDA device; values in ``[0, E)``
             (pairs with other values get no row and leave rows unwritten).
-        num_experts: ``E`` >= 1 (a compile-time constant: each new ``E`` compiles once).
+        num_experts: ``E`` in ``[1, 512]`` (a compile-time constant: each new ``E`` compiles once).
 
     Returns:
         :class:`sonic.RoutingMetadata`, all int32 on ``expert_idx``'s device, built without a
@@ -488,10 +492,11 @@ def routing_metadata_topk(expert_idx: torch.Tensor, num_experts: int) -> Routing
 
     Raises:
         TypeError: ``expert_idx`` is not an int32 tensor, or ``num_experts`` not an int.
-        ValueError: ``expert_idx`` is not a contiguous 2-D CUDA tensor, or ``num_experts`` < 1.
+        ValueError: ``expert_idx`` is not a contiguous 2-D CUDA tensor, or ``num_experts`` is
+            outside ``[1, MAX_EXPERTS]``.
     """
     runtime.check_tensor("expert_idx", expert_idx, dtypes=(torch.int32,), ndim=2)
-    _check_num("num_experts", num_experts, 1)
+    _check_num("num_experts", num_experts, 1, MAX_EXPERTS)
     num_tokens, k = expert_idx.shape
     return _launch(expert_idx, None, num_tokens, max(k, 1), num_experts)
 
@@ -509,7 +514,7 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
         expert_idx: ``(P,)`` int32, contiguous, same device; values in ``[0, E)`` (pairs with
             other values get no row and leave rows unwritten).
         num_tokens: ``T`` >= 0.
-        num_experts: ``E`` >= 1 (a compile-time constant: each new ``E`` compiles once).
+        num_experts: ``E`` in ``[1, 512]`` (a compile-time constant: each new ``E`` compiles once).
 
     Returns:
         :class:`sonic.RoutingMetadata`, all int32 on the pairs' device.
@@ -526,7 +531,7 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
         raise ValueError(f"token_idx and expert_idx must have the same length, got "
                          f"{token_idx.numel()} and {expert_idx.numel()}")
     _check_num("num_tokens", num_tokens, 0)
-    _check_num("num_experts", num_experts, 1)
+    _check_num("num_experts", num_experts, 1, MAX_EXPERTS)
     return _launch(expert_idx, token_idx, num_tokens, 1, num_experts)
 
 
