@@ -180,12 +180,14 @@ def _token_rounding_by_full_sort(logits, k, tile, rounding):
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "up", "down"])
-@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("ties", ["none", "rounded", "repeated_rows"])
 def test_token_rounding_equals_full_sort(rounding, ties):
     T, E, k, tile = 300, 8, 2, 16
     logits = _logits(T, E, seed=5)
-    if ties:  # many exact ties in both the picks' scores and the non-picks' probabilities
+    if ties == "rounded":  # exact ties in the picks' scores and the non-picks' probabilities
         logits = (logits * 2).round() / 2
+    elif ties == "repeated_rows":  # whole groups of tokens tie at every expert's boundary
+        logits = logits[torch.arange(T) % 5]
     r = sonic.token_rounding_routing(logits, k, tile=tile, rounding=rounding)
     kept = torch.zeros(T, E, dtype=torch.bool)
     kept[r.token_idx.long(), r.expert_idx.long()] = True

@@ -62,26 +62,33 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
     num_tokens, num_experts = logits.shape
-    probs = torch.softmax(logits.to(accumulate_dtype(logits.dtype)), dim=-1)
+    if num_tokens == 0:
+        empty = torch.zeros(0, dtype=torch.int32, device=logits.device)
+        return Routing(empty, empty, logits.new_zeros(0, dtype=accumulate_dtype(logits.dtype)),
+                       0, num_experts)
+    # Work in (E, T) layout: every step below is per expert, along tokens.
+    probs = torch.softmax(logits.to(accumulate_dtype(logits.dtype)), dim=-1).t().contiguous()
     # Token choice (the bitonic top-K kernel where it runs): its scores S/ΣS_picked are the
     # renormalised TC scores of step 2.
     tc = topk_routing(logits, k, backend=backend)
-    picks = tc.expert_idx.view(num_tokens, k).long()
-    picked = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, picks, True)
-    tc_scores = torch.zeros_like(probs).scatter(1, picks, tc.scores.view(num_tokens, k).to(probs.dtype))
+    picks = tc.expert_idx.view(num_tokens, k).long().t()
+    picked = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, picks, True)
+    tc_scores = torch.zeros_like(probs).scatter(0, picks, tc.scores.view(num_tokens, k).t().to(probs.dtype))
 
-    counts = picked.sum(dim=0)
+    counts = picked.sum(dim=1)
     change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
     # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
-    # its -change weakest picks or adds its change strongest non-picks. Both sets have fewer than
-    # `tile` members, so a top-`tile` selection per expert replaces a sort of the whole column.
+    # its -change weakest picks or adds its change strongest non-picks — fewer than `tile`
+    # entries either way, found by a top-`tile` selection instead of sorting whole columns.
     width = min(tile, num_tokens)
-    drop_rank = _boundary_ranks(torch.where(picked, tc_scores, torch.inf), width, weakest=True)
-    add_rank = _boundary_ranks(torch.where(picked, -torch.inf, probs), width, weakest=False)
-    kept = (picked & ~(drop_rank < -change)) | (add_rank < change)
-    expert_idx, token_idx = kept.t().nonzero(as_tuple=True)                # expert-major
-    scores = torch.where(picked[token_idx, expert_idx], tc_scores[token_idx, expert_idx],
-                         probs[token_idx, expert_idx])
+    dropped = _smallest(torch.where(picked, tc_scores.detach(), torch.inf),
+                        (-change).clamp(min=0), width, ties_to_higher_tokens=True)
+    added = _smallest(torch.where(picked, torch.inf, -probs.detach()), change.clamp(min=0), width,
+                      ties_to_higher_tokens=False)
+    kept = (picked & ~dropped) | added
+    expert_idx, token_idx = kept.nonzero(as_tuple=True)                    # expert-major
+    scores = torch.where(picked[expert_idx, token_idx], tc_scores[expert_idx, token_idx],
+                         probs[expert_idx, token_idx])
     return Routing(
         token_idx=token_idx.to(torch.int32),
         expert_idx=expert_idx.to(torch.int32),
@@ -91,20 +98,23 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     )
 
 
-def _boundary_ranks(values: torch.Tensor, width: int, *, weakest: bool) -> torch.Tensor:
-    """``(T, E)`` rank of each entry among the ``width`` weakest (or strongest) of its column,
-    ``T`` for every other entry.
+def _smallest(values: torch.Tensor, counts: torch.Tensor, width: int, *,
+              ties_to_higher_tokens: bool) -> torch.Tensor:
+    """``(E, T)`` mask of the ``counts[e]`` smallest entries of each row (``counts[e] <= width``).
 
-    Order: by value, ties broken as a stable descending sort would (the lower token ranks as
-    stronger), through exact int64 keys ``value bits ‖ (T−1−t)`` — deterministic on any device.
-    Values must be non-negative or ±inf; ranking uses their fp32 rounding.
+    Among equal values the higher (or lower) tokens are taken first, as a stable sort of the
+    pairs' order would rank them, so the choice is exact and deterministic: a top-``width``
+    selection only finds each row's threshold value; comparisons and a running count over the
+    tied entries decide.
     """
-    num_tokens = values.shape[0]
-    bits = values.detach().float().view(torch.int32).long()       # monotone for x >= 0 and ±inf
-    bits = torch.where(values < 0, -1, bits)                       # -inf below every value
-    rev = torch.arange(num_tokens - 1, -1, -1, device=values.device)[:, None]
-    keys = (bits << 32 | rev).t()                                  # (E, T)
-    order = torch.topk(keys, width, dim=1, largest=not weakest, sorted=True).indices
-    ranks = torch.full_like(keys, num_tokens)
-    ranks.scatter_(1, order, torch.arange(width, device=values.device).expand_as(order))
-    return ranks.t()
+    smallest = torch.topk(values, width, dim=1, largest=False, sorted=True).values
+    threshold = smallest.gather(1, (counts - 1).clamp(min=0)[:, None])
+    threshold = torch.where(counts[:, None] > 0, threshold, -torch.inf)
+    below = values < threshold
+    tied = values == threshold
+    missing = counts[:, None] - below.sum(dim=1, keepdim=True)
+    if ties_to_higher_tokens:
+        order = tied.flip(1).cumsum(dim=1).flip(1)
+    else:
+        order = tied.cumsum(dim=1)
+    return below | (tied & (order <= missing))
