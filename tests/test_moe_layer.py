@@ -76,3 +76,9 @@ def test_interleaved_layout_and_bfloat16():
     layer = _layer(gate_up="interleaved").to(torch.bfloat16)
     out = layer(torch.randn(12, 16, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_eval_mode_has_no_aux_loss_graph():
+    layer = _layer(aux_loss_coef=0.5).eval()
+    layer(torch.randn(30, 16))
+    assert layer.aux_loss.item() == 0 and layer.aux_loss.grad_fn is None

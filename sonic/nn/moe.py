@@ -54,9 +54,9 @@ class MoE(nn.Module):
     Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
 
-    ``forward(x)``: ``x (..., d)`` → same shape and dtype. After each training forward,
-    :attr:`aux_loss` holds ``aux_loss_coef ·`` :func:`load_balancing_loss` (a zero tensor when the
-    coefficient is 0) and :attr:`last_routing` the :class:`Routing` used.
+    ``forward(x)``: ``x (..., d)`` → same shape and dtype. After each forward, :attr:`aux_loss`
+    holds ``aux_loss_coef ·`` :func:`load_balancing_loss` in training mode (a zero tensor when
+    the coefficient is 0 or in eval mode) and :attr:`last_routing` the :class:`Routing` used.
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
@@ -119,7 +119,7 @@ class MoE(nn.Module):
                           backend=self.backend,
                           metadata=routing_metadata(routing, backend=self.backend))
         self.last_routing = routing
-        if self.aux_loss_coef:
+        if self.aux_loss_coef and self.training:
             self.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
         else:
             self.aux_loss = logits.new_zeros((), dtype=torch.float32)

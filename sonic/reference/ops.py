@@ -25,6 +25,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def _use_grouped_mm(*operands: torch.Tensor) -> bool:
     a = operands[0]
+    if not hasattr(torch, "_grouped_mm"):  # PyTorch < 2.8
+        return False
     if a.device.type == "cuda":
         ok_dtype = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
     else:
