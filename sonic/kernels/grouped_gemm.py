@@ -26,6 +26,7 @@ warps are done reading it).
   (``cp.async.mbarrier.arrive.noinc``). Chunks outside the expert's rows (varlen-K) or past
   ``K`` are copied from a 16-byte zero buffer instead, so every shared-memory write of a stage
   goes through the same tracked path and no stale value (possibly NaN) enters the reduction.
+  For varlen-K a gathered operand's row indices are read one k-tile ahead.
 * The tile scheduler is static round-robin over a linear tile index. For varlen-M it maps an
   index to (expert, m-tile, n-tile) with a per-CTA table of each expert's first m-tile built in
   shared memory from ``expert_offsets`` (a warp scan) and a binary search: experts with no rows
@@ -422,25 +423,39 @@ def _kernels():
                              m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
                              full: cute.Pointer, empty: cute.Pointer):
             """varlen-K: both operands are ``TILE_K`` rows of the expert, MN-major in shared
-            memory; rows past the expert's end are zero-filled."""
+            memory; rows past the expert's end are zero-filled.
+
+            A gathered operand's row indices for k-tile ``kt + 1`` are loaded right after the
+            copies of ``kt`` are issued, so their latency overlaps the wait for the next free
+            stage instead of delaying its copies."""
             copy_a = self.mn_major_copy(atom, TILE_M)
             copy_b = self.mn_major_copy(atom, self.tile_n)
             t_sa = self.chunk_copy(copy_a, ptid, s_a)
             t_sb = self.chunk_copy(copy_b, ptid, s_b)
+            idx_a = cute.make_rmem_tensor((self.mn_major_rows(TILE_M),), Int32)
+            idx_b = cute.make_rmem_tensor((self.mn_major_rows(self.tile_n),), Int32)
             stage = Int32(0)
             phase = Int32(1)
             t = bidx
             while t < total:
                 e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
                 k_tiles = (rows + TILE_K - 1) // TILE_K
+                if cutlass.const_expr(self.gather_a):
+                    self.gather_rows(idx_a, ptid, gidx_a, TILE_M, row0, rows, Int32(0))
+                if cutlass.const_expr(self.gather_b):
+                    self.gather_rows(idx_b, ptid, gidx_b, self.tile_n, row0, rows, Int32(0))
                 for kt in cutlass.range(k_tiles, unroll=1):
                     cute.arch.mbarrier_wait(empty + stage, phase)
-                    self.load_mn_major(ptid, atom, t_sa, stage, a, gidx_a, self.gather_a,
+                    self.load_mn_major(ptid, atom, t_sa, stage, a, idx_a, self.gather_a,
                                        self.dim_m, mt * TILE_M, TILE_M, row0, rows, kt, zeros)
-                    self.load_mn_major(ptid, atom, t_sb, stage, b, gidx_b, self.gather_b,
+                    self.load_mn_major(ptid, atom, t_sb, stage, b, idx_b, self.gather_b,
                                        self.dim_n, nt * self.tile_n, self.tile_n, row0, rows, kt,
                                        zeros)
                     cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                    if cutlass.const_expr(self.gather_a):
+                        self.gather_rows(idx_a, ptid, gidx_a, TILE_M, row0, rows, kt + 1)
+                    if cutlass.const_expr(self.gather_b):
+                        self.gather_rows(idx_b, ptid, gidx_b, self.tile_n, row0, rows, kt + 1)
                     stage += 1
                     if stage == self.stages:
                         stage = 0
@@ -455,23 +470,40 @@ def _kernels():
                 atom, cute.make_layout((along_mn, along_k), stride=(1, along_mn)),
                 cute.make_layout((VEC, 1)))
 
+        def mn_major_rows(self, tile_mn: int) -> int:
+            """k-rows of one k-tile a producer thread copies for an MN-major operand."""
+            return TILE_K // (PRODUCER_THREADS // (tile_mn // VEC))
+
+        @cute.jit
+        def gather_rows(self, idx: cute.Tensor, ptid: Int32, gidx: cute.Pointer,
+                        tile_mn: cutlass.Constexpr, row0: Int32, rows: Int32, kt: Int32):
+            """Source rows of this thread's chunks of k-tile ``kt`` (-1 past the expert's rows)."""
+            along_mn = tile_mn // VEC
+            along_k = PRODUCER_THREADS // along_mn
+            k_of = ptid // along_mn
+            for i in cutlass.range_constexpr(self.mn_major_rows(tile_mn)):
+                r = kt * TILE_K + k_of + i * along_k
+                idx[i] = -1
+                if r < rows:
+                    idx[i] = cute.make_tensor(gidx + row0, cute.make_layout(rows))[r]
+
         @cute.jit
         def load_mn_major(self, ptid: Int32, atom, t_s: cute.Tensor, stage: Int32,
-                          src: cute.Pointer, gidx: cute.Pointer, gathered: cutlass.Constexpr,
+                          src: cute.Pointer, idx: cute.Tensor, gathered: cutlass.Constexpr,
                           width: cutlass.Constexpr, col0: Int32, tile_mn: cutlass.Constexpr,
                           row0: Int32, rows: Int32, kt: Int32, zeros: cute.Pointer):
-            """One k-tile (``TILE_K`` rows from ``row0 + kt·TILE_K``) of a varlen-K operand."""
+            """One k-tile (``TILE_K`` rows from ``row0 + kt·TILE_K``) of a varlen-K operand;
+            gathered, its source rows are ``idx`` (:meth:`gather_rows`)."""
             along_mn = tile_mn // VEC
             along_k = PRODUCER_THREADS // along_mn
             k_of = ptid // along_mn
             col = col0 + (ptid - k_of * along_mn) * VEC
-            for i in cutlass.range_constexpr(TILE_K // along_k):
+            for i in cutlass.range_constexpr(self.mn_major_rows(tile_mn)):
                 r = kt * TILE_K + k_of + i * along_k
                 valid = r < rows and col < width
                 src_row = row0 + r
                 if cutlass.const_expr(gathered):
-                    if r < rows:
-                        src_row = cute.make_tensor(gidx + row0, cute.make_layout(rows))[r]
+                    src_row = idx[i]
                 self.copy_chunk(atom, src, Int64(src_row) * width + col, valid, zeros,
                                 t_s[None, 0, i, stage])
 

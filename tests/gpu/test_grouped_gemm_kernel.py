@@ -66,6 +66,7 @@ def _ref_varlen_k(a_rows, b_rows, offsets):
     (4097, 128, 3072, 64, "empty"),
     (2500, 32, 200, 2048, "ragged"),
     (1500, 64, 1024, 1096, "empty"),
+    (2000, 8, 256, 4104, "ragged"),
 ])
 def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered):
     from sonic.kernels.grouped_gemm import grouped_gemm
@@ -97,7 +98,8 @@ def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered):
         assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("gather_a,gather_b", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("gather_a,gather_b",
+                         [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("num_pairs,num_experts,dim_m,dim_n,mode", [
     (1, 2, 64, 64, "ragged"),
     (3001, 8, 512, 1536, "ragged"),
