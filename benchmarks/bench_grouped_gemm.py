@@ -9,6 +9,10 @@ the speedup and the kernel's relative error against torch:
 * ``up``: varlen-M, ``gather(X)·W1ᵀ`` (N = 2n, K = d) — torch: ``index_select`` +
   ``_grouped_mm``;
 * ``down``: varlen-M, contiguous ``A·W2ᵀ`` (N = d, K = n) — torch: ``_grouped_mm``;
+* ``dA'``: varlen-M, ``gather(dO)·W2`` with W2 read N-major (N = n, K = d) — torch:
+  ``index_select`` + ``_grouped_mm``;
+* ``dX``: varlen-M, contiguous ``dH·W1`` with W1 read N-major (N = d, K = 2n) — torch:
+  ``_grouped_mm``;
 * ``dW1``: varlen-K, ``dHᵀ·gather(X)`` (M = 2n, N = d) — torch: ``index_select`` +
   ``_grouped_mm`` of ``dHᵀ`` and the gathered rows;
 * ``dW2``: varlen-K, ``gather(dO)ᵀ·A'`` (M = d, N = n) — torch: ``index_select`` +
@@ -84,6 +88,12 @@ def main():
         _row(name, "down", 2 * p * d * n,
              lambda: grouped_gemm(act, w2, offsets),
              lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends))
+        _row(name, "dA'", 2 * p * d * n,
+             lambda: grouped_gemm(do, w2.transpose(1, 2), offsets, gather_idx=gather_idx),
+             lambda: torch._grouped_mm(do.index_select(0, gidx_long), w2, offs=ends))
+        _row(name, "dX", 2 * p * 2 * n * d,
+             lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
+             lambda: torch._grouped_mm(dh, w1, offs=ends))
         _row(name, "dW1", 2 * p * 2 * n * d,
              lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
              lambda: torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends))

@@ -140,14 +140,37 @@ def _cute_dswiglu_epilogue(da_prime, h, row_scores, gate_up):
     return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
 
 
+def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:
+    # bf16, 16-byte aligned, K and N multiples of 8, B K-major or N-major, E within the
+    # kernel's tile table.
+    from sonic.kernels import grouped_gemm as kernels
+
+    n, k = b_nk.shape[1], b_nk.shape[2]
+    return (a.dtype == b_nk.dtype == torch.bfloat16 and a.is_contiguous()
+            and a.data_ptr() % 16 == 0 and b_nk.data_ptr() % 16 == 0
+            and (b_nk.is_contiguous() or b_nk.transpose(1, 2).is_contiguous())
+            and n % kernels.VEC == 0 and k % kernels.VEC == 0
+            and offsets.numel() - 1 <= kernels.MAX_EXPERTS
+            and (gather_idx is None or gather_idx.dtype == torch.int32))
+
+
+def _cute_grouped_mm(a, b, offsets, gather_idx=None):
+    from sonic.kernels import grouped_gemm as kernels
+
+    b_nk = b.transpose(1, 2)
+    if _gemm_kernel_fits(a, b_nk, offsets, gather_idx):
+        return kernels.grouped_gemm(a, b_nk, offsets, gather_idx=gather_idx)
+    return reference.grouped_mm(a, b, offsets, gather_idx)
+
+
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and the reference
 # elsewhere, so "auto" never fails on a shape the reference handles.
 def _cute_ops() -> ExpertOps:
-    # The grouped GEMMs stay PyTorch's until the CuTe grouped-GEMM kernels beat it.
+    # varlen-K (weight gradients) stays PyTorch's until the CuTe varlen-K kernel beats it.
     return ExpertOps(
         name="cute",
         metadata=_cute_metadata,
-        grouped_mm=reference.grouped_mm,
+        grouped_mm=_cute_grouped_mm,
         grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
         swiglu=_cute_swiglu,
         dswiglu_epilogue=_cute_dswiglu_epilogue,

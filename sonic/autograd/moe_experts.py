@@ -26,8 +26,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         if meta is None:
             meta = ops.metadata(token_idx, expert_idx, x.shape[0], w1.shape[0])
         offsets = meta.expert_offsets
-        # The CuTe up-proj gathers rows while loading; here the gathered copy is transient.
-        h = ops.grouped_mm(x.index_select(0, meta.gather_idx), w1.transpose(1, 2), offsets)
+        # The CuTe up-proj gathers X's rows while loading them (the reference: a transient copy).
+        h = ops.grouped_mm(x, w1.transpose(1, 2), offsets, meta.gather_idx)
         y = ops.grouped_mm(ops.swiglu(h, gate_up), w2.transpose(1, 2), offsets)
         row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
         out = ops.aggregate(y, meta.token_rows, meta.token_offsets, row_scores)
@@ -47,22 +47,22 @@ class MoEExpertsFunction(torch.autograd.Function):
         row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
 
         # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
-        grad_out_rows = grad_out.index_select(0, meta.gather_idx)
-        da_prime = ops.grouped_mm(grad_out_rows, w2, offsets)
+        da_prime = ops.grouped_mm(grad_out, w2, offsets, meta.gather_idx)
         dh, a_scaled, ds_rows = ops.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
         del da_prime
         grad_scores = ds_rows.index_select(0, meta.pair_rows).to(scores.dtype) if need_s else None
 
         grad_w2 = grad_w1 = grad_x = None
         if need_w2:
-            grad_w2 = ops.grouped_mm_varlen_k(grad_out_rows, a_scaled, offsets)
-        del grad_out_rows, a_scaled
+            grad_w2 = ops.grouped_mm_varlen_k(grad_out, a_scaled, offsets,
+                                              gather_idx_a=meta.gather_idx)
+        del a_scaled
         if need_x:
             dx_rows = ops.grouped_mm(dh, w1, offsets)
             grad_x = ops.aggregate(dx_rows, meta.token_rows, meta.token_offsets, None)
             del dx_rows
         if need_w1:
-            grad_w1 = ops.grouped_mm_varlen_k(dh, x.index_select(0, meta.gather_idx), offsets)
+            grad_w1 = ops.grouped_mm_varlen_k(dh, x, offsets, gather_idx_b=meta.gather_idx)
         return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None, None
 
 

@@ -94,7 +94,7 @@ def _kernels():
         """
 
         def __init__(self, varlen_k: bool, tile_n: int, dim_m: int, dim_n: int, dim_k: int,
-                     gather_a: bool, gather_b: bool, pingpong: bool):
+                     gather_a: bool, gather_b: bool, pingpong: bool, b_n_major: bool = False):
             if pingpong and tile_n != 128:
                 raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
             self.varlen_k = varlen_k
@@ -124,7 +124,10 @@ def _kernels():
             self.consumer_regs = 224 if self.cp_async or gather_a else 232
             # Operand majorness: varlen-M reads K-major rows, varlen-K MN-major rows.
             self.a_layout = COL if varlen_k else ROW
-            self.b_layout = COL if varlen_k else ROW
+            # varlen-M B is K-major ``(E, N, K)`` or, with ``b_n_major``, N-major (a contiguous
+            # ``(E, K, N)``: the backward's W2 and W1 used without a transposed copy).
+            self.b_n_major = b_n_major
+            self.b_layout = COL if varlen_k or b_n_major else ROW
 
         @cute.jit
         def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, gidx_a_addr: Int64,
@@ -156,9 +159,10 @@ def _kernels():
                 tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box)
             if cutlass.const_expr(not self.varlen_k):
+                b_stride = ((1, self.dim_n) if self.b_n_major else (self.dim_k, 1))
                 m_b = cute.make_tensor(b, cute.make_layout(
                     (self.dim_n, self.dim_k, num_experts),
-                    stride=(self.dim_k, 1, self.dim_n * self.dim_k)))
+                    stride=(*b_stride, self.dim_n * self.dim_k)))
                 tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_smem, (None, None, 0)),
                     (self.tile_n, TILE_K))
@@ -652,27 +656,31 @@ def _kernels():
     return GroupedGemmKernel
 
 
-def _plan(varlen_k: bool, dim_n: int, dim_k: int) -> tuple[int, bool]:
+def _plan(varlen_k: bool, dim_n: int, gathered: bool = False) -> tuple[int, bool]:
     """Tile N and schedule: ``(tile_n, pingpong)``.
 
-    A very short reduction (varlen-M with ``K <= 512``, e.g. the 7B down-proj, K = n = 256)
-    makes the epilogue a large share of a tile: ping-pong on 128 x 128 tiles hides it behind
-    the other warpgroup's mainloop (SonicMoE §4.2). Everything else runs cooperative
-    128 x 256 tiles (128 x 128 when N is small and not a multiple of 256, to waste less of the
-    last N tile). Measured on H100 at the ANCHORS shapes: ping-pong wins at K = 256 (446 vs
-    431 TFLOPS), cooperative at K = 1024 (625 vs 544 and 579 vs 472).
+    Measured on H200 at the ANCHORS shapes (``benchmarks/bench_grouped_gemm.py``; RESULTS.md):
+
+    * contiguous varlen-M A (down-proj, ``dX̃``): ping-pong on ``128 x 128`` tiles, one
+      warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2) — 605–648 TFLOPS
+      against 571–637 cooperative at K = 512..2048, a tie at K = 256;
+    * gathered varlen-M A (up-proj, ``dA'``): cooperative ``128 x 256`` tiles (``128 x 128`` when
+      N is small and not a multiple of 256), which halve the per-row TMA copies per FLOP —
+      505–592 TFLOPS against 374–424 on ``128 x 128`` tiles;
+    * varlen-K: cooperative, as the gathered case.
     """
-    if not varlen_k and dim_k <= 512:
+    if not varlen_k and not gathered:
         return 128, True
     return (256 if dim_n % 256 == 0 or dim_n >= 1024 else 128), False
 
 
 def _compile(varlen_k: bool, tile_n: int, pingpong: bool, dim_m: int, dim_n: int, dim_k: int,
-             gather_a: bool, gather_b: bool, keep_ptx: bool = False):
+             gather_a: bool, gather_b: bool, b_n_major: bool = False, keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
-    kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong)
+    kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong,
+                        b_n_major)
     addresses = [runtime.fake_address() for _ in range(7)]
     sizes = [cutlass.Int32(1) for _ in range(3)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
@@ -726,7 +734,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
         a: bf16, contiguous, CUDA. ``(P, K)`` rows already sorted by expert, or with
             ``gather_idx`` the ``(T, K)`` source rows (``A[r] = a[gather_idx[r]]``, gathered
             while loading, never materialised).
-        b: ``(E, N, K)`` bf16, contiguous (per expert the ``nn.Linear`` (out, in) layout).
+        b: ``(E, N, K)`` bf16, either contiguous (K-major: per expert the ``nn.Linear``
+            (out, in) layout) or the ``transpose(1, 2)`` view of a contiguous ``(E, K, N)``
+            (N-major, e.g. ``w2.transpose(1, 2)`` for the backward's ``dO·W2``); no copy is made.
         expert_offsets: ``(E+1,)`` int32, contiguous: expert ``e`` owns rows
             ``[expert_offsets[e], expert_offsets[e+1])``; non-decreasing from 0 with
             ``expert_offsets[E] == P`` (as :class:`sonic.RoutingMetadata` builds it). Read on
@@ -745,7 +755,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
     """
     runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
     device = a.device
-    runtime.check_tensor("b", b, dtypes=(torch.bfloat16,), ndim=3, device=device)
+    b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+    runtime.check_tensor("b", b.transpose(1, 2) if b_n_major else b, dtypes=(torch.bfloat16,),
+                         ndim=3, device=device)
     num_experts = _check_offsets(expert_offsets, device)
     if b.shape[0] != num_experts:
         raise ValueError(f"b must have E = {num_experts} experts (expert_offsets has E+1 "
@@ -772,10 +784,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
     if num_pairs == 0 or a.shape[0] == 0:
         return out
     gathered = gather_idx is not None
-    tile_n, pingpong = _plan(False, dim_n, dim_k)
-    key = ("grouped_gemm_varlen_m", tile_n, pingpong, dim_n, dim_k, gathered)
+    tile_n, pingpong = _plan(False, dim_n, gathered)
+    key = ("grouped_gemm_varlen_m", tile_n, pingpong, dim_n, dim_k, gathered, b_n_major)
     fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, 0, dim_n, dim_k,
-                                                gathered, False))
+                                                gathered, False, b_n_major))
     n_tiles = (dim_n + tile_n - 1) // tile_n
     # Each expert adds at most one partial m-tile.
     tiles_bound = ((num_pairs + TILE_M - 1) // TILE_M + num_experts) * n_tiles
@@ -835,7 +847,7 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if rows[0] == 0:
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
-    tile_n, pingpong = _plan(True, dim_n, 0)
+    tile_n, pingpong = _plan(True, dim_n)
     key = ("grouped_gemm_varlen_k", tile_n, pingpong, dim_m, dim_n, ga, gb)
     fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, dim_m, dim_n, 0, ga, gb))
     tiles = num_experts * ((dim_m + TILE_M - 1) // TILE_M) * ((dim_n + tile_n - 1) // tile_n)
@@ -851,15 +863,18 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
 _MARKERS_TMA = ("wgmma.mma_async", "cp.async.bulk.tensor")
 _MARKERS_VARLEN_K = ("wgmma.mma_async", "cp.async.cg")
 
-for _n, _k, _gather in ((512, 1536, True), (1536, 256, False)):
+# The forward's up-proj and down-proj, and the backward's dA' (gathered dO · N-major W2).
+for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, False),
+                                  (256, 1536, True, True)):
     register(KernelVariant(
         kernel="grouped_gemm",
-        variant=f"varlen_m_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
-        compile_fake=lambda n=_n, k=_k, g=_gather: _compile(False, *_plan(False, n, k), 0, n, k,
-                                                            g, False, keep_ptx=True),
+        variant=(f"varlen_m_n{_n}_k{_k}_{'gather' if _gather else 'contig'}"
+                 f"{'_bn' if _n_major else ''}"),
+        compile_fake=lambda n=_n, k=_k, g=_gather, nm=_n_major: _compile(
+            False, *_plan(False, n, g), 0, n, k, g, False, nm, keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
 register(KernelVariant(
     kernel="grouped_gemm", variant="varlen_k_m512_n1536_gather_b",
-    compile_fake=lambda: _compile(True, *_plan(True, 1536, 0), 512, 1536, 0, False, True,
+    compile_fake=lambda: _compile(True, *_plan(True, 1536), 512, 1536, 0, False, True,
                                   keep_ptx=True),
     ptx_markers=_MARKERS_VARLEN_K))

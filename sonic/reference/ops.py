@@ -38,17 +38,22 @@ def _expert_bounds(offsets: torch.Tensor) -> list[int]:
     return offsets.tolist()  # the per-expert loop needs host offsets: one synchronisation
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+               gather_idx: torch.Tensor | None = None) -> torch.Tensor:
     """varlen-M grouped GEMM: ``C[rows of e] = A[rows of e] · B[e]``.
 
     Args:
-        a: ``(P, k)`` rows grouped by expert.
+        a: ``(P, k)`` rows grouped by expert, or with ``gather_idx`` the ``(T, k)`` source rows
+            (``A[r] = a[gather_idx[r]]``; the reference gathers into a transient copy).
         b: ``(E, k, m)`` per-expert right operand (any strides, e.g. a transposed weight view).
         offsets: ``(E+1,)`` int32 expert row offsets (``offsets[E] == P``).
+        gather_idx: ``(P,)`` integer row indices into ``a``, or None.
 
     Returns:
         ``(P, m)`` in ``a``'s dtype, fp32 accumulation.
     """
+    if gather_idx is not None:
+        a = a.index_select(0, gather_idx)
     if _use_grouped_mm(a, b):
         return torch._grouped_mm(a, b, offs=offsets[1:])
     out = a.new_empty(a.shape[0], b.shape[-1])
@@ -59,15 +64,23 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     return out
 
 
-def grouped_mm_varlen_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm_varlen_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                        gather_idx_a: torch.Tensor | None = None,
+                        gather_idx_b: torch.Tensor | None = None) -> torch.Tensor:
     """varlen-K grouped GEMM (weight gradients): ``C[e] = A_eᵀ · B_e`` over expert e's rows.
 
     Args:
-        a: ``(P, m)``; b: ``(P, k)``, rows grouped by expert; offsets: ``(E+1,)`` int32.
+        a: ``(P, m)``; b: ``(P, k)``, rows grouped by expert — or either one's source rows
+            with ``gather_idx_a`` / ``gather_idx_b`` ``(P,)`` (gathered into a transient copy);
+            offsets: ``(E+1,)`` int32.
 
     Returns:
         ``(E, m, k)`` in ``a``'s dtype; experts with no rows get zeros.
     """
+    if gather_idx_a is not None:
+        a = a.index_select(0, gather_idx_a)
+    if gather_idx_b is not None:
+        b = b.index_select(0, gather_idx_b)
     at = a.t()
     if _use_grouped_mm(at, b):
         return torch._grouped_mm(at, b, offs=offsets[1:])

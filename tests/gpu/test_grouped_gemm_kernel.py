@@ -56,6 +56,7 @@ def _ref_varlen_k(a_rows, b_rows, offsets):
     return out
 
 
+@pytest.mark.parametrize("b_n_major", [False, True])
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("num_pairs,num_experts,dim_n,dim_k,mode", [
     (1, 1, 64, 64, "ragged"),
@@ -68,12 +69,14 @@ def _ref_varlen_k(a_rows, b_rows, offsets):
     (1500, 64, 1024, 1096, "empty"),
     (2000, 8, 256, 4104, "ragged"),
 ])
-def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered):
+def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_major):
     from sonic.kernels.grouped_gemm import grouped_gemm
 
     gen = torch.Generator().manual_seed(num_pairs + dim_n + dim_k)
     offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
-    b = _rand(num_experts, dim_n, dim_k, gen=gen)
+    # N-major B: the (E, N, K) transposed view of a contiguous (E, K, N), as the backward passes W2.
+    b = (_rand(num_experts, dim_k, dim_n, gen=gen).transpose(1, 2) if b_n_major
+         else _rand(num_experts, dim_n, dim_k, gen=gen))
     if gathered:
         num_tokens = max(num_pairs // 3, 1)
         x = _rand(num_tokens, dim_k, gen=gen)
