@@ -163,15 +163,27 @@ def _cute_grouped_mm(a, b, offsets, gather_idx=None):
     return reference.grouped_mm(a, b, offsets, gather_idx)
 
 
+def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=None):
+    from sonic.kernels import grouped_gemm as kernels
+
+    operands_fit = all(
+        x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
+        and x.shape[1] % kernels.VEC == 0 and (idx is None or idx.dtype == torch.int32)
+        for x, idx in ((a, gather_idx_a), (b, gather_idx_b)))
+    if operands_fit and offsets.numel() - 1 <= kernels.MAX_EXPERTS:
+        return kernels.grouped_gemm_varlen_k(a, b, offsets, gather_idx_a=gather_idx_a,
+                                             gather_idx_b=gather_idx_b)
+    return reference.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b)
+
+
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and the reference
 # elsewhere, so "auto" never fails on a shape the reference handles.
 def _cute_ops() -> ExpertOps:
-    # varlen-K (weight gradients) stays PyTorch's until the CuTe varlen-K kernel beats it.
     return ExpertOps(
         name="cute",
         metadata=_cute_metadata,
         grouped_mm=_cute_grouped_mm,
-        grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
+        grouped_mm_varlen_k=_cute_grouped_mm_varlen_k,
         swiglu=_cute_swiglu,
         dswiglu_epilogue=_cute_dswiglu_epilogue,
         aggregate=_cute_aggregate,

@@ -85,6 +85,15 @@ def _kernels():
     BF16, F32 = cutlass.BFloat16, cutlass.Float32
     ROW, COL = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
 
+    def _mn_major_tma(ptr, rows, width: int, smem):
+        """TMA atoms for an MN-major varlen-K operand ``(rows, width)``: ``64 x TILE_K`` boxes
+        and ``64 x 1`` row boxes."""
+        m_x = cute.make_tensor(ptr, cute.make_layout((width, rows), stride=(1, width)))
+        return tuple(cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.make_composed_layout(
+                smem.inner, 0, cute.make_layout(box, stride=(1, 64))), box)
+            for box in ((64, TILE_K), (64, 1)))
+
     class GroupedGemmKernel:
         """One static configuration of the grouped GEMM.
 
@@ -94,7 +103,8 @@ def _kernels():
         """
 
         def __init__(self, varlen_k: bool, tile_n: int, dim_m: int, dim_n: int, dim_k: int,
-                     gather_a: bool, gather_b: bool, pingpong: bool, b_n_major: bool = False):
+                     gather_a: bool, gather_b: bool, pingpong: bool, b_n_major: bool = False,
+                     transpose_c: bool = False):
             if pingpong and tile_n != 128:
                 raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
             self.varlen_k = varlen_k
@@ -111,32 +121,31 @@ def _kernels():
             self.n_tiles = (dim_n + tile_n - 1) // tile_n
             self.m_tiles = (dim_m + TILE_M - 1) // TILE_M
             self.k_tiles = (dim_k + TILE_K - 1) // TILE_K
-            # varlen-M loads every operand by TMA: B and contiguous A as tiles, gathered A as one
-            # TMA row copy per tile row. varlen-K loads both operands by cp.async.
-            self.tma_a = not varlen_k
-            self.cp_async = varlen_k
-            # varlen-K: one arrival per cp.async thread (triggered when its copies have landed);
-            # varlen-M: the producer's one expect-tx arrival.
-            self.full_arrivals = PRODUCER_THREADS if varlen_k else 1
-            self.tma_bytes = 0 if varlen_k else (tile_n + TILE_M) * TILE_K * 2
-            # The cp.async producer keeps row indices in registers; give it a few more.
-            self.producer_regs = 56 if self.cp_async or gather_a else 40
-            self.consumer_regs = 224 if self.cp_async or gather_a else 232
+            # Every operand arrives by TMA, so a stage is complete when its one expect-tx arrival
+            # and all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
+            self.tma_bytes = (tile_n + TILE_M) * TILE_K * 2
+            # Producers that spread row copies over four warps keep row indices in registers.
+            self.row_copies = varlen_k or gather_a
+            self.producer_regs = 56 if self.row_copies else 40
+            self.consumer_regs = 224 if self.row_copies else 232
             # Operand majorness: varlen-M reads K-major rows, varlen-K MN-major rows.
             self.a_layout = COL if varlen_k else ROW
             # varlen-M B is K-major ``(E, N, K)`` or, with ``b_n_major``, N-major (a contiguous
             # ``(E, K, N)``: the backward's W2 and W1 used without a transposed copy).
             self.b_n_major = b_n_major
+            # varlen-K: write C[e]ᵀ, ``(E, N, M)`` — a gathered right operand is passed as the
+            # left one (its rows on the 128-wide M side need half the row copies), C transposed.
+            self.transpose_c = transpose_c
             self.b_layout = COL if varlen_k or b_n_major else ROW
 
         @cute.jit
         def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, gidx_a_addr: Int64,
-                     gidx_b_addr: Int64, zeros_addr: Int64, offsets_addr: Int64, rows_a: Int32,
+                     gidx_b_addr: Int64, offsets_addr: Int64, rows_a: Int32, rows_b: Int32,
                      num_experts: Int32, num_ctas: Int32, stream: cuda.CUstream):
             gmem = runtime.gmem_ptr
             a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
             gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
-            zeros, offsets = gmem(BF16, zeros_addr, 16), gmem(Int32, offsets_addr, 4)
+            offsets = gmem(Int32, offsets_addr, 4)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 BF16, BF16, self.a_layout.sm90_mma_major_mode(),
                 self.b_layout.sm90_mma_major_mode(), F32,
@@ -145,9 +154,15 @@ def _kernels():
             a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, BF16, self.stages)
             b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, BF16, self.stages)
 
-            tma_atom_a, tma_a = None, None
-            tma_atom_b, tma_b = None, None
-            if cutlass.const_expr(self.tma_a):
+            # varlen-M: B by tiles, A by tiles or (gathered) one row per box. varlen-K: both
+            # operands MN-major, by 64 x TILE_K boxes (whole k-tiles of contiguous rows) or by
+            # 64 x 1 row boxes (gathered rows, and an expert's last partial k-tile, whose rows
+            # past the expert's end take an out-of-bounds row and so arrive as zeros).
+            tma = {"a_row": (None, None), "b_row": (None, None)}
+            if cutlass.const_expr(self.varlen_k):
+                tma["a"], tma["a_row"] = _mn_major_tma(a, rows_a, self.dim_m, a_smem)
+                tma["b"], tma["b_row"] = _mn_major_tma(b, rows_b, self.dim_n, b_smem)
+            else:
                 m_a = cute.make_tensor(a, cute.make_layout((rows_a, self.dim_k),
                                                            stride=(self.dim_k, 1)))
                 # Gathered: a box of one row, written at the row's 128-byte line of the stage
@@ -156,14 +171,13 @@ def _kernels():
                 a_box_smem = (cute.make_composed_layout(
                     a_smem.inner, 0, cute.make_layout(a_box, stride=(TILE_K, 1)))
                     if self.gather_a else cute.slice_(a_smem, (None, None, 0)))
-                tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+                tma["a"] = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box)
-            if cutlass.const_expr(not self.varlen_k):
                 b_stride = ((1, self.dim_n) if self.b_n_major else (self.dim_k, 1))
                 m_b = cute.make_tensor(b, cute.make_layout(
                     (self.dim_n, self.dim_k, num_experts),
                     stride=(*b_stride, self.dim_n * self.dim_k)))
-                tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+                tma["b"] = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_smem, (None, None, 0)),
                     (self.tile_n, TILE_K))
 
@@ -178,17 +192,18 @@ def _kernels():
                     BF16, CONSUMER_WARPGROUPS * self.rows_wg * (SLAB + PAD)], 128]
 
             self.shared_storage = SharedStorage
-            self.kernel(tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, a_smem, b_smem,
-                        a, b, c, gidx_a, gidx_b, zeros, offsets, num_experts).launch(
+            self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"], a_smem,
+                        b_smem, c, gidx_a, gidx_b, offsets, rows_a, rows_b,
+                        num_experts).launch(
                 grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1,
                 stream=stream)
 
         @cute.kernel
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
-                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-                   a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, gidx_a: cute.Pointer,
-                   gidx_b: cute.Pointer, zeros: cute.Pointer, offsets: cute.Pointer,
-                   num_experts: Int32):
+                   tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row,
+                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
+                   gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
+                   rows_a: Int32, rows_b: Int32, num_experts: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             grid, _, _ = cute.arch.grid_dim()
@@ -203,13 +218,14 @@ def _kernels():
             m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
 
             if warp == 0:
-                if cutlass.const_expr(self.tma_a):
-                    cpasync.prefetch_descriptor(tma_atom_a)
-                if cutlass.const_expr(not self.varlen_k):
-                    cpasync.prefetch_descriptor(tma_atom_b)
+                cpasync.prefetch_descriptor(tma_atom_a)
+                cpasync.prefetch_descriptor(tma_atom_b)
+                if cutlass.const_expr(self.varlen_k):
+                    cpasync.prefetch_descriptor(tma_atom_a_row)
+                    cpasync.prefetch_descriptor(tma_atom_b_row)
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.stages):
-                        cute.arch.mbarrier_init(full + s, self.full_arrivals)
+                        cute.arch.mbarrier_init(full + s, 1)
                         cute.arch.mbarrier_init(empty + s, self.stage_readers)
                 cute.arch.mbarrier_init_fence()
                 if cutlass.const_expr(not self.varlen_k):
@@ -224,8 +240,11 @@ def _kernels():
             if tidx < PRODUCER_THREADS:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if cutlass.const_expr(self.varlen_k):
-                    self.produce_varlen_k(tidx, bidx, grid, total, s_a, s_b, a, b, gidx_a,
-                                          gidx_b, zeros, m_off, table, num_experts, full, empty)
+                    self.produce_varlen_k(
+                        warp, bidx, grid, total, (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
+                        (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row), a_smem, b_smem,
+                        storage.sA.data_ptr(), storage.sB.data_ptr(), gidx_a, gidx_b, rows_a,
+                        rows_b, m_off, table, num_experts, full, empty)
                 elif cutlass.const_expr(self.gather_a):
                     self.produce_gather_m(warp, bidx, grid, total, tma_atom_a, tma_a,
                                           tma_atom_b, tma_b, a_smem, storage.sA.data_ptr(),
@@ -343,22 +362,6 @@ def _kernels():
                 t += grid
 
         @cute.jit
-        def chunk_copy(self, tiled_copy, ptid: Int32, smem: cute.Tensor):
-            """This thread's slice of a stage: ``(VEC, rows, cols, stages)`` 16-byte chunks."""
-            return tiled_copy.get_slice(ptid).partition_D(smem)
-
-        @cute.jit
-        def copy_chunk(self, atom, src_base: cute.Pointer, offset: Int64, valid,
-                       zeros: cute.Pointer, dst: cute.Tensor):
-            """cp.async one 16-byte chunk from ``src_base + offset``, or zeros if not ``valid``."""
-            if valid:
-                src = cute.make_tensor(src_base + cute.assume(offset, divby=VEC),
-                                       cute.make_layout(dst.shape))
-                cute.copy(atom, src, dst)
-            else:
-                cute.copy(atom, cute.make_tensor(zeros, cute.make_layout(dst.shape)), dst)
-
-        @cute.jit
         def produce_gather_m(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
                              tma_atom_a, tma_a, tma_atom_b, tma_b, a_smem: cute.ComposedLayout,
                              s_a_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
@@ -413,97 +416,112 @@ def _kernels():
                 t += grid
 
         @cute.jit
-        def produce_varlen_k(self, ptid: Int32, bidx: Int32, grid: Int32, total: Int32,
-                             s_a: cute.Tensor, s_b: cute.Tensor, a: cute.Pointer, b: cute.Pointer,
-                             gidx_a: cute.Pointer, gidx_b: cute.Pointer, zeros: cute.Pointer,
-                             m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                             full: cute.Pointer, empty: cute.Pointer):
-            """varlen-K: both operands are ``TILE_K`` rows of the expert, MN-major in shared
-            memory; rows past the expert's end are zero-filled.
+        def produce_varlen_k(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
+                             tma_a: tuple, tma_b: tuple, a_smem: cute.ComposedLayout,
+                             b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
+                             s_b_base: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
+                             rows_a: Int32, rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor,
+                             num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+            """varlen-K: both operands are ``TILE_K`` rows of the expert per k-tile, MN-major in
+            shared memory, loaded by TMA.
 
-            A gathered operand's row indices for k-tile ``kt + 1`` are loaded right after the
-            copies of ``kt`` are issued, so their latency overlaps the wait for the next free
-            stage instead of delaying its copies."""
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                       BF16, num_bits_per_copy=128)
-            copy_a = self.mn_major_copy(atom, TILE_M)
-            copy_b = self.mn_major_copy(atom, self.tile_n)
-            t_sa = self.chunk_copy(copy_a, ptid, s_a)
-            t_sb = self.chunk_copy(copy_b, ptid, s_b)
-            idx_a = cute.make_rmem_tensor((self.mn_major_rows(TILE_M),), Int32)
-            idx_b = cute.make_rmem_tensor((self.mn_major_rows(self.tile_n),), Int32)
+            A contiguous operand's whole k-tiles arrive as ``64 x TILE_K`` boxes issued by warp
+            0. Gathered rows, and the rows of an expert's last partial k-tile, arrive as one
+            ``64 x 1`` box per row and 64 columns, spread over the four producer warps (16 rows
+            each); a row past the expert's end reads row ``rows`` of the source — out of bounds,
+            so TMA writes zeros and no stale value enters the reduction. Lane ``l`` holds the
+            source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are read right
+            after the copies of ``kt`` are issued, overlapping the wait for the next free stage.
+            """
+            lane = cute.arch.lane_idx()
+            row_in_tile = warp * (TILE_K // 4) + lane % (TILE_K // 4)
             stage = Int32(0)
             phase = Int32(1)
             t = bidx
             while t < total:
                 e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
                 k_tiles = (rows + TILE_K - 1) // TILE_K
-                if cutlass.const_expr(self.gather_a):
-                    self.gather_rows(idx_a, ptid, gidx_a, TILE_M, row0, rows, Int32(0))
-                if cutlass.const_expr(self.gather_b):
-                    self.gather_rows(idx_b, ptid, gidx_b, self.tile_n, row0, rows, Int32(0))
+                src_a = self.row_source(gidx_a, self.gather_a, row0, rows, row_in_tile, Int32(0),
+                                        rows_a)
+                src_b = self.row_source(gidx_b, self.gather_b, row0, rows, row_in_tile, Int32(0),
+                                        rows_b)
                 for kt in cutlass.range(k_tiles, unroll=1):
                     cute.arch.mbarrier_wait(empty + stage, phase)
-                    self.load_mn_major(ptid, atom, t_sa, stage, a, idx_a, self.gather_a,
-                                       self.dim_m, mt * TILE_M, TILE_M, row0, rows, kt, zeros)
-                    self.load_mn_major(ptid, atom, t_sb, stage, b, idx_b, self.gather_b,
-                                       self.dim_n, nt * self.tile_n, self.tile_n, row0, rows, kt,
-                                       zeros)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-                    if cutlass.const_expr(self.gather_a):
-                        self.gather_rows(idx_a, ptid, gidx_a, TILE_M, row0, rows, kt + 1)
-                    if cutlass.const_expr(self.gather_b):
-                        self.gather_rows(idx_b, ptid, gidx_b, self.tile_n, row0, rows, kt + 1)
+                    if warp == 0:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
+                    whole = (kt + 1) * TILE_K <= rows
+                    self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, TILE_M, mt * TILE_M,
+                                     self.gather_a, whole, src_a, row0, kt, stage, full)
+                    self.load_k_tile(warp, tma_b, b_smem.inner, s_b_base, self.tile_n,
+                                     nt * self.tile_n, self.gather_b, whole, src_b, row0, kt,
+                                     stage, full)
+                    src_a = self.row_source(gidx_a, self.gather_a, row0, rows, row_in_tile,
+                                            kt + 1, rows_a)
+                    src_b = self.row_source(gidx_b, self.gather_b, row0, rows, row_in_tile,
+                                            kt + 1, rows_b)
                     stage += 1
                     if stage == self.stages:
                         stage = 0
                         phase ^= 1
                 t += grid
 
-        def mn_major_copy(self, atom, tile_mn: int):
-            """Thread layout for an MN-major ``(tile_mn, TILE_K)`` operand: chunks along MN."""
-            along_mn = tile_mn // VEC
-            along_k = PRODUCER_THREADS // along_mn
-            return cute.make_tiled_copy_tv(
-                atom, cute.make_layout((along_mn, along_k), stride=(1, along_mn)),
-                cute.make_layout((VEC, 1)))
-
-        def mn_major_rows(self, tile_mn: int) -> int:
-            """k-rows of one k-tile a producer thread copies for an MN-major operand."""
-            return TILE_K // (PRODUCER_THREADS // (tile_mn // VEC))
-
         @cute.jit
-        def gather_rows(self, idx: cute.Tensor, ptid: Int32, gidx: cute.Pointer,
-                        tile_mn: cutlass.Constexpr, row0: Int32, rows: Int32, kt: Int32):
-            """Source rows of this thread's chunks of k-tile ``kt`` (-1 past the expert's rows)."""
-            along_mn = tile_mn // VEC
-            along_k = PRODUCER_THREADS // along_mn
-            k_of = ptid // along_mn
-            for i in cutlass.range_constexpr(self.mn_major_rows(tile_mn)):
-                r = kt * TILE_K + k_of + i * along_k
-                idx[i] = -1
-                if r < rows:
-                    idx[i] = cute.make_tensor(gidx + row0, cute.make_layout(rows))[r]
-
-        @cute.jit
-        def load_mn_major(self, ptid: Int32, atom, t_s: cute.Tensor, stage: Int32,
-                          src: cute.Pointer, idx: cute.Tensor, gathered: cutlass.Constexpr,
-                          width: cutlass.Constexpr, col0: Int32, tile_mn: cutlass.Constexpr,
-                          row0: Int32, rows: Int32, kt: Int32, zeros: cute.Pointer):
-            """One k-tile (``TILE_K`` rows from ``row0 + kt·TILE_K``) of a varlen-K operand;
-            gathered, its source rows are ``idx`` (:meth:`gather_rows`)."""
-            along_mn = tile_mn // VEC
-            along_k = PRODUCER_THREADS // along_mn
-            k_of = ptid // along_mn
-            col = col0 + (ptid - k_of * along_mn) * VEC
-            for i in cutlass.range_constexpr(self.mn_major_rows(tile_mn)):
-                r = kt * TILE_K + k_of + i * along_k
-                valid = r < rows and col < width
-                src_row = row0 + r
+        def row_source(self, gidx: cute.Pointer, gathered: cutlass.Constexpr, row0: Int32,
+                       rows: Int32, row_in_tile: Int32, kt: Int32, oob: Int32) -> Int32:
+            """Source row of tile row ``row_in_tile`` of k-tile ``kt``; ``oob`` past the end."""
+            r = kt * TILE_K + row_in_tile
+            src = oob
+            if r < rows:
+                src = row0 + r
                 if cutlass.const_expr(gathered):
-                    src_row = idx[i]
-                self.copy_chunk(atom, src, Int64(src_row) * width + col, valid, zeros,
-                                t_s[None, 0, i, stage])
+                    src = cute.make_tensor(gidx, cute.make_layout(row0 + rows))[row0 + r]
+            return src
+
+        @cute.jit
+        def load_k_tile(self, warp: Int32, tma: tuple, swizzle, s_base: cute.Pointer,
+                        tile_mn: cutlass.Constexpr, col0: Int32, gathered: cutlass.Constexpr,
+                        whole, src: Int32, row0: Int32, kt: Int32, stage: Int32,
+                        full: cute.Pointer):
+            """Issue the TMA copies of one operand's k-tile into ``stage``."""
+            atom_box, tma_box, atom_row, tma_row = tma
+            stage_base = s_base + stage * (tile_mn * TILE_K)
+            if cutlass.const_expr(gathered):
+                self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, tile_mn, col0, src,
+                               full + stage)
+            else:
+                if whole:
+                    if warp == 0:
+                        g_box = cute.group_modes(cute.local_tile(
+                            cute.domain_offset((0, row0), tma_box), (64, TILE_K), (None, None)),
+                            0, 2)
+                        for j in cutlass.range_constexpr(tile_mn // 64):
+                            dst = cute.make_tensor(
+                                cute.recast_ptr(stage_base + j * (64 * TILE_K), swizzle),
+                                cute.make_layout((64, TILE_K), stride=(1, 64)))
+                            t_s, t_g = cpasync.tma_partition(
+                                atom_box, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                g_box)
+                            cute.copy(atom_box, t_g[None, col0 // 64 + j, kt], t_s,
+                                      tma_bar_ptr=full + stage)
+                else:
+                    self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, tile_mn, col0,
+                                   src, full + stage)
+
+        @cute.jit
+        def copy_rows(self, warp: Int32, atom_row, tma_row, swizzle, stage_base: cute.Pointer,
+                      tile_mn: cutlass.Constexpr, col0: Int32, src: Int32, bar: cute.Pointer):
+            """This warp's ``TILE_K / 4`` rows of a k-tile, one ``64 x 1`` box per 64 columns."""
+            g_row = cute.group_modes(cute.local_tile(tma_row, (64, 1), (None, None)), 0, 2)
+            for i in cutlass.range_constexpr(TILE_K // 4):
+                row = cute.arch.shuffle_sync(src, i)
+                for j in cutlass.range_constexpr(tile_mn // 64):
+                    dst = cute.make_tensor(cute.recast_ptr(
+                        stage_base + j * (64 * TILE_K) + (warp * (TILE_K // 4) + i) * 64,
+                        swizzle), cute.make_layout((64, 1), stride=(1, 64)))
+                    t_s, t_g = cpasync.tma_partition(
+                        atom_row, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), g_row)
+                    cute.copy(atom_row, t_g[None, col0 // 64 + j, row], t_s, tma_bar_ptr=bar)
 
         @cute.jit
         def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
@@ -637,7 +655,11 @@ def _kernels():
                             cute.autovec_copy(pair, cute.make_tensor(
                                 stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
                 cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
-                for q in cutlass.range_constexpr(self.rows_wg * chunks_per_row // 128):
+                if cutlass.const_expr(self.transpose_c):
+                    self.store_slab_transposed(stage_c, wg_tid, wg_row0, c, e, mt, nt, sl, rows,
+                                               cols)
+                for q in cutlass.range_constexpr(
+                        0 if self.transpose_c else self.rows_wg * chunks_per_row // 128):
                     index = wg_tid + q * 128
                     r = index // chunks_per_row
                     col = (index - r * chunks_per_row) * VEC
@@ -652,6 +674,30 @@ def _kernels():
                             cute.make_layout(VEC)))
                 # The next slab overwrites the staging buffer.
                 cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+
+        @cute.jit
+        def store_slab_transposed(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32,
+                                  c: cute.Pointer, e: Int32, mt: Int32, nt: Int32, sl: int,
+                                  rows: Int32, cols: Int32):
+            """varlen-K with ``transpose_c``: the staged slab goes to ``C[e]ᵀ`` ``(N, M)`` as
+            16-byte chunks of 8 consecutive rows (M is a multiple of 8)."""
+            pitch = SLAB + PAD
+            chunk = cute.make_rmem_tensor((VEC,), BF16)
+            base = Int64(e) * self.dim_n * self.dim_m + mt * TILE_M
+            for q in cutlass.range_constexpr(self.rows_wg // VEC * SLAB // 128):
+                index = wg_tid + q * 128
+                # Consecutive threads take consecutive columns: their chunks are rows of C[e]ᵀ.
+                col = index % SLAB
+                r = (index // SLAB) * VEC
+                m = wg_row0 + r
+                n = nt * self.tile_n + sl * SLAB + col
+                if m < rows and sl * SLAB + col < cols:
+                    for i in cutlass.range_constexpr(VEC):
+                        chunk[i] = cute.make_tensor(stage_c + (r + i) * pitch + col,
+                                                    cute.make_layout(1))[0]
+                    cute.autovec_copy(chunk, cute.make_tensor(
+                        c + cute.assume(base + (Int64(n) * self.dim_m + m), divby=VEC),
+                        cute.make_layout(VEC)))
 
     return GroupedGemmKernel
 
@@ -675,14 +721,15 @@ def _plan(varlen_k: bool, dim_n: int, gathered: bool = False) -> tuple[int, bool
 
 
 def _compile(varlen_k: bool, tile_n: int, pingpong: bool, dim_m: int, dim_n: int, dim_k: int,
-             gather_a: bool, gather_b: bool, b_n_major: bool = False, keep_ptx: bool = False):
+             gather_a: bool, gather_b: bool, b_n_major: bool = False, transpose_c: bool = False,
+             keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong,
-                        b_n_major)
-    addresses = [runtime.fake_address() for _ in range(7)]
-    sizes = [cutlass.Int32(1) for _ in range(3)]
+                        b_n_major, transpose_c)
+    addresses = [runtime.fake_address() for _ in range(6)]
+    sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
 
@@ -694,16 +741,6 @@ def _num_ctas(device: torch.device, tiles_bound: int) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, min(_SM_COUNT[index], tiles_bound))
-
-
-_ZEROS: dict[torch.device, torch.Tensor] = {}
-
-
-def _zeros(device: torch.device) -> torch.Tensor:
-    # The 16-byte source of the zero-filled chunks (never written).
-    if device not in _ZEROS:
-        _ZEROS[device] = torch.zeros(64, dtype=torch.bfloat16, device=device)
-    return _ZEROS[device]
 
 
 def _check_offsets(expert_offsets, device) -> int:
@@ -795,8 +832,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
     offsets_addr = addr(expert_offsets, 4)
     # Without gather the index addresses are never read; expert_offsets' stands in for them.
     idx = addr(gather_idx, 4) if gathered else offsets_addr
-    fn(addr(a, 16), addr(b, 16), addr(out, 16), idx, idx, addr(_zeros(device), 16),
-       offsets_addr, a.shape[0], num_experts, _num_ctas(device, tiles_bound))
+    fn(addr(a, 16), addr(b, 16), addr(out, 16), idx, idx, offsets_addr, a.shape[0], 0,
+       num_experts, _num_ctas(device, tiles_bound))
     return out
 
 
@@ -847,21 +884,27 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if rows[0] == 0:
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
+    # Only B gathered (dW1 = dHᵀ·gather(X)): compute C[e]ᵀ = B_eᵀ·A_e with the gathered rows on
+    # the 128-wide M side and store it transposed; measured faster at the ANCHORS shapes.
+    transpose_c = gb and not ga
+    if transpose_c:
+        a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
+        dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
     tile_n, pingpong = _plan(True, dim_n)
-    key = ("grouped_gemm_varlen_k", tile_n, pingpong, dim_m, dim_n, ga, gb)
-    fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, dim_m, dim_n, 0, ga, gb))
+    key = ("grouped_gemm_varlen_k", tile_n, pingpong, dim_m, dim_n, ga, gb, transpose_c)
+    fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, dim_m, dim_n, 0, ga, gb,
+                                                transpose_c=transpose_c))
     tiles = num_experts * ((dim_m + TILE_M - 1) // TILE_M) * ((dim_n + tile_n - 1) // tile_n)
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # An index address that is not gathered is never read; expert_offsets' stands in for it.
     fn(addr(a, 16), addr(b, 16), addr(out, 16), addr(gather_idx_a, 4) if ga else offsets_addr,
-       addr(gather_idx_b, 4) if gb else offsets_addr, addr(_zeros(device), 16), offsets_addr,
-       a.shape[0], num_experts, _num_ctas(device, tiles))
+       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
+       num_experts, _num_ctas(device, tiles))
     return out
 
 
 _MARKERS_TMA = ("wgmma.mma_async", "cp.async.bulk.tensor")
-_MARKERS_VARLEN_K = ("wgmma.mma_async", "cp.async.cg")
 
 # The forward's up-proj and down-proj, and the backward's dA' (gathered dO · N-major W2).
 for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, False),
@@ -873,8 +916,11 @@ for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, F
         compile_fake=lambda n=_n, k=_k, g=_gather, nm=_n_major: _compile(
             False, *_plan(False, n, g), 0, n, k, g, False, nm, keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
-register(KernelVariant(
-    kernel="grouped_gemm", variant="varlen_k_m512_n1536_gather_b",
-    compile_fake=lambda: _compile(True, *_plan(True, 1536), 512, 1536, 0, False, True,
-                                  keep_ptx=True),
-    ptx_markers=_MARKERS_VARLEN_K))
+# The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
+for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):
+    register(KernelVariant(
+        kernel="grouped_gemm",
+        variant=f"varlen_k_m{_m}_n{_n}_gather_a{'_ct' if _transpose else ''}",
+        compile_fake=lambda m=_m, n=_n, tr=_transpose: _compile(
+            True, *_plan(True, n), m, n, 0, True, False, transpose_c=tr, keep_ptx=True),
+        ptx_markers=_MARKERS_TMA))
