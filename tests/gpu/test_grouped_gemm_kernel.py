@@ -68,6 +68,7 @@ def _ref_varlen_k(a_rows, b_rows, offsets):
     (2500, 32, 200, 2048, "ragged"),
     (1500, 64, 1024, 1096, "empty"),
     (2000, 8, 256, 4104, "ragged"),
+    (300, 4, 8, 24, "ragged"),
 ])
 def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_major):
     from sonic.kernels.grouped_gemm import grouped_gemm
@@ -109,6 +110,7 @@ def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_majo
     (2000, 16, 200, 136, "empty"),
     (777, 4, 256, 512, "one"),
     (20000, 512, 128, 256, "ragged"),
+    (300, 4, 24, 8, "empty"),
 ])
 def test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b):
     from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k
