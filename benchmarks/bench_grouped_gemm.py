@@ -9,6 +9,9 @@ the speedup and the kernel's relative error against torch:
 * ``up``: varlen-M, ``gather(X)·W1ᵀ`` (N = 2n, K = d) — torch: ``index_select`` +
   ``_grouped_mm``;
 * ``down``: varlen-M, contiguous ``A·W2ᵀ`` (N = d, K = n) — torch: ``_grouped_mm``;
+* ``up+act``: the up-proj with the SwiGLU epilogue (``grouped_gemm_swiglu``, H and A in one
+  launch) — torch: ``index_select`` + ``_grouped_mm`` + SwiGLU; ``up+act*``: sonic unfused
+  (gathered GEMM, then the one-pass SwiGLU kernel), the path ``"auto"`` takes;
 * ``dA'``: varlen-M, ``gather(dO)·W2`` with W2 read N-major (N = n, K = d) — torch:
   ``index_select`` + ``_grouped_mm``;
 * ``dX``: varlen-M, contiguous ``dH·W1`` with W1 read N-major (N = d, K = 2n) — torch:
@@ -29,7 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, device_name  # noqa: E402
 
-from sonic.kernels.grouped_gemm import grouped_gemm, grouped_gemm_varlen_k  # noqa: E402
+from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_swiglu,  # noqa: E402
+                                        grouped_gemm_varlen_k)
+from sonic.kernels.swiglu import swiglu  # noqa: E402
+from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 
 # (name, T, d, n, E, K) from ANCHORS.md.
 SHAPES = [("7B", 24576, 1536, 256, 128, 8), ("OLMoE", 32768, 2048, 1024, 64, 8),
@@ -62,13 +68,13 @@ def _row(shape, gemm, flops, kernel, torch_fn):
     except (RuntimeError, TypeError) as exc:  # a torch build without this _grouped_mm form
         torch_us, err, torch_tf, speedup = float("nan"), "n/a", "    n/a", "   n/a"
         print(f"  torch baseline failed: {exc}".splitlines()[0])
-    print(f"{shape:<6} {gemm:<5} | {torch_us:>9.1f} {kern_us:>9.1f} | {torch_tf} "
+    print(f"{shape:<6} {gemm:<7} | {torch_us:>9.1f} {kern_us:>9.1f} | {torch_tf} "
           f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}", flush=True)
 
 
 def main():
     print(f"device: {device_name()}")
-    print(f"{'shape':<6} {'gemm':<5} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
+    print(f"{'shape':<6} {'gemm':<7} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
           f"{'kern TF':>7} {'speedup':>7} {'rel err':>8}")
     for name, t, d, n, e, k in SHAPES:
         gather_idx, offsets = _routing(t, e, k)
@@ -85,6 +91,13 @@ def main():
              lambda: grouped_gemm(x, w1, offsets, gather_idx=gather_idx),
              lambda: torch._grouped_mm(x.index_select(0, gidx_long), w1.transpose(1, 2),
                                        offs=ends))
+        torch_up_act = lambda: torch_swiglu(torch._grouped_mm(  # noqa: E731
+            x.index_select(0, gidx_long), w1.transpose(1, 2), offs=ends), "concat")
+        _row(name, "up+act", 2 * p * 2 * n * d,
+             lambda: grouped_gemm_swiglu(x, w1, offsets, gather_idx, "concat")[1], torch_up_act)
+        _row(name, "up+act*", 2 * p * 2 * n * d,
+             lambda: swiglu(grouped_gemm(x, w1, offsets, gather_idx=gather_idx), "concat"),
+             torch_up_act)
         _row(name, "down", 2 * p * d * n,
              lambda: grouped_gemm(act, w2, offsets),
              lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends))

@@ -26,9 +26,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         if meta is None:
             meta = ops.metadata(token_idx, expert_idx, x.shape[0], w1.shape[0])
         offsets = meta.expert_offsets
-        # The CuTe up-proj gathers X's rows while loading them (the reference: a transient copy).
-        h = ops.grouped_mm(x, w1.transpose(1, 2), offsets, meta.gather_idx)
-        y = ops.grouped_mm(ops.swiglu(h, gate_up), w2.transpose(1, 2), offsets)
+        # The CuTe up-proj gathers X's rows while loading them (the reference: a transient copy)
+        # and its epilogue stores both H (kept) and A (transient).
+        h, act = ops.up_proj_swiglu(x, w1, offsets, meta.gather_idx, gate_up)
+        y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
+        del act
         row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
         out = ops.aggregate(y, meta.token_rows, meta.token_offsets, row_scores)
         ctx.save_for_backward(x, w1, w2, h, scores, *meta.tensors())

@@ -12,7 +12,8 @@ calling a kernel. Entry points:
   SwiGLU forward and the dSwiGLU + dS + A' backward epilogue as one-pass kernels.
 * :func:`sonic.kernels.grouped_gemm.grouped_gemm`,
   :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k` — varlen-M / varlen-K grouped GEMMs
-  with optional row gather.
+  with optional row gather; :func:`sonic.kernels.grouped_gemm.grouped_gemm_swiglu` — the
+  gathered up-proj with the SwiGLU epilogue.
 
 ``python -m sonic.kernels --list`` lists the registered variants; ``--compile-check sm_90a``
 compiles them all on the CPU.

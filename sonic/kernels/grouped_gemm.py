@@ -47,6 +47,7 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
+from sonic.kernels.swiglu import LOG2_E
 
 TILE_M = 128
 TILE_K = 64
@@ -111,7 +112,7 @@ def _kernels():
 
         def __init__(self, varlen_k: bool, tile_n: int, dim_m: int, dim_n: int, dim_k: int,
                      gather_a: bool, gather_b: bool, pingpong: bool, b_n_major: bool = False,
-                     transpose_c: bool = False):
+                     transpose_c: bool = False, swiglu: str | None = None):
             if pingpong and tile_n != 128:
                 raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
             self.varlen_k = varlen_k
@@ -143,14 +144,24 @@ def _kernels():
             # varlen-K: write C[e]ᵀ, ``(E, N, M)`` — a gathered right operand is passed as the
             # left one (its rows on the 128-wide M side need half the row copies), C transposed.
             self.transpose_c = transpose_c
+            # Up-proj epilogue (SonicMoE §4.1.2): besides H = C, store A = SwiGLU(H) ``(P, N/2)``.
+            # "concat": a tile's B is two half boxes, gate rows ``nt·tile_n/2 ..`` and the
+            # matching up rows ``N/2 + nt·tile_n/2 ..``, so gate and up of one A column sit in
+            # the same thread's accumulator; "interleaved": they are adjacent columns.
+            if swiglu is not None and (varlen_k or not gather_a or b_n_major or pingpong):
+                raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")
+            self.swiglu = swiglu
+            self.b_rows_per_copy = tile_n // 2 if swiglu == "concat" else tile_n
             self.b_layout = COL if varlen_k or b_n_major else ROW
 
         @cute.jit
-        def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, gidx_a_addr: Int64,
-                     gidx_b_addr: Int64, offsets_addr: Int64, rows_a: Int32, rows_b: Int32,
-                     num_experts: Int32, num_ctas: Int32, stream: cuda.CUstream):
+        def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, act_addr: Int64,
+                     gidx_a_addr: Int64, gidx_b_addr: Int64, offsets_addr: Int64, rows_a: Int32,
+                     rows_b: Int32, num_experts: Int32, num_ctas: Int32,
+                     stream: cuda.CUstream):
             gmem = runtime.gmem_ptr
             a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
+            act = gmem(BF16, act_addr, 16)
             gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
             offsets = gmem(Int32, offsets_addr, 4)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -184,9 +195,12 @@ def _kernels():
                 m_b = cute.make_tensor(b, cute.make_layout(
                     (self.dim_n, self.dim_k, num_experts),
                     stride=(*b_stride, self.dim_n * self.dim_k)))
+                b_box = (self.b_rows_per_copy, TILE_K)
+                b_box_smem = (cute.make_composed_layout(
+                    b_smem.inner, 0, cute.make_layout(b_box, stride=(TILE_K, 1)))
+                    if self.swiglu == "concat" else cute.slice_(b_smem, (None, None, 0)))
                 tma["b"] = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(b_smem, (None, None, 0)),
-                    (self.tile_n, TILE_K))
+                    cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
 
             @cute.struct
             class SharedStorage:
@@ -200,7 +214,7 @@ def _kernels():
 
             self.shared_storage = SharedStorage
             self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"], a_smem,
-                        b_smem, c, gidx_a, gidx_b, offsets, rows_a, rows_b,
+                        b_smem, c, act, gidx_a, gidx_b, offsets, rows_a, rows_b,
                         num_experts).launch(
                 grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1,
                 stream=stream)
@@ -209,7 +223,7 @@ def _kernels():
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                    tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row,
                    a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
-                   gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
+                   act: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
                    rows_a: Int32, rows_b: Int32, num_experts: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -254,8 +268,9 @@ def _kernels():
                         rows_b, m_off, table, num_experts, full, empty)
                 elif cutlass.const_expr(self.gather_a):
                     self.produce_gather_m(warp, bidx, grid, total, tma_atom_a, tma_a,
-                                          tma_atom_b, tma_b, a_smem, storage.sA.data_ptr(),
-                                          s_b, gidx_a, m_off, table, num_experts, full, empty)
+                                          tma_atom_b, tma_b, a_smem, b_smem,
+                                          storage.sA.data_ptr(), storage.sB.data_ptr(), s_b,
+                                          gidx_a, m_off, table, num_experts, full, empty)
                 else:
                     if warp == 0:
                         self.produce_tma(bidx, grid, total, tma_atom_a, tma_a, tma_atom_b,
@@ -264,7 +279,8 @@ def _kernels():
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(tidx - PRODUCER_THREADS, bidx, grid, total, tiled_mma, s_a, s_b,
-                             storage.sC.data_ptr(), c, m_off, table, num_experts, full, empty)
+                             storage.sC.data_ptr(), c, act, m_off, table, num_experts, full,
+                             empty)
 
         @cute.jit
         def build_tile_table(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
@@ -371,7 +387,8 @@ def _kernels():
         @cute.jit
         def produce_gather_m(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
                              tma_atom_a, tma_a, tma_atom_b, tma_b, a_smem: cute.ComposedLayout,
-                             s_a_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
+                             b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
+                             s_b_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
                              m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
                              full: cute.Pointer, empty: cute.Pointer):
             """varlen-M, gathered A: every tile row arrives by its own TMA row copy.
@@ -384,10 +401,12 @@ def _kernels():
             copies this keeps the row loads off the SM's load/store path (measured ~2× faster
             on H200 at the ANCHORS shapes).
             """
-            g_b = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
-                                               cute.group_modes(s_b, 0, 2),
-                                               cute.group_modes(g_b, 0, 2))
+            t_sb, t_gb = None, None
+            if cutlass.const_expr(self.swiglu != "concat"):
+                g_b = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None, None))
+                t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
+                                                   cute.group_modes(s_b, 0, 2),
+                                                   cute.group_modes(g_b, 0, 2))
             g_a = cute.group_modes(cute.local_tile(tma_a, (1, TILE_K), (None, None)), 0, 2)
             row_layout = cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
             lane = cute.arch.lane_idx()
@@ -405,8 +424,12 @@ def _kernels():
                     if warp == 0:
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
-                        cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
-                                  tma_bar_ptr=full + stage)
+                        if cutlass.const_expr(self.swiglu == "concat"):
+                            self.copy_b_halves(tma_atom_b, tma_b, b_smem.inner, s_b_base, nt, kt,
+                                               e, stage, full)
+                        else:
+                            cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
+                                      tma_bar_ptr=full + stage)
                     for i in cutlass.range_constexpr(32):
                         src = cute.arch.shuffle_sync(src_row, i)
                         dst = cute.make_tensor(cute.recast_ptr(
@@ -421,6 +444,22 @@ def _kernels():
                         stage = 0
                         phase ^= 1
                 t += grid
+
+        @cute.jit
+        def copy_b_halves(self, tma_atom_b, tma_b, swizzle, s_b_base: cute.Pointer, nt: Int32,
+                          kt: Int32, e: Int32, stage: Int32, full: cute.Pointer):
+            """SwiGLU "concat": the gate rows and the matching up rows of B n-tile ``nt``."""
+            half = self.tile_n // 2
+            g_b = cute.group_modes(cute.local_tile(tma_b, (half, TILE_K), (None, None, None)),
+                                   0, 2)
+            for h in cutlass.range_constexpr(2):
+                dst = cute.make_tensor(cute.recast_ptr(
+                    s_b_base + (stage * self.tile_n + h * half) * TILE_K, swizzle),
+                    cute.make_layout((half, TILE_K), stride=(TILE_K, 1)))
+                t_s, t_g = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
+                                                 cute.group_modes(dst, 0, 2), g_b)
+                cute.copy(tma_atom_b, t_g[None, h * (self.dim_n // 2 // half) + nt, kt, e], t_s,
+                          tma_bar_ptr=full + stage)
 
         @cute.jit
         def produce_varlen_k(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
@@ -542,7 +581,8 @@ def _kernels():
         @cute.jit
         def consume(self, ctid: Int32, bidx: Int32, grid: Int32, total: Int32,
                     tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
-                    s_c: cute.Pointer, c: cute.Pointer, m_off: cute.Tensor, table: cute.Tensor,
+                    s_c: cute.Pointer, c: cute.Pointer, act: cute.Pointer, m_off: cute.Tensor,
+                    table: cute.Tensor,
                     num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
             """WGMMA over the k-tiles of each tile, then the masked store.
 
@@ -614,7 +654,12 @@ def _kernels():
                         cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
                         stage, phase = self.skip(stage, phase,
                                                  self.tile_k_tiles(t + grid, m_off, num_experts))
-                self.store(acc, coords, stage_c, wg_tid, wg, wg_row0, c, e, row0, rows, nt, mt)
+                if cutlass.const_expr(self.swiglu is None):
+                    self.store(acc, coords, stage_c, wg_tid, wg, wg_row0, c, e, row0, rows, nt,
+                               mt)
+                else:
+                    self.store_swiglu(acc, coords, stage_c, wg_tid, wg, wg_row0, c, act, row0,
+                                      rows, nt)
                 t += step
 
         @cute.jit
@@ -641,46 +686,122 @@ def _kernels():
                 base = (Int64(e) * self.dim_m + mt * TILE_M) * self.dim_n + nt * self.tile_n
             else:
                 base = Int64(row0) * self.dim_n + nt * self.tile_n
-            pitch = SLAB + PAD
-            chunks_per_row = SLAB // VEC
-            pair_f32 = cute.make_rmem_tensor((2,), F32)
-            pair = cute.make_rmem_tensor((2,), BF16)
-            chunk = cute.make_rmem_tensor((VEC,), BF16)
             for sl in cutlass.range_constexpr(self.tile_n // SLAB):
-                # The WGMMA accumulator holds, per 8-column group j, the column pair (v0 = 0, 1)
-                # of two rows (v1 = 0, 1) for each 64-row block mm.
-                for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    for j in cutlass.range_constexpr(SLAB // 8):
-                        for v1 in cutlass.range_constexpr(2):
-                            first = ((0, v1, sl * (SLAB // 8) + j), mm, 0)
-                            second = ((1, v1, sl * (SLAB // 8) + j), mm, 0)
-                            m, n = coords[first]
-                            pair_f32[0] = acc[first]
-                            pair_f32[1] = acc[second]
-                            pair.store(pair_f32.load().to(BF16))
-                            offset = (m - wg_row0) * pitch + (n - sl * SLAB)
-                            cute.autovec_copy(pair, cute.make_tensor(
-                                stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+                self.stage_slab(acc, coords, stage_c, wg_row0, sl)
                 cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
                 if cutlass.const_expr(self.transpose_c):
                     self.store_slab_transposed(stage_c, wg_tid, wg_row0, c, e, mt, nt, sl, rows,
                                                cols)
-                for q in cutlass.range_constexpr(
-                        0 if self.transpose_c else self.rows_wg * chunks_per_row // 128):
-                    index = wg_tid + q * 128
-                    r = index // chunks_per_row
-                    col = (index - r * chunks_per_row) * VEC
-                    m = wg_row0 + r
-                    n = sl * SLAB + col
-                    if m < rows and n < cols:
-                        cute.autovec_copy(cute.make_tensor(
-                            stage_c + cute.assume(r * pitch + col, divby=VEC),
-                            cute.make_layout(VEC)), chunk)
-                        cute.autovec_copy(chunk, cute.make_tensor(
-                            c + cute.assume(base + (Int64(m) * self.dim_n + n), divby=VEC),
-                            cute.make_layout(VEC)))
+                else:
+                    self.flush(stage_c, wg_tid, wg_row0, SLAB, c, base, self.dim_n, sl * SLAB,
+                               cols, rows)
                 # The next slab overwrites the staging buffer.
                 cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+
+        @cute.jit
+        def stage_slab(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
+                       wg_row0: Int32, sl: int):
+            """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows → staging buffer.
+
+            The WGMMA accumulator holds, per 8-column group j, the column pair (v0 = 0, 1) of two
+            rows (v1 = 0, 1) for each 64-row block mm."""
+            pair_f32 = cute.make_rmem_tensor((2,), F32)
+            pair = cute.make_rmem_tensor((2,), BF16)
+            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                for j in cutlass.range_constexpr(SLAB // 8):
+                    for v1 in cutlass.range_constexpr(2):
+                        first = ((0, v1, sl * (SLAB // 8) + j), mm, 0)
+                        second = ((1, v1, sl * (SLAB // 8) + j), mm, 0)
+                        m, n = coords[first]
+                        pair_f32[0] = acc[first]
+                        pair_f32[1] = acc[second]
+                        pair.store(pair_f32.load().to(BF16))
+                        offset = (m - wg_row0) * (SLAB + PAD) + (n - sl * SLAB)
+                        cute.autovec_copy(pair, cute.make_tensor(
+                            stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+
+        @cute.jit
+        def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
+                  dst: cute.Pointer, base: Int64, pitch: int, col0: int, col_limit: Int32,
+                  rows: Int32):
+            """Staged ``rows_wg x width`` block → ``dst[base + m·pitch + col0 + col]`` as 16-byte
+            row chunks, masked to tile rows ``< rows`` and to ``col0 + col < col_limit`` (widths
+            are multiples of 8, so a chunk is entirely inside or outside)."""
+            chunk = cute.make_rmem_tensor((VEC,), BF16)
+            chunks_per_row = width // VEC
+            for q in cutlass.range_constexpr(self.rows_wg * chunks_per_row // 128):
+                index = wg_tid + q * 128
+                r = index // chunks_per_row
+                col = (index - r * chunks_per_row) * VEC
+                m = wg_row0 + r
+                if m < rows and col0 + col < col_limit:
+                    cute.autovec_copy(cute.make_tensor(
+                        stage_c + cute.assume(r * (SLAB + PAD) + col, divby=VEC),
+                        cute.make_layout(VEC)), chunk)
+                    cute.autovec_copy(chunk, cute.make_tensor(
+                        dst + cute.assume(base + (Int64(m) * pitch + col0 + col), divby=VEC),
+                        cute.make_layout(VEC)))
+
+        @cute.jit
+        def store_swiglu(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
+                         wg_tid: Int32, wg: Int32, wg_row0: Int32, h_out: cute.Pointer,
+                         act: cute.Pointer, row0: Int32, rows: Int32, nt: Int32):
+            """Up-proj epilogue: H ``(P, 2n)`` and ``A = silu(gate) ⊙ up`` ``(P, n)``.
+
+            A is computed from the bf16-rounded H values with the standalone SwiGLU kernel's
+            formula, so it equals what the backward recomputes from the saved H bitwise."""
+            n = self.dim_n // 2
+            slabs = self.tile_n // SLAB
+            concat = self.swiglu == "concat"
+            h_base = Int64(row0) * self.dim_n
+            a_base = Int64(row0) * n
+            for sl in cutlass.range_constexpr(slabs):
+                # Destination column of the slab's first H column.
+                h_col0 = nt * self.tile_n + sl * SLAB
+                if cutlass.const_expr(concat):
+                    half = slabs // 2
+                    h_col0 = (sl // half) * n + nt * (self.tile_n // 2) + (sl % half) * SLAB
+                self.stage_slab(acc, coords, stage_c, wg_row0, sl)
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+                self.flush(stage_c, wg_tid, wg_row0, SLAB, h_out, h_base, self.dim_n, h_col0,
+                           self.dim_n, rows)
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+            # A: per slab of A columns (concat: the gate slab's 64; interleaved: a slab's 32).
+            a_width = SLAB if concat else SLAB // 2
+            for sl in cutlass.range_constexpr(slabs // 2 if concat else slabs):
+                self.stage_swiglu_slab(acc, coords, stage_c, wg_row0, sl, concat, slabs)
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+                self.flush(stage_c, wg_tid, wg_row0, a_width, act, a_base, n,
+                           nt * (self.tile_n // 2) + sl * a_width, n, rows)
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+
+        @cute.jit
+        def stage_swiglu_slab(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
+                              wg_row0: Int32, sl: int, concat: cutlass.Constexpr, slabs: int):
+            """A values of slab ``sl`` → staging buffer (column = the A column in the slab)."""
+            gate_up = cute.make_rmem_tensor((2,), F32)
+            rounded = cute.make_rmem_tensor((2,), BF16)
+            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                for j in cutlass.range_constexpr(SLAB // 8):
+                    for v1 in cutlass.range_constexpr(2):
+                        for v0 in cutlass.range_constexpr(2 if concat else 1):
+                            gate = ((v0, v1, sl * (SLAB // 8) + j), mm, 0)
+                            up = ((1, v1, sl * (SLAB // 8) + j), mm, 0)
+                            if cutlass.const_expr(concat):
+                                up = ((v0, v1, (sl + slabs // 2) * (SLAB // 8) + j), mm, 0)
+                            m, col = coords[gate]
+                            gate_up[0] = acc[gate]
+                            gate_up[1] = acc[up]
+                            rounded.store(gate_up.load().to(BF16))
+                            g = rounded[0].to(F32)
+                            sig = cute.arch.rcp_approx(
+                                1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
+                            value = ((g * sig) * rounded[1].to(F32)).to(BF16)
+                            a_col = col - sl * SLAB
+                            if cutlass.const_expr(not concat):
+                                a_col = a_col // 2
+                            cute.make_tensor(stage_c + (m - wg_row0) * (SLAB + PAD) + a_col,
+                                             cute.make_layout(1))[0] = value
 
         @cute.jit
         def store_slab_transposed(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32,
@@ -729,13 +850,13 @@ def _plan(varlen_k: bool, dim_n: int, gathered: bool = False) -> tuple[int, bool
 
 def _compile(varlen_k: bool, tile_n: int, pingpong: bool, dim_m: int, dim_n: int, dim_k: int,
              gather_a: bool, gather_b: bool, b_n_major: bool = False, transpose_c: bool = False,
-             keep_ptx: bool = False):
+             swiglu: str | None = None, keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong,
-                        b_n_major, transpose_c)
-    addresses = [runtime.fake_address() for _ in range(6)]
+                        b_n_major, transpose_c, swiglu)
+    addresses = [runtime.fake_address() for _ in range(7)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
@@ -797,6 +918,46 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
             shapes disagree, ``K`` or ``N`` is not a positive multiple of 8, or ``E`` exceeds
             1024.
     """
+    return _varlen_m(a, b, expert_offsets, gather_idx, out, None)[0]
+
+
+def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
+                        gather_idx: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ`` and ``A = SwiGLU(H)`` in one launch.
+
+    DESIGN §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
+    backward) and A, computed from H's bf16 values exactly as :func:`sonic.kernels.swiglu.swiglu`
+    does, so A equals the backward's recomputation bitwise.
+
+    Args:
+        x: ``(T, d)`` bf16, contiguous, CUDA; rows gathered by ``gather_idx`` while loading.
+        w1: ``(E, 2n, d)`` bf16, contiguous; rows ``[gate; up]`` (``gate_up="concat"``) or
+            alternating (``"interleaved"``).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, values in ``[0, T)``.
+        gate_up: ``"concat"`` or ``"interleaved"``.
+
+    Returns:
+        ``(H, A)``: ``(P, 2n)`` and ``(P, n)`` bf16.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm`; also an unknown ``gate_up``, or ``n``
+            not a multiple of 8 (of 64 with ``"concat"``).
+    """
+    if gate_up not in ("concat", "interleaved"):
+        raise ValueError(f"gate_up must be 'concat' or 'interleaved', got {gate_up!r}")
+    if gather_idx is None:
+        raise ValueError("gather_idx is required: the SwiGLU epilogue serves the gathered "
+                         "up-proj")
+    n = w1.shape[1] // 2 if w1.ndim == 3 else 0
+    if n <= 0 or n % (64 if gate_up == "concat" else VEC) or w1.shape[1] % 2:
+        raise ValueError(f"w1 must have 2n rows per expert with n a multiple of "
+                         f"{64 if gate_up == 'concat' else VEC}, got shape {tuple(w1.shape)}")
+    return _varlen_m(x, w1, expert_offsets, gather_idx, None, gate_up)
+
+
+def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu):
+    """:func:`grouped_gemm` (``swiglu`` None) and :func:`grouped_gemm_swiglu`: ``(out, act)``."""
     runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
     device = a.device
     b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
@@ -825,13 +986,18 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
         if tuple(out.shape) != (num_pairs, dim_n):
             raise ValueError(f"out must have shape ({num_pairs}, {dim_n}), got "
                              f"{tuple(out.shape)}")
+    act = None
+    if swiglu is not None:
+        act = torch.empty(num_pairs, dim_n // 2, dtype=torch.bfloat16, device=device)
     if num_pairs == 0 or a.shape[0] == 0:
-        return out
+        return out, act
     gathered = gather_idx is not None
     tile_n, pingpong = _plan(False, dim_n, gathered)
-    key = ("grouped_gemm_varlen_m", tile_n, pingpong, dim_n, dim_k, gathered, b_n_major)
+    if swiglu == "concat" and (dim_n // 2) % (tile_n // 2):
+        tile_n = 128    # a tile's gate half must not run past n
+    key = ("grouped_gemm_varlen_m", tile_n, pingpong, dim_n, dim_k, gathered, b_n_major, swiglu)
     fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, 0, dim_n, dim_k,
-                                                gathered, False, b_n_major))
+                                                gathered, False, b_n_major, swiglu=swiglu))
     n_tiles = (dim_n + tile_n - 1) // tile_n
     # Each expert adds at most one partial m-tile.
     tiles_bound = ((num_pairs + TILE_M - 1) // TILE_M + num_experts) * n_tiles
@@ -839,9 +1005,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
     offsets_addr = addr(expert_offsets, 4)
     # Without gather the index addresses are never read; expert_offsets' stands in for them.
     idx = addr(gather_idx, 4) if gathered else offsets_addr
-    fn(addr(a, 16), addr(b, 16), addr(out, 16), idx, idx, offsets_addr, a.shape[0], 0,
-       num_experts, _num_ctas(device, tiles_bound))
-    return out
+    out_addr = addr(out, 16)
+    fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr, idx,
+       idx, offsets_addr, a.shape[0], 0, num_experts, _num_ctas(device, tiles_bound))
+    return out, act
 
 
 def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
@@ -905,7 +1072,8 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # An index address that is not gathered is never read; expert_offsets' stands in for it.
-    fn(addr(a, 16), addr(b, 16), addr(out, 16), addr(gather_idx_a, 4) if ga else offsets_addr,
+    out_addr = addr(out, 16)
+    fn(addr(a, 16), addr(b, 16), out_addr, out_addr, addr(gather_idx_a, 4) if ga else offsets_addr,
        addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
        num_experts, _num_ctas(device, tiles))
     return out
@@ -923,6 +1091,15 @@ for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, F
         compile_fake=lambda n=_n, k=_k, g=_gather, nm=_n_major: _compile(
             False, *_plan(False, n, g), 0, n, k, g, False, nm, keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
+# The forward's up-proj with the SwiGLU epilogue, both gate/up layouts.
+for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
+    register(KernelVariant(
+        kernel="grouped_gemm",
+        variant=f"varlen_m_n{_n}_k1536_gather_swiglu_{_gate_up}",
+        compile_fake=lambda n=_n, gu=_gate_up: _compile(
+            False, *_plan(False, n, True), 0, n, 1536, True, False, swiglu=gu, keep_ptx=True),
+        ptx_markers=_MARKERS_TMA))
+
 # The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
 for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):
     register(KernelVariant(

@@ -108,6 +108,14 @@ def merge_gate_up(gate: torch.Tensor, up: torch.Tensor, gate_up: str) -> torch.T
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
+def up_proj_swiglu(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor,
+                   gather_idx: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward up-proj and its epilogue: ``H = gather(X)·W1ᵀ`` ``(P, 2n)`` and
+    ``A = SwiGLU(H)`` ``(P, n)`` (:func:`grouped_mm` then :func:`swiglu`)."""
+    h = grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
+    return h, swiglu(h, gate_up)
+
+
 def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
     """Up-proj epilogue: ``A = silu(gate) ⊙ up`` of ``H (P, 2n)`` → ``(P, n)`` in ``h``'s dtype.
 
