@@ -9,6 +9,8 @@ for backward ("saved", :func:`sonic.profile_activation_memory`) and the peak ext
 forward+backward, for sonic (``backend="auto"``: CuTe kernels where they exist) and for the
 torch-gmm baseline, and the sonic/torch-gmm ratios. ``--router token_rounding`` runs sonic with
 token rounding (paper §5.2) on the same data; the FLOP count then uses its own ``P``.
+``--profile`` adds, per configuration, sonic's forward+backward time per GPU kernel
+(``torch.profiler``), to show where the time goes.
 """
 
 import argparse
@@ -52,7 +54,24 @@ def _peak_mib(fn, grad):
     return (torch.cuda.max_memory_allocated() - base) / MiB
 
 
-def measure(name, sizes, router, tile):
+def _kernel_breakdown(fn, rows: int = 14):
+    """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
+              and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"  per-kernel CUDA time of one sonic forward+backward: {total / 1e3:.2f} ms")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+        label = e.key.replace("kernel_cutlass_kernel_sonickernels", "sonic:")[:70]
+        print(f"    {e.self_device_time_total / 1e3:7.3f} ms {100 * e.self_device_time_total / total:5.1f}%"
+              f"  x{e.count:<3d} {label}")
+
+
+def measure(name, sizes, router, tile, profile_kernels=False):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -88,6 +107,11 @@ def measure(name, sizes, router, tile):
             "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6,
             "saved_MiB": saved, "peak_MiB": _peak_mib(fwd, grad), "P": pairs,
         }
+        if impl == "sonic" and profile_kernels:
+            fwd_bwd()
+            _kernel_breakdown(fwd_bwd)
+            for t in (x, *params):
+                t.grad = None
     s, t = rows["sonic"], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
     print(f"  {'impl':10s} {'fwd TF':>8s} {'bwd TF':>8s} {'f+b TF':>8s} {'f+b ms':>8s} "
@@ -108,11 +132,14 @@ def main(argv=None):
     parser.add_argument("--router", choices=("topk", "token_rounding"), default="topk")
     parser.add_argument("--tile", type=int, default=128, help="token-rounding tile")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print sonic's forward+backward time per GPU kernel")
     args = parser.parse_args(argv)
     configs = args.config or list(CONFIGS.items())
     print(f"device: {device_name()}  torch {torch.__version__}  backend: "
           f"{sonic.explain_backend('auto', 'cuda')}")
-    results = [measure(name, sizes, args.router, args.tile) for name, sizes in configs]
+    results = [measure(name, sizes, args.router, args.tile, args.profile)
+               for name, sizes in configs]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -11,13 +11,15 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 python3 -m pytest -m gpu -q -rf ${1:+-k "$1"} > "$out/tests.log" 2>&1
 tail -n 25 "$out/tests.log"
-for b in topk routing_metadata aggregation swiglu grouped_gemm moe; do
+for b in topk routing_metadata aggregation swiglu grouped_gemm; do
   [ -f "benchmarks/bench_$b.py" ] || continue
   echo "== bench_$b"
   python3 "benchmarks/bench_$b.py"
 done
+echo "== bench_moe (with the per-kernel breakdown of sonic's forward+backward)"
+python3 benchmarks/bench_moe.py --profile
 echo "== bench_moe, sparse config (E=256, K=8, n=1024): top-K, then token rounding"
 python3 benchmarks/bench_moe.py --config 32768,1536,1024,256,8
-python3 benchmarks/bench_moe.py --config 32768,1536,1024,256,8 --router token_rounding
+python3 benchmarks/bench_moe.py --config 32768,1536,1024,256,8 --router token_rounding --profile
 echo "== python -m sonic.train"
 python3 -m sonic.train --json --no-progress 2>&1 | tail -n 3
