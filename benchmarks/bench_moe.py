@@ -11,6 +11,10 @@ torch-gmm baseline, and the sonic/torch-gmm ratios. ``--router token_rounding`` 
 token rounding (paper §5.2) on the same data; the FLOP count then uses its own ``P``.
 ``--profile`` adds, per configuration, sonic's forward+backward time per GPU kernel
 (``torch.profiler``), to show where the time goes.
+
+A timed forward+backward is one training step's worth: the parameter and input gradients are
+dropped before each backward (``zero_grad(set_to_none=True)``), so no gradient-accumulation
+kernels are timed for either implementation.
 """
 
 import argparse
@@ -81,18 +85,19 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     w2 = (torch.randn(E, d, n, **kw) * n ** -0.5).requires_grad_()
     grad = torch.randn(T, d, **kw)
     params = (router_weight, w1, w2)
-    rows = {}
+    rows, steps = {}, {}
     impls = {"sonic": _sonic_layer(router, tile), "torch-gmm": torch_gmm_moe}
     for impl, layer in impls.items():
         def fwd():
             return layer(x, *params, K)
 
         def fwd_bwd():
+            for t in (x, *params):
+                t.grad = None
             fwd().backward(grad)
 
         fwd_bwd()  # compile kernels, warm the allocator
-        for t in (x, *params):
-            t.grad = None
+        steps[impl] = fwd_bwd
         fwd_us = bench(fwd)
         total_us = bench(fwd_bwd)
         pairs = layer.pairs if impl == "sonic" else T * K
@@ -107,11 +112,6 @@ def measure(name, sizes, router, tile, profile_kernels=False):
             "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6,
             "saved_MiB": saved, "peak_MiB": _peak_mib(fwd, grad), "P": pairs,
         }
-        if impl == "sonic" and profile_kernels:
-            fwd_bwd()
-            _kernel_breakdown(fwd_bwd)
-            for t in (x, *params):
-                t.grad = None
     s, t = rows["sonic"], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
     print(f"  {'impl':10s} {'fwd TF':>8s} {'bwd TF':>8s} {'f+b TF':>8s} {'f+b ms':>8s} "
@@ -122,6 +122,8 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     ratio = t["fwd_bwd_us"] / s["fwd_bwd_us"]
     print(f"  sonic / torch-gmm: fwd {t['fwd_us'] / s['fwd_us']:.2f}x, fwd+bwd (time) {ratio:.2f}x, "
           f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x")
+    if profile_kernels:
+        _kernel_breakdown(steps["sonic"])
     return {"config": name, "router": router, "sonic": s, "torch_gmm": t, "fwd_bwd_speedup": ratio}
 
 

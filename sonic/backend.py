@@ -125,12 +125,15 @@ def _epilogue_kernel_fits(h: torch.Tensor) -> bool:
 
 
 def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up):
+    from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
-    # The up-proj GEMM, then the one-pass SwiGLU kernel. The GEMM with the SwiGLU epilogue
-    # (grouped_gemm_swiglu) was measured no faster end to end on H200 (fwd 340 vs 356 TFLOPS at
-    # 7B, 537 vs 527 at OLMoE, 545 vs 554 at 30B): its epilogue runs between mainloops of the
-    # cooperative schedule, while the standalone pass streams at copy bandwidth.
+    # The up-proj GEMM with the SwiGLU epilogue: 517/574/584 TFLOPS against 510/558/534 for the
+    # GEMM followed by the one-pass SwiGLU kernel (H200, 7B/OLMoE/30B, bench_grouped_gemm.py).
+    n = w1.shape[1] // 2
+    if (_gemm_kernel_fits(x, w1, offsets, gather_idx) and w1.is_contiguous()
+            and n % (64 if gate_up == "concat" else gemm.VEC) == 0):
+        return gemm.grouped_gemm_swiglu(x, w1, offsets, gather_idx, gate_up)
     h = _cute_grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
     return h, (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
 
