@@ -70,7 +70,8 @@ def _kernel_breakdown(fn, rows: int = 14):
     total = sum(e.self_device_time_total for e in events)
     print(f"  per-kernel CUDA time of one sonic forward+backward: {total / 1e3:.2f} ms")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
-        label = e.key.replace("kernel_cutlass_kernel_sonickernels", "sonic:")[:70]
+        label = e.key.replace("kernel_cutlass_kernel_sonickernels", "sonic:")
+        label = label if len(label) <= 72 else f"{label[:34]}...{label[-35:]}"
         print(f"    {e.self_device_time_total / 1e3:7.3f} ms {100 * e.self_device_time_total / total:5.1f}%"
               f"  x{e.count:<3d} {label}")
 
