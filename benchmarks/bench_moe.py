@@ -76,6 +76,20 @@ def _kernel_breakdown(fn, rows: int = 14):
               f"  x{e.count:<3d} {label}")
 
 
+def _steps(layer, x, params, k, grad):
+    """The timed callables of one implementation: forward, and a training step's
+    forward+backward (gradients dropped first, as ``zero_grad(set_to_none=True)``)."""
+    def fwd():
+        return layer(x, *params, k)
+
+    def fwd_bwd():
+        for t in (x, *params):
+            t.grad = None
+        fwd().backward(grad)
+
+    return fwd, fwd_bwd
+
+
 def measure(name, sizes, router, tile, profile_kernels=False):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,14 +103,7 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     rows, steps = {}, {}
     impls = {"sonic": _sonic_layer(router, tile), "torch-gmm": torch_gmm_moe}
     for impl, layer in impls.items():
-        def fwd():
-            return layer(x, *params, K)
-
-        def fwd_bwd():
-            for t in (x, *params):
-                t.grad = None
-            fwd().backward(grad)
-
+        fwd, fwd_bwd = _steps(layer, x, params, K, grad)
         fwd_bwd()  # compile kernels, warm the allocator
         steps[impl] = fwd_bwd
         fwd_us = bench(fwd)
