@@ -223,7 +223,8 @@ def _kernels():
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                    tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row,
                    a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
-                   act: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
+                   act: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
+                   offsets: cute.Pointer,
                    rows_a: Int32, rows_b: Int32, num_experts: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -922,8 +923,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
 
 
 def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
-                        gather_idx: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ`` and ``A = SwiGLU(H)`` in one launch.
+                        gather_idx: torch.Tensor,
+                        gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``, ``A = SwiGLU(H)``, one launch.
 
     DESIGN §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
     backward) and A, computed from H's bf16 values exactly as :func:`sonic.kernels.swiglu.swiglu`
@@ -1058,7 +1060,7 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if rows[0] == 0:
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
-    # Only B gathered (dW1 = dHᵀ·gather(X)): compute C[e]ᵀ = B_eᵀ·A_e with the gathered rows on
+    # Only B gathered (dW1 = dHᵀ·gather(X)): compute C[e]ᵀ = B_eᵀ·A_e, the gathered rows on
     # the 128-wide M side and store it transposed; measured faster at the ANCHORS shapes.
     transpose_c = gb and not ga
     if transpose_c:

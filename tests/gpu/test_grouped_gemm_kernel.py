@@ -143,7 +143,8 @@ def test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b
 
 
 def test_validation():
-    from sonic.kernels.grouped_gemm import grouped_gemm, grouped_gemm_varlen_k
+    from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_swiglu,
+                                            grouped_gemm_varlen_k)
 
     a = torch.randn(16, 64, device="cuda").bfloat16()
     b = torch.randn(2, 32, 64, device="cuda").bfloat16()
@@ -162,6 +163,13 @@ def test_validation():
         grouped_gemm_varlen_k(a, a[:8].contiguous(), off)
     with pytest.raises(TypeError, match="gather_idx_b must have dtype int32"):
         grouped_gemm_varlen_k(a, a, off, gather_idx_b=off.long())
+    idx = torch.arange(16, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="gate_up must be"):
+        grouped_gemm_swiglu(a, b, off, idx, "halves")
+    with pytest.raises(ValueError, match="gather_idx is required"):
+        grouped_gemm_swiglu(a, b, off, None, "concat")
+    with pytest.raises(ValueError, match="n a multiple of 64"):
+        grouped_gemm_swiglu(a, b, off, idx, "concat")
 
 
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
