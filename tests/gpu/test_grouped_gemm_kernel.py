@@ -202,3 +202,47 @@ def test_up_proj_swiglu_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up
     assert torch.equal(a, swiglu(h, gate_up))
     expected_a = ref.swiglu(expected_h, gate_up)
     assert _rel_err(a, expected_a) < 2e-2
+
+
+@pytest.mark.parametrize("case", ["varlen_m_a", "varlen_m_out", "varlen_k_a"])
+def test_index_math_past_2_31_elements(case):
+    """Operands or outputs with more than 2³¹ elements (~4.4 GB bf16 each): 64-bit addressing."""
+    from sonic.kernels.grouped_gemm import grouped_gemm, grouped_gemm_varlen_k
+
+    gen = torch.Generator().manual_seed(31)
+    num_experts = 4
+    if case == "varlen_m_a":        # A (P, K): P·K > 2³¹
+        num_pairs, dim_n, dim_k = 540_000, 64, 4096
+    elif case == "varlen_m_out":    # C (P, N): P·N > 2³¹, A gathered from 1024 rows
+        num_pairs, dim_n, dim_k = 270_000, 8192, 64
+    else:                           # varlen-K, A (P, M): P·M > 2³¹
+        num_pairs, dim_m, dim_n = 540_000, 4096, 64
+    offsets = _offsets(_counts("ragged", num_experts, num_pairs, gen))
+    if case == "varlen_k_a":
+        a = torch.randn(num_pairs, dim_m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(num_pairs, dim_n, device="cuda", dtype=torch.bfloat16)
+        out = grouped_gemm_varlen_k(a, b, offsets)
+        ref = _ref_varlen_k(a, b, offsets)
+    else:
+        b = torch.randn(num_experts, dim_n, dim_k, device="cuda", dtype=torch.bfloat16)
+        if case == "varlen_m_out":
+            x = torch.randn(1024, dim_k, device="cuda", dtype=torch.bfloat16)
+            idx = torch.randint(0, 1024, (num_pairs,), device="cuda", dtype=torch.int32)
+            out = grouped_gemm(x, b, offsets, gather_idx=idx)
+            # The fp32 reference in row blocks, to keep it small.
+            for lo in range(0, num_pairs, 65536):
+                hi = min(lo + 65536, num_pairs)
+                expert = torch.searchsorted(offsets[1:], torch.arange(lo, hi, device="cuda",
+                                                                      dtype=torch.int32),
+                                            right=True)
+                rows = x[idx[lo:hi].long()].float()
+                expected = torch.empty(hi - lo, dim_n, device="cuda")
+                for e in expert.unique().tolist():
+                    sel = expert == e
+                    expected[sel] = rows[sel] @ b[e].float().t()
+                assert _rel_err(out[lo:hi], expected) < 1e-2
+            return
+        a = torch.randn(num_pairs, dim_k, device="cuda", dtype=torch.bfloat16)
+        out = grouped_gemm(a, b, offsets)
+        ref = _ref_varlen_m(a, b, offsets)
+    assert _rel_err(out, ref) < 1e-2
