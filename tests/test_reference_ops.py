@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sonic.reference.ops import dswiglu_epilogue, merge_gate_up, split_gate_up, swiglu
+from sonic.reference.ops import (dswiglu_epilogue, grouped_mm, grouped_mm_varlen_k, merge_gate_up,
+                                 split_gate_up, swiglu, up_proj_swiglu)
 
 
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
@@ -29,3 +30,23 @@ def test_gate_up_layouts_round_trip():
     assert torch.equal(merge_gate_up(*split_gate_up(h, "concat"), "concat"), h)
     assert torch.equal(merge_gate_up(*split_gate_up(h, "interleaved"), "interleaved"), h)
     assert split_gate_up(h, "interleaved")[0].tolist() == [[0, 2, 4], [6, 8, 10]]
+
+
+def test_grouped_mm_gather_equals_materialised_rows():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 12, generator=gen, dtype=torch.float64)
+    idx = torch.tensor([3, 0, 0, 6, 2, 5, 1, 1, 4])
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)     # the middle expert is empty
+    w1 = torch.randn(3, 10, 12, generator=gen, dtype=torch.float64)
+    rows = x.index_select(0, idx)
+    expected = torch.cat([rows[:4] @ w1[0].t(), rows[4:] @ w1[2].t()])
+    torch.testing.assert_close(grouped_mm(x, w1.transpose(1, 2), offsets, idx), expected)
+    h, a = up_proj_swiglu(x, w1, offsets, idx, "interleaved")
+    torch.testing.assert_close(h, expected)
+    torch.testing.assert_close(a, swiglu(expected, "interleaved"))
+    dh = torch.randn(9, 10, generator=gen, dtype=torch.float64)
+    grad_w1 = grouped_mm_varlen_k(dh, x, offsets, gather_idx_b=idx)
+    torch.testing.assert_close(grad_w1[0], dh[:4].t() @ rows[:4])
+    torch.testing.assert_close(grad_w1[1], torch.zeros(10, 12, dtype=torch.float64))
+    torch.testing.assert_close(grouped_mm_varlen_k(x, dh, offsets, gather_idx_a=idx),
+                               grad_w1.transpose(1, 2))
