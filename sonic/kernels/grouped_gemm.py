@@ -379,10 +379,7 @@ def _kernels():
                               tma_bar_ptr=full + stage)
                     cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
                               tma_bar_ptr=full + stage)
-                    stage += 1
-                    if stage == self.stages:
-                        stage = 0
-                        phase ^= 1
+                    stage, phase = self.next_stage(stage, phase)
                 t += grid
 
         @cute.jit
@@ -440,10 +437,7 @@ def _kernels():
                                                            cute.group_modes(dst, 0, 2), g_a)
                         cute.copy(tma_atom_a, t_ga[None, src, kt], t_sa,
                                   tma_bar_ptr=full + stage)
-                    stage += 1
-                    if stage == self.stages:
-                        stage = 0
-                        phase ^= 1
+                    stage, phase = self.next_stage(stage, phase)
                 t += grid
 
         @cute.jit
@@ -507,10 +501,7 @@ def _kernels():
                                             kt + 1, rows_a)
                     src_b = self.row_source(gidx_b, self.gather_b, row0, rows, row_in_tile,
                                             kt + 1, rows_b)
-                    stage += 1
-                    if stage == self.stages:
-                        stage = 0
-                        phase ^= 1
+                    stage, phase = self.next_stage(stage, phase)
                 t += grid
 
         @cute.jit
@@ -641,10 +632,7 @@ def _kernels():
                         if lane == 0:
                             cute.arch.mbarrier_arrive(empty + prev)
                     prev = stage
-                    stage += 1
-                    if stage == self.stages:
-                        stage = 0
-                        phase ^= 1
+                    stage, phase = self.next_stage(stage, phase)
                 warpgroup.wait_group(0)
                 if k_tiles > 0:
                     if lane == 0:
@@ -662,6 +650,15 @@ def _kernels():
                     self.store_swiglu(acc, coords, stage_c, wg_tid, wg, wg_row0, c, act, row0,
                                       rows, nt)
                 t += step
+
+        @cute.jit
+        def next_stage(self, stage: Int32, phase: Int32):
+            """The ring position after ``stage``: the phase flips when the ring wraps."""
+            stage += 1
+            if stage == self.stages:
+                stage = 0
+                phase ^= 1
+            return stage, phase
 
         @cute.jit
         def skip(self, stage: Int32, phase: Int32, k_tiles: Int32):
