@@ -34,6 +34,10 @@ warps are done reading it).
   enters the reduction. A gathered operand's row indices are read one k-tile ahead. With only
   B gathered (dW1), the kernel computes ``C[e]ᵀ`` with the gathered rows on the 128-wide M side
   (half the row copies) and stores it transposed.
+* Up-proj epilogue (:func:`grouped_gemm_swiglu`): besides H, the epilogue stores
+  ``A = SwiGLU(H)`` from H's bf16 values; with the "concat" gate/up layout a tile's B is two
+  half boxes (gate rows and the matching up rows), so both halves of an A column are in the
+  same thread's accumulator.
 * The tile scheduler is static round-robin over a linear tile index. For varlen-M it maps an
   index to (expert, m-tile, n-tile) with a per-CTA table of each expert's first m-tile built in
   shared memory from ``expert_offsets`` (a warp scan) and a binary search: experts with no rows
