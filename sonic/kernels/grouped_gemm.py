@@ -61,6 +61,8 @@ VEC = 8
 MAX_EXPERTS = 1024
 PRODUCER_THREADS = 128
 CONSUMER_WARPGROUPS = 2
+# CTAs per cluster of the multicast varlen-M kernels.
+CLUSTER = 2
 THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
 # Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
 # 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
@@ -116,15 +118,24 @@ def _kernels():
 
         def __init__(self, varlen_k: bool, tile_n: int, dim_m: int, dim_n: int, dim_k: int,
                      gather_a: bool, gather_b: bool, pingpong: bool, b_n_major: bool = False,
-                     transpose_c: bool = False, swiglu: str | None = None):
+                     transpose_c: bool = False, swiglu: str | None = None, cluster: int = 1):
             if pingpong and tile_n != 128:
                 raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
+            if cluster not in (1, CLUSTER) or (cluster > 1 and (varlen_k or pingpong)):
+                raise ValueError("a 2-CTA cluster serves the cooperative varlen-M kernels")
+            # varlen-M on a 2-CTA cluster: the two CTAs take consecutive m-tiles of one n-tile;
+            # when both belong to the same expert each loads half of the shared B tile and
+            # multicasts it to both, cutting the L2→SM traffic per tile by a third (128 x 256:
+            # A 128 + B 128 rows per k-tile instead of 128 + 256). A stage of either CTA is then
+            # written by both producers, so it is free only when the consumers of both CTAs
+            # have released it: every consumer warp arrives on the empty barrier of each CTA.
+            self.cluster = cluster
             self.varlen_k = varlen_k
             self.tile_n = tile_n
             self.pingpong = pingpong
             # Cooperative: both warpgroups share a tile (64 rows each) and every stage.
             # Ping-pong: each warpgroup owns every other tile, so a stage has one reader.
-            self.stage_readers = 4 if pingpong else 4 * CONSUMER_WARPGROUPS
+            self.stage_readers = (4 if pingpong else 4 * CONSUMER_WARPGROUPS) * cluster
             self.dim_m, self.dim_n, self.dim_k = dim_m, dim_n, dim_k
             self.gather_a, self.gather_b = gather_a, gather_b
             self.stages = _stages(tile_n, pingpong)
@@ -180,7 +191,7 @@ def _kernels():
             # operands MN-major, by 64 x TILE_K boxes (whole k-tiles of contiguous rows) or by
             # 64 x 1 row boxes (gathered rows, and an expert's last partial k-tile, whose rows
             # past the expert's end take an out-of-bounds row and so arrive as zeros).
-            tma = {"a_row": (None, None), "b_row": (None, None)}
+            tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None)}
             if cutlass.const_expr(self.varlen_k):
                 tma["a"], tma["a_row"] = _mn_major_tma(a, rows_a, self.dim_m, a_smem)
                 tma["b"], tma["b_row"] = _mn_major_tma(b, rows_b, self.dim_n, b_smem)
@@ -205,6 +216,12 @@ def _kernels():
                     if self.swiglu == "concat" else cute.slice_(b_smem, (None, None, 0)))
                 tma["b"] = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
+                if cutlass.const_expr(self.cluster > 1):
+                    # A shared B tile: each CTA multicasts its half (the "concat" SwiGLU tile
+                    # is two half boxes already, so each CTA multicasts one of them).
+                    tma["b_mc"] = cpasync.make_tiled_tma_atom(
+                        cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b, b_box_smem, b_box,
+                        num_multicast=1 if self.swiglu == "concat" else self.cluster)
 
             @cute.struct
             class SharedStorage:
@@ -217,15 +234,15 @@ def _kernels():
                     BF16, CONSUMER_WARPGROUPS * self.rows_wg * (SLAB + PAD)], 128]
 
             self.shared_storage = SharedStorage
-            self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"], a_smem,
-                        b_smem, c, act, gidx_a, gidx_b, offsets, rows_a, rows_b,
-                        num_experts).launch(
-                grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1,
-                stream=stream)
+            self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
+                        *tma["b_mc"], a_smem, b_smem, c, act, gidx_a, gidx_b, offsets, rows_a,
+                        rows_b, num_experts).launch(
+                grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+                min_blocks_per_mp=1, stream=stream)
 
         @cute.kernel
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
-                   tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row,
+                   tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
                    a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
                    act: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
                    offsets: cute.Pointer,
@@ -256,12 +273,16 @@ def _kernels():
                 cute.arch.mbarrier_init_fence()
                 if cutlass.const_expr(not self.varlen_k):
                     self.build_tile_table(m_off, table, num_experts)
-            cute.arch.sync_threads()
+            self.sync_cluster()
 
+            # Work items: tiles, or on a cluster pairs of m-tiles (one per CTA) of an n-tile.
+            first, step = bidx, grid
             if cutlass.const_expr(self.varlen_k):
                 total = num_experts * (self.m_tiles * self.n_tiles)
             else:
-                total = table[num_experts] * self.n_tiles
+                total = (table[num_experts] + self.cluster - 1) // self.cluster * self.n_tiles
+                if cutlass.const_expr(self.cluster > 1):
+                    first, step = bidx // self.cluster, grid // self.cluster
 
             if tidx < PRODUCER_THREADS:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -272,20 +293,44 @@ def _kernels():
                         storage.sA.data_ptr(), storage.sB.data_ptr(), gidx_a, gidx_b, rows_a,
                         rows_b, m_off, table, num_experts, full, empty)
                 elif cutlass.const_expr(self.gather_a):
-                    self.produce_gather_m(warp, bidx, grid, total, tma_atom_a, tma_a,
-                                          tma_atom_b, tma_b, a_smem, b_smem,
-                                          storage.sA.data_ptr(), storage.sB.data_ptr(), s_b,
-                                          gidx_a, m_off, table, num_experts, full, empty)
+                    self.produce_gather_m(warp, first, step, total, tma_atom_a, tma_a,
+                                          (tma_atom_b, tma_b, tma_atom_b_mc, tma_b_mc), a_smem,
+                                          b_smem, storage.sA.data_ptr(), storage.sB.data_ptr(),
+                                          s_b, gidx_a, m_off, table, num_experts, full, empty)
                 else:
                     if warp == 0:
-                        self.produce_tma(bidx, grid, total, tma_atom_a, tma_a, tma_atom_b,
-                                         tma_b, s_a, s_b, m_off, table, num_experts, full,
-                                         empty)
+                        self.produce_tma(first, step, total, tma_atom_a, tma_a,
+                                         (tma_atom_b, tma_b, tma_atom_b_mc, tma_b_mc), s_a, s_b,
+                                         m_off, table, num_experts, full, empty)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(tidx - PRODUCER_THREADS, bidx, grid, total, tiled_mma, s_a, s_b,
+                self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
                              storage.sC.data_ptr(), c, act, m_off, table, num_experts, full,
                              empty)
+            # On a cluster no CTA may exit while the other can still arrive on its barriers.
+            if cutlass.const_expr(self.cluster > 1):
+                self.sync_cluster()
+
+        @cute.jit
+        def sync_cluster(self):
+            """Barrier over the CTA, or over the cluster (barrier init and tile table visible
+            to the peer before its first multicast or remote arrive)."""
+            if cutlass.const_expr(self.cluster > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.sync_threads()
+
+        @cute.jit
+        def release(self, empty_stage: cute.Pointer, lane: Int32):
+            """A consumer warp is done reading a stage: arrive on its empty barrier in every CTA
+            of the cluster (each CTA's producers write into the stage of both)."""
+            if cutlass.const_expr(self.cluster > 1):
+                if lane < self.cluster:
+                    cute.arch.mbarrier_arrive(empty_stage, lane)
+            else:
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty_stage)
 
         @cute.jit
         def build_tile_table(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
@@ -317,17 +362,22 @@ def _kernels():
 
         @cute.jit
         def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
-            """Linear tile ``t`` → (expert, first row of the tile, rows, n-tile, m-tile).
+            """Work item ``t`` → (expert, first row of the tile, rows, n-tile, m-tile, shared).
 
             varlen-M: the first row is a row of ``P`` and ``rows`` the rows of the expert left
             from it; varlen-K: the first row is the expert's first row of ``P``, ``rows`` its
-            row count and the m-tile indexes ``M``.
+            row count and the m-tile indexes ``M``. On a cluster, ``t`` is a pair of linear
+            m-tiles and this CTA takes the one of its rank; ``shared``: both are the same
+            expert's, so the B tile is multicast. With an odd m-tile count the last pair's
+            second CTA repeats the first one's tile with no rows (it loads its half of B and
+            stores nothing).
             """
             e = Int32(0)
             row0 = Int32(0)
             rows = Int32(0)
             nt = Int32(0)
             mt = Int32(0)
+            shared = False
             if cutlass.const_expr(self.varlen_k):
                 per_expert = self.m_tiles * self.n_tiles
                 e = t // per_expert
@@ -339,37 +389,55 @@ def _kernels():
             else:
                 mg = t // self.n_tiles
                 nt = t - mg * self.n_tiles
-                # Largest e with table[e] <= mg: empty experts share their start with the next
-                # expert, so the search lands on the one that owns the tile.
-                lo = Int32(0)
-                hi = num_experts - 1
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if table[mid] <= mg:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                e = lo
+                phantom = False
+                e_peer = Int32(0)
+                if cutlass.const_expr(self.cluster > 1):
+                    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                    last = table[num_experts] - 1
+                    peer = mg * self.cluster + 1 - rank
+                    mg = mg * self.cluster + rank
+                    if peer > last:
+                        peer = last
+                    if mg > last:
+                        phantom = True
+                        mg = peer
+                    e_peer = self.expert_of(peer, table, num_experts)
+                e = self.expert_of(mg, table, num_experts)
                 mt = mg - table[e]
                 row0 = m_off[e] + mt * TILE_M
                 rows = m_off[e + 1] - row0
-            return e, row0, rows, nt, mt
+                if cutlass.const_expr(self.cluster > 1):
+                    shared = e == e_peer
+                    if phantom:
+                        rows = Int32(0)
+            return e, row0, rows, nt, mt, shared
 
         @cute.jit
-        def produce_tma(self, bidx: Int32, grid: Int32, total: Int32, tma_atom_a, tma_a,
-                        tma_atom_b, tma_b, s_a: cute.Tensor, s_b: cute.Tensor,
+        def expert_of(self, mg: Int32, table: cute.Tensor, num_experts: Int32) -> Int32:
+            """The expert owning linear m-tile ``mg``: the largest ``e`` with ``table[e] <= mg``
+            (empty experts share their start with the next expert, so the search lands on the
+            one that owns the tile)."""
+            lo = Int32(0)
+            hi = num_experts - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if table[mid] <= mg:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        @cute.jit
+        def produce_tma(self, first: Int32, step: Int32, total: Int32, tma_atom_a, tma_a,
+                        tma_b: tuple, s_a: cute.Tensor, s_b: cute.Tensor,
                         m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
                         full: cute.Pointer, empty: cute.Pointer):
             """varlen-M, contiguous A: one warp issues the TMA loads of A and B."""
-            g_b = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
-                                               cute.group_modes(s_b, 0, 2),
-                                               cute.group_modes(g_b, 0, 2))
             stage = Int32(0)
             phase = Int32(1)
-            t = bidx
+            t = first
             while t < total:
-                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                e, row0, rows, nt, mt, shared = self.decode(t, m_off, table, num_experts)
                 g_a = cute.local_tile(cute.domain_offset((row0, 0), tma_a), (TILE_M, TILE_K),
                                       (0, None))
                 t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
@@ -381,14 +449,13 @@ def _kernels():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
                     cute.copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage],
                               tma_bar_ptr=full + stage)
-                    cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
-                              tma_bar_ptr=full + stage)
+                    self.load_b(tma_b, s_b, None, nt, kt, e, stage, full, shared)
                     stage, phase = self.next_stage(stage, phase)
-                t += grid
+                t += step
 
         @cute.jit
-        def produce_gather_m(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
-                             tma_atom_a, tma_a, tma_atom_b, tma_b, a_smem: cute.ComposedLayout,
+        def produce_gather_m(self, warp: Int32, first: Int32, step: Int32, total: Int32,
+                             tma_atom_a, tma_a, tma_b: tuple, a_smem: cute.ComposedLayout,
                              b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
                              s_b_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
                              m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
@@ -403,20 +470,14 @@ def _kernels():
             copies this keeps the row loads off the SM's load/store path (measured ~2× faster
             on H200 at the ANCHORS shapes).
             """
-            t_sb, t_gb = None, None
-            if cutlass.const_expr(self.swiglu != "concat"):
-                g_b = cute.local_tile(tma_b, (self.tile_n, TILE_K), (None, None, None))
-                t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
-                                                   cute.group_modes(s_b, 0, 2),
-                                                   cute.group_modes(g_b, 0, 2))
             g_a = cute.group_modes(cute.local_tile(tma_a, (1, TILE_K), (None, None)), 0, 2)
             row_layout = cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
             lane = cute.arch.lane_idx()
             stage = Int32(0)
             phase = Int32(1)
-            t = bidx
+            t = first
             while t < total:
-                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                e, row0, rows, nt, mt, shared = self.decode(t, m_off, table, num_experts)
                 r = warp * 32 + lane
                 if r >= rows:
                     r = Int32(0)
@@ -426,12 +487,8 @@ def _kernels():
                     if warp == 0:
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
-                        if cutlass.const_expr(self.swiglu == "concat"):
-                            self.copy_b_halves(tma_atom_b, tma_b, b_smem.inner, s_b_base, nt, kt,
-                                               e, stage, full)
-                        else:
-                            cute.copy(tma_atom_b, t_gb[None, nt, kt, e], t_sb[None, stage],
-                                      tma_bar_ptr=full + stage)
+                        self.load_b(tma_b, s_b, (s_b_base, b_smem.inner), nt, kt, e, stage,
+                                    full, shared)
                     for i in cutlass.range_constexpr(32):
                         src = cute.arch.shuffle_sync(src_row, i)
                         dst = cute.make_tensor(cute.recast_ptr(
@@ -442,23 +499,69 @@ def _kernels():
                         cute.copy(tma_atom_a, t_ga[None, src, kt], t_sa,
                                   tma_bar_ptr=full + stage)
                     stage, phase = self.next_stage(stage, phase)
-                t += grid
+                t += step
 
         @cute.jit
-        def copy_b_halves(self, tma_atom_b, tma_b, swizzle, s_b_base: cute.Pointer, nt: Int32,
-                          kt: Int32, e: Int32, stage: Int32, full: cute.Pointer):
-            """SwiGLU "concat": the gate rows and the matching up rows of B n-tile ``nt``."""
+        def load_b(self, tma_b: tuple, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32, kt: Int32,
+                   e: Int32, stage: Int32, full: cute.Pointer, shared):
+            """varlen-M: B n-tile ``nt`` of expert ``e``, k-tile ``kt`` → ``stage``: one box, or
+            with SwiGLU "concat" the gate rows and the matching up rows as two half boxes. On a
+            cluster with ``shared``, this CTA loads its half (its rank's half box with "concat")
+            and multicasts it to both CTAs."""
+            atom, tensor, atom_mc, tensor_mc = tma_b
+            bar = full + stage
+            rank = Int32(0)
+            if cutlass.const_expr(self.cluster > 1):
+                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            if cutlass.const_expr(self.swiglu == "concat"):
+                if cutlass.const_expr(self.cluster > 1):
+                    if shared:
+                        self.copy_b_half(atom_mc, tensor_mc, s_b_raw, rank, nt, kt, e, stage, bar,
+                                         True)
+                    else:
+                        for h in cutlass.range_constexpr(2):
+                            self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
+                else:
+                    for h in cutlass.range_constexpr(2):
+                        self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
+            else:
+                g_b = cute.group_modes(
+                    cute.local_tile(tensor, (self.tile_n, TILE_K), (None, None, None)), 0, 2)
+                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                 cute.group_modes(s_b, 0, 2), g_b)
+                if cutlass.const_expr(self.cluster > 1):
+                    if shared:
+                        g_mc = cute.group_modes(cute.local_tile(
+                            tensor_mc, (self.tile_n, TILE_K), (None, None, None)), 0, 2)
+                        t_s_mc, t_g_mc = cpasync.tma_partition(
+                            atom_mc, rank, cute.make_layout(self.cluster),
+                            cute.group_modes(s_b, 0, 2), g_mc)
+                        cute.copy(atom_mc, t_g_mc[None, nt, kt, e], t_s_mc[None, stage],
+                                  tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
+                    else:
+                        cute.copy(atom, t_g[None, nt, kt, e], t_s[None, stage], tma_bar_ptr=bar)
+                else:
+                    cute.copy(atom, t_g[None, nt, kt, e], t_s[None, stage], tma_bar_ptr=bar)
+
+        @cute.jit
+        def copy_b_half(self, atom, tensor, s_b_raw: tuple, h, nt: Int32, kt: Int32, e: Int32,
+                        stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
+            """SwiGLU "concat": half box ``h`` (0: gate rows, 1: the matching up rows) of B
+            n-tile ``nt``, to this CTA or (``multicast``) to both CTAs of the cluster."""
             half = self.tile_n // 2
-            g_b = cute.group_modes(cute.local_tile(tma_b, (half, TILE_K), (None, None, None)),
+            g_b = cute.group_modes(cute.local_tile(tensor, (half, TILE_K), (None, None, None)),
                                    0, 2)
-            for h in cutlass.range_constexpr(2):
-                dst = cute.make_tensor(cute.recast_ptr(
-                    s_b_base + (stage * self.tile_n + h * half) * TILE_K, swizzle),
-                    cute.make_layout((half, TILE_K), stride=(TILE_K, 1)))
-                t_s, t_g = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1),
-                                                 cute.group_modes(dst, 0, 2), g_b)
-                cute.copy(tma_atom_b, t_g[None, h * (self.dim_n // 2 // half) + nt, kt, e], t_s,
-                          tma_bar_ptr=full + stage)
+            s_b_base, swizzle = s_b_raw
+            dst = cute.make_tensor(cute.recast_ptr(
+                s_b_base + (stage * self.tile_n + h * half) * TILE_K, swizzle),
+                cute.make_layout((half, TILE_K), stride=(TILE_K, 1)))
+            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                             cute.group_modes(dst, 0, 2), g_b)
+            src = t_g[None, h * (self.dim_n // 2 // half) + nt, kt, e]
+            if cutlass.const_expr(multicast):
+                cute.copy(atom, src, t_s, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
+            else:
+                cute.copy(atom, src, t_s, tma_bar_ptr=bar)
 
         @cute.jit
         def produce_varlen_k(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
@@ -484,7 +587,7 @@ def _kernels():
             phase = Int32(1)
             t = bidx
             while t < total:
-                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                e, row0, rows, nt, mt, shared = self.decode(t, m_off, table, num_experts)
                 k_tiles = (rows + TILE_K - 1) // TILE_K
                 src_a = self.row_source(gidx_a, self.gather_a, row0, rows, row_in_tile, Int32(0),
                                         rows_a)
@@ -575,7 +678,7 @@ def _kernels():
             return k_tiles
 
         @cute.jit
-        def consume(self, ctid: Int32, bidx: Int32, grid: Int32, total: Int32,
+        def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                     tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
                     s_c: cute.Pointer, c: cute.Pointer, act: cute.Pointer, m_off: cute.Tensor,
                     table: cute.Tensor,
@@ -593,13 +696,13 @@ def _kernels():
             # First tile row of this warpgroup's accumulator.
             wg_row0 = wg * self.rows_wg
             mma_tid = ctid
-            step = grid
-            t = bidx
+            step = stride
+            t = first
             if cutlass.const_expr(self.pingpong):
                 wg_row0 = Int32(0)
                 mma_tid = ctid - wg * 128
-                step = 2 * grid
-                t = bidx + wg * grid
+                step = 2 * stride
+                t = first + wg * stride
             thr_mma = tiled_mma.get_slice(mma_tid)
             t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
             t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
@@ -611,14 +714,14 @@ def _kernels():
             phase = Int32(0)
             if cutlass.const_expr(self.pingpong):
                 if wg == 1:
-                    if bidx < total:
+                    if first < total:
                         stage, phase = self.skip(stage, phase,
-                                                 self.tile_k_tiles(bidx, m_off, num_experts))
+                                                 self.tile_k_tiles(first, m_off, num_experts))
             while t < total:
-                e, row0, rows, nt, mt = self.decode(t, m_off, table, num_experts)
+                e, row0, rows, nt, mt, shared = self.decode(t, m_off, table, num_experts)
                 k_tiles = self.tile_k_tiles(t, m_off, num_experts)
                 if cutlass.const_expr(self.pingpong):
-                    if t != bidx:
+                    if t != first:
                         cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -633,20 +736,18 @@ def _kernels():
                     # Keep one WGMMA batch in flight; the previous stage is then free.
                     warpgroup.wait_group(1)
                     if kt > 0:
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(empty + prev)
+                        self.release(empty + prev, lane)
                     prev = stage
                     stage, phase = self.next_stage(stage, phase)
                 warpgroup.wait_group(0)
                 if k_tiles > 0:
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(empty + prev)
+                    self.release(empty + prev, lane)
                 if cutlass.const_expr(self.pingpong):
-                    # The other warpgroup's next tile is t + grid; it may start its mainloop.
-                    if t + grid < total:
+                    # The other warpgroup's next tile is t + stride; it may start its mainloop.
+                    if t + stride < total:
                         cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
                         stage, phase = self.skip(stage, phase,
-                                                 self.tile_k_tiles(t + grid, m_off, num_experts))
+                                                 self.tile_k_tiles(t + stride, m_off, num_experts))
                 if cutlass.const_expr(self.swiglu is None):
                     self.store(acc, coords, stage_c, wg_tid, wg, wg_row0, c, e, row0, rows, nt,
                                mt)
@@ -832,8 +933,9 @@ def _kernels():
     return GroupedGemmKernel
 
 
-def _plan(varlen_k: bool, dim_n: int, gathered: bool = False) -> tuple[int, bool]:
-    """Tile N and schedule: ``(tile_n, pingpong)``.
+def _plan(varlen_k: bool, dim_n: int, gathered: bool = False,
+          dim_k: int = 0) -> tuple[int, bool, int]:
+    """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
 
     Measured on H200 at the ANCHORS shapes (``benchmarks/bench_grouped_gemm.py``; RESULTS.md):
 
@@ -845,32 +947,43 @@ def _plan(varlen_k: bool, dim_n: int, gathered: bool = False) -> tuple[int, bool
       505–592 TFLOPS against 374–424 on ``128 x 128`` tiles;
     * varlen-K: cooperative, as the gathered case.
     """
-    if not varlen_k and not gathered:
-        return 128, True
-    return (256 if dim_n % 256 == 0 or dim_n >= 1024 else 128), False
+    tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
+    if varlen_k:
+        return tile_n, False, 1
+    if not gathered and dim_k <= 512:
+        return 128, True, 1
+    return tile_n, False, CLUSTER
 
 
-def _compile(varlen_k: bool, tile_n: int, pingpong: bool, dim_m: int, dim_n: int, dim_k: int,
-             gather_a: bool, gather_b: bool, b_n_major: bool = False, transpose_c: bool = False,
-             swiglu: str | None = None, keep_ptx: bool = False):
+def _compile(varlen_k: bool, tile_n: int, pingpong: bool, cluster: int, dim_m: int, dim_n: int,
+             dim_k: int, gather_a: bool, gather_b: bool, b_n_major: bool = False,
+             transpose_c: bool = False, swiglu: str | None = None, keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong,
-                        b_n_major, transpose_c, swiglu)
+                        b_n_major, transpose_c, swiglu, cluster)
     addresses = [runtime.fake_address() for _ in range(7)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
 
-_SM_COUNT: dict[int, int] = {}
+@functools.cache
+def _resident(index: int, cluster: int) -> int:
+    """CTAs (``cluster == 1``) or clusters of ``cluster`` CTAs that device ``index`` runs at
+    once at one CTA per SM: a persistent grid larger than that would run a tail wave."""
+    if cluster == 1:
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(index):
+        return HardwareInfo(index).get_max_active_clusters(cluster)
 
 
-def _num_ctas(device: torch.device, tiles_bound: int) -> int:
+def _num_ctas(device: torch.device, work_items: int, cluster: int = 1) -> int:
+    """Persistent grid size: one CTA (cluster) per resident slot, at most one per work item."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(_SM_COUNT[index], tiles_bound))
+    return cluster * max(1, min(_resident(index, cluster), work_items))
 
 
 def _check_offsets(expert_offsets, device) -> int:
@@ -995,22 +1108,24 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu):
     if num_pairs == 0 or a.shape[0] == 0:
         return out, act
     gathered = gather_idx is not None
-    tile_n, pingpong = _plan(False, dim_n, gathered)
+    tile_n, pingpong, cluster = _plan(False, dim_n, gathered, dim_k)
     if swiglu == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128    # a tile's gate half must not run past n
-    key = ("grouped_gemm_varlen_m", tile_n, pingpong, dim_n, dim_k, gathered, b_n_major, swiglu)
-    fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, 0, dim_n, dim_k,
+    key = ("grouped_gemm_varlen_m", tile_n, pingpong, cluster, dim_n, dim_k, gathered, b_n_major,
+           swiglu)
+    fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, cluster, 0, dim_n, dim_k,
                                                 gathered, False, b_n_major, swiglu=swiglu))
     n_tiles = (dim_n + tile_n - 1) // tile_n
-    # Each expert adds at most one partial m-tile.
-    tiles_bound = ((num_pairs + TILE_M - 1) // TILE_M + num_experts) * n_tiles
+    # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
+    m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
+    work_items = (m_tiles_bound + cluster - 1) // cluster * n_tiles
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # Without gather the index addresses are never read; expert_offsets' stands in for them.
     idx = addr(gather_idx, 4) if gathered else offsets_addr
     out_addr = addr(out, 16)
     fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr, idx,
-       idx, offsets_addr, a.shape[0], 0, num_experts, _num_ctas(device, tiles_bound))
+       idx, offsets_addr, a.shape[0], 0, num_experts, _num_ctas(device, work_items, cluster))
     return out, act
 
 
@@ -1067,10 +1182,10 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
         dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
-    tile_n, pingpong = _plan(True, dim_n)
-    key = ("grouped_gemm_varlen_k", tile_n, pingpong, dim_m, dim_n, ga, gb, transpose_c)
-    fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, dim_m, dim_n, 0, ga, gb,
-                                                transpose_c=transpose_c))
+    tile_n, pingpong, cluster = _plan(True, dim_n)
+    key = ("grouped_gemm_varlen_k", tile_n, pingpong, cluster, dim_m, dim_n, ga, gb, transpose_c)
+    fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, cluster, dim_m, dim_n, 0,
+                                                ga, gb, transpose_c=transpose_c))
     tiles = num_experts * ((dim_m + TILE_M - 1) // TILE_M) * ((dim_n + tile_n - 1) // tile_n)
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
@@ -1092,7 +1207,7 @@ for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, F
         variant=(f"varlen_m_n{_n}_k{_k}_{'gather' if _gather else 'contig'}"
                  f"{'_bn' if _n_major else ''}"),
         compile_fake=lambda n=_n, k=_k, g=_gather, nm=_n_major: _compile(
-            False, *_plan(False, n, g), 0, n, k, g, False, nm, keep_ptx=True),
+            False, *_plan(False, n, g, k), 0, n, k, g, False, nm, keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
 # The forward's up-proj with the SwiGLU epilogue, both gate/up layouts.
 for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
@@ -1100,7 +1215,8 @@ for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
         kernel="grouped_gemm",
         variant=f"varlen_m_n{_n}_k1536_gather_swiglu_{_gate_up}",
         compile_fake=lambda n=_n, gu=_gate_up: _compile(
-            False, *_plan(False, n, True), 0, n, 1536, True, False, swiglu=gu, keep_ptx=True),
+            False, *_plan(False, n, True, 1536), 0, n, 1536, True, False, swiglu=gu,
+            keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
 
 # The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
