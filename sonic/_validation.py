@@ -66,15 +66,18 @@ def can_read_values(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling()
 
 
-def check_index_range(name: str, t: torch.Tensor, upper: int) -> None:
-    """Raise ``ValueError`` unless every value of ``t`` is in ``[0, upper)``.
+def check_index_ranges(**checks: tuple[torch.Tensor, int]) -> None:
+    """Raise ``ValueError`` unless every value of each ``name=(t, upper)`` is in ``[0, upper)``.
 
-    On CUDA this reads two scalars back (one synchronisation); it is skipped where values cannot
-    be read (see :func:`can_read_values`).
+    On CUDA the minima and maxima of all tensors come back in one host read (one
+    synchronisation, however many tensors); tensors whose values cannot be read (see
+    :func:`can_read_values`) are skipped.
     """
-    if not can_read_values(t):
+    readable = {name: (t, upper) for name, (t, upper) in checks.items() if can_read_values(t)}
+    if not readable:
         return
-    lo, hi = torch.aminmax(t)
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= upper:
-        raise ValueError(f"{name} values must be in [0, {upper}), got values in [{lo}, {hi}]")
+    bounds = torch.stack([torch.stack(torch.aminmax(t)).to(torch.int64)
+                          for t, _ in readable.values()]).tolist()
+    for (name, (_, upper)), (lo, hi) in zip(readable.items(), bounds):
+        if lo < 0 or hi >= upper:
+            raise ValueError(f"{name} values must be in [0, {upper}), got values in [{lo}, {hi}]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sonic._validation import (check_choice, check_float, check_index, check_index_range,
+from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
                                check_same_device)
 from sonic.backend import ExpertOps, expert_ops
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
@@ -125,8 +125,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
         if t.shape[0] != num_pairs:
             raise ValueError(f"{name} must have shape (P={num_pairs},) like scores, got {tuple(t.shape)}")
-    check_index_range("token_idx", token_idx, num_tokens)
-    check_index_range("expert_idx", expert_idx, num_experts)
+    check_index_ranges(token_idx=(token_idx, num_tokens), expert_idx=(expert_idx, num_experts))
     if metadata is not None and (metadata.num_pairs, metadata.num_tokens, metadata.num_experts) != (
             num_pairs, num_tokens, num_experts):
         raise ValueError(f"metadata must describe P={num_pairs} pairs of T={num_tokens} tokens and "
