@@ -99,12 +99,14 @@ def _kernels():
     BF16, F32 = cutlass.BFloat16, cutlass.Float32
     ROW, COL = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
 
-    def _mn_major_tma(ptr, rows, width: int, smem):
+    def _mn_major_tma(ptr, rows, width: int, smem, multicast: bool = False):
         """TMA atoms for an MN-major varlen-K operand ``(rows, width)``: ``64 x TILE_K`` boxes
-        and ``64 x 1`` row boxes."""
+        and ``64 x 1`` row boxes (``multicast``: issued with a cluster mask)."""
         m_x = cute.make_tensor(ptr, cute.make_layout((width, rows), stride=(1, width)))
+        op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast
+              else cpasync.CopyBulkTensorTileG2SOp())
         return tuple(cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.make_composed_layout(
+            op, m_x, cute.make_composed_layout(
                 smem.inner, 0, cute.make_layout(box, stride=(1, 64))), box)
             for box in ((64, TILE_K), (64, 1)))
 
@@ -121,11 +123,13 @@ def _kernels():
                      transpose_c: bool = False, swiglu: str | None = None, cluster: int = 1):
             if pingpong and tile_n != 128:
                 raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
-            if cluster not in (1, CLUSTER) or (cluster > 1 and (varlen_k or pingpong)):
-                raise ValueError("a 2-CTA cluster serves the cooperative varlen-M kernels")
-            # varlen-M on a 2-CTA cluster: the two CTAs take consecutive m-tiles of one n-tile;
-            # when both belong to the same expert each loads half of the shared B tile and
-            # multicasts it to both, cutting the L2→SM traffic per tile by a third (128 x 256:
+            if cluster not in (1, CLUSTER) or (cluster > 1 and pingpong):
+                raise ValueError("a 2-CTA cluster serves the cooperative kernels")
+            if varlen_k and cluster > 1 and (dim_m + TILE_M - 1) // TILE_M % cluster:
+                raise ValueError("varlen-K on a cluster pairs the m-tiles of M")
+            # On a 2-CTA cluster the two CTAs take consecutive m-tiles of one n-tile; when both
+            # belong to the same expert (varlen-K: always) each loads half of the shared B tile
+            # and multicasts it to both, cutting the L2→SM traffic per tile by a third (128 x 256:
             # A 128 + B 128 rows per k-tile instead of 128 + 256). A stage of either CTA is then
             # written by both producers, so it is free only when the consumers of both CTAs
             # have released it: every consumer warp arrives on the empty barrier of each CTA.
@@ -191,10 +195,14 @@ def _kernels():
             # operands MN-major, by 64 x TILE_K boxes (whole k-tiles of contiguous rows) or by
             # 64 x 1 row boxes (gathered rows, and an expert's last partial k-tile, whose rows
             # past the expert's end take an out-of-bounds row and so arrive as zeros).
-            tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None)}
+            tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None),
+                   "b_mc_row": (None, None)}
             if cutlass.const_expr(self.varlen_k):
                 tma["a"], tma["a_row"] = _mn_major_tma(a, rows_a, self.dim_m, a_smem)
                 tma["b"], tma["b_row"] = _mn_major_tma(b, rows_b, self.dim_n, b_smem)
+                if cutlass.const_expr(self.cluster > 1):
+                    tma["b_mc"], tma["b_mc_row"] = _mn_major_tma(b, rows_b, self.dim_n, b_smem,
+                                                                 multicast=True)
             else:
                 m_a = cute.make_tensor(a, cute.make_layout((rows_a, self.dim_k),
                                                            stride=(self.dim_k, 1)))
@@ -235,7 +243,7 @@ def _kernels():
 
             self.shared_storage = SharedStorage
             self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                        *tma["b_mc"], a_smem, b_smem, c, act, gidx_a, gidx_b, offsets, rows_a,
+                        *tma["b_mc"], *tma["b_mc_row"], a_smem, b_smem, c, act, gidx_a, gidx_b, offsets, rows_a,
                         rows_b, num_experts).launch(
                 grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
                 min_blocks_per_mp=1, stream=stream)
@@ -243,7 +251,7 @@ def _kernels():
         @cute.kernel
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                    tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
-                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
+                   tma_atom_b_mc_row, tma_b_mc_row, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
                    act: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
                    offsets: cute.Pointer,
                    rows_a: Int32, rows_b: Int32, num_experts: Int32):
@@ -277,19 +285,20 @@ def _kernels():
 
             # Work items: tiles, or on a cluster pairs of m-tiles (one per CTA) of an n-tile.
             first, step = bidx, grid
+            if cutlass.const_expr(self.cluster > 1):
+                first, step = bidx // self.cluster, grid // self.cluster
             if cutlass.const_expr(self.varlen_k):
-                total = num_experts * (self.m_tiles * self.n_tiles)
+                total = num_experts * (self.m_tiles // self.cluster * self.n_tiles)
             else:
                 total = (table[num_experts] + self.cluster - 1) // self.cluster * self.n_tiles
-                if cutlass.const_expr(self.cluster > 1):
-                    first, step = bidx // self.cluster, grid // self.cluster
 
             if tidx < PRODUCER_THREADS:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if cutlass.const_expr(self.varlen_k):
                     self.produce_varlen_k(
-                        warp, bidx, grid, total, (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
-                        (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row), a_smem, b_smem,
+                        warp, first, step, total, (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
+                        (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row) if self.cluster == 1 else
+                        (tma_atom_b_mc, tma_b_mc, tma_atom_b_mc_row, tma_b_mc_row), a_smem, b_smem,
                         storage.sA.data_ptr(), storage.sB.data_ptr(), gidx_a, gidx_b, rows_a,
                         rows_b, m_off, table, num_experts, full, empty)
                 elif cutlass.const_expr(self.gather_a):
@@ -379,13 +388,17 @@ def _kernels():
             mt = Int32(0)
             shared = False
             if cutlass.const_expr(self.varlen_k):
-                per_expert = self.m_tiles * self.n_tiles
+                per_expert = self.m_tiles // self.cluster * self.n_tiles
                 e = t // per_expert
                 rest = t - e * per_expert
                 mt = rest // self.n_tiles
                 nt = rest - mt * self.n_tiles
                 row0 = m_off[e]
                 rows = m_off[e + 1] - row0
+                if cutlass.const_expr(self.cluster > 1):
+                    shared = True
+                    mt = mt * self.cluster + cute.arch.make_warp_uniform(
+                        cute.arch.block_idx_in_cluster())
             else:
                 mg = t // self.n_tiles
                 nt = t - mg * self.n_tiles
@@ -536,12 +549,12 @@ def _kernels():
                         t_s_mc, t_g_mc = cpasync.tma_partition(
                             atom_mc, rank, cute.make_layout(self.cluster),
                             cute.group_modes(s_b, 0, 2), g_mc)
-                        cute.copy(atom_mc, t_g_mc[None, nt, kt, e], t_s_mc[None, stage],
-                                  tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
+                        self.tma_copy(atom_mc, t_g_mc[None, nt, kt, e], t_s_mc[None, stage], bar,
+                                      True)
                     else:
-                        cute.copy(atom, t_g[None, nt, kt, e], t_s[None, stage], tma_bar_ptr=bar)
+                        self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, False)
                 else:
-                    cute.copy(atom, t_g[None, nt, kt, e], t_s[None, stage], tma_bar_ptr=bar)
+                    self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, False)
 
         @cute.jit
         def copy_b_half(self, atom, tensor, s_b_raw: tuple, h, nt: Int32, kt: Int32, e: Int32,
@@ -557,14 +570,11 @@ def _kernels():
                 cute.make_layout((half, TILE_K), stride=(TILE_K, 1)))
             t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                              cute.group_modes(dst, 0, 2), g_b)
-            src = t_g[None, h * (self.dim_n // 2 // half) + nt, kt, e]
-            if cutlass.const_expr(multicast):
-                cute.copy(atom, src, t_s, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(3))
-            else:
-                cute.copy(atom, src, t_s, tma_bar_ptr=bar)
+            self.tma_copy(atom, t_g[None, h * (self.dim_n // 2 // half) + nt, kt, e], t_s, bar,
+                          multicast)
 
         @cute.jit
-        def produce_varlen_k(self, warp: Int32, bidx: Int32, grid: Int32, total: Int32,
+        def produce_varlen_k(self, warp: Int32, first: Int32, step: Int32, total: Int32,
                              tma_a: tuple, tma_b: tuple, a_smem: cute.ComposedLayout,
                              b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
                              s_b_base: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
@@ -580,12 +590,14 @@ def _kernels():
             so TMA writes zeros and no stale value enters the reduction. Lane ``l`` holds the
             source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are read right
             after the copies of ``kt`` are issued, overlapping the wait for the next free stage.
+            On a cluster, B (the same rows of the same expert for both CTAs) is split by columns:
+            each CTA loads its half of the 64-column blocks and multicasts them.
             """
             lane = cute.arch.lane_idx()
             row_in_tile = warp * (TILE_K // 4) + lane % (TILE_K // 4)
             stage = Int32(0)
             phase = Int32(1)
-            t = bidx
+            t = first
             while t < total:
                 e, row0, rows, nt, mt, shared = self.decode(t, m_off, table, num_experts)
                 k_tiles = (rows + TILE_K - 1) // TILE_K
@@ -600,16 +612,16 @@ def _kernels():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tma_bytes)
                     whole = (kt + 1) * TILE_K <= rows
                     self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, TILE_M, mt * TILE_M,
-                                     self.gather_a, whole, src_a, row0, kt, stage, full)
+                                     self.gather_a, whole, src_a, row0, kt, stage, full, False)
                     self.load_k_tile(warp, tma_b, b_smem.inner, s_b_base, self.tile_n,
                                      nt * self.tile_n, self.gather_b, whole, src_b, row0, kt,
-                                     stage, full)
+                                     stage, full, self.cluster > 1)
                     src_a = self.row_source(gidx_a, self.gather_a, row0, rows, row_in_tile,
                                             kt + 1, rows_a)
                     src_b = self.row_source(gidx_b, self.gather_b, row0, rows, row_in_tile,
                                             kt + 1, rows_b)
                     stage, phase = self.next_stage(stage, phase)
-                t += grid
+                t += step
 
         @cute.jit
         def row_source(self, gidx: cute.Pointer, gathered: cutlass.Constexpr, row0: Int32,
@@ -627,53 +639,72 @@ def _kernels():
         def load_k_tile(self, warp: Int32, tma: tuple, swizzle, s_base: cute.Pointer,
                         tile_mn: cutlass.Constexpr, col0: Int32, gathered: cutlass.Constexpr,
                         whole, src: Int32, row0: Int32, kt: Int32, stage: Int32,
-                        full: cute.Pointer):
-            """Issue the TMA copies of one operand's k-tile into ``stage``."""
+                        full: cute.Pointer, split: cutlass.Constexpr):
+            """Issue the TMA copies of one operand's k-tile into ``stage``; with ``split`` only
+            this CTA's share of the 64-column blocks, multicast to the cluster."""
             atom_box, tma_box, atom_row, tma_row = tma
             stage_base = s_base + stage * (tile_mn * TILE_K)
+            blocks = tile_mn // 64 // (self.cluster if split else 1)
+            j0 = Int32(0)
+            if cutlass.const_expr(split):
+                j0 = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) * blocks
             if cutlass.const_expr(gathered):
-                self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, tile_mn, col0, src,
-                               full + stage)
+                self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, blocks, j0, col0,
+                               src, full + stage, split)
             else:
                 if whole:
                     if warp == 0:
                         g_box = cute.group_modes(cute.local_tile(
                             cute.domain_offset((0, row0), tma_box), (64, TILE_K), (None, None)),
                             0, 2)
-                        for j in cutlass.range_constexpr(tile_mn // 64):
+                        for jj in cutlass.range_constexpr(blocks):
+                            j = j0 + jj
                             dst = cute.make_tensor(
                                 cute.recast_ptr(stage_base + j * (64 * TILE_K), swizzle),
                                 cute.make_layout((64, TILE_K), stride=(1, 64)))
                             t_s, t_g = cpasync.tma_partition(
                                 atom_box, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
                                 g_box)
-                            cute.copy(atom_box, t_g[None, col0 // 64 + j, kt], t_s,
-                                      tma_bar_ptr=full + stage)
+                            self.tma_copy(atom_box, t_g[None, col0 // 64 + j, kt], t_s,
+                                          full + stage, split)
                 else:
-                    self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, tile_mn, col0,
-                                   src, full + stage)
+                    self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, blocks, j0,
+                                   col0, src, full + stage, split)
 
         @cute.jit
         def copy_rows(self, warp: Int32, atom_row, tma_row, swizzle, stage_base: cute.Pointer,
-                      tile_mn: cutlass.Constexpr, col0: Int32, src: Int32, bar: cute.Pointer):
-            """This warp's ``TILE_K / 4`` rows of a k-tile, one ``64 x 1`` box per 64 columns."""
+                      blocks: cutlass.Constexpr, j0: Int32, col0: Int32, src: Int32,
+                      bar: cute.Pointer, multicast: cutlass.Constexpr):
+            """This warp's ``TILE_K / 4`` rows of a k-tile, one ``64 x 1`` box per 64 columns of
+            blocks ``j0 .. j0 + blocks``."""
             g_row = cute.group_modes(cute.local_tile(tma_row, (64, 1), (None, None)), 0, 2)
             for i in cutlass.range_constexpr(TILE_K // 4):
                 row = cute.arch.shuffle_sync(src, i)
-                for j in cutlass.range_constexpr(tile_mn // 64):
+                for jj in cutlass.range_constexpr(blocks):
+                    j = j0 + jj
                     dst = cute.make_tensor(cute.recast_ptr(
                         stage_base + j * (64 * TILE_K) + (warp * (TILE_K // 4) + i) * 64,
                         swizzle), cute.make_layout((64, 1), stride=(1, 64)))
                     t_s, t_g = cpasync.tma_partition(
                         atom_row, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), g_row)
-                    cute.copy(atom_row, t_g[None, col0 // 64 + j, row], t_s, tma_bar_ptr=bar)
+                    self.tma_copy(atom_row, t_g[None, col0 // 64 + j, row], t_s, bar, multicast)
+
+        @cute.jit
+        def tma_copy(self, atom, src: cute.Tensor, dst: cute.Tensor, bar: cute.Pointer,
+                     multicast: cutlass.Constexpr):
+            """One TMA load into this CTA, or (``multicast``) into every CTA of the cluster."""
+            if cutlass.const_expr(multicast):
+                cute.copy(atom, src, dst, tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+            else:
+                cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
         @cute.jit
         def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
             """k-tiles of tile ``t``: ``K / TILE_K`` (varlen-M) or the expert's rows (varlen-K)."""
             k_tiles = Int32(self.k_tiles)
             if cutlass.const_expr(self.varlen_k):
-                e = t // (self.m_tiles * self.n_tiles)
+                e = t // (self.m_tiles // self.cluster * self.n_tiles)
                 k_tiles = (m_off[e + 1] - m_off[e] + TILE_K - 1) // TILE_K
             return k_tiles
 
@@ -933,8 +964,8 @@ def _kernels():
     return GroupedGemmKernel
 
 
-def _plan(varlen_k: bool, dim_n: int, gathered: bool = False,
-          dim_k: int = 0) -> tuple[int, bool, int]:
+def _plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
+          dim_m: int = 0) -> tuple[int, bool, int]:
     """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
 
     Measured on H200 at the ANCHORS shapes (``benchmarks/bench_grouped_gemm.py``; RESULTS.md):
@@ -949,7 +980,7 @@ def _plan(varlen_k: bool, dim_n: int, gathered: bool = False,
     """
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
     if varlen_k:
-        return tile_n, False, 1
+        return tile_n, False, CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
     if not gathered and dim_k <= 512:
         return 128, True, 1
     return tile_n, False, CLUSTER
@@ -1182,18 +1213,19 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
         dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
-    tile_n, pingpong, cluster = _plan(True, dim_n)
+    tile_n, pingpong, cluster = _plan(True, dim_n, dim_m=dim_m)
     key = ("grouped_gemm_varlen_k", tile_n, pingpong, cluster, dim_m, dim_n, ga, gb, transpose_c)
     fn = runtime.compiled(key, lambda: _compile(True, tile_n, pingpong, cluster, dim_m, dim_n, 0,
                                                 ga, gb, transpose_c=transpose_c))
-    tiles = num_experts * ((dim_m + TILE_M - 1) // TILE_M) * ((dim_n + tile_n - 1) // tile_n)
+    work_items = (num_experts * ((dim_m + TILE_M - 1) // TILE_M // cluster)
+                  * ((dim_n + tile_n - 1) // tile_n))
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # An index address that is not gathered is never read; expert_offsets' stands in for it.
     out_addr = addr(out, 16)
     fn(addr(a, 16), addr(b, 16), out_addr, out_addr, addr(gather_idx_a, 4) if ga else offsets_addr,
        addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
-       num_experts, _num_ctas(device, tiles))
+       num_experts, _num_ctas(device, work_items, cluster))
     return out
 
 
@@ -1225,5 +1257,6 @@ for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):
         kernel="grouped_gemm",
         variant=f"varlen_k_m{_m}_n{_n}_gather_a{'_ct' if _transpose else ''}",
         compile_fake=lambda m=_m, n=_n, tr=_transpose: _compile(
-            True, *_plan(True, n), m, n, 0, True, False, transpose_c=tr, keep_ptx=True),
+            True, *_plan(True, n, dim_m=m), m, n, 0, True, False, transpose_c=tr,
+            keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
