@@ -14,6 +14,9 @@ the speedup and the kernel's relative error against torch:
   (gathered GEMM, then the one-pass SwiGLU kernel), the path ``"auto"`` takes;
 * ``dA'``: varlen-M, ``gather(dO)·W2`` with W2 read N-major (N = n, K = d) — torch:
   ``index_select`` + ``_grouped_mm``;
+* ``dA'+dH``: the dH kernel, ``dA'`` with the dSwiGLU epilogue (``grouped_gemm_dswiglu``: dH,
+  A' and ds in one launch) — torch: ``index_select`` + ``_grouped_mm`` + the reference
+  epilogue; ``dA'+dH*``: sonic unfused (the dA' GEMM, then the standalone epilogue kernel);
 * ``dX``: varlen-M, contiguous ``dH·W1`` with W1 read N-major (N = d, K = 2n) — torch:
   ``_grouped_mm``;
 * ``dW1``: varlen-K, ``dHᵀ·gather(X)`` (M = 2n, N = d) — torch: ``index_select`` +
@@ -32,9 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, device_name  # noqa: E402
 
-from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_swiglu,  # noqa: E402
-                                        grouped_gemm_varlen_k)
-from sonic.kernels.swiglu import swiglu  # noqa: E402
+from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
+                                        grouped_gemm_swiglu, grouped_gemm_varlen_k)
+from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
+from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
 from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 
 # (name, T, d, n, E, K) from ANCHORS.md.
@@ -104,6 +108,17 @@ def main():
         _row(name, "dA'", 2 * p * d * n,
              lambda: grouped_gemm(do, w2.transpose(1, 2), offsets, gather_idx=gather_idx),
              lambda: torch._grouped_mm(do.index_select(0, gidx_long), w2, offs=ends))
+        h = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
+        scores = torch.rand(p, device="cuda")
+        torch_dh = lambda: torch_dswiglu_epilogue(torch._grouped_mm(  # noqa: E731
+            do.index_select(0, gidx_long), w2, offs=ends), h, scores, "concat")[0]
+        _row(name, "dA'+dH", 2 * p * d * n,
+             lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0], torch_dh)
+        _row(name, "dA'+dH*", 2 * p * d * n,
+             lambda: dswiglu_epilogue(grouped_gemm(do, w2.transpose(1, 2), offsets,
+                                                   gather_idx=gather_idx), h, scores)[0],
+             torch_dh)
+        del h, scores
         _row(name, "dX", 2 * p * 2 * n * d,
              lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
              lambda: torch._grouped_mm(dh, w1, offs=ends))

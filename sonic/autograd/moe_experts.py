@@ -49,9 +49,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
 
         # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
-        da_prime = ops.grouped_mm(grad_out, w2, offsets, meta.gather_idx)
-        dh, a_scaled, ds_rows = ops.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
-        del da_prime
+        dh, a_scaled, ds_rows = ops.dh_dswiglu(grad_out, w2, offsets, meta.gather_idx, h,
+                                               row_scores, gate_up)
         grad_scores = ds_rows.index_select(0, meta.pair_rows).to(scores.dtype) if need_s else None
 
         grad_w2 = grad_w1 = grad_x = None

@@ -120,7 +120,8 @@ def _kernels():
 
         def __init__(self, varlen_k: bool, tile_n: int, dim_m: int, dim_n: int, dim_k: int,
                      gather_a: bool, gather_b: bool, pingpong: bool, b_n_major: bool = False,
-                     transpose_c: bool = False, swiglu: str | None = None, cluster: int = 1):
+                     transpose_c: bool = False, swiglu: str | None = None, cluster: int = 1,
+                     dswiglu: bool = False):
             if pingpong and tile_n != 128:
                 raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
             if cluster not in (1, CLUSTER) or (cluster > 1 and pingpong):
@@ -170,17 +171,27 @@ def _kernels():
             if swiglu is not None and (varlen_k or not gather_a or b_n_major or pingpong):
                 raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")
             self.swiglu = swiglu
+            # dH epilogue (SonicMoE §4.1.3, App. C) on dA' = gather(dO)·W2: from the fp32 dA'
+            # tile, the saved H ("concat" layout, read straight from global memory) and the row
+            # scores, store dH ``(P, 2n)``, A' = s·A ``(P, n)`` and per n-tile partial sums of
+            # ds = ⟨dA', A⟩ ``(P, n_tiles)`` (fp32; summed by the caller in a fixed order).
+            if dswiglu and (varlen_k or not gather_a or not b_n_major or pingpong):
+                raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
+                                 "(cooperative)")
+            self.dswiglu = dswiglu
             self.b_rows_per_copy = tile_n // 2 if swiglu == "concat" else tile_n
             self.b_layout = COL if varlen_k or b_n_major else ROW
 
         @cute.jit
         def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, act_addr: Int64,
+                     h_addr: Int64, scores_addr: Int64, ds_addr: Int64,
                      gidx_a_addr: Int64, gidx_b_addr: Int64, offsets_addr: Int64, rows_a: Int32,
                      rows_b: Int32, num_experts: Int32, num_ctas: Int32,
                      stream: cuda.CUstream):
             gmem = runtime.gmem_ptr
             a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
             act = gmem(BF16, act_addr, 16)
+            h, scores, ds = gmem(BF16, h_addr, 4), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
             gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
             offsets = gmem(Int32, offsets_addr, 4)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -243,7 +254,8 @@ def _kernels():
 
             self.shared_storage = SharedStorage
             self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                        *tma["b_mc"], *tma["b_mc_row"], a_smem, b_smem, c, act, gidx_a, gidx_b, offsets, rows_a,
+                        *tma["b_mc"], *tma["b_mc_row"], a_smem, b_smem, c, act, h, scores, ds,
+                        gidx_a, gidx_b, offsets, rows_a,
                         rows_b, num_experts).launch(
                 grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
                 min_blocks_per_mp=1, stream=stream)
@@ -251,9 +263,10 @@ def _kernels():
         @cute.kernel
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                    tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
-                   tma_atom_b_mc_row, tma_b_mc_row, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
-                   act: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
-                   offsets: cute.Pointer,
+                   tma_atom_b_mc_row, tma_b_mc_row, a_smem: cute.ComposedLayout,
+                   b_smem: cute.ComposedLayout, c: cute.Pointer, act: cute.Pointer,
+                   h: cute.Pointer, scores: cute.Pointer, ds: cute.Pointer, gidx_a: cute.Pointer,
+                   gidx_b: cute.Pointer, offsets: cute.Pointer,
                    rows_a: Int32, rows_b: Int32, num_experts: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -314,8 +327,8 @@ def _kernels():
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
-                             storage.sC.data_ptr(), c, act, m_off, table, num_experts, full,
-                             empty)
+                             storage.sC.data_ptr(), (c, act, h, scores, ds), m_off, table,
+                             num_experts, full, empty)
             # On a cluster no CTA may exit while the other can still arrive on its barriers.
             if cutlass.const_expr(self.cluster > 1):
                 self.sync_cluster()
@@ -711,8 +724,7 @@ def _kernels():
         @cute.jit
         def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                     tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
-                    s_c: cute.Pointer, c: cute.Pointer, act: cute.Pointer, m_off: cute.Tensor,
-                    table: cute.Tensor,
+                    s_c: cute.Pointer, outs: tuple, m_off: cute.Tensor, table: cute.Tensor,
                     num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
             """WGMMA over the k-tiles of each tile, then the masked store.
 
@@ -779,7 +791,11 @@ def _kernels():
                         cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
                         stage, phase = self.skip(stage, phase,
                                                  self.tile_k_tiles(t + stride, m_off, num_experts))
-                if cutlass.const_expr(self.swiglu is None):
+                c, act, h, scores, ds = outs
+                if cutlass.const_expr(self.dswiglu):
+                    self.store_dswiglu(acc, coords, stage_c, wg_tid, wg, wg_row0, outs, row0,
+                                       rows, nt)
+                elif cutlass.const_expr(self.swiglu is None):
                     self.store(acc, coords, stage_c, wg_tid, wg, wg_row0, c, e, row0, rows, nt,
                                mt)
                 else:
@@ -938,6 +954,117 @@ def _kernels():
                                              cute.make_layout(1))[0] = value
 
         @cute.jit
+        def store_dswiglu(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
+                          wg_tid: Int32, wg: Int32, wg_row0: Int32, outs: tuple, row0: Int32,
+                          rows: Int32, nt: Int32):
+            """dH epilogue: per 64-column slab, this thread's gate and up values of H are loaded
+            once (4-byte pairs, the accumulator's column pairs), then dH's gate half, dH's up
+            half and A' are staged and stored in turn, each recomputed from fp32 dA', g, u and
+            s; the ds partial of each of the thread's rows is reduced over the quad of threads
+            holding the row and stored once per tile."""
+            dh, a_scaled, h, scores, ds = outs
+            n = self.dim_n
+            mms = cute.size(acc, mode=[1])
+            # Score of each of this thread's rows (two per 64-row block), zero past the expert.
+            s_row = cute.make_rmem_tensor((mms * 2,), F32)
+            partial = cute.make_rmem_tensor((mms * 2,), F32)
+            partial.fill(0.0)
+            for mm in cutlass.range_constexpr(mms):
+                for v1 in cutlass.range_constexpr(2):
+                    m, _ = coords[((0, v1, 0), mm, 0)]
+                    s_row[mm * 2 + v1] = 0.0
+                    if m < rows:
+                        s_row[mm * 2 + v1] = cute.make_tensor(
+                            scores + row0, cute.make_layout(TILE_M))[m]
+            gate_up = cute.make_rmem_tensor((2, mms * (SLAB // 8) * 4), BF16)
+            base = Int64(row0) * (2 * n) + nt * self.tile_n
+            for sl in cutlass.range_constexpr(self.tile_n // SLAB):
+                self.load_gate_up(h, base, coords, rows, n - nt * self.tile_n, sl, mms,
+                                  gate_up)
+                col0 = nt * self.tile_n + sl * SLAB
+                for part in cutlass.range_constexpr(3):
+                    self.stage_dswiglu_slab(acc, coords, stage_c, wg_row0, sl, mms, gate_up,
+                                            s_row, partial, part)
+                    cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+                    if cutlass.const_expr(part == 2):
+                        self.flush(stage_c, wg_tid, wg_row0, SLAB, a_scaled, Int64(row0) * n, n,
+                                   col0, n, rows)
+                    else:
+                        self.flush(stage_c, wg_tid, wg_row0, SLAB, dh, Int64(row0) * (2 * n),
+                                   2 * n, col0 + part * n, (part + 1) * n, rows)
+                    cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+            n_tiles = self.n_tiles
+            lane = cute.arch.lane_idx()
+            for i in cutlass.range_constexpr(mms * 2):
+                total = partial[i]
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                m, _ = coords[((0, i % 2, 0), i // 2, 0)]
+                if lane % 4 == 0:
+                    if m < rows:
+                        cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
+                                         cute.make_layout(1))[0] = total
+
+        @cute.jit
+        def load_gate_up(self, h: cute.Pointer, base: Int64, coords: cute.Tensor, rows: Int32,
+                         cols: Int32, sl: int, mms: int, gate_up: cute.Tensor):
+            """H's gate (``gate_up[0]``) and up (``gate_up[1]``) values at this thread's
+            accumulator positions of slab ``sl``; zeros on rows past the expert and on columns
+            past n (a column pair is entirely inside or outside: n is a multiple of 8)."""
+            pair = cute.make_rmem_tensor((2,), BF16)
+            for mm in cutlass.range_constexpr(mms):
+                for j in cutlass.range_constexpr(SLAB // 8):
+                    for v1 in cutlass.range_constexpr(2):
+                        m, col = coords[((0, v1, sl * (SLAB // 8) + j), mm, 0)]
+                        slot = ((mm * (SLAB // 8) + j) * 2 + v1) * 2
+                        for half in cutlass.range_constexpr(2):
+                            pair.fill(0.0)
+                            if m < rows and col < cols:
+                                offset = base + (Int64(m) * (2 * self.dim_n) + half * self.dim_n
+                                                 + col)
+                                cute.autovec_copy(cute.make_tensor(
+                                    h + cute.assume(offset, divby=2), cute.make_layout(2)), pair)
+                            gate_up[half, slot] = pair[0]
+                            gate_up[half, slot + 1] = pair[1]
+
+        @cute.jit
+        def stage_dswiglu_slab(self, acc: cute.Tensor, coords: cute.Tensor,
+                               stage_c: cute.Pointer, wg_row0: Int32, sl: int, mms: int,
+                               gate_up: cute.Tensor, s_row: cute.Tensor, partial: cute.Tensor,
+                               part: int):
+            """Slab ``sl`` of dH's gate half (``part`` 0), up half (1) or A' (2, also adding
+            ``dA'·A`` to the row partials) → staging buffer. With ``dA = s·dA'``:
+            ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``, ``A' = s·silu(g)·u``
+            (the formulas of :func:`sonic.kernels.swiglu.dswiglu_epilogue`)."""
+            out = cute.make_rmem_tensor((2,), F32)
+            pair = cute.make_rmem_tensor((2,), BF16)
+            for mm in cutlass.range_constexpr(mms):
+                for j in cutlass.range_constexpr(SLAB // 8):
+                    for v1 in cutlass.range_constexpr(2):
+                        slot = ((mm * (SLAB // 8) + j) * 2 + v1) * 2
+                        s = s_row[mm * 2 + v1]
+                        m, col = coords[((0, v1, sl * (SLAB // 8) + j), mm, 0)]
+                        for v0 in cutlass.range_constexpr(2):
+                            dap = acc[((v0, v1, sl * (SLAB // 8) + j), mm, 0)]
+                            g = gate_up[0, slot + v0].to(F32)
+                            u = gate_up[1, slot + v0].to(F32)
+                            sig = cute.arch.rcp_approx(
+                                1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
+                            silu = g * sig
+                            if cutlass.const_expr(part == 0):
+                                out[v0] = (s * dap) * u * sig * (1.0 + g * (1.0 - sig))
+                            elif cutlass.const_expr(part == 1):
+                                out[v0] = (s * dap) * silu
+                            else:
+                                act = silu * u
+                                partial[mm * 2 + v1] = partial[mm * 2 + v1] + dap * act
+                                out[v0] = act * s
+                        pair.store(out.load().to(BF16))
+                        offset = (m - wg_row0) * (SLAB + PAD) + (col - sl * SLAB)
+                        cute.autovec_copy(pair, cute.make_tensor(
+                            stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+
+        @cute.jit
         def store_slab_transposed(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32,
                                   c: cute.Pointer, e: Int32, mt: Int32, nt: Int32, sl: int,
                                   rows: Int32, cols: Int32):
@@ -988,13 +1115,14 @@ def _plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
 
 def _compile(varlen_k: bool, tile_n: int, pingpong: bool, cluster: int, dim_m: int, dim_n: int,
              dim_k: int, gather_a: bool, gather_b: bool, b_n_major: bool = False,
-             transpose_c: bool = False, swiglu: str | None = None, keep_ptx: bool = False):
+             transpose_c: bool = False, swiglu: str | None = None, dswiglu: bool = False,
+             keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     kernel = _kernels()(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a, gather_b, pingpong,
-                        b_n_major, transpose_c, swiglu, cluster)
-    addresses = [runtime.fake_address() for _ in range(7)]
+                        b_n_major, transpose_c, swiglu, cluster, dswiglu)
+    addresses = [runtime.fake_address() for _ in range(10)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
@@ -1103,8 +1231,55 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
     return _varlen_m(x, w1, expert_offsets, gather_idx, None, gate_up)
 
 
-def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu):
-    """:func:`grouped_gemm` (``swiglu`` None) and :func:`grouped_gemm_swiglu`: ``(out, act)``."""
+def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
+                         gather_idx: torch.Tensor, h: torch.Tensor,
+                         row_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
+
+    DESIGN §3 backward step 1; SonicMoE (arXiv 2512.14080) §4.1.3 and App. C. dA' never leaves
+    the registers: the epilogue reads the saved H ("concat" layout) and the row scores and
+    stores ``dH = dSwiGLU(s·dA', H)``, ``A' = s·A`` and ``ds = ⟨dA', A⟩`` — the function of
+    :func:`sonic.kernels.swiglu.dswiglu_epilogue`, computed from fp32 dA' instead of its bf16
+    copy. ``ds`` is summed over n-tiles in a fixed order (bitwise deterministic).
+
+    Args:
+        dout: ``(T, d)`` bf16, contiguous, CUDA: the layer's output gradient, rows gathered
+            by ``gather_idx``.
+        w2: ``(E, d, n)`` bf16, contiguous (read N-major, no copy).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, values in ``[0, T)``.
+        h: ``(P, 2n)`` bf16, contiguous, 16-byte aligned: the forward's up-projection output,
+            rows ``[gate | up]``.
+        row_scores: ``(P,)`` fp32, contiguous: the score of each row.
+
+    Returns:
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm`; also ``h`` or ``row_scores`` of the
+            wrong dtype, shape or device.
+    """
+    runtime.check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3)
+    runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                         device=w2.device)
+    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=w2.device)
+    runtime.check_tensor("row_scores", row_scores, dtypes=(torch.float32,), ndim=1,
+                         device=w2.device)
+    num_pairs, n = gather_idx.numel(), w2.shape[2]
+    if tuple(h.shape) != (num_pairs, 2 * n):
+        raise ValueError(f"h must have shape (P, 2n) = {(num_pairs, 2 * n)}, got "
+                         f"{tuple(h.shape)}")
+    if row_scores.numel() != num_pairs:
+        raise ValueError(f"row_scores must have P = {num_pairs} entries, got "
+                         f"{row_scores.numel()}")
+    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, None, None,
+                     (h, row_scores))
+
+
+def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
+    """:func:`grouped_gemm` (``swiglu`` and ``dswiglu`` None): ``(out, None)``;
+    :func:`grouped_gemm_swiglu`: ``(H, A)``; :func:`grouped_gemm_dswiglu` (``dswiglu`` =
+    ``(h, row_scores)``, validated by the caller): ``(dH, A', ds)``."""
     runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
     device = a.device
     b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
@@ -1126,7 +1301,9 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu):
         num_pairs = gather_idx.numel()
     else:
         num_pairs = a.shape[0]
-    if out is None:
+    if dswiglu is not None:
+        out = torch.empty(num_pairs, 2 * dim_n, dtype=torch.bfloat16, device=device)
+    elif out is None:
         out = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
     else:
         runtime.check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=device)
@@ -1136,17 +1313,22 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu):
     act = None
     if swiglu is not None:
         act = torch.empty(num_pairs, dim_n // 2, dtype=torch.bfloat16, device=device)
-    if num_pairs == 0 or a.shape[0] == 0:
-        return out, act
     gathered = gather_idx is not None
     tile_n, pingpong, cluster = _plan(False, dim_n, gathered, dim_k)
     if swiglu == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128    # a tile's gate half must not run past n
-    key = ("grouped_gemm_varlen_m", tile_n, pingpong, cluster, dim_n, dim_k, gathered, b_n_major,
-           swiglu)
-    fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, cluster, 0, dim_n, dim_k,
-                                                gathered, False, b_n_major, swiglu=swiglu))
     n_tiles = (dim_n + tile_n - 1) // tile_n
+    ds_parts = None
+    if dswiglu is not None:
+        act = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+        ds_parts = torch.zeros(num_pairs, n_tiles, dtype=torch.float32, device=device)
+    if num_pairs == 0 or a.shape[0] == 0:
+        return (out, act) if dswiglu is None else (out.zero_(), act.zero_(), ds_parts.sum(1))
+    key = ("grouped_gemm_varlen_m", tile_n, pingpong, cluster, dim_n, dim_k, gathered, b_n_major,
+           swiglu, dswiglu is not None)
+    fn = runtime.compiled(key, lambda: _compile(False, tile_n, pingpong, cluster, 0, dim_n, dim_k,
+                                                gathered, False, b_n_major, swiglu=swiglu,
+                                                dswiglu=dswiglu is not None))
     # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
     m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
     work_items = (m_tiles_bound + cluster - 1) // cluster * n_tiles
@@ -1155,8 +1337,15 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu):
     # Without gather the index addresses are never read; expert_offsets' stands in for them.
     idx = addr(gather_idx, 4) if gathered else offsets_addr
     out_addr = addr(out, 16)
-    fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr, idx,
-       idx, offsets_addr, a.shape[0], 0, num_experts, _num_ctas(device, work_items, cluster))
+    # Addresses a variant never reads: out's stands in for them.
+    h_addr, scores_addr, ds_addr = (
+        (addr(dswiglu[0], 16), addr(dswiglu[1], 4), addr(ds_parts, 4)) if dswiglu is not None
+        else (out_addr,) * 3)
+    fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr,
+       h_addr, scores_addr, ds_addr, idx, idx, offsets_addr, a.shape[0], 0, num_experts,
+       _num_ctas(device, work_items, cluster))
+    if dswiglu is not None:
+        return out, act, ds_parts.sum(1)
     return out, act
 
 
@@ -1223,7 +1412,8 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     offsets_addr = addr(expert_offsets, 4)
     # An index address that is not gathered is never read; expert_offsets' stands in for it.
     out_addr = addr(out, 16)
-    fn(addr(a, 16), addr(b, 16), out_addr, out_addr, addr(gather_idx_a, 4) if ga else offsets_addr,
+    fn(addr(a, 16), addr(b, 16), out_addr, out_addr, out_addr, out_addr, out_addr,
+       addr(gather_idx_a, 4) if ga else offsets_addr,
        addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
        num_experts, _num_ctas(device, work_items, cluster))
     return out
@@ -1250,6 +1440,14 @@ for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
             False, *_plan(False, n, True, 1536), 0, n, 1536, True, False, swiglu=gu,
             keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
+
+# The backward's dH kernel: dA' with the dSwiGLU epilogue.
+register(KernelVariant(
+    kernel="grouped_gemm",
+    variant="varlen_m_n1024_k4096_gather_bn_dswiglu",
+    compile_fake=lambda: _compile(False, *_plan(False, 1024, True, 4096), 0, 1024, 4096, True,
+                                  False, True, dswiglu=True, keep_ptx=True),
+    ptx_markers=_MARKERS_TMA))
 
 # The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
 for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):

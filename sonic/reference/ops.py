@@ -126,6 +126,14 @@ def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
     return (F.silu(gate.to(acc)) * up.to(acc)).to(h.dtype)
 
 
+def dh_dswiglu(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
+               gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
+               gate_up: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward dH step: ``dA' = gather(dO)·W2`` ``(P, n)`` and its epilogue
+    (:func:`grouped_mm` then :func:`dswiglu_epilogue`): ``(dH, A', ds)``."""
+    return dswiglu_epilogue(grouped_mm(dout, w2, offsets, gather_idx), h, row_scores, gate_up)
+
+
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
                      gate_up: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Epilogue of the dH kernel (DESIGN §3, backward step 1; SonicMoE App. C).

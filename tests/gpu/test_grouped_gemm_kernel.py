@@ -204,6 +204,56 @@ def test_up_proj_swiglu_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up
     assert _rel_err(a, expected_a) < 2e-2
 
 
+@pytest.mark.parametrize("num_pairs,num_experts,n,dim_k,mode", [
+    (1, 1, 64, 64, "ragged"),
+    (3001, 16, 256, 1536, "empty"),
+    (1000, 8, 200, 136, "ragged"),
+    (2000, 4, 1024, 512, "one"),
+    (4097, 128, 1096, 256, "ragged"),
+    (20000, 512, 128, 128, "empty"),
+])
+def test_dh_dswiglu_epilogue(num_pairs, num_experts, n, dim_k, mode):
+    """The dA' GEMM with the dSwiGLU epilogue against the fp32 GEMM and reference epilogue."""
+    from sonic.kernels.grouped_gemm import grouped_gemm_dswiglu
+    from sonic.reference import ops as ref
+
+    gen = torch.Generator().manual_seed(num_pairs + n + dim_k + 1)
+    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
+    w2 = _rand(num_experts, dim_k, n, gen=gen)
+    num_tokens = max(num_pairs // 3, 1)
+    dout = _rand(num_tokens, dim_k, gen=gen)
+    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
+    h = _rand(num_pairs, 2 * n, gen=gen)
+    scores = torch.rand(num_pairs, generator=gen).cuda()
+    da_prime = _ref_varlen_m(dout[idx.long()], w2.transpose(1, 2), offsets)
+    ref_dh, ref_a, ref_ds = ref.dswiglu_epilogue(da_prime, h.float(), scores, "concat")
+    poison_allocator(512 << 20)
+    dh, a_scaled, ds = grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores)
+    assert dh.shape == (num_pairs, 2 * n) and a_scaled.shape == (num_pairs, n)
+    assert ds.shape == (num_pairs,) and ds.dtype == torch.float32
+    for out, expected in ((dh, ref_dh), (a_scaled, ref_a), (ds, ref_ds)):
+        assert not out.isnan().any()
+        assert _rel_err(out, expected.float()) < 2e-2
+    again = grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores)
+    assert all(torch.equal(x, y) for x, y in zip(again, (dh, a_scaled, ds)))
+
+
+def test_dh_dswiglu_validation():
+    from sonic.kernels.grouped_gemm import grouped_gemm_dswiglu
+
+    gen = torch.Generator().manual_seed(0)
+    offsets = _offsets(torch.tensor([5, 3]))
+    w2, dout = _rand(2, 64, 32, gen=gen), _rand(4, 64, gen=gen)
+    idx = torch.zeros(8, dtype=torch.int32, device="cuda")
+    h, scores = _rand(8, 64, gen=gen), torch.rand(8, device="cuda")
+    with pytest.raises(ValueError, match="h must have shape"):
+        grouped_gemm_dswiglu(dout, w2, offsets, idx, h[:, :32].contiguous(), scores)
+    with pytest.raises(ValueError, match="row_scores must have P"):
+        grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores[:4].contiguous())
+    with pytest.raises(TypeError, match="row_scores"):
+        grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores.double())
+
+
 @pytest.mark.parametrize("case", ["varlen_m_a", "varlen_m_out", "varlen_k_a"])
 def test_index_math_past_2_31_elements(case):
     """Operands or outputs with more than 2³¹ elements (~4.4 GB bf16 each): 64-bit addressing."""
