@@ -38,6 +38,14 @@ warps are done reading it).
   ``A = SwiGLU(H)`` from H's bf16 values; with the "concat" gate/up layout a tile's B is two
   half boxes (gate rows and the matching up rows), so both halves of an A column are in the
   same thread's accumulator.
+* 2-CTA clusters (see :func:`_plan`): the CTAs of a cluster take consecutive m-tiles of one
+  n-tile and, when both are the same expert's, each loads half of the B tile and multicasts
+  it, a third less L2→SM traffic per tile; consumers release a stage on the empty barrier of
+  both CTAs, since both producers write into it.
+* dH epilogue (:func:`grouped_gemm_dswiglu`): dA' stays in registers; the epilogue reads H and
+  the scores and stores dH, A' and per-n-tile ds partials. It reads H from global memory
+  without overlapping the mainloop and is slower than the GEMM plus the standalone epilogue
+  kernel (RESULTS.md), so ``"auto"`` does not use it yet.
 * The tile scheduler is static round-robin over a linear tile index. For varlen-M it maps an
   index to (expert, m-tile, n-tile) with a per-CTA table of each expert's first m-tile built in
   shared memory from ``expert_offsets`` (a warp scan) and a binary search: experts with no rows
@@ -1095,15 +1103,19 @@ def _plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
           dim_m: int = 0) -> tuple[int, bool, int]:
     """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
 
-    Measured on H200 at the ANCHORS shapes (``benchmarks/bench_grouped_gemm.py``; RESULTS.md):
+    Measured at the ANCHORS shapes on H100 and H200 (tile-plan sweeps; RESULTS.md). On H100
+    the kernels are bound by L2→SM bandwidth (~6.5–7 TB/s at 64–85 FLOP per loaded byte), so
+    the plan maximises FLOP per loaded byte:
 
-    * contiguous varlen-M A (down-proj, ``dX̃``): ping-pong on ``128 x 128`` tiles, one
-      warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2) — 605–648 TFLOPS
-      against 571–637 cooperative at K = 512..2048, a tie at K = 256;
-    * gathered varlen-M A (up-proj, ``dA'``): cooperative ``128 x 256`` tiles (``128 x 128`` when
-      N is small and not a multiple of 256), which halve the per-row TMA copies per FLOP —
-      505–592 TFLOPS against 374–424 on ``128 x 128`` tiles;
-    * varlen-K: cooperative, as the gathered case.
+    * cooperative ``128 x 256`` tiles (``128 x 128`` when N is small and not a multiple of 256)
+      on 2-CTA clusters that multicast the shared B tile, for gathered varlen-M A (up-proj,
+      ``dA'``), contiguous A with K > 512 (down-proj, ``dX̃`` at OLMoE/30B) and varlen-K when M
+      has an even number of m-tiles. H100, 30B: up 558 → 651, dA' 571 → 628, down 609 → 633,
+      dX 603 → 674, dW1 481 → 577, dW2 531 → 626 TFLOPS (no cluster → cluster); contiguous A
+      on ping-pong ``128 x 128`` tiles reached only 443 (down) and 327 (dX) there;
+    * contiguous A with K ≤ 512 (the 7B down-proj and dX̃): ping-pong ``128 x 128``, one
+      warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2): the mainloop is
+      short — H100 7B down 456 vs 444 on a cluster.
     """
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
     if varlen_k:
