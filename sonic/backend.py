@@ -141,13 +141,13 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up):
 def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up):
     from sonic.kernels import swiglu as kernels
 
-    row_scores = row_scores.float().contiguous()
     # The dA' GEMM, then the one-pass epilogue kernel: 4599 against 5555 us for the fused
     # gemm.grouped_gemm_dswiglu (H100, 30B, bench_grouped_gemm.py), whose epilogue reads H
     # from global memory without overlapping the mainloop.
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx)
     if _epilogue_kernel_fits(h):
-        return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
+        return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores.float().contiguous(),
+                                        gate_up)
     return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
 
 

@@ -540,42 +540,45 @@ def _kernels():
                    e: Int32, stage: Int32, full: cute.Pointer, shared):
             """varlen-M: B n-tile ``nt`` of expert ``e``, k-tile ``kt`` → ``stage``: one box, or
             with SwiGLU "concat" the gate rows and the matching up rows as two half boxes. On a
-            cluster with ``shared``, this CTA loads its half (its rank's half box with "concat")
-            and multicasts it to both CTAs."""
+            cluster with ``shared``, this CTA loads its share (its rank's half of the box, or
+            its rank's half box with "concat") and multicasts it to both CTAs."""
             atom, tensor, atom_mc, tensor_mc = tma_b
             bar = full + stage
-            rank = Int32(0)
             if cutlass.const_expr(self.cluster > 1):
-                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            if cutlass.const_expr(self.swiglu == "concat"):
-                if cutlass.const_expr(self.cluster > 1):
-                    if shared:
-                        self.copy_b_half(atom_mc, tensor_mc, s_b_raw, rank, nt, kt, e, stage, bar,
+                if shared:
+                    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                    if cutlass.const_expr(self.swiglu == "concat"):
+                        self.copy_b_half(atom_mc, tensor_mc, s_b_raw, rank, nt, kt, e, stage,
+                                         bar, True)
+                    else:
+                        self.copy_b_tile(atom_mc, tensor_mc, s_b, rank, nt, kt, e, stage, bar,
                                          True)
-                    else:
-                        for h in cutlass.range_constexpr(2):
-                            self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
                 else:
-                    for h in cutlass.range_constexpr(2):
-                        self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
+                    self.load_b_whole(atom, tensor, s_b, s_b_raw, nt, kt, e, stage, bar)
             else:
-                g_b = cute.group_modes(
-                    cute.local_tile(tensor, (self.tile_n, TILE_K), (None, None, None)), 0, 2)
-                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                 cute.group_modes(s_b, 0, 2), g_b)
-                if cutlass.const_expr(self.cluster > 1):
-                    if shared:
-                        g_mc = cute.group_modes(cute.local_tile(
-                            tensor_mc, (self.tile_n, TILE_K), (None, None, None)), 0, 2)
-                        t_s_mc, t_g_mc = cpasync.tma_partition(
-                            atom_mc, rank, cute.make_layout(self.cluster),
-                            cute.group_modes(s_b, 0, 2), g_mc)
-                        self.tma_copy(atom_mc, t_g_mc[None, nt, kt, e], t_s_mc[None, stage], bar,
-                                      True)
-                    else:
-                        self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, False)
-                else:
-                    self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, False)
+                self.load_b_whole(atom, tensor, s_b, s_b_raw, nt, kt, e, stage, bar)
+
+        @cute.jit
+        def load_b_whole(self, atom, tensor, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32,
+                         kt: Int32, e: Int32, stage: Int32, bar: cute.Pointer):
+            """The whole B tile into this CTA only."""
+            if cutlass.const_expr(self.swiglu == "concat"):
+                for h in cutlass.range_constexpr(2):
+                    self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
+            else:
+                self.copy_b_tile(atom, tensor, s_b, 0, nt, kt, e, stage, bar, False)
+
+        @cute.jit
+        def copy_b_tile(self, atom, tensor, s_b: cute.Tensor, rank, nt: Int32, kt: Int32,
+                        e: Int32, stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
+            """B tile as one box into this CTA, or (``multicast``) this CTA's ``rank`` share of
+            it into both CTAs of the cluster."""
+            g_b = cute.group_modes(
+                cute.local_tile(tensor, (self.tile_n, TILE_K), (None, None, None)), 0, 2)
+            t_s, t_g = cpasync.tma_partition(
+                atom, rank, cute.make_layout(self.cluster if multicast else 1),
+                cute.group_modes(s_b, 0, 2), g_b)
+            self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, multicast)
 
         @cute.jit
         def copy_b_half(self, atom, tensor, s_b_raw: tuple, h, nt: Int32, kt: Int32, e: Int32,
@@ -799,7 +802,7 @@ def _kernels():
                         cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
                         stage, phase = self.skip(stage, phase,
                                                  self.tile_k_tiles(t + stride, m_off, num_experts))
-                c, act, h, scores, ds = outs
+                c, act = outs[0], outs[1]
                 if cutlass.const_expr(self.dswiglu):
                     self.store_dswiglu(acc, coords, stage_c, wg_tid, wg, wg_row0, outs, row0,
                                        rows, nt)
