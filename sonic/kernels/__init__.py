@@ -13,7 +13,9 @@ calling a kernel. Entry points:
 * :func:`sonic.kernels.grouped_gemm.grouped_gemm`,
   :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k` — varlen-M / varlen-K grouped GEMMs
   with optional row gather; :func:`sonic.kernels.grouped_gemm.grouped_gemm_swiglu` — the
-  gathered up-proj with the SwiGLU epilogue.
+  gathered up-proj with the SwiGLU epilogue; :func:`sonic.kernels.grouped_gemm.grouped_gemm_dswiglu`
+  — the gathered dA' GEMM with the dSwiGLU epilogue (correct, not yet faster than the GEMM plus
+  the one-pass epilogue kernel, so ``"auto"`` does not use it).
 
 ``python -m sonic.kernels --list`` lists the registered variants; ``--compile-check sm_90a``
 compiles them all on the CPU.
