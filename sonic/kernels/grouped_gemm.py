@@ -1045,7 +1045,8 @@ def _kernels():
                                part: int):
             """Slab ``sl`` of dH's gate half (``part`` 0), up half (1) or A' (2, also adding
             ``dA'·A`` to the row partials) → staging buffer. With ``dA = s·dA'``:
-            ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``, ``A' = s·silu(g)·u``
+            ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``,
+            ``A' = s·silu(g)·u``
             (the formulas of :func:`sonic.kernels.swiglu.dswiglu_epilogue`)."""
             out = cute.make_rmem_tensor((2,), F32)
             pair = cute.make_rmem_tensor((2,), BF16)
@@ -1248,7 +1249,8 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
 
 def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
                          gather_idx: torch.Tensor, h: torch.Tensor,
-                         row_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         row_scores: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
 
     DESIGN §3 backward step 1; SonicMoE (arXiv 2512.14080) §4.1.3 and App. C. dA' never leaves
