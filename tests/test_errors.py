@@ -98,3 +98,11 @@ def test_moe_experts_rejects_metadata_of_other_pairs(problem):
     other = sonic.routing_metadata(sonic.Routing(tok[:-2], exp[:-2], s[:-2], 10, 3))
     with pytest.raises(ValueError, match="metadata must describe P=20 pairs"):
         _call(x, w1, w2, s, tok, exp, metadata=other)
+
+
+def test_routing_metadata_checks_hand_built_pairs(problem):
+    _, _, _, s, tok, exp = problem
+    with pytest.raises(ValueError, match=r"expert_idx values must be in \[0, 3\)"):
+        sonic.routing_metadata(sonic.Routing(tok, exp + 1, s, 10, 3))
+    with pytest.raises(ValueError, match=r"token_idx values must be in \[0, 10\)"):
+        sonic.routing_metadata(sonic.Routing(tok - 1, exp, s, 10, 3))

@@ -105,6 +105,34 @@ def test_token_rounding_properties(rounding, T, E, k, tile):
     torch.testing.assert_close(r.scores, expected)
 
 
+def _naive_token_rounding(logits, k, tile, rounding):
+    """Paper Algorithm 4 written per expert: rank every token by (picked, score) descending,
+    lower token first on ties, and keep the top r_e."""
+    T, E = logits.shape
+    probs = torch.softmax(logits, -1)
+    top = torch.sort(logits, dim=-1, descending=True, stable=True)
+    picks = top.indices[:, :k]
+    picked = torch.zeros(T, E, dtype=torch.bool).scatter_(1, picks, True)
+    tc = torch.zeros(T, E).scatter_(1, picks, torch.softmax(top.values[:, :k], -1))
+    r = rounded_counts(picked.sum(0), tile, rounding, T)
+    pairs = []
+    for e in range(E):
+        rank = sorted(range(T), key=lambda t: (not picked[t, e], -float(tc[t, e] if picked[t, e] else probs[t, e]), t))
+        pairs += [(e, t) for t in sorted(rank[:r[e]])]
+    return pairs
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "up", "down"])
+@pytest.mark.parametrize("quantum", [None, 1.0])
+def test_token_rounding_matches_naive_with_ties(rounding, quantum):
+    logits = _logits(200, 6, seed=3)
+    if quantum:  # few distinct logits: ties among picks' scores and among non-picks' probs
+        logits = (logits / quantum).round() * quantum
+    r = sonic.token_rounding_routing(logits, 2, tile=16, rounding=rounding)
+    assert list(zip(r.expert_idx.tolist(), r.token_idx.tolist())) == _naive_token_rounding(
+        logits, 2, 16, rounding)
+
+
 def test_rounded_counts_modes():
     counts = torch.tensor([0, 1, 63, 64, 65, 127, 128, 200])
     assert rounded_counts(counts, 128, "up", 1000).tolist() == [0, 128, 128, 128, 128, 128, 128, 256]

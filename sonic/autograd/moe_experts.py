@@ -86,7 +86,10 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         backend: ``"auto"`` (CuTe kernels where they can run, see
             :func:`sonic.explain_backend`), ``"torch"`` (PyTorch reference) or ``"cute"``.
         metadata: the :func:`sonic.routing_metadata` of exactly these pairs, if the caller has
-            it already (e.g. from the faster top-K path); built here otherwise.
+            it already (e.g. from the faster top-K path); built here otherwise. The kernels
+            then read only the metadata, whose indices :func:`sonic.routing_metadata` has
+            range-checked, so ``token_idx``/``expert_idx`` values are not read again: a call
+            with metadata makes no device→host synchronisation.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; fp32 accumulation. Differentiable in x, w1, w2 and scores.
@@ -95,8 +98,9 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     Raises:
         TypeError: a non-tensor argument or a wrong dtype (index tensors must be integer,
             weights in ``x``'s dtype).
-        ValueError: mismatched shapes or devices, indices out of range (checked where values can
-            be read without breaking graph capture), unknown ``gate_up``/``backend``.
+        ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
+            checked where values can be read without breaking graph capture), unknown
+            ``gate_up``/``backend``.
         RuntimeError: ``backend="cute"`` where the kernels cannot run.
 
     Source: SonicMoE (arXiv 2512.14080) §3.2 and Appendix C.
@@ -124,8 +128,9 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
         if t.shape[0] != num_pairs:
             raise ValueError(f"{name} must have shape (P={num_pairs},) like scores, got {tuple(t.shape)}")
-    check_index_ranges(token_idx=(token_idx, num_tokens), expert_idx=(expert_idx, num_experts))
-    if metadata is not None and (metadata.num_pairs, metadata.num_tokens, metadata.num_experts) != (
+    if metadata is None:
+        check_index_ranges(token_idx=(token_idx, num_tokens), expert_idx=(expert_idx, num_experts))
+    elif (metadata.num_pairs, metadata.num_tokens, metadata.num_experts) != (
             num_pairs, num_tokens, num_experts):
         raise ValueError(f"metadata must describe P={num_pairs} pairs of T={num_tokens} tokens and "
                          f"E={num_experts} experts, got P={metadata.num_pairs}, "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonic._validation import check_index_ranges
 from sonic.routing.types import Routing
 
 
@@ -67,16 +68,23 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
     """Group a routing's pairs by expert and by token (DESIGN §2, MetaShuffling).
 
     Args:
-        routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64, in range.
+        routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64.
         backend: ``"auto"`` uses the CuTe index-shuffling kernel on a supported GPU and the
             PyTorch reference (:func:`pairs_metadata`) elsewhere; ``"torch"`` or ``"cute"``.
 
     Returns:
         A :class:`RoutingMetadata` on the routing's device, deterministic (stable order within
-        each expert) and built without a device→host synchronisation.
+        each expert). Built without a device→host synchronisation when ``routing.validated``
+        (sonic's routers); otherwise the index ranges are checked first, one host read.
+
+    Raises:
+        ValueError: an index outside ``[0, T)`` / ``[0, E)``.
     """
     from sonic.backend import expert_ops
 
+    if not routing.validated:
+        check_index_ranges(token_idx=(routing.token_idx, routing.num_tokens),
+                           expert_idx=(routing.expert_idx, routing.num_experts))
     ops = expert_ops(backend, routing.token_idx.device)
     return ops.metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
                         routing.num_experts, top_k=routing.top_k)

@@ -62,59 +62,90 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
     num_tokens, num_experts = logits.shape
+    acc = accumulate_dtype(logits.dtype)
     if num_tokens == 0:
         empty = torch.zeros(0, dtype=torch.int32, device=logits.device)
-        return Routing(empty, empty, logits.new_zeros(0, dtype=accumulate_dtype(logits.dtype)),
-                       0, num_experts)
-    # Work in (E, T) layout: every step below is per expert, along tokens.
-    probs = torch.softmax(logits.to(accumulate_dtype(logits.dtype)), dim=-1).t().contiguous()
+        return Routing(empty, empty, logits.new_zeros(0, dtype=acc), 0, num_experts,
+                       validated=True)
     # Token choice (the bitonic top-K kernel where it runs): its scores S/ΣS_picked are the
-    # renormalised TC scores of step 2.
+    # renormalised TC scores of step 2; its pairs are token-major.
     tc = topk_routing(logits, k, backend=backend)
-    picks = tc.expert_idx.view(num_tokens, k).long().t()
-    picked = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, picks, True)
-    tc_scores = torch.zeros_like(probs).scatter(0, picks, tc.scores.view(num_tokens, k).t().to(probs.dtype))
-
-    counts = picked.sum(dim=1)
+    tc_tokens, tc_experts = tc.token_idx.long(), tc.expert_idx.long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
+    counts.scatter_add_(0, tc_experts, torch.ones_like(tc_experts))
     change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
+
     # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
-    # its -change weakest picks or adds its change strongest non-picks — fewer than `tile`
-    # entries either way, found by a top-`tile` selection instead of sorting whole columns.
-    width = min(tile, num_tokens)
-    dropped = _smallest(torch.where(picked, tc_scores.detach(), torch.inf),
-                        (-change).clamp(min=0), width, ties_to_higher_tokens=True)
-    added = _smallest(torch.where(picked, torch.inf, -probs.detach()), change.clamp(min=0), width,
-                      ties_to_higher_tokens=False)
-    kept = (picked & ~dropped) | added
-    expert_idx, token_idx = kept.nonzero(as_tuple=True)                    # expert-major
-    scores = torch.where(picked[expert_idx, token_idx], tc_scores[expert_idx, token_idx],
-                         probs[expert_idx, token_idx])
+    # its -change weakest picks or adds its change strongest non-picks. Pairs are keyed
+    # e·T + t; a dropped pick and an unused slot get the key E·T, which sorts last. Shapes do
+    # not depend on the data, so the whole selection is queued before the one host read (P).
+    void = num_experts * num_tokens
+    scores = tc.scores.to(acc)
+    dropped = _weakest_picks(scores.detach(), tc_experts, (-change).clamp(min=0))
+    keys = torch.where(dropped, void, tc_experts * num_tokens + tc_tokens)
+    width = min(tile - 1, num_tokens)
+    if width > 0:
+        probs = torch.softmax(logits.to(acc), dim=-1)
+        added = _strongest_non_picks(probs.detach(), tc_tokens, tc_experts, change.clamp(min=0),
+                                     width)
+        keys = torch.cat([keys, added])
+        added = added.clamp(max=void - 1)      # an unused slot reads any score: it sorts past P
+        scores = torch.cat([scores, probs.reshape(-1)[(added % num_tokens) * num_experts
+                                                      + added // num_tokens]])
+    keys, order = torch.sort(keys)
+    num_kept = int(tc_tokens.numel() + change.sum())
+    keys = keys[:num_kept]
     return Routing(
-        token_idx=token_idx.to(torch.int32),
-        expert_idx=expert_idx.to(torch.int32),
-        scores=scores,
+        token_idx=(keys % num_tokens).to(torch.int32),
+        expert_idx=(keys // num_tokens).to(torch.int32),
+        scores=scores[order[:num_kept]],
         num_tokens=num_tokens,
         num_experts=num_experts,
+        validated=True,
     )
 
 
-def _smallest(values: torch.Tensor, counts: torch.Tensor, width: int, *,
-              ties_to_higher_tokens: bool) -> torch.Tensor:
-    """``(E, T)`` mask of the ``counts[e]`` smallest entries of each row (``counts[e] <= width``).
+def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """``(P,)`` mask of each expert ``e``'s ``drop[e]`` lowest-scored token-major pairs.
 
-    Among equal values the higher (or lower) tokens are taken first, as a stable sort of the
-    pairs' order would rank them, so the choice is exact and deterministic: a top-``width``
-    selection only finds each row's threshold value; comparisons and a running count over the
-    tied entries decide.
+    Among equal scores the higher token goes first, so the choice is exact and deterministic:
+    pairs are ranked within their expert by two stable sorts (score, then expert) of the pairs
+    taken in reverse, descending-token, order.
     """
-    smallest = torch.topk(values, width, dim=1, largest=False, sorted=True).values
-    threshold = smallest.gather(1, (counts - 1).clamp(min=0)[:, None])
-    threshold = torch.where(counts[:, None] > 0, threshold, -torch.inf)
-    below = values < threshold
-    tied = values == threshold
-    missing = counts[:, None] - below.sum(dim=1, keepdim=True)
-    if ties_to_higher_tokens:
-        order = tied.flip(1).cumsum(dim=1).flip(1)
+    num_pairs = scores.numel()
+    reverse = torch.arange(num_pairs - 1, -1, -1, device=scores.device)
+    by_score = reverse[torch.argsort(scores[reverse], stable=True)]
+    ranked = by_score[torch.argsort(experts[by_score], stable=True)]
+    ranked_experts = experts[ranked]
+    counts = torch.zeros_like(drop).scatter_add_(0, experts, torch.ones_like(experts))
+    rank = torch.arange(num_pairs, device=scores.device) - (torch.cumsum(counts, 0) - counts)[ranked_experts]
+    return torch.zeros_like(experts, dtype=torch.bool).scatter_(
+        0, ranked, rank < drop[ranked_experts])
+
+
+def _strongest_non_picks(probs: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: torch.Tensor,
+                         add: torch.Tensor, width: int) -> torch.Tensor:
+    """``(E·width,)`` keys ``e·T + t`` of each expert ``e``'s ``add[e] <= width`` non-picked
+    tokens of largest ``probs[t, e]``; ``E·T`` in the unused slots.
+
+    Among equal probabilities the lower token goes first, so the choice is exact and
+    deterministic: fp32 probabilities (non-negative, so their bits order like integers) are
+    ranked by one top-``width`` selection over int64 keys ``bits·2³² + (T−1−t)``, unique per
+    column; fp64 ones by a stable sort.
+    """
+    num_tokens, num_experts = probs.shape
+    device = probs.device
+    token_order = torch.arange(num_tokens - 1, -1, -1, device=device)
+    if probs.dtype == torch.float32:
+        ranks = (probs.t().contiguous().view(torch.int32).to(torch.int64) << 32) | token_order
+        ranks[tc_experts, tc_tokens] = -1                  # a pick is never added
+        top = torch.topk(ranks, width, dim=1).values
+        tokens = num_tokens - 1 - (top & 0xFFFFFFFF)
     else:
-        order = tied.cumsum(dim=1)
-    return below | (tied & (order <= missing))
+        values = probs.t().clone()
+        values[tc_experts, tc_tokens] = -1.0
+        tokens = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :width]
+    slot = torch.arange(width, device=device)
+    experts = torch.arange(num_experts, device=device)[:, None]
+    return torch.where(slot < add[:, None], experts * num_tokens + tokens,
+                       num_experts * num_tokens).flatten()

@@ -135,4 +135,5 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         num_tokens=num_tokens,
         num_experts=num_experts,
         top_k=k,
+        validated=True,
     )

@@ -21,6 +21,9 @@ class Routing:
         top_k: ``K`` when the pairs are top-K token choices in token-major order (pair
             ``t·K + j`` is token t's j-th expert), which lets :func:`sonic.routing_metadata` take
             its faster top-K path; ``None`` for arbitrary pairs (token rounding).
+        validated: ``True`` when the indices are known to be in range because a sonic router
+            built them; :func:`sonic.routing_metadata` then skips its range check, a
+            device→host read. Leave it ``False`` for pairs built by hand.
 
     Pairs may come in any order; a token may have 0..E pairs and an expert 0..T.
     ``P = T·K`` for top-K token choice and data-dependent for token rounding.
@@ -32,6 +35,7 @@ class Routing:
     num_tokens: int
     num_experts: int
     top_k: int | None = None
+    validated: bool = False
 
     @property
     def num_pairs(self) -> int:
