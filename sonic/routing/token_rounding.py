@@ -10,6 +10,9 @@ from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
 
 ROUNDINGS = ("nearest", "up", "down")
+# The most tokens rounding can add to one expert, per rounding mode, for a tile.
+MAX_ADDED = {"nearest": lambda tile: tile - tile // 2, "up": lambda tile: tile - 1,
+             "down": lambda tile: 0}
 
 
 def rounded_counts(counts: torch.Tensor, tile: int, rounding: str, num_tokens: int) -> torch.Tensor:
@@ -70,43 +73,49 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     # Token choice (the bitonic top-K kernel where it runs): its scores S/ΣS_picked are the
     # renormalised TC scores of step 2; its pairs are token-major.
     tc = topk_routing(logits, k, backend=backend)
-    tc_tokens, tc_experts = tc.token_idx.long(), tc.expert_idx.long()
+    # Keys e·T + t, and the sorts over them, in int32 where they fit: half the radix passes.
+    void = num_experts * num_tokens
+    key_dtype = torch.int32 if void < 2**31 else torch.int64
+    tc_tokens, tc_experts = tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
-    counts.scatter_add_(0, tc_experts, torch.ones_like(tc_experts))
+    counts.scatter_add_(0, tc_experts.long(), counts.new_ones(1).expand(tc_experts.numel()))
     change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
 
     # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
     # its -change weakest picks or adds its change strongest non-picks. Pairs are keyed
     # e·T + t; a dropped pick and an unused slot get the key E·T, which sorts last. Shapes do
     # not depend on the data, so the whole selection is queued before the one host read (P).
-    void = num_experts * num_tokens
     scores = tc.scores.to(acc)
-    dropped = _weakest_picks(scores.detach(), tc_experts, (-change).clamp(min=0))
+    dropped = _weakest_picks(scores.detach(), tc_experts, counts, (-change).clamp(min=0))
     keys = torch.where(dropped, void, tc_experts * num_tokens + tc_tokens)
-    width = min(tile - 1, num_tokens)
+    width = min(MAX_ADDED[rounding](tile), num_tokens)
     if width > 0:
         probs = torch.softmax(logits.to(acc), dim=-1)
         added = _strongest_non_picks(probs.detach(), tc_tokens, tc_experts, change.clamp(min=0),
                                      width)
         keys = torch.cat([keys, added])
         added = added.clamp(max=void - 1)      # an unused slot reads any score: it sorts past P
-        scores = torch.cat([scores, probs.reshape(-1)[(added % num_tokens) * num_experts
-                                                      + added // num_tokens]])
+        # index_select, not indexing: the unused slots repeat one index, and the backward of
+        # indexing serialises repeated indices (milliseconds), index_add does not.
+        scores = torch.cat([scores, probs.reshape(-1).index_select(
+            0, (added % num_tokens) * num_experts + added // num_tokens)])
     keys, order = torch.sort(keys)
     num_kept = int(tc_tokens.numel() + change.sum())
     keys = keys[:num_kept]
     return Routing(
         token_idx=(keys % num_tokens).to(torch.int32),
         expert_idx=(keys // num_tokens).to(torch.int32),
-        scores=scores[order[:num_kept]],
+        scores=scores.index_select(0, order[:num_kept]),
         num_tokens=num_tokens,
         num_experts=num_experts,
         validated=True,
     )
 
 
-def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-    """``(P,)`` mask of each expert ``e``'s ``drop[e]`` lowest-scored token-major pairs.
+def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                   drop: torch.Tensor) -> torch.Tensor:
+    """``(P,)`` mask of each expert ``e``'s ``drop[e]`` lowest-scored token-major pairs
+    (``counts[e]`` pairs per expert).
 
     Among equal scores the higher token goes first, so the choice is exact and deterministic:
     pairs are ranked within their expert by two stable sorts (score, then expert) of the pairs
@@ -117,8 +126,8 @@ def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, drop: torch.Tens
     by_score = reverse[torch.argsort(scores[reverse], stable=True)]
     ranked = by_score[torch.argsort(experts[by_score], stable=True)]
     ranked_experts = experts[ranked]
-    counts = torch.zeros_like(drop).scatter_add_(0, experts, torch.ones_like(experts))
-    rank = torch.arange(num_pairs, device=scores.device) - (torch.cumsum(counts, 0) - counts)[ranked_experts]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=scores.device) - starts[ranked_experts]
     return torch.zeros_like(experts, dtype=torch.bool).scatter_(
         0, ranked, rank < drop[ranked_experts])
 
@@ -136,16 +145,17 @@ def _strongest_non_picks(probs: torch.Tensor, tc_tokens: torch.Tensor, tc_expert
     num_tokens, num_experts = probs.shape
     device = probs.device
     token_order = torch.arange(num_tokens - 1, -1, -1, device=device)
+    picks = tc_experts.long() * num_tokens + tc_tokens
     if probs.dtype == torch.float32:
         ranks = (probs.t().contiguous().view(torch.int32).to(torch.int64) << 32) | token_order
-        ranks[tc_experts, tc_tokens] = -1                  # a pick is never added
+        ranks.view(-1).index_fill_(0, picks, -1)          # a pick is never added
         top = torch.topk(ranks, width, dim=1).values
         tokens = num_tokens - 1 - (top & 0xFFFFFFFF)
     else:
-        values = probs.t().clone()
-        values[tc_experts, tc_tokens] = -1.0
+        values = probs.t().clone(memory_format=torch.contiguous_format)
+        values.view(-1).index_fill_(0, picks, -1.0)
         tokens = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :width]
     slot = torch.arange(width, device=device)
     experts = torch.arange(num_experts, device=device)[:, None]
-    return torch.where(slot < add[:, None], experts * num_tokens + tokens,
-                       num_experts * num_tokens).flatten()
+    keys = torch.where(slot < add[:, None], experts * num_tokens + tokens, num_experts * num_tokens)
+    return keys.flatten().to(tc_tokens.dtype)
