@@ -74,42 +74,87 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     # renormalised TC scores of step 2; its pairs are token-major.
     tc = topk_routing(logits, k, backend=backend)
     # Keys e·T + t, and the sorts over them, in int32 where they fit: half the radix passes.
-    void = num_experts * num_tokens
-    key_dtype = torch.int32 if void < 2**31 else torch.int64
-    tc_tokens, tc_experts = tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
-    counts.scatter_add_(0, tc_experts.long(), counts.new_ones(1).expand(tc_experts.numel()))
-    change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
-
-    # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
-    # its -change weakest picks or adds its change strongest non-picks. Pairs are keyed
-    # e·T + t; a dropped pick and an unused slot get the key E·T, which sorts last. Shapes do
-    # not depend on the data, so the whole selection is queued before the one host read (P).
-    scores = tc.scores.to(acc)
-    dropped = _weakest_picks(scores.detach(), tc_experts, counts, (-change).clamp(min=0))
-    keys = torch.where(dropped, void, tc_experts * num_tokens + tc_tokens)
-    width = min(MAX_ADDED[rounding](tile), num_tokens)
-    if width > 0:
-        probs = torch.softmax(logits.to(acc), dim=-1)
-        added = _strongest_non_picks(probs.detach(), tc_tokens, tc_experts, change.clamp(min=0),
-                                     width)
-        keys = torch.cat([keys, added])
-        added = added.clamp(max=void - 1)      # an unused slot reads any score: it sorts past P
-        # index_select, not indexing: the unused slots repeat one index, and the backward of
-        # indexing serialises repeated indices (milliseconds), index_add does not.
-        scores = torch.cat([scores, probs.reshape(-1).index_select(
-            0, (added % num_tokens) * num_experts + added // num_tokens)])
-    keys, order = torch.sort(keys)
-    num_kept = int(tc_tokens.numel() + change.sum())
-    keys = keys[:num_kept]
+    key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
+    tc_scores = tc.scores.to(acc)
+    probs = torch.softmax(logits.to(acc), dim=-1)
+    inputs = (tc_scores.detach(), tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype),
+              probs.detach())
+    static = (tile, rounding)
+    if logits.is_cuda and not torch.cuda.is_current_stream_capturing():
+        keys, order, num_kept = _graphed_selection(inputs, static)
+    else:
+        keys, order, num_kept = _selection(*inputs, *static)
+    num_kept = int(num_kept)                                   # the one host read: P
+    keys, order = keys[:num_kept], order[:num_kept]
+    tokens, experts = keys % num_tokens, keys // num_tokens
+    # Scores: a kept pick its token-choice score, an added pair S[t, e]. Gathered into new
+    # tensors (the graph's outputs are reused) by index_select, whose backward (index_add)
+    # is fast where indexing's is not.
+    num_picks = tc_scores.numel()
+    pick_scores = tc_scores.index_select(0, order.clamp(max=num_picks - 1))
+    add_scores = probs.reshape(-1).index_select(0, tokens.long() * num_experts + experts)
     return Routing(
-        token_idx=(keys % num_tokens).to(torch.int32),
-        expert_idx=(keys // num_tokens).to(torch.int32),
-        scores=scores.index_select(0, order[:num_kept]),
+        token_idx=tokens.to(torch.int32),
+        expert_idx=experts.to(torch.int32),
+        scores=torch.where(order < num_picks, pick_scores, add_scores),
         num_tokens=num_tokens,
         num_experts=num_experts,
         validated=True,
     )
+
+
+def _selection(tc_scores: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: torch.Tensor,
+               probs: torch.Tensor, tile: int, rounding: str):
+    """Steps 3–4 on detached tensors with data-independent shapes: ``(keys, order, P)``, the
+    sorted keys ``e·T + t`` of the kept pairs first (``P`` of them, a 0-d tensor), and for each
+    key its source: ``order < T·K`` is a kept pick, larger an added pair."""
+    num_tokens, num_experts = probs.shape
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=probs.device)
+    counts.scatter_add_(0, tc_experts.long(), counts.new_ones(1).expand(tc_experts.numel()))
+    change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
+    # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
+    # its -change weakest picks or adds its change strongest non-picks. A dropped pick and an
+    # unused slot get the key E·T, which sorts past the kept pairs.
+    dropped = _weakest_picks(tc_scores, tc_experts, counts, (-change).clamp(min=0))
+    keys = torch.where(dropped, num_experts * num_tokens, tc_experts * num_tokens + tc_tokens)
+    width = min(MAX_ADDED[rounding](tile), num_tokens)
+    if width > 0:
+        keys = torch.cat([keys, _strongest_non_picks(probs, tc_tokens, tc_experts,
+                                                     change.clamp(min=0), width)])
+    keys, order = torch.sort(keys)
+    return keys, order, tc_tokens.numel() + change.sum()
+
+
+# (shapes, dtypes, device, tile, rounding) → (graph, static inputs, static outputs)
+_GRAPHS: dict = {}
+
+
+def _graphed_selection(inputs: tuple, static: tuple):
+    """:func:`_selection` replayed from a CUDA graph captured once per shape and option set.
+
+    The selection is ~150 small kernels (sorts, top-k): launched one by one their host time
+    exceeds their GPU time. The graph's outputs are overwritten by the next call; the caller
+    only slices them and copies what it keeps.
+    """
+    device = inputs[0].device
+    key = (tuple((t.shape, t.dtype) for t in inputs), device, static)
+    entry = _GRAPHS.get(key)
+    if entry is None:
+        static_inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):        # warm-up off the capture: workspaces, lazy init
+            _selection(*static_inputs, *static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = _selection(*static_inputs, *static)
+        entry = _GRAPHS[key] = (graph, static_inputs, outputs)
+    graph, static_inputs, outputs = entry
+    for dst, src in zip(static_inputs, inputs):
+        dst.copy_(src)
+    graph.replay()
+    return outputs
 
 
 def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
