@@ -79,17 +79,12 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     probs = torch.softmax(logits.to(acc), dim=-1)
     inputs = (tc_scores.detach(), tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype),
               probs.detach())
-    static = (tile, rounding)
-    if logits.is_cuda and not torch.cuda.is_current_stream_capturing():
-        keys, order, num_kept = _graphed_selection(inputs, static)
-    else:
-        keys, order, num_kept = _selection(*inputs, *static)
+    keys, order, num_kept = _selection(*inputs, tile, rounding)
     num_kept = int(num_kept)                                   # the one host read: P
     keys, order = keys[:num_kept], order[:num_kept]
     tokens, experts = keys % num_tokens, keys // num_tokens
-    # Scores: a kept pick its token-choice score, an added pair S[t, e]. Gathered into new
-    # tensors (the graph's outputs are reused) by index_select, whose backward (index_add)
-    # is fast where indexing's is not.
+    # Scores: a kept pick its token-choice score, an added pair S[t, e]; gathered by
+    # index_select, whose backward (index_add) is fast where indexing's is not.
     num_picks = tc_scores.numel()
     pick_scores = tc_scores.index_select(0, order.clamp(max=num_picks - 1))
     add_scores = probs.reshape(-1).index_select(0, tokens.long() * num_experts + experts)
@@ -123,38 +118,6 @@ def _selection(tc_scores: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: tor
                                                      change.clamp(min=0), width)])
     keys, order = torch.sort(keys)
     return keys, order, tc_tokens.numel() + change.sum()
-
-
-# (shapes, dtypes, device, tile, rounding) → (graph, static inputs, static outputs)
-_GRAPHS: dict = {}
-
-
-def _graphed_selection(inputs: tuple, static: tuple):
-    """:func:`_selection` replayed from a CUDA graph captured once per shape and option set.
-
-    The selection is ~150 small kernels (sorts, top-k): launched one by one their host time
-    exceeds their GPU time. The graph's outputs are overwritten by the next call; the caller
-    only slices them and copies what it keeps.
-    """
-    device = inputs[0].device
-    key = (tuple((t.shape, t.dtype) for t in inputs), device, static)
-    entry = _GRAPHS.get(key)
-    if entry is None:
-        static_inputs = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):        # warm-up off the capture: workspaces, lazy init
-            _selection(*static_inputs, *static)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = _selection(*static_inputs, *static)
-        entry = _GRAPHS[key] = (graph, static_inputs, outputs)
-    graph, static_inputs, outputs = entry
-    for dst, src in zip(static_inputs, inputs):
-        dst.copy_(src)
-    graph.replay()
-    return outputs
 
 
 def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
