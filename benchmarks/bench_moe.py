@@ -1,7 +1,7 @@
 """End-to-end MoE layer (router + experts): sonic vs torch-gmm in the same run.
 
     python benchmarks/bench_moe.py                       # 7B, OLMoE, 30B (ANCHORS.md)
-    python benchmarks/bench_moe.py --config 32768,1536,1024,256,8 --router token_rounding
+    python benchmarks/bench_moe.py --config 8192,4096,1024,256,8 --router both
 
 Per configuration prints forward, backward and forward+backward TFLOPS (DESIGN §3 counts:
 forward ``6·P·d·n``, backward ``12·P·d·n``; router time included, its FLOPs not), the MiB kept
@@ -9,6 +9,7 @@ for backward ("saved", :func:`sonic.profile_activation_memory`) and the peak ext
 forward+backward, for sonic (``backend="auto"``: CuTe kernels where they exist) and for the
 torch-gmm baseline, and the sonic/torch-gmm ratios. ``--router token_rounding`` runs sonic with
 token rounding (paper §5.2) on the same data; the FLOP count then uses its own ``P``.
+``--router both`` runs sonic with top-K and with token rounding, and prints their time ratio.
 ``--profile`` adds, per configuration, sonic's forward+backward time per GPU kernel
 (``torch.profiler``), to show where the time goes.
 
@@ -101,14 +102,16 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     grad = torch.randn(T, d, **kw)
     params = (router_weight, w1, w2)
     rows, steps = {}, {}
-    impls = {"sonic": _sonic_layer(router, tile), "torch-gmm": torch_gmm_moe}
+    routers = ("topk", "token_rounding") if router == "both" else (router,)
+    impls = {_impl_name(r, router): _sonic_layer(r, tile) for r in routers}
+    impls["torch-gmm"] = torch_gmm_moe
     for impl, layer in impls.items():
         fwd, fwd_bwd = _steps(layer, x, params, K, grad)
         fwd_bwd()  # compile kernels, warm the allocator
         steps[impl] = fwd_bwd
         fwd_us = bench(fwd)
         total_us = bench(fwd_bwd)
-        pairs = layer.pairs if impl == "sonic" else T * K
+        pairs = T * K if impl == "torch-gmm" else layer.pairs
         flops = 6 * pairs * d * n
         saved = sonic.profile_activation_memory(layer, x, *params, K).activation_bytes / MiB
         for t in (x, *params):
@@ -120,7 +123,7 @@ def measure(name, sizes, router, tile, profile_kernels=False):
             "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6,
             "saved_MiB": saved, "peak_MiB": _peak_mib(fwd, grad), "P": pairs,
         }
-    s, t = rows["sonic"], rows["torch-gmm"]
+    s, t = rows[_impl_name(routers[0], router)], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
     print(f"  {'impl':10s} {'fwd TF':>8s} {'bwd TF':>8s} {'f+b TF':>8s} {'f+b ms':>8s} "
           f"{'saved MiB':>10s} {'peak MiB':>9s}")
@@ -130,16 +133,30 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     ratio = t["fwd_bwd_us"] / s["fwd_bwd_us"]
     print(f"  sonic / torch-gmm: fwd {t['fwd_us'] / s['fwd_us']:.2f}x, fwd+bwd (time) {ratio:.2f}x, "
           f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x")
+    result = {"config": name, "router": router, "sonic": s, "torch_gmm": t,
+              "fwd_bwd_speedup": ratio}
+    if router == "both":
+        tr = rows["sonic-TR"]
+        result["sonic_token_rounding"] = tr
+        result["token_rounding_speedup"] = s["fwd_bwd_us"] / tr["fwd_bwd_us"]
+        print(f"  token rounding / top-K, fwd+bwd (time): {result['token_rounding_speedup']:.2f}x "
+              f"faster (P = {tr['P']} vs {s['P']})")
     if profile_kernels:
-        _kernel_breakdown(steps["sonic"])
-    return {"config": name, "router": router, "sonic": s, "torch_gmm": t, "fwd_bwd_speedup": ratio}
+        _kernel_breakdown(steps[_impl_name(routers[0], router)])
+    return result
+
+
+def _impl_name(router: str, requested: str) -> str:
+    if requested != "both":
+        return "sonic"
+    return "sonic-topK" if router == "topk" else "sonic-TR"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=parse_config, action="append",
                         help="7B, OLMoE, 30B or T,d,n,E,K (repeatable; default: the three)")
-    parser.add_argument("--router", choices=("topk", "token_rounding"), default="topk")
+    parser.add_argument("--router", choices=("topk", "token_rounding", "both"), default="topk")
     parser.add_argument("--tile", type=int, default=128, help="token-rounding tile")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true",

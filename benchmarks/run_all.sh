@@ -18,8 +18,8 @@ for b in topk routing_metadata aggregation swiglu grouped_gemm; do
 done
 echo "== bench_moe (with the per-kernel breakdown of sonic's forward+backward)"
 python3 benchmarks/bench_moe.py --profile
-echo "== bench_moe, sparse config (E=256, K=8, n=1024): top-K, then token rounding"
-python3 benchmarks/bench_moe.py --config 32768,1536,1024,256,8
-python3 benchmarks/bench_moe.py --config 32768,1536,1024,256,8 --router token_rounding --profile
+echo "== bench_moe, sparse configs (E=256, K=8, n=1024): top-K and token rounding on the same data"
+python3 benchmarks/bench_moe.py --router both --config 8192,4096,1024,256,8 \
+    --config 16384,4096,1024,256,8 --config 32768,1536,1024,256,8
 echo "== python -m sonic.train"
 python3 -m sonic.train --json --no-progress 2>&1 | tail -n 3
