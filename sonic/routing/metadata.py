@@ -1,7 +1,8 @@
 """Routing metadata ("index shuffling"): counts, offsets and permutations of routed pairs.
 
 DESIGN §2; MetaShuffling (PyTorch blog, 2025). Everything is built on the pairs' device without
-a device→host synchronisation, so it can be captured in a CUDA graph.
+a device→host synchronisation (pairs from sonic's routers; hand-built ones are range-checked by
+one host read first), so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
