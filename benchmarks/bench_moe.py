@@ -104,6 +104,7 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     rows, steps = {}, {}
     routers = ("topk", "token_rounding") if router == "both" else (router,)
     impls = {_impl_name(r, router): _sonic_layer(r, tile) for r in routers}
+    first = next(iter(impls))   # the sonic row the ratios and the profile use
     impls["torch-gmm"] = torch_gmm_moe
     for impl, layer in impls.items():
         fwd, fwd_bwd = _steps(layer, x, params, K, grad)
@@ -123,7 +124,7 @@ def measure(name, sizes, router, tile, profile_kernels=False):
             "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6,
             "saved_MiB": saved, "peak_MiB": _peak_mib(fwd, grad), "P": pairs,
         }
-    s, t = rows[_impl_name(routers[0], router)], rows["torch-gmm"]
+    s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
     print(f"  {'impl':10s} {'fwd TF':>8s} {'bwd TF':>8s} {'f+b TF':>8s} {'f+b ms':>8s} "
           f"{'saved MiB':>10s} {'peak MiB':>9s}")
@@ -142,7 +143,7 @@ def measure(name, sizes, router, tile, profile_kernels=False):
         print(f"  token rounding / top-K, fwd+bwd (time): {result['token_rounding_speedup']:.2f}x "
               f"faster (P = {tr['P']} vs {s['P']})")
     if profile_kernels:
-        _kernel_breakdown(steps[_impl_name(routers[0], router)])
+        _kernel_breakdown(steps[first])
     return result
 
 
