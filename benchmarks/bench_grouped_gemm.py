@@ -1,6 +1,6 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
-    python benchmarks/bench_grouped_gemm.py
+    python benchmarks/bench_grouped_gemm.py [--gemm NAME ...]
 
 At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
@@ -25,6 +25,7 @@ the speedup and the kernel's relative error against torch:
   ``_grouped_mm``.
 """
 
+import argparse
 import os
 import sys
 
@@ -76,11 +77,22 @@ def _row(shape, gemm, flops, kernel, torch_fn):
           f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}", flush=True)
 
 
-def main():
+GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "dW1", "dW2")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gemm", choices=GEMMS, action="append",
+                        help="time only these GEMMs (repeatable; default: all)")
+    only = set(parser.parse_args(argv).gemm or GEMMS)
     print(f"device: {device_name()}")
     print(f"{'shape':<6} {'gemm':<7} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
           f"{'kern TF':>7} {'speedup':>7} {'rel err':>8}")
     for name, t, d, n, e, k in SHAPES:
+        def row(gemm, *args, name=name):
+            if gemm in only:
+                _row(name, gemm, *args)
+
         gather_idx, offsets = _routing(t, e, k)
         p = t * k
         ends = offsets[1:]
@@ -91,41 +103,41 @@ def main():
         act = torch.randn(p, n, device="cuda", dtype=torch.bfloat16)
         dh = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
         do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-        _row(name, "up", 2 * p * 2 * n * d,
+        row("up", 2 * p * 2 * n * d,
              lambda: grouped_gemm(x, w1, offsets, gather_idx=gather_idx),
              lambda: torch._grouped_mm(x.index_select(0, gidx_long), w1.transpose(1, 2),
                                        offs=ends))
         torch_up_act = lambda: torch_swiglu(torch._grouped_mm(  # noqa: E731
             x.index_select(0, gidx_long), w1.transpose(1, 2), offs=ends), "concat")
-        _row(name, "up+act", 2 * p * 2 * n * d,
+        row("up+act", 2 * p * 2 * n * d,
              lambda: grouped_gemm_swiglu(x, w1, offsets, gather_idx, "concat")[1], torch_up_act)
-        _row(name, "up+act*", 2 * p * 2 * n * d,
+        row("up+act*", 2 * p * 2 * n * d,
              lambda: swiglu(grouped_gemm(x, w1, offsets, gather_idx=gather_idx), "concat"),
              torch_up_act)
-        _row(name, "down", 2 * p * d * n,
+        row("down", 2 * p * d * n,
              lambda: grouped_gemm(act, w2, offsets),
              lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends))
-        _row(name, "dA'", 2 * p * d * n,
+        row("dA'", 2 * p * d * n,
              lambda: grouped_gemm(do, w2.transpose(1, 2), offsets, gather_idx=gather_idx),
              lambda: torch._grouped_mm(do.index_select(0, gidx_long), w2, offs=ends))
         h = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
         scores = torch.rand(p, device="cuda")
         torch_dh = lambda: torch_dswiglu_epilogue(torch._grouped_mm(  # noqa: E731
             do.index_select(0, gidx_long), w2, offs=ends), h, scores, "concat")[0]
-        _row(name, "dA'+dH", 2 * p * d * n,
+        row("dA'+dH", 2 * p * d * n,
              lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0], torch_dh)
-        _row(name, "dA'+dH*", 2 * p * d * n,
+        row("dA'+dH*", 2 * p * d * n,
              lambda: dswiglu_epilogue(grouped_gemm(do, w2.transpose(1, 2), offsets,
                                                    gather_idx=gather_idx), h, scores)[0],
              torch_dh)
         del h, scores
-        _row(name, "dX", 2 * p * 2 * n * d,
+        row("dX", 2 * p * 2 * n * d,
              lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
              lambda: torch._grouped_mm(dh, w1, offs=ends))
-        _row(name, "dW1", 2 * p * 2 * n * d,
+        row("dW1", 2 * p * 2 * n * d,
              lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
              lambda: torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends))
-        _row(name, "dW2", 2 * p * d * n,
+        row("dW2", 2 * p * d * n,
              lambda: grouped_gemm_varlen_k(do, act, offsets, gather_idx_a=gather_idx),
              lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends))
         del x, w1, w2, act, dh, do

@@ -139,11 +139,16 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up):
 
 
 def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up):
+    from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
-    # The dA' GEMM, then the one-pass epilogue kernel: 4599 against 5555 us for the fused
-    # gemm.grouped_gemm_dswiglu (H100, 30B, bench_grouped_gemm.py), whose epilogue reads H
-    # from global memory without overlapping the mainloop.
+    # The dH kernel: the dA' GEMM with the dSwiGLU epilogue, H arriving by TMA through the
+    # operand ring (measured against the GEMM + standalone epilogue kernel pair in RESULTS.md).
+    if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
+            and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
+            and _epilogue_kernel_fits(h) and h.data_ptr() % 16 == 0):
+        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h,
+                                         row_scores.float().contiguous())
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx)
     if _epilogue_kernel_fits(h):
         return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores.float().contiguous(),

@@ -80,6 +80,8 @@ PAD = 8
 # Shared memory per CTA on sm_90 (227 KiB) less room for barriers and the tile table.
 _SMEM_BYTES = 227 * 1024 - (MAX_EXPERTS + 1) * 4 - 1024
 _MAX_STAGES = 8
+# dH epilogue: bytes of one ring stage of H (a TILE_M x SLAB gate slab and its up slab).
+H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
 
 
 def _rows_per_warpgroup(pingpong: bool) -> int:
@@ -172,6 +174,8 @@ def _kernels():
             # varlen-K: write C[e]ᵀ, ``(E, N, M)`` — a gathered right operand is passed as the
             # left one (its rows on the 128-wide M side need half the row copies), C transposed.
             self.transpose_c = transpose_c
+            if transpose_c and (not varlen_k or pingpong):
+                raise ValueError("a transposed C serves the cooperative varlen-K kernel")
             # Up-proj epilogue (SonicMoE §4.1.2): besides H = C, store A = SwiGLU(H) ``(P, N/2)``.
             # "concat": a tile's B is two half boxes, gate rows ``nt·tile_n/2 ..`` and the
             # matching up rows ``N/2 + nt·tile_n/2 ..``, so gate and up of one A column sit in
@@ -180,12 +184,16 @@ def _kernels():
                 raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")
             self.swiglu = swiglu
             # dH epilogue (SonicMoE §4.1.3, App. C) on dA' = gather(dO)·W2: from the fp32 dA'
-            # tile, the saved H ("concat" layout, read straight from global memory) and the row
-            # scores, store dH ``(P, 2n)``, A' = s·A ``(P, n)`` and per n-tile partial sums of
-            # ds = ⟨dA', A⟩ ``(P, n_tiles)`` (fp32; summed by the caller in a fixed order).
-            if dswiglu and (varlen_k or not gather_a or not b_n_major or pingpong):
+            # tile, the saved H ("concat" layout) and the row scores, store dH ``(P, 2n)``,
+            # A' = s·A ``(P, n)`` and per n-tile partial sums of ds = ⟨dA', A⟩ ``(P, n_tiles)``
+            # (fp32; summed by the caller in a fixed order). The tile's H arrives by TMA through
+            # the operand ring: after a tile's k-tiles the producer queues one stage per SLAB of
+            # columns (gate slab where A goes, up slab at the start of B's space), so the loads
+            # overlap the tile's last k-tiles and the epilogue reads H from shared memory.
+            if dswiglu and (varlen_k or not gather_a or not b_n_major or pingpong
+                            or tile_n < TILE_M):
                 raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
-                                 "(cooperative)")
+                                 "(cooperative, tile_n >= 128)")
             self.dswiglu = dswiglu
             self.b_rows_per_copy = tile_n // 2 if swiglu == "concat" else tile_n
             self.b_layout = COL if varlen_k or b_n_major else ROW
@@ -199,7 +207,7 @@ def _kernels():
             gmem = runtime.gmem_ptr
             a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
             act = gmem(BF16, act_addr, 16)
-            h, scores, ds = gmem(BF16, h_addr, 4), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
+            h, scores, ds = gmem(BF16, h_addr, 16), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
             gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
             offsets = gmem(Int32, offsets_addr, 4)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -215,7 +223,7 @@ def _kernels():
             # 64 x 1 row boxes (gathered rows, and an expert's last partial k-tile, whose rows
             # past the expert's end take an out-of-bounds row and so arrive as zeros).
             tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None),
-                   "b_mc_row": (None, None)}
+                   "b_mc_row": (None, None), "h": (None, None)}
             if cutlass.const_expr(self.varlen_k):
                 tma["a"], tma["a_row"] = _mn_major_tma(a, rows_a, self.dim_m, a_smem)
                 tma["b"], tma["b_row"] = _mn_major_tma(b, rows_b, self.dim_n, b_smem)
@@ -249,6 +257,16 @@ def _kernels():
                     tma["b_mc"] = cpasync.make_tiled_tma_atom(
                         cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b, b_box_smem, b_box,
                         num_multicast=1 if self.swiglu == "concat" else self.cluster)
+                if cutlass.const_expr(self.dswiglu):
+                    # H ``(P, 2n)``, P passed as ``rows_b``: TILE_M x SLAB boxes, 128-byte
+                    # swizzled like A (SLAB == TILE_K) so the epilogue's reads of a thread
+                    # quad's column pairs over 8 rows hit distinct banks.
+                    m_h = cute.make_tensor(h, cute.make_layout((rows_b, 2 * self.dim_n),
+                                                               stride=(2 * self.dim_n, 1)))
+                    tma["h"] = cpasync.make_tiled_tma_atom(
+                        cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.make_composed_layout(
+                            a_smem.inner, 0, cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1))),
+                        (TILE_M, SLAB))
 
             @cute.struct
             class SharedStorage:
@@ -262,7 +280,8 @@ def _kernels():
 
             self.shared_storage = SharedStorage
             self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                        *tma["b_mc"], *tma["b_mc_row"], a_smem, b_smem, c, act, h, scores, ds,
+                        *tma["b_mc"], *tma["b_mc_row"], *tma["h"], a_smem, b_smem, c, act,
+                        scores, ds,
                         gidx_a, gidx_b, offsets, rows_a,
                         rows_b, num_experts).launch(
                 grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
@@ -271,9 +290,9 @@ def _kernels():
         @cute.kernel
         def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                    tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
-                   tma_atom_b_mc_row, tma_b_mc_row, a_smem: cute.ComposedLayout,
-                   b_smem: cute.ComposedLayout, c: cute.Pointer, act: cute.Pointer,
-                   h: cute.Pointer, scores: cute.Pointer, ds: cute.Pointer, gidx_a: cute.Pointer,
+                   tma_atom_b_mc_row, tma_b_mc_row, tma_atom_h, tma_h,
+                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
+                   act: cute.Pointer, scores: cute.Pointer, ds: cute.Pointer, gidx_a: cute.Pointer,
                    gidx_b: cute.Pointer, offsets: cute.Pointer,
                    rows_a: Int32, rows_b: Int32, num_experts: Int32):
             tidx, _, _ = cute.arch.thread_idx()
@@ -286,6 +305,8 @@ def _kernels():
             empty = storage.empty.data_ptr()
             table = storage.tile_start.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
             s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+            # Raw stage memory for the H slabs of the dH epilogue.
+            h_raw = (storage.sA.data_ptr(), storage.sB.data_ptr(), a_smem.inner)
             s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
             m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
 
@@ -295,6 +316,8 @@ def _kernels():
                 if cutlass.const_expr(self.varlen_k):
                     cpasync.prefetch_descriptor(tma_atom_a_row)
                     cpasync.prefetch_descriptor(tma_atom_b_row)
+                if cutlass.const_expr(self.dswiglu):
+                    cpasync.prefetch_descriptor(tma_atom_h)
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.stages):
                         cute.arch.mbarrier_init(full + s, 1)
@@ -326,7 +349,8 @@ def _kernels():
                     self.produce_gather_m(warp, first, step, total, tma_atom_a, tma_a,
                                           (tma_atom_b, tma_b, tma_atom_b_mc, tma_b_mc), a_smem,
                                           b_smem, storage.sA.data_ptr(), storage.sB.data_ptr(),
-                                          s_b, gidx_a, m_off, table, num_experts, full, empty)
+                                          s_b, gidx_a, m_off, table, num_experts, full, empty,
+                                          (tma_atom_h, tma_h), h_raw)
                 else:
                     if warp == 0:
                         self.produce_tma(first, step, total, tma_atom_a, tma_a,
@@ -335,8 +359,8 @@ def _kernels():
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
-                             storage.sC.data_ptr(), (c, act, h, scores, ds), m_off, table,
-                             num_experts, full, empty)
+                             storage.sC.data_ptr(), (c, act, scores, ds), m_off, table,
+                             num_experts, full, empty, h_raw)
             # On a cluster no CTA may exit while the other can still arrive on its barriers.
             if cutlass.const_expr(self.cluster > 1):
                 self.sync_cluster()
@@ -493,7 +517,8 @@ def _kernels():
                              b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
                              s_b_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
                              m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                             full: cute.Pointer, empty: cute.Pointer):
+                             full: cute.Pointer, empty: cute.Pointer, tma_h: tuple,
+                             h_raw: tuple):
             """varlen-M, gathered A: every tile row arrives by its own TMA row copy.
 
             Producer warp ``w`` owns tile rows ``32w .. 32w+31``; lane ``l`` reads the source
@@ -533,7 +558,46 @@ def _kernels():
                         cute.copy(tma_atom_a, t_ga[None, src, kt], t_sa,
                                   tma_bar_ptr=full + stage)
                     stage, phase = self.next_stage(stage, phase)
+                if cutlass.const_expr(self.dswiglu):
+                    stage, phase = self.load_h(warp, tma_h, h_raw, row0, nt, stage, phase, full,
+                                               empty)
                 t += step
+
+        @cute.jit
+        def h_slabs(self, h_raw: tuple, stage: Int32):
+            """The gate and up ``TILE_M x SLAB`` slabs of H in ring stage ``stage``: gate where
+            the stage's A k-tile goes, up at the start of its B k-tile."""
+            s_a_base, s_b_base, swizzle = h_raw
+            layout = cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1))
+            return (cute.make_tensor(cute.recast_ptr(s_a_base + stage * (TILE_M * TILE_K),
+                                                     swizzle), layout),
+                    cute.make_tensor(cute.recast_ptr(s_b_base + stage * (self.tile_n * TILE_K),
+                                                     swizzle), layout))
+
+        @cute.jit
+        def load_h(self, warp: Int32, tma_h: tuple, h_raw: tuple, row0: Int32, nt: Int32,
+                   stage: Int32, phase: Int32, full: cute.Pointer, empty: cute.Pointer):
+            """dH epilogue: queue the tile's H, one ring stage per SLAB of columns (the gate
+            columns ``nt·tile_n + sl·SLAB ..`` and the matching up columns ``n + ..``). Rows
+            past P and columns past 2n arrive as zeros; the rest beyond the tile's expert or
+            n only reach masked outputs."""
+            atom, tensor = tma_h
+            for sl in cutlass.range_constexpr(self.tile_n // SLAB):
+                cute.arch.mbarrier_wait(empty + stage, phase)
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, H_STAGE_BYTES)
+                    slabs = self.h_slabs(h_raw, stage)
+                    for half in cutlass.range_constexpr(2):
+                        g_h = cute.local_tile(cute.domain_offset(
+                            (row0, half * self.dim_n + nt * self.tile_n + sl * SLAB), tensor),
+                            (TILE_M, SLAB), (0, None))
+                        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                         cute.group_modes(slabs[half], 0, 2),
+                                                         cute.group_modes(g_h, 0, 2))
+                        cute.copy(atom, t_g[None, 0], t_s, tma_bar_ptr=full + stage)
+                stage, phase = self.next_stage(stage, phase)
+            return stage, phase
 
         @cute.jit
         def load_b(self, tma_b: tuple, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32, kt: Int32,
@@ -736,7 +800,7 @@ def _kernels():
         def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                     tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
                     s_c: cute.Pointer, outs: tuple, m_off: cute.Tensor, table: cute.Tensor,
-                    num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+                    num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, h_raw: tuple):
             """WGMMA over the k-tiles of each tile, then the masked store.
 
             Cooperative: both warpgroups run every tile of the CTA. Ping-pong: warpgroup ``w``
@@ -804,8 +868,9 @@ def _kernels():
                                                  self.tile_k_tiles(t + stride, m_off, num_experts))
                 c, act = outs[0], outs[1]
                 if cutlass.const_expr(self.dswiglu):
-                    self.store_dswiglu(acc, coords, stage_c, wg_tid, wg, wg_row0, outs, row0,
-                                       rows, nt)
+                    stage, phase = self.store_dswiglu(acc, coords, stage_c, wg_tid, wg, wg_row0,
+                                                      outs, row0, rows, nt, h_raw, stage, phase,
+                                                      full, empty, lane)
                 elif cutlass.const_expr(self.swiglu is None):
                     self.store(acc, coords, stage_c, wg_tid, wg, wg_row0, c, e, row0, rows, nt,
                                mt)
@@ -839,7 +904,9 @@ def _kernels():
 
             Per SLAB of columns: the accumulator's column pairs go to the warpgroup's staging
             buffer, then each thread stores whole 16-byte row chunks (N is a multiple of 8, so a
-            chunk is entirely inside or outside); a row of a slab is one 128-byte line.
+            chunk is entirely inside or outside); a row of a slab is one 128-byte line. With
+            ``transpose_c`` the slab is staged transposed, so the chunks are 8 consecutive rows
+            of one column — contiguous in ``C[e]ᵀ``, 8 threads covering a 128-byte line of it.
             """
             cols = self.dim_n - nt * self.tile_n
             if cutlass.const_expr(self.varlen_k):
@@ -848,11 +915,14 @@ def _kernels():
             else:
                 base = Int64(row0) * self.dim_n + nt * self.tile_n
             for sl in cutlass.range_constexpr(self.tile_n // SLAB):
-                self.stage_slab(acc, coords, stage_c, wg_row0, sl)
+                self.stage_slab(acc, coords, stage_c, wg_row0, sl, self.transpose_c)
                 cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
                 if cutlass.const_expr(self.transpose_c):
-                    self.store_slab_transposed(stage_c, wg_tid, wg_row0, c, e, mt, nt, sl, rows,
-                                               cols)
+                    # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
+                    # whose warpgroup part starts at M index mt·TILE_M + wg_row0.
+                    self.flush(stage_c, wg_tid, Int32(0), self.rows_wg, c,
+                               (Int64(e) * self.dim_n + nt * self.tile_n + sl * SLAB) * self.dim_m
+                               + mt * TILE_M, self.dim_m, wg_row0, rows, cols - sl * SLAB)
                 else:
                     self.flush(stage_c, wg_tid, wg_row0, SLAB, c, base, self.dim_n, sl * SLAB,
                                cols, rows)
@@ -861,8 +931,9 @@ def _kernels():
 
         @cute.jit
         def stage_slab(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
-                       wg_row0: Int32, sl: int):
-            """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows → staging buffer.
+                       wg_row0: Int32, sl: int, transposed: cutlass.Constexpr = False):
+            """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows → staging buffer
+            (``transposed``: staged row = column, staged column = row; rows_wg == SLAB).
 
             The WGMMA accumulator holds, per 8-column group j, the column pair (v0 = 0, 1) of two
             rows (v1 = 0, 1) for each 64-row block mm."""
@@ -877,9 +948,16 @@ def _kernels():
                         pair_f32[0] = acc[first]
                         pair_f32[1] = acc[second]
                         pair.store(pair_f32.load().to(BF16))
-                        offset = (m - wg_row0) * (SLAB + PAD) + (n - sl * SLAB)
-                        cute.autovec_copy(pair, cute.make_tensor(
-                            stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+                        if cutlass.const_expr(transposed):
+                            # A quad's column pairs over 8 rows: 16 distinct banks.
+                            for v0 in cutlass.range_constexpr(2):
+                                cute.make_tensor(
+                                    stage_c + (n + v0 - sl * SLAB) * (SLAB + PAD) + (m - wg_row0),
+                                    cute.make_layout(1))[0] = pair[v0]
+                        else:
+                            offset = (m - wg_row0) * (SLAB + PAD) + (n - sl * SLAB)
+                            cute.autovec_copy(pair, cute.make_tensor(
+                                stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
 
         @cute.jit
         def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
@@ -967,13 +1045,15 @@ def _kernels():
         @cute.jit
         def store_dswiglu(self, acc: cute.Tensor, coords: cute.Tensor, stage_c: cute.Pointer,
                           wg_tid: Int32, wg: Int32, wg_row0: Int32, outs: tuple, row0: Int32,
-                          rows: Int32, nt: Int32):
-            """dH epilogue: per 64-column slab, this thread's gate and up values of H are loaded
-            once (4-byte pairs, the accumulator's column pairs), then dH's gate half, dH's up
-            half and A' are staged and stored in turn, each recomputed from fp32 dA', g, u and
-            s; the ds partial of each of the thread's rows is reduced over the quad of threads
-            holding the row and stored once per tile."""
-            dh, a_scaled, h, scores, ds = outs
+                          rows: Int32, nt: Int32, h_raw: tuple, stage: Int32, phase: Int32,
+                          full: cute.Pointer, empty: cute.Pointer, lane: Int32):
+            """dH epilogue: per SLAB of columns, this thread's gate and up values of H are read
+            from the slab's ring stage (which is then released to the producer), and dH's
+            gate half, dH's up half and A' are staged and stored in turn from fp32 dA', g, u
+            and s; the ds partial of each of the thread's rows is reduced over the quad of
+            threads holding the row and stored once per tile. Returns the ring position after
+            the tile's H stages."""
+            dh, a_scaled, scores, ds = outs[0], outs[1], outs[2], outs[3]
             n = self.dim_n
             mms = cute.size(acc, mode=[1])
             # Score of each of this thread's rows (two per 64-row block), zero past the expert.
@@ -987,17 +1067,20 @@ def _kernels():
                     if m < rows:
                         s_row[mm * 2 + v1] = cute.make_tensor(
                             scores + row0, cute.make_layout(TILE_M))[m]
-            gate_up = cute.make_rmem_tensor((2, mms * (SLAB // 8) * 4), BF16)
-            base = Int64(row0) * (2 * n) + nt * self.tile_n
+            silu = cute.make_rmem_tensor((mms * (SLAB // 8) * 4,), F32)
+            cols = n - nt * self.tile_n
             for sl in cutlass.range_constexpr(self.tile_n // SLAB):
-                self.load_gate_up(h, base, coords, rows, n - nt * self.tile_n, sl, mms,
-                                  gate_up)
+                cute.arch.mbarrier_wait(full + stage, phase)
+                slabs = self.h_slabs(h_raw, stage)
                 col0 = nt * self.tile_n + sl * SLAB
                 for part in cutlass.range_constexpr(3):
-                    self.stage_dswiglu_slab(acc, coords, stage_c, wg_row0, sl, mms, gate_up,
-                                            s_row, partial, part)
+                    self.stage_dswiglu_slab(acc, coords, stage_c, wg_row0, sl, mms, slabs, cols,
+                                            silu, s_row, partial, part)
                     cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
                     if cutlass.const_expr(part == 2):
+                        # The warpgroup has read the slab's H: the stage can be refilled.
+                        self.release(empty + stage, lane)
+                        stage, phase = self.next_stage(stage, phase)
                         self.flush(stage_c, wg_tid, wg_row0, SLAB, a_scaled, Int64(row0) * n, n,
                                    col0, n, rows)
                     else:
@@ -1005,7 +1088,6 @@ def _kernels():
                                    2 * n, col0 + part * n, (part + 1) * n, rows)
                     cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
             n_tiles = self.n_tiles
-            lane = cute.arch.lane_idx()
             for i in cutlass.range_constexpr(mms * 2):
                 total = partial[i]
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
@@ -1015,39 +1097,20 @@ def _kernels():
                     if m < rows:
                         cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
                                          cute.make_layout(1))[0] = total
-
-        @cute.jit
-        def load_gate_up(self, h: cute.Pointer, base: Int64, coords: cute.Tensor, rows: Int32,
-                         cols: Int32, sl: int, mms: int, gate_up: cute.Tensor):
-            """H's gate (``gate_up[0]``) and up (``gate_up[1]``) values at this thread's
-            accumulator positions of slab ``sl``; zeros on rows past the expert and on columns
-            past n (a column pair is entirely inside or outside: n is a multiple of 8)."""
-            pair = cute.make_rmem_tensor((2,), BF16)
-            for mm in cutlass.range_constexpr(mms):
-                for j in cutlass.range_constexpr(SLAB // 8):
-                    for v1 in cutlass.range_constexpr(2):
-                        m, col = coords[((0, v1, sl * (SLAB // 8) + j), mm, 0)]
-                        slot = ((mm * (SLAB // 8) + j) * 2 + v1) * 2
-                        for half in cutlass.range_constexpr(2):
-                            pair.fill(0.0)
-                            if m < rows and col < cols:
-                                offset = base + (Int64(m) * (2 * self.dim_n) + half * self.dim_n
-                                                 + col)
-                                cute.autovec_copy(cute.make_tensor(
-                                    h + cute.assume(offset, divby=2), cute.make_layout(2)), pair)
-                            gate_up[half, slot] = pair[0]
-                            gate_up[half, slot + 1] = pair[1]
+            return stage, phase
 
         @cute.jit
         def stage_dswiglu_slab(self, acc: cute.Tensor, coords: cute.Tensor,
                                stage_c: cute.Pointer, wg_row0: Int32, sl: int, mms: int,
-                               gate_up: cute.Tensor, s_row: cute.Tensor, partial: cute.Tensor,
-                               part: int):
-            """Slab ``sl`` of dH's gate half (``part`` 0), up half (1) or A' (2, also adding
-            ``dA'·A`` to the row partials) → staging buffer. With ``dA = s·dA'``:
-            ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``,
-            ``A' = s·silu(g)·u``
-            (the formulas of :func:`sonic.kernels.swiglu.dswiglu_epilogue`)."""
+                               slabs: tuple, cols: Int32, silu: cute.Tensor, s_row: cute.Tensor,
+                               partial: cute.Tensor, part: int):
+            """Slab ``sl`` of dH's gate half (``part`` 0, which also keeps ``silu(g)``), up half
+            (1) or A' (2, also adding ``dA'·A`` to the row partials) → staging buffer. With
+            ``dA = s·dA'``: ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``,
+            ``A' = s·silu(g)·u`` (the formulas of :func:`sonic.kernels.swiglu.dswiglu_epilogue`;
+            σ is evaluated once per value). g and u are read from the slab's ring stage, as
+            zeros on columns past n (a column pair is entirely inside or outside: n is a
+            multiple of 8), so no value of the neighbouring columns enters ds."""
             out = cute.make_rmem_tensor((2,), F32)
             pair = cute.make_rmem_tensor((2,), BF16)
             for mm in cutlass.range_constexpr(mms):
@@ -1056,49 +1119,31 @@ def _kernels():
                         slot = ((mm * (SLAB // 8) + j) * 2 + v1) * 2
                         s = s_row[mm * 2 + v1]
                         m, col = coords[((0, v1, sl * (SLAB // 8) + j), mm, 0)]
+                        inside = col < cols
                         for v0 in cutlass.range_constexpr(2):
                             dap = acc[((v0, v1, sl * (SLAB // 8) + j), mm, 0)]
-                            g = gate_up[0, slot + v0].to(F32)
-                            u = gate_up[1, slot + v0].to(F32)
-                            sig = cute.arch.rcp_approx(
-                                1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
-                            silu = g * sig
+                            u = F32(0.0)
+                            if cutlass.const_expr(part != 1):
+                                if inside:
+                                    u = slabs[1][m, col - sl * SLAB + v0].to(F32)
                             if cutlass.const_expr(part == 0):
+                                g = F32(0.0)
+                                if inside:
+                                    g = slabs[0][m, col - sl * SLAB + v0].to(F32)
+                                sig = cute.arch.rcp_approx(
+                                    1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
+                                silu[slot + v0] = g * sig
                                 out[v0] = (s * dap) * u * sig * (1.0 + g * (1.0 - sig))
                             elif cutlass.const_expr(part == 1):
-                                out[v0] = (s * dap) * silu
+                                out[v0] = (s * dap) * silu[slot + v0]
                             else:
-                                act = silu * u
+                                act = silu[slot + v0] * u
                                 partial[mm * 2 + v1] = partial[mm * 2 + v1] + dap * act
                                 out[v0] = act * s
                         pair.store(out.load().to(BF16))
                         offset = (m - wg_row0) * (SLAB + PAD) + (col - sl * SLAB)
                         cute.autovec_copy(pair, cute.make_tensor(
                             stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
-
-        @cute.jit
-        def store_slab_transposed(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32,
-                                  c: cute.Pointer, e: Int32, mt: Int32, nt: Int32, sl: int,
-                                  rows: Int32, cols: Int32):
-            """varlen-K with ``transpose_c``: the staged slab goes to ``C[e]ᵀ`` ``(N, M)`` as
-            16-byte chunks of 8 consecutive rows (M is a multiple of 8)."""
-            pitch = SLAB + PAD
-            chunk = cute.make_rmem_tensor((VEC,), BF16)
-            base = Int64(e) * self.dim_n * self.dim_m + mt * TILE_M
-            for q in cutlass.range_constexpr(self.rows_wg // VEC * SLAB // 128):
-                index = wg_tid + q * 128
-                # Consecutive threads take consecutive columns: their chunks are rows of C[e]ᵀ.
-                col = index % SLAB
-                r = (index // SLAB) * VEC
-                m = wg_row0 + r
-                n = nt * self.tile_n + sl * SLAB + col
-                if m < rows and sl * SLAB + col < cols:
-                    for i in cutlass.range_constexpr(VEC):
-                        chunk[i] = cute.make_tensor(stage_c + (r + i) * pitch + col,
-                                                    cute.make_layout(1))[0]
-                    cute.autovec_copy(chunk, cute.make_tensor(
-                        c + cute.assume(base + (Int64(n) * self.dim_m + m), divby=VEC),
-                        cute.make_layout(VEC)))
 
     return GroupedGemmKernel
 
@@ -1359,7 +1404,8 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
         (addr(dswiglu[0], 16), addr(dswiglu[1], 4), addr(ds_parts, 4)) if dswiglu is not None
         else (out_addr,) * 3)
     fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr,
-       h_addr, scores_addr, ds_addr, idx, idx, offsets_addr, a.shape[0], 0, num_experts,
+       h_addr, scores_addr, ds_addr, idx, idx, offsets_addr, a.shape[0],
+       num_pairs if dswiglu is not None else 0, num_experts,
        _num_ctas(device, work_items, cluster))
     if dswiglu is not None:
         return out, act, ds_parts.sum(1)
