@@ -565,14 +565,11 @@ def _kernels():
 
         @cute.jit
         def h_slabs(self, h_raw: tuple, stage: Int32):
-            """The gate and up ``TILE_M x SLAB`` slabs of H in ring stage ``stage``: gate where
-            the stage's A k-tile goes, up at the start of its B k-tile."""
-            s_a_base, s_b_base, swizzle = h_raw
-            layout = cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1))
-            return (cute.make_tensor(cute.recast_ptr(s_a_base + stage * (TILE_M * TILE_K),
-                                                     swizzle), layout),
-                    cute.make_tensor(cute.recast_ptr(s_b_base + stage * (self.tile_n * TILE_K),
-                                                     swizzle), layout))
+            """Where ring stage ``stage`` holds the gate and up ``TILE_M x SLAB`` slabs of H
+            (unswizzled pointers): gate where the stage's A k-tile goes, up at the start of
+            its B k-tile."""
+            return (h_raw[0] + stage * (TILE_M * TILE_K),
+                    h_raw[1] + stage * (self.tile_n * TILE_K))
 
         @cute.jit
         def load_h(self, warp: Int32, tma_h: tuple, h_raw: tuple, row0: Int32, nt: Int32,
@@ -589,11 +586,13 @@ def _kernels():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, H_STAGE_BYTES)
                     slabs = self.h_slabs(h_raw, stage)
                     for half in cutlass.range_constexpr(2):
+                        dst = cute.make_tensor(cute.recast_ptr(slabs[half], h_raw[2]),
+                                               cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1)))
                         g_h = cute.local_tile(cute.domain_offset(
                             (row0, half * self.dim_n + nt * self.tile_n + sl * SLAB), tensor),
                             (TILE_M, SLAB), (0, None))
                         t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                         cute.group_modes(slabs[half], 0, 2),
+                                                         cute.group_modes(dst, 0, 2),
                                                          cute.group_modes(g_h, 0, 2))
                         cute.copy(atom, t_g[None, 0], t_s, tma_bar_ptr=full + stage)
                 stage, phase = self.next_stage(stage, phase)
@@ -1100,6 +1099,18 @@ def _kernels():
             return stage, phase
 
         @cute.jit
+        def h_pair(self, slab: cute.Pointer, m: Int32, col: Int32, inside, pair: cute.Tensor):
+            """The H values at row ``m``, columns ``col, col + 1`` (``col`` even) of a slab in
+            a ring stage, one 4-byte load, or zeros when not ``inside``. The slab's rows are
+            128-byte lines whose 16-byte chunks TMA's 128-byte swizzle permutes by the row
+            (chunk ``c`` at ``c ^ (m mod 8)``; stage bases are 1024-byte aligned)."""
+            pair.fill(0.0)
+            if inside:
+                offset = m * SLAB + ((col // 8) ^ (m % 8)) * 8 + col % 8
+                cute.autovec_copy(cute.make_tensor(slab + cute.assume(offset, divby=2),
+                                                   cute.make_layout(2)), pair)
+
+        @cute.jit
         def stage_dswiglu_slab(self, acc: cute.Tensor, coords: cute.Tensor,
                                stage_c: cute.Pointer, wg_row0: Int32, sl: int, mms: int,
                                slabs: tuple, cols: Int32, silu: cute.Tensor, s_row: cute.Tensor,
@@ -1113,23 +1124,23 @@ def _kernels():
             multiple of 8), so no value of the neighbouring columns enters ds."""
             out = cute.make_rmem_tensor((2,), F32)
             pair = cute.make_rmem_tensor((2,), BF16)
+            gate = cute.make_rmem_tensor((2,), BF16)
+            up = cute.make_rmem_tensor((2,), BF16)
             for mm in cutlass.range_constexpr(mms):
                 for j in cutlass.range_constexpr(SLAB // 8):
                     for v1 in cutlass.range_constexpr(2):
                         slot = ((mm * (SLAB // 8) + j) * 2 + v1) * 2
                         s = s_row[mm * 2 + v1]
                         m, col = coords[((0, v1, sl * (SLAB // 8) + j), mm, 0)]
-                        inside = col < cols
+                        if cutlass.const_expr(part != 1):
+                            self.h_pair(slabs[1], m, col - sl * SLAB, col < cols, up)
+                        if cutlass.const_expr(part == 0):
+                            self.h_pair(slabs[0], m, col - sl * SLAB, col < cols, gate)
                         for v0 in cutlass.range_constexpr(2):
                             dap = acc[((v0, v1, sl * (SLAB // 8) + j), mm, 0)]
-                            u = F32(0.0)
-                            if cutlass.const_expr(part != 1):
-                                if inside:
-                                    u = slabs[1][m, col - sl * SLAB + v0].to(F32)
+                            u = up[v0].to(F32)
                             if cutlass.const_expr(part == 0):
-                                g = F32(0.0)
-                                if inside:
-                                    g = slabs[0][m, col - sl * SLAB + v0].to(F32)
+                                g = gate[v0].to(F32)
                                 sig = cute.arch.rcp_approx(
                                     1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
                                 silu[slot + v0] = g * sig
