@@ -43,9 +43,14 @@ warps are done reading it).
   it, a third less L2→SM traffic per tile; consumers release a stage on the empty barrier of
   both CTAs, since both producers write into it.
 * dH epilogue (:func:`grouped_gemm_dswiglu`): dA' stays in registers; the epilogue reads H and
-  the scores and stores dH, A' and per-n-tile ds partials. It reads H from global memory
-  without overlapping the mainloop and is slower than the GEMM plus the standalone epilogue
-  kernel (RESULTS.md), so ``"auto"`` does not use it yet.
+  the scores and stores dH, A' and per-n-tile ds partials. H arrives by TMA through the operand
+  ring — after a tile's k-tiles the producer queues one stage per 64-column slab (the gate
+  slab where A goes, the up slab where B goes) — so the loads overlap the tile's last k-tiles
+  and the epilogue reads H pairs from shared memory (4-byte loads, swizzle-aware). Measured
+  faster than the dA' GEMM followed by the standalone epilogue kernel (RESULTS.md). The
+  epilogue is not hidden behind a mainloop: ping-pong would need ``128 x 128`` tiles, which
+  carry 2/3 of the FLOP per loaded byte of the clustered ``128 x 256`` ones on an L2-bound
+  mainloop (see :func:`_plan`).
 * The tile scheduler is static round-robin over a linear tile index. For varlen-M it maps an
   index to (expert, m-tile, n-tile) with a per-CTA table of each expert's first m-tile built in
   shared memory from ``expert_offsets`` (a warp scan) and a binary search: experts with no rows
@@ -1515,13 +1520,15 @@ for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
             keep_ptx=True),
         ptx_markers=_MARKERS_TMA))
 
-# The backward's dH kernel: dA' with the dSwiGLU epilogue.
-register(KernelVariant(
-    kernel="grouped_gemm",
-    variant="varlen_m_n1024_k4096_gather_bn_dswiglu",
-    compile_fake=lambda: _compile(False, *_plan(False, 1024, True, 4096), 0, 1024, 4096, True,
-                                  False, True, dswiglu=True, keep_ptx=True),
-    ptx_markers=_MARKERS_TMA))
+# The backward's dH kernel: dA' with the dSwiGLU epilogue, on 128 x 256 tiles (four H slabs
+# per tile) and on 128 x 128 tiles (n not a multiple of 256: two).
+for _n in (1024, 192):
+    register(KernelVariant(
+        kernel="grouped_gemm",
+        variant=f"varlen_m_n{_n}_k4096_gather_bn_dswiglu",
+        compile_fake=lambda n=_n: _compile(False, *_plan(False, n, True, 4096), 0, n, 4096,
+                                           True, False, True, dswiglu=True, keep_ptx=True),
+        ptx_markers=_MARKERS_TMA))
 
 # The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
 for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):
