@@ -145,16 +145,16 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up):
     # The dH kernel: the dA' GEMM with the dSwiGLU epilogue, H arriving by TMA through the
     # operand ring: 497/2523/4193 us against 505/2685/4610 for the dA' GEMM followed by the
     # one-pass epilogue kernel (H100, 7B/OLMoE/30B, bench_grouped_gemm.py).
+    if not _epilogue_kernel_fits(h):
+        return reference.dswiglu_epilogue(_cute_grouped_mm(dout, w2, offsets, gather_idx), h,
+                                          row_scores, gate_up)
+    row_scores = row_scores.float().contiguous()
     if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
             and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
-            and _epilogue_kernel_fits(h) and h.data_ptr() % 16 == 0):
-        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h,
-                                         row_scores.float().contiguous())
+            and h.data_ptr() % 16 == 0):
+        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores)
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx)
-    if _epilogue_kernel_fits(h):
-        return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores.float().contiguous(),
-                                        gate_up)
-    return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+    return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
 
 
 def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:

@@ -1057,7 +1057,7 @@ def _kernels():
             and s; the ds partial of each of the thread's rows is reduced over the quad of
             threads holding the row and stored once per tile. Returns the ring position after
             the tile's H stages."""
-            dh, a_scaled, scores, ds = outs[0], outs[1], outs[2], outs[3]
+            dh, a_scaled, scores, ds = outs
             n = self.dim_n
             mms = cute.size(acc, mode=[1])
             # Score of each of this thread's rows (two per 64-row block), zero past the expert.
@@ -1143,9 +1143,9 @@ def _kernels():
                             self.h_pair(slabs[0], m, col - sl * SLAB, col < cols, gate)
                         for v0 in cutlass.range_constexpr(2):
                             dap = acc[((v0, v1, sl * (SLAB // 8) + j), mm, 0)]
-                            u = up[v0].to(F32)
                             if cutlass.const_expr(part == 0):
                                 g = gate[v0].to(F32)
+                                u = up[v0].to(F32)
                                 sig = cute.arch.rcp_approx(
                                     1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
                                 silu[slot + v0] = g * sig
@@ -1153,7 +1153,7 @@ def _kernels():
                             elif cutlass.const_expr(part == 1):
                                 out[v0] = (s * dap) * silu[slot + v0]
                             else:
-                                act = silu[slot + v0] * u
+                                act = silu[slot + v0] * up[v0].to(F32)
                                 partial[mm * 2 + v1] = partial[mm * 2 + v1] + dap * act
                                 out[v0] = act * s
                         pair.store(out.load().to(BF16))
