@@ -11,13 +11,16 @@ import statistics
 import torch
 
 
-def bench(fn, *, warmup: int = 10, rep_ms: int = 200) -> float:
+def bench(fn, *, warmup: int = 10, rep_ms: int = 200, grad_to_none=None) -> float:
     """Median time of ``fn()`` in microseconds on the current CUDA device.
 
     Runs ``fn`` ``warmup`` times first (compilation, allocator), then times it for about
-    ``rep_ms`` milliseconds; the L2 cache is flushed between runs by ``do_bench``.
+    ``rep_ms`` milliseconds; the L2 cache is flushed between runs by ``do_bench``, and the
+    ``.grad`` of every tensor in ``grad_to_none`` is set to None before each run, outside the
+    timed region (as ANCHORS.md times a training step).
     """
     for _ in range(warmup):
+        _drop_grads(grad_to_none)
         fn()
     torch.cuda.synchronize()
     try:
@@ -25,7 +28,8 @@ def bench(fn, *, warmup: int = 10, rep_ms: int = 200) -> float:
     except ImportError:
         do_bench = None
     if do_bench is not None:
-        return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+        return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median",
+                        grad_to_none=grad_to_none) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -35,6 +39,7 @@ def bench(fn, *, warmup: int = 10, rep_ms: int = 200) -> float:
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     times = []
     for _ in range(reps):
+        _drop_grads(grad_to_none)
         flush.zero_()
         start.record()
         fn()
@@ -42,6 +47,11 @@ def bench(fn, *, warmup: int = 10, rep_ms: int = 200) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times) * 1e3
+
+
+def _drop_grads(tensors) -> None:
+    for t in tensors or ():
+        t.grad = None
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -87,3 +97,138 @@ def graph_us(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     return bench(graph.replay)
+
+
+class PowerSampler:
+    """SM clock and board power of the current GPU, sampled every 10 ms in a thread while the
+    ``with`` block runs (NVML through ``pynvml``; no samples where it is missing).
+
+    ``summary()`` gives the median SM clock (MHz), the mean power (W), the energy the board
+    used in the block (J, from NVML's energy counter) and the throttle reasons seen (NVML's
+    bit mask: 0x4 is the software power cap, 0x20/0x40 thermal slowdown).
+    """
+
+    def __init__(self, period_s: float = 0.01):
+        self.period_s = period_s
+        self.samples: list[tuple[int, float, int]] = []
+        self._stop = False
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - pynvml missing or NVML unusable: no samples
+            self._nvml = None
+
+    def _energy_mj(self) -> int | None:
+        if self._nvml is None:
+            return None
+        try:
+            return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+        except Exception:  # noqa: BLE001 - not every board reports energy
+            return None
+
+    def _run(self):
+        import time
+
+        nv = self._nvml
+        while not self._stop:
+            self.samples.append((nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM),
+                                 nv.nvmlDeviceGetPowerUsage(self._handle) / 1e3,
+                                 nv.nvmlDeviceGetCurrentClocksThrottleReasons(self._handle)))
+            time.sleep(self.period_s)
+
+    def __enter__(self):
+        import threading
+
+        self._energy0 = self._energy_mj()
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self._stop = True
+        if self._nvml is not None:
+            self._thread.join()
+        end = self._energy_mj()
+        self.energy_j = None if end is None or self._energy0 is None else (end - self._energy0) / 1e3
+
+    def summary(self) -> dict:
+        """``{"sm_mhz", "watts", "energy_J", "throttle"}``; None values without samples."""
+        if not self.samples:
+            return {"sm_mhz": None, "watts": None, "energy_J": None, "throttle": None}
+        clocks = sorted(s[0] for s in self.samples)
+        reasons = 0
+        for s in self.samples:
+            reasons |= s[2]
+        return {"sm_mhz": clocks[len(clocks) // 2],
+                "watts": statistics.fmean(s[1] for s in self.samples),
+                "energy_J": self.energy_j, "throttle": hex(reasons)}
+
+
+def energy_per_call(fn, *, seconds: float = 1.0, grad_to_none=None) -> dict:
+    """Run ``fn`` back to back for about ``seconds`` under a :class:`PowerSampler`; its summary
+    plus ``"J_per_call"`` (board energy over the calls) and ``"calls"``."""
+    import time
+
+    torch.cuda.synchronize()
+    calls, t0 = 0, time.perf_counter()
+    with PowerSampler() as power:
+        while time.perf_counter() - t0 < seconds:
+            _drop_grads(grad_to_none)
+            fn()
+            calls += 1
+            if calls % 4 == 0:
+                torch.cuda.synchronize()
+    stats = power.summary()
+    stats["calls"] = calls
+    stats["J_per_call"] = None if stats["energy_J"] is None else stats["energy_J"] / calls
+    return stats
+
+
+def trace_idle(fn, path: str, *, steps: int = 6, grad_to_none=None) -> list[dict]:
+    """Profile ``steps`` consecutive calls of ``fn`` (CPU and CUDA activity, L2 flushed before
+    each as in :func:`bench`), write the Chrome trace to ``path`` and return, per call, the span
+    from its first to its last GPU kernel, the kernels' summed time, the GPU idle time between
+    them and the largest idle gap with the kernel that ended it — what the GPU waited on the
+    host for."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for _ in range(2):
+        _drop_grads(grad_to_none)
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _drop_grads(grad_to_none)
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                 key=lambda e: e["ts"])
+    # A call begins after its flush, the only fill of int8 elements.
+    flushes = [i for i, e in enumerate(gpu)
+               if "FillFunctor<signed char>" in e["name"]]
+    rows = []
+    for a, b in zip(flushes, flushes[1:] + [len(gpu)]):
+        kernels = gpu[a + 1:b]
+        if not kernels:
+            continue
+        span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+        busy = sum(k["dur"] for k in kernels)
+        gaps = [(nxt["ts"] - prev["ts"] - prev["dur"], nxt["name"])
+                for prev, nxt in zip(kernels, kernels[1:])]
+        worst = max(gaps, default=(0.0, ""))
+        rows.append({"span_us": span, "busy_us": busy, "idle_us": span - busy,
+                     "kernels": len(kernels), "largest_gap_us": worst[0],
+                     "gap_before": worst[1][:60]})
+    return rows

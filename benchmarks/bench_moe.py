@@ -1,21 +1,29 @@
-"""End-to-end MoE layer (router + experts): sonic vs torch-gmm in the same run.
+"""End-to-end MoE layer (router + experts): sonic vs torch-gmm in the same process.
 
     python benchmarks/bench_moe.py                       # 7B, OLMoE, 30B (ANCHORS.md)
     python benchmarks/bench_moe.py --config 8192,4096,1024,256,8 --router both
+    python benchmarks/bench_moe.py --vs-sonicmoe sonicmoe.jsonl   # beside SonicMoE's own run
 
-Per configuration prints forward, backward and forward+backward TFLOPS (DESIGN §3 counts:
+A step is timed as ANCHORS.md times it: one forward + backward with a fixed random dO, every
+gradient set to None before it (outside the timed region), medians of triton's ``do_bench``
+with the L2 flushed. Per configuration it prints, for sonic (``backend="auto"``: CuTe kernels
+where they exist) and torch-gmm: forward and forward+backward ms and TFLOPS (DESIGN §3 counts:
 forward ``6·P·d·n``, backward ``12·P·d·n``; router time included, its FLOPs not), the MiB kept
-for backward ("saved", :func:`sonic.profile_activation_memory`) and the peak extra MiB of one
-forward+backward, for sonic (``backend="auto"``: CuTe kernels where they exist) and for the
-torch-gmm baseline, and the sonic/torch-gmm ratios. ``--router token_rounding`` runs sonic with
-token rounding (paper §5.2) on the same data; the FLOP count then uses its own ``P``.
-``--router both`` runs sonic with top-K and with token rounding, and prints their time ratio.
-``--profile`` adds, per configuration, sonic's forward+backward time per GPU kernel
-(``torch.profiler``), to show where the time goes.
+for backward ("saved", :func:`sonic.profile_activation_memory`), the peak extra MiB of one
+forward+backward, and — where ``pynvml`` is installed — the median SM clock, mean board power
+and energy per step over a further second of back-to-back steps; then the sonic / torch-gmm
+ratios.
 
-A timed forward+backward is one training step's worth: the parameter and input gradients are
-dropped before each backward (``zero_grad(set_to_none=True)``), so no gradient-accumulation
-kernels are timed for either implementation.
+* ``--router token_rounding`` runs sonic with token rounding (paper §5.2) on the same data (the
+  FLOP count then uses its own ``P``); ``--router both`` runs top-K and token rounding and
+  prints their time ratio.
+* ``--vs-sonicmoe FILE`` reads the JSON lines of ``shared/device/sonicmoe_bench.py`` (SonicMoE
+  and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
+  same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm: the two torch-gmm
+  times cancel the machine, so the ratio of ratios compares sonic with SonicMoE.
+* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``); ``--trace
+  DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
+  prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
 """
 
 import argparse
@@ -27,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import bench, device_name  # noqa: E402
+from _timing import bench, device_name, energy_per_call, trace_idle  # noqa: E402
 
 import sonic  # noqa: E402
 from sonic.baselines import torch_gmm_moe  # noqa: E402
@@ -79,19 +87,17 @@ def _kernel_breakdown(fn, rows: int = 14):
 
 def _steps(layer, x, params, k, grad):
     """The timed callables of one implementation: forward, and a training step's
-    forward+backward (gradients dropped first, as ``zero_grad(set_to_none=True)``)."""
+    forward+backward (the caller drops the gradients before each, as ``grad_to_none``)."""
     def fwd():
         return layer(x, *params, k)
 
     def fwd_bwd():
-        for t in (x, *params):
-            t.grad = None
         fwd().backward(grad)
 
     return fwd, fwd_bwd
 
 
-def measure(name, sizes, router, tile, profile_kernels=False):
+def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -106,16 +112,24 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     impls = {_impl_name(r, router): _sonic_layer(r, tile) for r in routers}
     first = next(iter(impls))   # the sonic row the ratios and the profile use
     impls["torch-gmm"] = torch_gmm_moe
+    leaves = (x, *params)
     for impl, layer in impls.items():
         fwd, fwd_bwd = _steps(layer, x, params, K, grad)
         fwd_bwd()  # compile kernels, warm the allocator
         steps[impl] = fwd_bwd
-        fwd_us = bench(fwd)
-        total_us = bench(fwd_bwd)
+        fwd_us = bench(fwd, grad_to_none=leaves)
+        total_us = bench(fwd_bwd, grad_to_none=leaves)
+        power = energy_per_call(fwd_bwd, grad_to_none=leaves)
+        if trace_dir:
+            idle = trace_idle(fwd_bwd, os.path.join(trace_dir, f"trace_{name}_{impl}.json"),
+                              grad_to_none=leaves)
+            print(f"  {impl} trace, per step: " + "; ".join(
+                f"span {r['span_us'] / 1e3:.2f} ms busy {r['busy_us'] / 1e3:.2f} ms idle "
+                f"{r['idle_us']:.0f} us" for r in idle))
         pairs = T * K if impl == "torch-gmm" else layer.pairs
         flops = 6 * pairs * d * n
         saved = sonic.profile_activation_memory(layer, x, *params, K).activation_bytes / MiB
-        for t in (x, *params):
+        for t in leaves:
             t.grad = None
         rows[impl] = {
             "fwd_us": fwd_us, "fwd_bwd_us": total_us,
@@ -123,19 +137,26 @@ def measure(name, sizes, router, tile, profile_kernels=False):
             "bwd_TFLOPS": 2 * flops / max(total_us - fwd_us, 1e-9) / 1e6,
             "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6,
             "saved_MiB": saved, "peak_MiB": _peak_mib(fwd, grad), "P": pairs,
+            "sm_mhz": power["sm_mhz"], "watts": power["watts"], "J_per_step": power["J_per_call"],
+            "throttle": power["throttle"],
         }
+        for t in leaves:
+            t.grad = None
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
-    print(f"  {'impl':10s} {'fwd TF':>8s} {'bwd TF':>8s} {'f+b TF':>8s} {'f+b ms':>8s} "
-          f"{'saved MiB':>10s} {'peak MiB':>9s}")
+    print(f"  {'impl':10s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
+          f"{'saved MiB':>9s} {'peak MiB':>8s} {'SM MHz':>6s} {'W':>4s} {'J/step':>6s}")
     for impl, r in rows.items():
-        print(f"  {impl:10s} {r['fwd_TFLOPS']:8.1f} {r['bwd_TFLOPS']:8.1f} {r['fwd_bwd_TFLOPS']:8.1f} "
-              f"{r['fwd_bwd_us'] / 1e3:8.2f} {r['saved_MiB']:10.1f} {r['peak_MiB']:9.1f}")
+        print(f"  {impl:10s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
+              f"{r['fwd_TFLOPS']:7.1f} {r['fwd_bwd_TFLOPS']:7.1f} {r['saved_MiB']:9.1f} "
+              f"{r['peak_MiB']:8.1f} {_fmt(r['sm_mhz'], 6, 0)} {_fmt(r['watts'], 4, 0)} "
+              f"{_fmt(r['J_per_step'], 6, 3)}")
     ratio = t["fwd_bwd_us"] / s["fwd_bwd_us"]
-    print(f"  sonic / torch-gmm: fwd {t['fwd_us'] / s['fwd_us']:.2f}x, fwd+bwd (time) {ratio:.2f}x, "
-          f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x")
+    fwd_ratio = t["fwd_us"] / s["fwd_us"]
+    print(f"  sonic / torch-gmm: fwd {fwd_ratio:.3f}x, fwd+bwd {ratio:.3f}x (time), "
+          f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x, peak {s['peak_MiB'] / t['peak_MiB']:.2f}x")
     result = {"config": name, "router": router, "sonic": s, "torch_gmm": t,
-              "fwd_bwd_speedup": ratio}
+              "fwd_bwd_speedup": ratio, "fwd_speedup": fwd_ratio}
     if router == "both":
         tr = rows["sonic-TR"]
         result["sonic_token_rounding"] = tr
@@ -145,6 +166,43 @@ def measure(name, sizes, router, tile, profile_kernels=False):
     if profile_kernels:
         _kernel_breakdown(steps[first])
     return result
+
+
+def _fmt(value, width: int, digits: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}.{digits}f}"
+
+
+def compare_with_sonicmoe(results, path: str) -> None:
+    """Print sonic's ratios to torch-gmm beside SonicMoE's, read from ``path`` (JSON lines of
+    ``sonicmoe_bench.py``: one per config and implementation, ``fwd_ms``/``fwdbwd_ms``/
+    ``peak_MiB``/``saved_MiB``).
+
+    Raises:
+        ValueError: the file has no SonicMoE or torch-gmm line for a measured config.
+    """
+    anchor = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                row = json.loads(line)
+                anchor[(row["config"], row["impl"])] = row
+    print(f"\nsonic beside SonicMoE ({path}): each ratio is to the torch-gmm of its own process")
+    print(f"  {'config':8s} {'f+b: sonic':>10s} {'SonicMoE':>9s} {'rel':>6s} | {'fwd: sonic':>10s} "
+          f"{'SonicMoE':>9s} {'rel':>6s} | {'peak MiB: sonic':>15s} {'SonicMoE':>9s} | "
+          f"{'saved: sonic':>12s} {'SonicMoE':>9s}")
+    for r in results:
+        moe, gmm = anchor.get((r["config"], "sonicmoe")), anchor.get((r["config"], "torch-gmm"))
+        if moe is None or gmm is None:
+            raise ValueError(f"{path} has no sonicmoe and torch-gmm lines for config "
+                             f"{r['config']!r}")
+        theirs = gmm["fwdbwd_ms"] / moe["fwdbwd_ms"]
+        theirs_fwd = gmm["fwd_ms"] / moe["fwd_ms"]
+        print(f"  {r['config']:8s} {r['fwd_bwd_speedup']:9.3f}x {theirs:8.3f}x "
+              f"{r['fwd_bwd_speedup'] / theirs:6.3f} | {r['fwd_speedup']:9.3f}x "
+              f"{theirs_fwd:8.3f}x {r['fwd_speedup'] / theirs_fwd:6.3f} | "
+              f"{r['sonic']['peak_MiB']:15.1f} {moe['peak_MiB']:9.1f} | "
+              f"{r['sonic']['saved_MiB']:12.1f} {moe['saved_MiB']:9.1f}")
 
 
 def _impl_name(router: str, requested: str) -> str:
@@ -162,12 +220,21 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true",
                         help="also print sonic's forward+backward time per GPU kernel")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="write Chrome traces of six consecutive steps per implementation "
+                             "and print each step's GPU idle time")
+    parser.add_argument("--vs-sonicmoe", metavar="FILE",
+                        help="JSON lines of shared/device/sonicmoe_bench.py to compare with")
     args = parser.parse_args(argv)
     configs = args.config or list(CONFIGS.items())
     print(f"device: {device_name()}  torch {torch.__version__}  backend: "
           f"{sonic.explain_backend('auto', 'cuda')}")
-    results = [measure(name, sizes, args.router, args.tile, args.profile)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+    results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace)
                for name, sizes in configs]
+    if args.vs_sonicmoe:
+        compare_with_sonicmoe(results, args.vs_sonicmoe)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

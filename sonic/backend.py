@@ -138,7 +138,8 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up):
     return h, (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
 
 
-def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up):
+def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
+                     overwrite_h=False):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
@@ -152,7 +153,8 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up):
     if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
             and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
             and h.data_ptr() % 16 == 0):
-        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores)
+        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
+                                         dh_out=h if overwrite_h else None)
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx)
     return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
 

@@ -49,8 +49,15 @@ class MoEExpertsFunction(torch.autograd.Function):
         row_scores = scores.index_select(0, meta.sorted_pairs).to(accumulate_dtype(x.dtype))
 
         # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
+        # H is dead after it unless the graph is kept for another backward, so the kernel may
+        # write dH over it: the backward's peak then holds one P x 2n buffer instead of two.
+        overwrite_h = not _graph_kept()
         dh, a_scaled, ds_rows = ops.dh_dswiglu(grad_out, w2, offsets, meta.gather_idx, h,
-                                               row_scores, gate_up)
+                                               row_scores, gate_up, overwrite_h=overwrite_h)
+        if dh.data_ptr() == h.data_ptr():
+            # Anything that still unpacks the saved H must fail loudly, not read dH.
+            torch.autograd.graph.increment_version(h)
+        del h
         grad_scores = ds_rows.index_select(0, meta.pair_rows).to(scores.dtype) if need_s else None
 
         grad_w2 = grad_w1 = grad_x = None
@@ -65,6 +72,13 @@ class MoEExpertsFunction(torch.autograd.Function):
         if need_w1:
             grad_w1 = ops.grouped_mm_varlen_k(dh, x, offsets, gather_idx_b=meta.gather_idx)
         return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None, None
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``/``create_graph``), so
+    saved tensors must survive it. Unknown (no such query in this PyTorch) counts as kept."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,

@@ -1310,7 +1310,7 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
 
 def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
                          gather_idx: torch.Tensor, h: torch.Tensor,
-                         row_scores: torch.Tensor
+                         row_scores: torch.Tensor, *, dh_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
 
@@ -1329,13 +1329,18 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
         h: ``(P, 2n)`` bf16, contiguous, 16-byte aligned: the forward's up-projection output,
             rows ``[gate | up]``.
         row_scores: ``(P,)`` fp32, contiguous: the score of each row.
+        dh_out: ``(P, 2n)`` bf16, contiguous: where dH is written, allocated if None. It may be
+            ``h`` itself: dH then overwrites H in place, which is safe because every tile
+            reads its H slabs into shared memory before it stores their dH, and no two tiles
+            touch the same element (the backward thus needs no second ``P x 2n`` buffer).
 
     Returns:
-        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``.
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` when given.
 
     Raises:
-        TypeError / ValueError: as :func:`grouped_gemm`; also ``h`` or ``row_scores`` of the
-            wrong dtype, shape or device.
+        TypeError / ValueError: as :func:`grouped_gemm`; also ``h``, ``row_scores`` or
+            ``dh_out`` of the wrong dtype, shape or device, or ``dh_out`` overlapping ``h``
+            without being ``h``.
     """
     runtime.check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3)
     runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
@@ -1350,14 +1355,23 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
     if row_scores.numel() != num_pairs:
         raise ValueError(f"row_scores must have P = {num_pairs} entries, got "
                          f"{row_scores.numel()}")
-    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, None, None,
+    if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and _overlap(dh_out, h):
+        raise ValueError("dh_out must be h itself or a buffer that does not overlap h: a "
+                         "shifted overlap would overwrite H rows another tile still reads")
+    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
                      (h, row_scores))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of two contiguous tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
     """:func:`grouped_gemm` (``swiglu`` and ``dswiglu`` None): ``(out, None)``;
     :func:`grouped_gemm_swiglu`: ``(H, A)``; :func:`grouped_gemm_dswiglu` (``dswiglu`` =
-    ``(h, row_scores)``, validated by the caller): ``(dH, A', ds)``."""
+    ``(h, row_scores)``, validated by the caller; ``out`` receives dH): ``(dH, A', ds)``."""
     runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
     device = a.device
     b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
@@ -1379,14 +1393,14 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
         num_pairs = gather_idx.numel()
     else:
         num_pairs = a.shape[0]
-    if dswiglu is not None:
-        out = torch.empty(num_pairs, 2 * dim_n, dtype=torch.bfloat16, device=device)
-    elif out is None:
-        out = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+    # The dH kernel's C is dH, (P, 2n) with n = N.
+    out_name, out_cols = ("dh_out", 2 * dim_n) if dswiglu is not None else ("out", dim_n)
+    if out is None:
+        out = torch.empty(num_pairs, out_cols, dtype=torch.bfloat16, device=device)
     else:
-        runtime.check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=device)
-        if tuple(out.shape) != (num_pairs, dim_n):
-            raise ValueError(f"out must have shape ({num_pairs}, {dim_n}), got "
+        runtime.check_tensor(out_name, out, dtypes=(torch.bfloat16,), ndim=2, device=device)
+        if tuple(out.shape) != (num_pairs, out_cols):
+            raise ValueError(f"{out_name} must have shape ({num_pairs}, {out_cols}), got "
                              f"{tuple(out.shape)}")
     act = None
     if swiglu is not None:

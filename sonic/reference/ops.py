@@ -128,9 +128,13 @@ def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
 
 def dh_dswiglu(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
-               gate_up: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               gate_up: str, *, overwrite_h: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward dH step: ``dA' = gather(dO)·W2`` ``(P, n)`` and its epilogue
-    (:func:`grouped_mm` then :func:`dswiglu_epilogue`): ``(dH, A', ds)``."""
+    (:func:`grouped_mm` then :func:`dswiglu_epilogue`): ``(dH, A', ds)``.
+
+    ``overwrite_h=True`` allows an implementation to write dH into ``h``'s buffer (``h`` is
+    then dead); this one always allocates dH, the CuTe dH kernel takes the offer."""
     return dswiglu_epilogue(grouped_mm(dout, w2, offsets, gather_idx), h, row_scores, gate_up)
 
 

@@ -236,6 +236,10 @@ def test_dh_dswiglu_epilogue(num_pairs, num_experts, n, dim_k, mode):
         assert _rel_err(out, expected.float()) < 2e-2
     again = grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores)
     assert all(torch.equal(x, y) for x, y in zip(again, (dh, a_scaled, ds)))
+    # dH written over H itself: the same results, bitwise, and H's buffer holds dH.
+    in_place = grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores, dh_out=h)
+    assert in_place[0].data_ptr() == h.data_ptr()
+    assert all(torch.equal(x, y) for x, y in zip(in_place, (dh, a_scaled, ds)))
 
 
 def test_dh_dswiglu_validation():
@@ -252,6 +256,12 @@ def test_dh_dswiglu_validation():
         grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores[:4].contiguous())
     with pytest.raises(TypeError, match="row_scores"):
         grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores.double())
+    with pytest.raises(ValueError, match="dh_out must have shape"):
+        grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores, dh_out=h[:4])
+    shifted = torch.empty(9 * 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="does not overlap h"):
+        grouped_gemm_dswiglu(dout, w2, offsets, idx, shifted[:512].view(8, 64), scores,
+                             dh_out=shifted[64:].view(8, 64))
 
 
 @pytest.mark.parametrize("case", ["varlen_m_a", "varlen_m_out", "varlen_k_a"])
