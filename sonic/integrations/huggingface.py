@@ -10,8 +10,8 @@ This module registers :func:`sonic.moe_experts` there under the name ``"sonic"``
 
     from sonic.integrations.huggingface import use_sonic_experts
     model = AutoModelForCausalLM.from_pretrained(...)
-    use_sonic_experts(model)                     # or: from_pretrained(..., experts_implementation="sonic")
-                                                 #     after sonic.integrations.huggingface.register()
+    use_sonic_experts(model)
+    # or, at load: register(); from_pretrained(..., experts_implementation="sonic")
 
 Only the experts change: the model's own router, its load-balancing loss
 (``output_router_logits=True``), shared experts, and its parameters and checkpoints stay
@@ -118,7 +118,7 @@ def check_experts(module: nn.Module) -> str:
 def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"sonic"`` experts implementation: HF's routed experts through :func:`sonic.moe_experts`.
+    """The ``"sonic"`` experts implementation: HF routed experts by :func:`sonic.moe_experts`.
 
     Called by transformers in place of the experts module's own forward; the routed pairs are
     ``token_idx = arange(T).repeat_interleave(K)``, ``expert_idx = top_k_index.flatten()``,
