@@ -8,6 +8,12 @@ DESIGN §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metad
 
     python -m sonic.memory --config 7B
     python -m sonic.memory --config 64,32,16,8,2 --json   # last line: one JSON object
+    python -m sonic.memory --config 32768,2048,2048,8,1 --plot fig1.png   # SonicMoE Fig. 1
+
+``--plot FILE`` (needs matplotlib, the ``plot`` extra) sweeps expert granularity at fixed FLOPs
+(SonicMoE Fig. 1): each scale ``s`` of ``--scales`` measures ``(T, d, n/s, E·s, K·s)``, so
+``K·n`` (the FLOPs) and ``K/E`` (the activation ratio) stay those of ``--config`` while the
+granularity ``d/n`` grows ``s``-fold, and draws both implementations' bytes over ``d/n``.
 """
 
 from __future__ import annotations
@@ -59,6 +65,91 @@ def measure(sizes: tuple[int, int, int, int, int],
     return {name: dataclasses.replace(run(), output=None) for name, run in runs.items()}
 
 
+def parse_scales(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` → ``(1, 2, 4)``: distinct positive integers for :func:`granularity_sweep`.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        scales = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        scales = ()
+    if not scales or min(scales) < 1 or len(set(scales)) != len(scales):
+        raise argparse.ArgumentTypeError(f"expected distinct positive integers like 1,2,4,8,16, "
+                                         f"got {text!r}")
+    return scales
+
+
+def granularity_sweep(sizes: tuple[int, int, int, int, int], scales: tuple[int, ...],
+                      device: torch.device) -> list[dict]:
+    """Activation memory over expert granularity at fixed FLOPs (SonicMoE Fig. 1).
+
+    Scale ``s`` measures ``(T, d, n/s, E·s, K·s)`` with :func:`measure`: ``K·n`` — hence the
+    forward FLOPs ``6·T·K·d·n`` — and the activation ratio ``K/E`` stay those of ``sizes``
+    while the granularity ``d/n`` grows ``s``-fold.
+
+    Args:
+        sizes: ``(T, d, n, E, K)`` at scale 1.
+        scales: the scales, each dividing ``n``.
+        device: as for :func:`measure`.
+
+    Returns:
+        One dict per scale, in order: ``scale``, ``granularity`` (``d/n``), ``T, d, n, E, K``,
+        ``sonic_MiB``, ``torch_MiB`` (activation bytes kept for backward, MiB).
+
+    Raises:
+        ValueError: a scale that does not divide ``n``, or what :func:`measure` raises.
+    """
+    T, d, n, E, K = sizes
+    rows = []
+    for s in scales:
+        if n % s:
+            raise ValueError(f"scale {s} does not divide n={n}")
+        point = (T, d, n // s, E * s, K * s)
+        reports = measure(point, device)
+        rows.append({"scale": s, "granularity": d / (n // s), **dict(zip("TdnEK", point)),
+                     "sonic_MiB": round(reports["sonic"].activation_mib, 3),
+                     "torch_MiB": round(reports["torch-gmm"].activation_mib, 3)})
+    return rows
+
+
+def _matplotlib_figure():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError("--plot needs matplotlib: pip install 'sonic-cute-moe[plot]'") from err
+    return Figure
+
+
+def plot_sweep(rows: list[dict], path: str) -> None:
+    """Draw :func:`granularity_sweep`'s rows — MiB kept for backward over ``d/n``, sonic and
+    torch-gmm — into the image file ``path`` (format from its suffix, e.g. ``.png``, ``.pdf``).
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+    """
+    Figure = _matplotlib_figure()
+    first = rows[0]
+    # A bare Figure (no pyplot) leaves matplotlib's global backend and figure list alone.
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    x = [r["granularity"] for r in rows]
+    for key, label, marker in (("torch_MiB", "torch-gmm (plain PyTorch MoE)", "s"),
+                               ("sonic_MiB", "sonic", "o")):
+        ax.plot(x, [r[key] for r in rows], marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [f"{g:g}" for g in x])
+    ax.set_xlabel("expert granularity d/n (E and K scaled: K·n and K/E fixed)")
+    ax.set_ylabel("activation memory kept for backward (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"one MoE layer, bf16: T={first['T']} d={first['d']} "
+                 f"K·n={first['K'] * first['n']} K/E={first['K']}/{first['E']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+
+
 def _table(name: str, sizes: tuple, device: torch.device,
            reports: dict[str, ActivationMemoryReport], top: int) -> str:
     T, d, n, E, K = sizes
@@ -81,6 +172,31 @@ def _table(name: str, sizes: tuple, device: torch.device,
     return "\n".join(lines)
 
 
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace, sizes: tuple,
+          device: torch.device) -> list[dict]:
+    """``--plot``: run the sweep, print it, draw it; bad arguments end in ``parser.error``."""
+    scales = args.scales or (1, 2, 4, 8, 16)
+    try:  # before the sweep, so a missing matplotlib fails fast
+        _matplotlib_figure()
+    except ImportError as err:
+        parser.error(str(err))
+    try:
+        rows = granularity_sweep(sizes, scales, device)
+    except ValueError as err:
+        parser.error(f"--scales {','.join(map(str, scales))} with --config: {err}")
+    try:
+        plot_sweep(rows, args.plot)
+    except (OSError, ValueError) as err:
+        parser.error(f"--plot {args.plot}: {err}")
+    lines = ["", f"granularity sweep at fixed FLOPs (K*n = {sizes[4] * sizes[2]}), "
+             f"plotted to {args.plot}",
+             f"  {'d/n':>6} {'n':>6} {'E':>6} {'K':>4} {'sonic MiB':>10} {'torch MiB':>10}"]
+    lines += [f"  {r['granularity']:>6g} {r['n']:>6} {r['E']:>6} {r['K']:>4} "
+              f"{r['sonic_MiB']:>10.2f} {r['torch_MiB']:>10.2f}" for r in rows]
+    print("\n".join(lines))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -94,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="end with one JSON line: config, T, d, n, E, K, sonic_MiB, torch_MiB")
     parser.add_argument("--top", type=int, default=6, help="saved storages listed per impl")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="also sweep granularity at fixed FLOPs (SonicMoE Fig. 1) from "
+                             "--config and draw it into FILE (.png, .pdf, ...; needs matplotlib)")
+    parser.add_argument("--scales", type=parse_scales, metavar="S,S,...",
+                        help="--plot: scale s measures (T, d, n/s, E*s, K*s); default 1,2,4,8,16")
     args = parser.parse_args(argv)
+    if args.scales is not None and not args.plot:
+        parser.error("--scales only applies with --plot FILE")
     if args.top < 0:
         parser.error(f"--top must be >= 0, got {args.top}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -106,10 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(f"--config {name}: {err}")
     print(_table(name, sizes, device, reports, args.top))
+    sweep = _plot(parser, args, sizes, device) if args.plot else None
     if args.json:
         summary = {"config": name, **dict(zip("TdnEK", sizes)),
                    "sonic_MiB": round(reports["sonic"].activation_mib, 3),
                    "torch_MiB": round(reports["torch-gmm"].activation_mib, 3)}
+        if sweep is not None:
+            summary["sweep"] = sweep
         print(json.dumps(summary))
     return 0
 

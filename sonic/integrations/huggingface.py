@@ -1,0 +1,221 @@
+"""sonic as an experts implementation of Hugging Face transformers MoE models.
+
+transformers ≥ 5 stores the routed experts of its MoE models as two fused parameters,
+``gate_up_proj (E, 2n, d)`` (rows ``[gate; up]``) and ``down_proj (E, d, n)`` — sonic's ``w1``
+and ``w2`` layout — and dispatches the experts' forward through a registry of implementations
+(``transformers.integrations.moe.ExpertsInterface``, selected by
+``config._experts_implementation``; every implementation is called as
+``fn(experts_module, hidden_states (T, d), top_k_index (T, K), top_k_weights (T, K))``).
+This module registers :func:`sonic.moe_experts` there under the name ``"sonic"``:
+
+    from sonic.integrations.huggingface import use_sonic_experts
+    model = AutoModelForCausalLM.from_pretrained(...)
+    use_sonic_experts(model)
+    # or, at load: register(); from_pretrained(..., experts_implementation="sonic")
+
+Only the experts change: the model's own router, its load-balancing loss
+(``output_router_logits=True``), shared experts, and its parameters and checkpoints stay
+Hugging Face's (``save_pretrained`` writes nothing sonic-specific; the experts implementation is
+not serialised). Supported: gated SiLU experts (SwiGLU) without biases and without a
+post-expert norm, weights stored ``(E, 2n, d)`` or transposed ``(E, d, 2n)``, any float dtype
+sonic takes. Token rounding is not available here: the registry passes the router's top-K
+choice, not its logits.
+
+Source: transformers 5.x ``integrations/moe.py`` (the registry and its call signature).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import sonic
+from sonic._validation import check_choice
+from sonic.backend import BACKENDS
+
+try:
+    import transformers.integrations.moe as _hf_moe
+    from transformers.activations import SiLUActivation
+except ImportError as err:  # transformers missing, or older than the experts registry (v5)
+    raise ImportError("sonic.integrations.huggingface needs transformers >= 5 (the experts "
+                      "implementation registry): pip install 'sonic-cute-moe[hf]'") from err
+
+#: The name sonic is registered under in transformers' experts-implementation registry.
+IMPLEMENTATION = "sonic"
+
+_SILU = (nn.SiLU, SiLUActivation)
+_WEIGHT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def register() -> None:
+    """Add ``"sonic"`` to transformers' experts-implementation registry (idempotent).
+
+    Afterwards ``model.set_experts_implementation("sonic")`` and
+    ``from_pretrained(..., experts_implementation="sonic")`` select :func:`sonic_experts_forward`
+    (with ``backend="auto"`` unless :func:`use_sonic_experts` set another).
+    """
+    _hf_moe.ExpertsInterface.register(IMPLEMENTATION, sonic_experts_forward)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module that dispatches through the registry
+    (its class is decorated with ``@use_experts_implementation``, which sets these flags)."""
+    return all(hasattr(module, flag) for flag in
+               ("has_gate", "has_bias", "is_transposed", "is_concatenated",
+                "has_post_expert_norm"))
+
+
+def check_experts(module: nn.Module) -> str:
+    """Check that sonic computes exactly what ``module``'s own forward computes.
+
+    Args:
+        module: a transformers experts module (see :func:`is_experts_module`).
+
+    Returns:
+        The ``gate_up`` layout to pass to :func:`sonic.moe_experts`: ``"concat"``.
+        transformers' default gate splits ``gate_up_proj``'s output with ``chunk(2)`` whatever
+        the class's ``is_concatenated`` flag says; interleaved layouts only come with custom
+        gates (GPT-OSS), which are refused below.
+
+    Raises:
+        TypeError: ``module`` is not such an experts module.
+        ValueError: experts sonic cannot compute, naming the cause — no gate
+            (``has_gate=False``), biases (``gate_up_proj_bias``/``down_proj_bias``), a
+            post-expert norm, a custom ``_apply_gate`` (e.g. GPT-OSS's clamped SwiGLU), an
+            activation other than SiLU (``config.hidden_act``), or weights that are not
+            bf16/fp16/fp32/fp64 (quantized experts).
+    """
+    name = type(module).__name__
+    if not is_experts_module(module):
+        raise TypeError(f"module must be a transformers experts module (a class decorated with "
+                        f"@use_experts_implementation), got {name}")
+    if not module.has_gate:
+        raise ValueError(f"{name} has no gate (has_gate=False: up_proj and an activation); "
+                         f"sonic computes gated SwiGLU experts only")
+    if module.has_bias:
+        raise ValueError(f"{name} has expert biases (gate_up_proj_bias, down_proj_bias); sonic's "
+                         f"experts have none")
+    if module.has_post_expert_norm:
+        raise ValueError(f"{name} applies a post-expert norm (has_post_expert_norm=True); "
+                         f"sonic's experts have none")
+    if type(module)._apply_gate is not _hf_moe._default_apply_gate:
+        raise ValueError(f"{name} overrides _apply_gate (a custom gating function); sonic "
+                         f"computes silu(gate) * up only")
+    act_fn = getattr(module, "act_fn", None)
+    if not isinstance(act_fn, _SILU):
+        hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+        raise ValueError(f"{name}.act_fn is {type(act_fn).__name__} (config.hidden_act="
+                         f"{hidden_act!r}); sonic computes SwiGLU only: hidden_act must be "
+                         f"'silu' (or 'swish')")
+    for param in ("gate_up_proj", "down_proj"):
+        dtype = getattr(module, param).dtype
+        if dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"{name}.{param} has dtype {dtype}; sonic takes bf16, fp16, fp32 "
+                             f"or fp64 expert weights (not quantized ones)")
+    return "concat"
+
+
+def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"sonic"`` experts implementation: HF routed experts by :func:`sonic.moe_experts`.
+
+    Called by transformers in place of the experts module's own forward; the routed pairs are
+    ``token_idx = arange(T).repeat_interleave(K)``, ``expert_idx = top_k_index.flatten()``,
+    ``scores = top_k_weights.flatten()`` (token-major, so sonic's top-K metadata path applies).
+    Every token passed is computed, padding tokens included, exactly as transformers' own
+    implementations do (the MoE block routes all positions; masking happens in attention and
+    the loss).
+
+    Args:
+        self: the experts module (``gate_up_proj (E, 2n, d)``, ``down_proj (E, d, n)``, or
+            ``(E, d, 2n)``/``(E, n, d)`` when ``is_transposed``).
+        hidden_states: ``(T, d)``; cast to the weights' dtype when it differs (as transformers'
+            ``grouped_mm`` does under autocast).
+        top_k_index: ``(T, K)`` integer expert of each token's choices, in ``[0, E)``. Under
+            expert parallelism (``self._is_expert_parallel``) indices ``>= E`` mark choices
+            owned by another rank: their weight is zeroed and they contribute nothing, and no
+            gradient flows to their weight.
+        top_k_weights: ``(T, K)`` float gate weights.
+
+    Returns:
+        ``(T, d)`` in ``hidden_states``' dtype. Differentiable in hidden_states, the weights
+        and top_k_weights.
+
+    Raises:
+        ValueError: experts sonic cannot compute (see :func:`check_experts`), or an expert
+            index out of range outside expert parallelism (from :func:`sonic.routing_metadata`).
+    """
+    gate_up = check_experts(self)
+    backend = getattr(self, "_sonic_backend", "auto")
+    w1, w2 = self.gate_up_proj, self.down_proj
+    if self.is_transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    num_experts = w1.shape[0]
+    num_tokens, top_k = top_k_index.shape
+    expert_idx = top_k_index.reshape(-1)
+    scores = top_k_weights.reshape(-1)
+    if getattr(self, "_is_expert_parallel", False):
+        foreign = expert_idx >= num_experts
+        # Clamped rather than dropped: dropping would make P data-dependent (a host sync); a
+        # zero score makes the pair's output and weight gradients zero, and masked_fill stops
+        # its score gradient.
+        expert_idx = expert_idx.clamp(max=num_experts - 1)
+        scores = scores.masked_fill(foreign, 0.0)
+    token_idx = torch.arange(num_tokens, device=expert_idx.device,
+                             dtype=torch.int32).repeat_interleave(top_k)
+    routing = sonic.Routing(token_idx, expert_idx.to(torch.int32), scores, num_tokens,
+                            num_experts, top_k=top_k)
+    meta = sonic.routing_metadata(routing, backend=backend)
+    out = sonic.moe_experts(hidden_states.to(w1.dtype), w1, w2, scores, routing.token_idx,
+                            routing.expert_idx, gate_up=gate_up, backend=backend, metadata=meta)
+    return out.to(hidden_states.dtype)
+
+
+def use_sonic_experts(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Switch a transformers MoE model's routed experts to sonic, in place.
+
+    Registers ``"sonic"`` (:func:`register`), checks every experts module
+    (:func:`check_experts`) before changing anything, and calls
+    ``model.set_experts_implementation("sonic")``. The router, the auxiliary loss, shared
+    experts, parameters and ``save_pretrained`` output are untouched;
+    ``model.set_experts_implementation("grouped_mm")`` (or ``"eager"``) switches back.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` with experts that dispatch through the
+            registry (transformers ≥ 5 MoE models: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, …).
+        backend: sonic's backend for these experts: ``"auto"``, ``"torch"`` or ``"cute"``
+            (see :func:`sonic.explain_backend`).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` has no ``set_experts_implementation`` (not a transformers model).
+        ValueError: unknown ``backend``; no experts module in ``model``; an experts module
+            sonic cannot compute (the message names the module and the cause).
+        RuntimeError: transformers left some experts module on another implementation.
+    """
+    check_choice("backend", backend, BACKENDS)
+    if not callable(getattr(model, "set_experts_implementation", None)):
+        raise TypeError(f"model must be a transformers PreTrainedModel (>= 5, with "
+                        f"set_experts_implementation), got {type(model).__name__}")
+    experts = {name: m for name, m in model.named_modules() if is_experts_module(m)}
+    if not experts:
+        raise ValueError(f"model ({type(model).__name__}) has no experts module that dispatches "
+                         f"through transformers' experts-implementation registry")
+    for name, module in experts.items():
+        try:
+            check_experts(module)
+        except ValueError as err:
+            raise ValueError(f"model.{name}: {err}") from err
+    register()
+    for module in experts.values():
+        module._sonic_backend = backend
+    model.set_experts_implementation(IMPLEMENTATION)
+    left = [name for name, m in experts.items()
+            if m.config._experts_implementation != IMPLEMENTATION]
+    if left:
+        raise RuntimeError(f"transformers did not switch these experts modules to sonic: "
+                           f"{', '.join(left)}")
+    return model
