@@ -54,7 +54,9 @@ class TopKScores(torch.autograd.Function):
     The forward runs the bitonic top-K kernel where the backend resolves to the CuTe kernels,
     and a stable sort otherwise. For backward it keeps only the ``(T, K)`` scores and indices
     (plus, for ``"topk_softmax"``, the logits by reference to recompute the softmax) rather than
-    the ``(T, E)`` sort results plain autograd would keep.
+    the ``(T, E)`` sort results plain autograd would keep. The backward is made of
+    differentiable torch ops on the saved output and input, so ``create_graph=True`` records it
+    and second derivatives are exact (``gradgradcheck`` in the tests).
     """
 
     @staticmethod
