@@ -9,7 +9,7 @@ from torch import nn
 
 from sonic._validation import check_choice, check_int
 from sonic.autograd.moe_experts import moe_experts
-from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
 from sonic.routing.topk import SCORES, topk_routing
@@ -22,14 +22,19 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Switch-Transformer auxiliary loss ``E · Σ_e f_e · p_e`` (Fedus et al. 2021, eq. 4).
 
     ``f_e``: fraction of routed pairs that went to expert e (not differentiable); ``p_e``: mean
-    router probability of expert e. Equals 1 for perfectly uniform routing.
+    router probability of expert e. Equals 1 for perfectly uniform routing, and 0 for an empty
+    batch (no tokens, no imbalance). A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable
+    with respect to ``logits``.
     """
     num_experts = logits.shape[1]
-    probs = torch.softmax(logits.float(), dim=-1)
-    counts = torch.zeros(num_experts, device=logits.device, dtype=torch.float32)
-    counts.scatter_add_(0, routing.expert_idx.long(), torch.ones_like(routing.scores).detach())
+    acc = accumulate_dtype(logits.dtype)
+    probs = torch.softmax(logits.to(acc), dim=-1)
+    counts = torch.zeros(num_experts, device=logits.device, dtype=acc)
+    counts.scatter_add_(0, routing.expert_idx.long(), counts.new_ones(1).expand(routing.num_pairs))
+    # An empty batch has no imbalance: 0, still attached to the logits' graph (not 0/0 = NaN).
     fraction = counts / max(routing.num_pairs, 1)
-    return num_experts * (fraction * probs.mean(dim=0)).sum()
+    mean_probs = probs.sum(dim=0) / max(logits.shape[0], 1)
+    return num_experts * (fraction * mean_probs).sum()
 
 
 class MoE(nn.Module):
