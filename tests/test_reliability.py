@@ -137,3 +137,199 @@ def test_train_cli_d_expert_1():
                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr
     assert "val loss" in proc.stdout
+
+
+# --------------------------------------- 2. a layer can be copied and pickled after forward
+
+def _trained_once(**kw):
+    torch.manual_seed(0)
+    layer = sonic.MoE(8, 4, 4, 2, aux_loss_coef=0.1, **kw)
+    out = layer(torch.randn(6, 8))
+    return layer, out
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_deepcopy_after_forward(router):
+    layer, out = _trained_once(router=router, tile=2)
+    clone = copy.deepcopy(layer)
+    for (name, p), q in zip(layer.named_parameters(), clone.parameters()):
+        assert torch.equal(p, q) and p is not q, name
+    # The copy keeps the values of the last forward, without its graph.
+    assert clone.aux_loss.grad_fn is None and torch.equal(clone.aux_loss, layer.aux_loss.detach())
+    assert clone.last_routing.scores.grad_fn is None
+    torch.testing.assert_close(clone.last_routing.scores, layer.last_routing.scores.detach())
+    # The original's aux_loss still trains its router.
+    (out.sum() + layer.aux_loss).backward()
+    assert layer.gate.weight.grad.abs().sum() > 0
+    assert clone.gate.weight.grad is None
+
+
+def test_averaged_model_and_ema_after_forward():
+    layer, out = _trained_once()
+    ema = torch.optim.swa_utils.AveragedModel(
+        layer, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    (out.sum() + layer.aux_loss).backward()
+    ema.update_parameters(layer)                      # the first update copies
+    with torch.no_grad():
+        layer.w1.add_(1.0)
+    ema.update_parameters(layer)
+    torch.testing.assert_close(ema.module.w1, layer.w1 - 0.9)
+
+
+def test_pickle_module_and_state_dict_after_forward():
+    layer, _ = _trained_once()
+    for obj in (layer, layer.state_dict()):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=False)
+    restored = pickle.loads(pickle.dumps(layer))
+    assert torch.equal(restored.w2, layer.w2)
+    assert restored(torch.randn(3, 8)).shape == (3, 8)
+
+
+# ------------------------------------------ 4. non-finite or meaningless settings are refused
+
+def test_empty_batch_aux_loss_is_zero_and_trains():
+    layer = sonic.MoE(8, 4, 4, 2, aux_loss_coef=0.5)
+    x = torch.randn(0, 8, requires_grad=True)
+    out = layer(x)
+    assert layer.aux_loss.item() == 0
+    (out.sum() + layer.aux_loss).backward()
+    assert torch.isfinite(layer.gate.weight.grad).all()
+
+
+@pytest.mark.parametrize("coef,error", [(-1.0, ValueError), (float("nan"), ValueError),
+                                        (float("inf"), ValueError), ("0.1", TypeError),
+                                        (True, TypeError)])
+def test_aux_loss_coef_validated(coef, error):
+    with pytest.raises(error, match="aux_loss_coef"):
+        sonic.MoE(8, 4, 4, 2, aux_loss_coef=coef)
+    layer = sonic.MoE(8, 4, 4, 2)
+    with pytest.raises(error, match="aux_loss_coef"):
+        layer.aux_loss_coef = coef
+
+
+@pytest.mark.parametrize("coef", ["-1", "nan", "inf"])
+def test_train_cli_rejects_aux_loss_coef(coef, capsys):
+    from sonic.train.__main__ import main
+    from sonic.train.loop import TrainConfig
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--aux-loss-coef", coef, "--steps", "1"])
+    assert exc.value.code == 2 and "--aux-loss-coef" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="aux_loss_coef"):
+        TrainConfig(aux_loss_coef=float(coef))
+
+
+@pytest.mark.parametrize("field", ["token_idx", "expert_idx"])
+def test_float_indices_in_routing_raise(field):
+    _, _, _, s, tok, exp = random_problem(10, 8, 4, 3, K=2)
+    pairs = {"token_idx": tok, "expert_idx": exp}
+    pairs[field] = pairs[field].float() + 0.5
+    with pytest.raises(TypeError, match=field):
+        sonic.Routing(pairs["token_idx"], pairs["expert_idx"], s, 10, 3)
+
+
+def test_renormalize_must_be_bool():
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        sonic.MoE(8, 4, 4, 2, renormalize="no")
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        sonic.topk_routing(torch.randn(5, 4), 2, score="topk_softmax", renormalize="no")
+
+
+def test_routing_top_k_must_match_pair_count():
+    r = sonic.topk_routing(torch.randn(5, 4), 2)
+    with pytest.raises(ValueError, match="top_k"):
+        sonic.Routing(r.token_idx[:-1], r.expert_idx[:-1], r.scores[:-1], 5, 4, top_k=2)
+    with pytest.raises(ValueError, match="top_k"):
+        sonic.Routing(r.token_idx, r.expert_idx, r.scores, 5, 4, top_k=3)
+
+
+def test_routing_top_k_must_be_token_major():
+    r = sonic.topk_routing(torch.randn(5, 4), 2)
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(3))
+    shuffled = sonic.Routing(r.token_idx[perm], r.expert_idx[perm], r.scores[perm], 5, 4, top_k=2)
+    with pytest.raises(ValueError, match="token-major"):
+        sonic.routing_metadata(shuffled)
+    # Without top_k the same pairs are fine and give the same layer output.
+    general = sonic.Routing(r.token_idx[perm], r.expert_idx[perm], r.scores[perm], 5, 4)
+    assert sonic.routing_metadata(general).num_pairs == 10
+
+
+@pytest.mark.parametrize("kw,error", [({"num_tokens": 5.0}, TypeError),
+                                      ({"num_experts": -1}, ValueError),
+                                      ({"validated": 1}, TypeError),
+                                      ({"scores": torch.ones(10, dtype=torch.int32)}, TypeError),
+                                      ({"scores": torch.ones(9)}, ValueError)])
+def test_routing_fields_validated(kw, error):
+    r = sonic.topk_routing(torch.randn(5, 4), 2)
+    fields = dict(token_idx=r.token_idx, expert_idx=r.expert_idx, scores=r.scores,
+                  num_tokens=5, num_experts=4)
+    fields.update(kw)
+    with pytest.raises(error, match=next(iter(kw))):
+        sonic.Routing(**fields)
+
+
+def test_float64_layer_keeps_float64_scores_and_passes_gradcheck():
+    torch.manual_seed(0)
+    layer = sonic.MoE(6, 3, 4, 2, dtype=torch.float64)
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    params = dict(layer.named_parameters())
+
+    def fn(x, gate, w1, w2):
+        return torch.func.functional_call(layer, {"gate.weight": gate, "w1": w1, "w2": w2}, (x,))
+
+    assert torch.autograd.gradcheck(fn, (x, params["gate.weight"], params["w1"], params["w2"]))
+
+
+def test_float32_and_bfloat16_layers_keep_fp32_scores():
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = sonic.MoE(8, 4, 4, 2, dtype=dtype)
+        layer(torch.randn(3, 8, dtype=dtype))
+        assert layer.last_routing.scores.dtype == torch.float32
+
+
+# ------------------------------------------------------------- 5. errors that say what to do
+
+def test_wrong_input_dtype_names_x_and_layer_dtype():
+    layer = sonic.MoE(8, 4, 4, 2)
+    with pytest.raises(TypeError, match=r"x .*float64.*float32"):
+        layer(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layer([[0.0] * 8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_layer_runs_shape_only(dtype):
+    layer = sonic.MoE(8, 4, 4, 2, device="meta", dtype=dtype, aux_loss_coef=0.1)
+    out = layer(torch.empty(2, 3, 8, device="meta", dtype=dtype, requires_grad=True))
+    assert out.shape == (2, 3, 8) and out.device.type == "meta"
+    (out.sum() + layer.aux_loss).backward()
+    assert layer.w1.grad.shape == layer.w1.shape
+
+
+@pytest.mark.parametrize("text", ["1" * 20 + ",8,8,4,2", "64,8,8,4," + "9" * 20,
+                                  "2147483647,2147483647,2147483647,8,2"])
+def test_parse_config_rejects_huge_sizes(text, capsys):
+    import argparse
+
+    from sonic.baselines.configs import parse_config
+    from sonic.memory.__main__ import main
+
+    with pytest.raises(argparse.ArgumentTypeError, match="at most"):
+        parse_config(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", text])
+    assert exc.value.code == 2 and "--config" in capsys.readouterr().err
+
+
+def test_train_cli_empty_data_file(tmp_path, capsys):
+    from sonic.train.__main__ import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["--data", str(empty), "--steps", "1", "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--data" in err and "empty" in err
