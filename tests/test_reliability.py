@@ -333,3 +333,47 @@ def test_train_cli_empty_data_file(tmp_path, capsys):
         main(["--data", str(empty), "--steps", "1", "--device", "cpu", "--no-progress"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--data" in err and "empty" in err
+
+
+# ------------------------------------------- training under anomaly detection / determinism
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, router):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.moe = sonic.MoE(16, 8, 4, 2, router=router, tile=4, aux_loss_coef=0.01)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(h + self.moe(h))
+
+
+def _train_step(router, seed=0):
+    torch.manual_seed(seed)
+    model = _TinyLM(router)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 32, (3, 10), generator=torch.Generator().manual_seed(seed))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+    (loss + model.moe.aux_loss).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_training_step_under_anomaly_detection(router):
+    with torch.autograd.set_detect_anomaly(True):
+        params = _train_step(router)
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_training_step_under_deterministic_algorithms(router):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = _train_step(router), _train_step(router)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
