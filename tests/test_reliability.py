@@ -384,3 +384,15 @@ def test_training_step_under_deterministic_algorithms(router):
 def test_explain_backend_says_cute_would_raise():
     line = sonic.explain_backend("cute", "cpu")
     assert "raise" in line and "not a CUDA GPU" in line
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_still_works_with_the_guard(use_reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = sonic.MoE(8, 4, 4, 2)
+    x = torch.randn(6, 8, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=use_reentrant).sum().backward()
+    expect = torch.autograd.grad(layer(x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expect)
