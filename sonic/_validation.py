@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from numbers import Real
 
 import torch
 
@@ -54,6 +56,20 @@ def check_int(name: str, value, *, low: int, high: int | None = None) -> None:
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+def check_bool(name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is a ``bool`` (a string such as ``"no"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_non_negative(name: str, value) -> None:
+    """Raise unless ``value`` is a finite real number ``>= 0`` (not a bool, NaN or inf)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
 def can_read_values(t: torch.Tensor) -> bool:
     """Whether checking index values is possible and cheap enough here: not on meta/fake tensors,
     not while a CUDA graph is being captured, and not under ``torch.compile`` tracing."""
@@ -66,6 +82,19 @@ def can_read_values(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling()
 
 
+def read_min_max(*tensors: torch.Tensor) -> list[tuple[int, int] | None]:
+    """``(min, max)`` of each integer tensor, all in one host read (one synchronisation on CUDA);
+    ``None`` for tensors whose values cannot be read (see :func:`can_read_values`)."""
+    readable = [i for i, t in enumerate(tensors) if can_read_values(t)]
+    bounds: list[tuple[int, int] | None] = [None] * len(tensors)
+    if readable:
+        values = torch.stack([torch.stack(torch.aminmax(tensors[i])).to(torch.int64)
+                              for i in readable]).tolist()
+        for i, (lo, hi) in zip(readable, values):
+            bounds[i] = (lo, hi)
+    return bounds
+
+
 def check_index_ranges(**checks: tuple[torch.Tensor, int]) -> None:
     """Raise ``ValueError`` unless every value of each ``name=(t, upper)`` is in ``[0, upper)``.
 
@@ -73,11 +102,13 @@ def check_index_ranges(**checks: tuple[torch.Tensor, int]) -> None:
     synchronisation, however many tensors); tensors whose values cannot be read (see
     :func:`can_read_values`) are skipped.
     """
-    readable = {name: (t, upper) for name, (t, upper) in checks.items() if can_read_values(t)}
-    if not readable:
-        return
-    bounds = torch.stack([torch.stack(torch.aminmax(t)).to(torch.int64)
-                          for t, _ in readable.values()]).tolist()
-    for (name, (_, upper)), (lo, hi) in zip(readable.items(), bounds):
-        if lo < 0 or hi >= upper:
-            raise ValueError(f"{name} values must be in [0, {upper}), got values in [{lo}, {hi}]")
+    bounds = read_min_max(*(t for t, _ in checks.values()))
+    for (name, (_, upper)), bound in zip(checks.items(), bounds):
+        check_range(name, bound, upper)
+
+
+def check_range(name: str, bound: tuple[int, int] | None, upper: int) -> None:
+    """Raise ``ValueError`` unless ``bound`` (from :func:`read_min_max`) lies in ``[0, upper)``."""
+    if bound is not None and (bound[0] < 0 or bound[1] >= upper):
+        raise ValueError(f"{name} values must be in [0, {upper}), got values in "
+                         f"[{bound[0]}, {bound[1]}]")

@@ -8,6 +8,8 @@ dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (DESIGN �
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
@@ -15,6 +17,27 @@ from sonic._validation import (check_choice, check_float, check_index, check_ind
 from sonic.backend import ExpertOps, expert_ops
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import RoutingMetadata
+
+
+def first_order_only(backward):
+    """Make a hand-written ``backward`` refuse ``create_graph=True``.
+
+    Such a backward works on saved tensors that carry no graph (H, the metadata), so a graph
+    recorded through it would miss terms: the second derivative would be wrong without any
+    error. Grad mode is on inside ``backward`` exactly when the caller asked for
+    ``create_graph=True``, so refusing then is cheap and never refuses plain training.
+    """
+    @functools.wraps(backward)
+    def guarded(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "sonic's MoE expert backward is not twice differentiable, so it cannot run "
+                "with create_graph=True (gradient penalties, Hessian-vector products, "
+                "double backward). Take first-order gradients with create_graph=False, or, where "
+                "second derivatives are needed, write the experts with plain PyTorch ops "
+                "(a per-expert loop) whose backward autograd records.")
+        return backward(ctx, *grads)
+    return guarded
 
 
 class MoEExpertsFunction(torch.autograd.Function):
@@ -39,6 +62,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         x, w1, w2, h, scores, *meta_tensors = ctx.saved_tensors
         meta = RoutingMetadata.from_tensors(meta_tensors, *ctx.meta_sizes)
@@ -115,7 +139,9 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
             ``gate_up``/``backend``.
-        RuntimeError: ``backend="cute"`` where the kernels cannot run.
+        RuntimeError: ``backend="cute"`` where the kernels cannot run; in backward, a
+            ``create_graph=True`` differentiation (the backward is hand-written and not twice
+            differentiable, so it refuses rather than return a wrong second derivative).
 
     Source: SonicMoE (arXiv 2512.14080) §3.2 and Appendix C.
     """

@@ -17,13 +17,24 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` needs 16-byte aligned base and non-unit strides."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
+def _grouped_mm_layout_ok(t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``t``'s layout: a 16-byte aligned base, one of the
+    last two dims with stride 1 and the other's stride spanning the rows and a multiple of 16
+    bytes (the checks it makes itself, with an error rather than a fallback)."""
+    if t.data_ptr() % 16:
+        return False
+    align = 16 // t.element_size()
+    (rows, cols), (row_stride, col_stride) = t.shape[-2:], t.stride()[-2:]
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride % align == 0
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride % align == 0
+    return False
 
 
-def _use_grouped_mm(*operands: torch.Tensor) -> bool:
+def _use_grouped_mm(out_cols: int, *operands: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` serves these operands; elsewhere (fp64/fp16, d or n such
+    as 1 or 3 whose rows are not 16-byte multiples, strided views) a loop over experts runs."""
     a = operands[0]
     if not hasattr(torch, "_grouped_mm"):  # PyTorch < 2.8
         return False
@@ -31,7 +42,9 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
         ok_dtype = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
     else:
         ok_dtype = a.dtype in (torch.float32, torch.bfloat16)
-    return ok_dtype and (a.device.type == "meta" or all(_aligned(t) for t in operands))
+    # The output's rows are out_cols wide and must be 16-byte multiples too.
+    return (ok_dtype and out_cols * a.element_size() % 16 == 0
+            and all(_grouped_mm_layout_ok(t) for t in operands))
 
 
 def _expert_bounds(offsets: torch.Tensor) -> list[int]:
@@ -54,7 +67,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     """
     if gather_idx is not None:
         a = a.index_select(0, gather_idx)
-    if _use_grouped_mm(a, b):
+    if a.device.type == "meta":  # shapes only: nothing to compute, no offsets to read
+        return a.new_empty(a.shape[0], b.shape[-1])
+    if _use_grouped_mm(b.shape[-1], a, b):
         return torch._grouped_mm(a, b, offs=offsets[1:])
     out = a.new_empty(a.shape[0], b.shape[-1])
     bounds = _expert_bounds(offsets)
@@ -82,9 +97,11 @@ def grouped_mm_varlen_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     if gather_idx_b is not None:
         b = b.index_select(0, gather_idx_b)
     at = a.t()
-    if _use_grouped_mm(at, b):
-        return torch._grouped_mm(at, b, offs=offsets[1:])
     num_experts = offsets.shape[0] - 1
+    if a.device.type == "meta":
+        return a.new_empty(num_experts, a.shape[1], b.shape[1])
+    if _use_grouped_mm(b.shape[1], at, b):
+        return torch._grouped_mm(at, b, offs=offsets[1:])
     out = a.new_zeros(num_experts, a.shape[1], b.shape[1])
     bounds = _expert_bounds(offsets)
     for e in range(num_experts):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sonic._validation import check_index_ranges
+from sonic._validation import check_range, read_min_max
 from sonic.routing.types import Routing
 
 
@@ -76,19 +76,36 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
     Returns:
         A :class:`RoutingMetadata` on the routing's device, deterministic (stable order within
         each expert). Built without a device→host synchronisation when ``routing.validated``
-        (sonic's routers); otherwise the index ranges are checked first, one host read.
+        (sonic's routers); otherwise the index ranges, and with ``top_k`` the token-major
+        order, are checked first, in one host read. A ``validated`` routing is trusted: its
+        values are not read, so that the GPU fast path stays free of synchronisation.
 
     Raises:
-        ValueError: an index outside ``[0, T)`` / ``[0, E)``.
+        ValueError: an index outside ``[0, T)`` / ``[0, E)``, or a ``top_k`` routing whose
+            pairs are not token-major (pair ``t·K + j`` must belong to token ``t``).
     """
     from sonic.backend import expert_ops
 
     if not routing.validated:
-        check_index_ranges(token_idx=(routing.token_idx, routing.num_tokens),
-                           expert_idx=(routing.expert_idx, routing.num_experts))
+        _check_hand_built(routing)
     ops = expert_ops(backend, routing.token_idx.device)
     return ops.metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
                         routing.num_experts, top_k=routing.top_k)
+
+
+def _check_hand_built(routing: Routing) -> None:
+    tensors = [routing.token_idx, routing.expert_idx]
+    if routing.top_k is not None:
+        # Zero everywhere exactly when pair p belongs to token p // top_k.
+        pair_token = torch.arange(routing.num_pairs, device=routing.token_idx.device) // routing.top_k
+        tensors.append(routing.token_idx.long() - pair_token)
+    token_bound, expert_bound, *layout = read_min_max(*tensors)
+    check_range("token_idx", token_bound, routing.num_tokens)
+    check_range("expert_idx", expert_bound, routing.num_experts)
+    if layout and layout[0] is not None and layout[0] != (0, 0):
+        raise ValueError(f"Routing with top_k={routing.top_k} needs token-major pairs (pair "
+                         f"t·top_k + j belongs to token t), but token_idx does not follow "
+                         f"that order; use top_k=None for pairs in any order")
 
 
 def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sonic._validation import check_choice, check_float, check_int
+from sonic._validation import check_bool, check_choice, check_float, check_int
 from sonic.reference.ops import accumulate_dtype
 from sonic.routing.types import Routing
 
@@ -54,7 +54,9 @@ class TopKScores(torch.autograd.Function):
     The forward runs the bitonic top-K kernel where the backend resolves to the CuTe kernels,
     and a stable sort otherwise. For backward it keeps only the ``(T, K)`` scores and indices
     (plus, for ``"topk_softmax"``, the logits by reference to recompute the softmax) rather than
-    the ``(T, E)`` sort results plain autograd would keep.
+    the ``(T, E)`` sort results plain autograd would keep. The backward is made of
+    differentiable torch ops on the saved output and input, so ``create_graph=True`` records it
+    and second derivatives are exact (``gradgradcheck`` in the tests).
     """
 
     @staticmethod
@@ -105,7 +107,7 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         k: experts per token, ``1 <= k <= E``.
         score: ``"softmax_topk"`` — softmax over the K selected logits (sums to 1), or
             ``"topk_softmax"`` — the K largest entries of the softmax over all E experts.
-        renormalize: with ``"topk_softmax"``, divide the K scores by their sum.
+        renormalize: with ``"topk_softmax"``, divide the K scores by their sum (a ``bool``).
         backend: ``"auto"`` runs the bitonic top-K kernel (paper §4.3) on a supported GPU for
             bf16/fp32 logits with ``E <= 512`` and ``k <= 16``, a stable sort otherwise;
             ``"torch"`` always the stable sort; ``"cute"`` requires a supported GPU.
@@ -119,12 +121,13 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
 
     Raises:
         TypeError / ValueError: ``logits`` not a 2-D float tensor, ``k`` outside ``[1, E]``,
-            unknown ``score`` or ``backend``.
+            ``renormalize`` not a bool, unknown ``score`` or ``backend``.
     """
     from sonic.backend import resolve_backend
 
     check_router_args(logits, k)
     check_choice("score", score, SCORES)
+    check_bool("renormalize", renormalize)
     num_tokens, num_experts = logits.shape
     use_kernel = resolve_backend(backend, logits.device) == "cute" and _kernel_fits(logits, k)
     scores, idx = TopKScores.apply(logits, k, score, renormalize, use_kernel)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sonic._validation import (check_bool, check_float, check_index, check_int,
+                               check_same_device)
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -27,6 +30,17 @@ class Routing:
 
     Pairs may come in any order; a token may have 0..E pairs and an expert 0..T.
     ``P = T·K`` for top-K token choice and data-dependent for token rounding.
+
+    Construction checks what needs no look at the values (no device→host synchronisation):
+    types, dtypes, shapes, devices, and ``P == num_tokens·top_k`` when ``top_k`` is set. Index
+    values (ranges, and the token-major order that ``top_k`` promises) are checked by
+    :func:`sonic.routing_metadata` for ``validated=False`` routings, in one host read.
+
+    Raises:
+        TypeError: a field of the wrong type or dtype (indices must be int32/int64, scores
+            floating point, sizes ints, ``validated`` a bool).
+        ValueError: tensors that are not 1-D of one length ``P`` on one device, negative sizes,
+            or ``top_k`` with ``P != num_tokens·top_k``.
     """
 
     token_idx: torch.Tensor
@@ -36,6 +50,28 @@ class Routing:
     num_experts: int
     top_k: int | None = None
     validated: bool = False
+
+    def __post_init__(self):
+        check_index("token_idx", self.token_idx)
+        check_index("expert_idx", self.expert_idx)
+        check_float("scores", self.scores, ndim=1)
+        check_same_device(token_idx=self.token_idx, expert_idx=self.expert_idx,
+                          scores=self.scores)
+        num_pairs = self.token_idx.shape[0]
+        for name in ("expert_idx", "scores"):
+            if getattr(self, name).shape[0] != num_pairs:
+                raise ValueError(f"{name} must have shape (P={num_pairs},) like token_idx, got "
+                                 f"{tuple(getattr(self, name).shape)}")
+        check_int("num_tokens", self.num_tokens, low=0)
+        check_int("num_experts", self.num_experts, low=0)
+        check_bool("validated", self.validated)
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, low=1)
+            if num_pairs != self.num_tokens * self.top_k:
+                raise ValueError(
+                    f"top_k={self.top_k} promises P = num_tokens·top_k = "
+                    f"{self.num_tokens * self.top_k} token-major pairs, got P={num_pairs}; "
+                    "use top_k=None for pairs in any other layout")
 
     @property
     def num_pairs(self) -> int:

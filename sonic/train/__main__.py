@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from sonic.train.loop import TrainConfig, train
@@ -27,6 +28,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
@@ -72,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "expert T*K/E = 2048*2/8 = 512 tokens per step, and a tile of 32 "
                         "moves a count by at most 16 (~3%%) under nearest rounding, whereas "
                         "128 would move it by up to 64 (~12%%). Keep it well below T*K/E.")
-    p.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef,
+    p.add_argument("--aux-loss-coef", type=_non_negative_float, default=d.aux_loss_coef,
                    help="coefficient of each MoE layer's load-balancing loss")
     p.add_argument("--lr", type=_positive_float, default=d.lr,
                    help="peak AdamW learning rate (linear warmup, cosine decay to 10%%)")

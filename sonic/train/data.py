@@ -18,16 +18,19 @@ def load_text(path: str | Path | None = None) -> str:
             every Python (``pydoc_data.topics.topics``, the values joined in key order, ~0.46 MB).
 
     Raises:
-        ValueError: the file cannot be read or is not valid UTF-8.
+        ValueError: the file cannot be read, is not valid UTF-8, or is empty.
     """
     if path is None:
         from pydoc_data.topics import topics
 
         return "".join(topics[key] for key in sorted(topics))
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"data: cannot read {str(path)!r} as UTF-8 text: {err}") from err
+        raise ValueError(f"--data: cannot read {str(path)!r} as UTF-8 text: {err}") from err
+    if not text:
+        raise ValueError(f"--data: {str(path)!r} is empty; expected a non-empty UTF-8 text file")
+    return text
 
 
 class ByteCorpus:

@@ -81,8 +81,9 @@ class TrainConfig:
             raise ValueError(f"top_k: expected at most experts={self.experts}, got {self.top_k}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr: expected a positive finite number, got {self.lr!r}")
-        if not self.aux_loss_coef >= 0:
-            raise ValueError(f"aux_loss_coef: expected a number >= 0, got {self.aux_loss_coef!r}")
+        if not (math.isfinite(self.aux_loss_coef) and self.aux_loss_coef >= 0):
+            raise ValueError(f"aux_loss_coef: expected a finite number >= 0, "
+                             f"got {self.aux_loss_coef!r}")
         if not self.grad_clip > 0:
             raise ValueError(f"grad_clip: expected a positive number, got {self.grad_clip!r}")
         if self.dtype not in _DTYPES:

@@ -1,0 +1,342 @@
+"""GPU stress test and compute-sanitizer driver: sonic's kernel paths against the reference.
+
+Every case goes through the public API (``sonic.topk_routing``, ``sonic.token_rounding_routing``,
+``sonic.routing_metadata``, ``sonic.moe_experts``, ``sonic.MoE``), runs forward and backward
+with ``backend="auto"`` (the CuTe kernels where they serve the call) and with
+``backend="torch"`` (the PyTorch reference) on the same inputs, and compares the output and
+every gradient by ``‖auto − torch‖ / ‖torch‖``: at most 3e-2 in bf16, 1e-4 in fp32. A NaN or
+inf anywhere, routings that differ, or an exception count as a failure. Token-rounding cases
+route both sides by the reference token choice (the kernel's softmax may differ in the last
+bit, which can legitimately change which near-equal picks rounding drops) and check the
+``"auto"`` token-rounding routing separately by its guarantees.
+
+Modes:
+
+``--sanitize``: a few small cases that together reach every kernel path (top-K and token
+rounding routers, gate/up concatenated and interleaved, an expert with no tokens, one expert
+taking every token, T = 1, T = 0, bf16, an fp32 case for the fp32 top-K and aggregation
+kernels, the ``sonic.MoE`` layer), one line per case; small enough for compute-sanitizer::
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no python benchmarks/stress_gpu.py --sanitize
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck --report-api-errors no python benchmarks/stress_gpu.py --sanitize
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool synccheck --report-api-errors no python benchmarks/stress_gpu.py --sanitize
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --report-api-errors no python benchmarks/stress_gpu.py --sanitize
+
+(each ends with compute-sanitizer's ``ERROR SUMMARY``; a clean run reports 0 errors.)
+
+``--random N --seconds S``: up to N randomized cases or S seconds, whichever comes first::
+
+    python benchmarks/stress_gpu.py --random 2000 --seconds 900 --seed 0
+
+Shapes ``(T, d, n, E, K)`` mix multiples of 64 for ``d`` and ``n`` (the kernel path) with sizes
+that are not (8, 24, 72, 100, 3: the fallbacks); routings are top-K, token rounding (tiles 16,
+64, 128) or hand-built pairs with empty and hot experts; dtypes bf16 and fp32; both gate/up
+layouts. One line per case, the failures marked ``FAIL``.
+
+Both modes end with ``N cases, F failures`` as the last line and exit with status 1 if any case
+failed.
+
+NaN poisoning: the API allocates its outputs and intermediates itself (no ``out=`` argument),
+so they cannot be handed in pre-filled. Instead, before each random case the CUDA caching
+allocator's pool is poisoned: blocks filled with all-ones bytes (NaN in bf16 and fp32) are
+allocated and freed, so the case's uninitialised allocations are carved out of NaN memory and
+a read of an element no kernel wrote shows up as a non-finite result. This needs the caching
+allocator, so it is off under ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``; there compute-sanitizer's
+initcheck finds such reads instead.
+
+``--device cpu`` runs the same cases on the CPU (both sides are then the reference): a quick
+check of this script itself. Importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+import sonic
+
+THRESHOLDS = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
+ROUTERS = ("topk", "token_rounding", "empty_experts", "hot_expert")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One stress case. ``router``: a sonic router, or hand-built pairs with experts 0 and E-1
+    left empty (``"empty_experts"``) or most pairs on one expert (``"hot_expert"``)."""
+
+    T: int
+    d: int
+    n: int
+    E: int
+    K: int
+    router: str = "topk"
+    dtype: torch.dtype = torch.bfloat16
+    gate_up: str = "concat"
+    tile: int = 64
+    layer: bool = False          # through sonic.MoE rather than the functional API
+
+    def __str__(self) -> str:
+        kind = "MoE layer" if self.layer else self.router
+        return (f"T={self.T} d={self.d} n={self.n} E={self.E} K={self.K} {kind} "
+                f"{str(self.dtype).removeprefix('torch.')} {self.gate_up}"
+                + (f" tile={self.tile}" if self.router == "token_rounding" else ""))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("nan")
+    diff, ref = (a - b).norm().item(), b.norm().item()
+    return diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _hand_pairs(case: Case, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs in a random order: ``"empty_experts"`` spreads ``K`` distinct experts per token
+    over experts 1..E-2 (0 and E-1 get none; with E <= 2 expert 0 takes all); ``"hot_expert"``
+    sends every token to expert E // 2 and some also elsewhere."""
+    T, E, K = case.T, case.E, case.K
+    tokens, experts = [], []
+    for t in range(T):
+        if case.router == "empty_experts":
+            pool = torch.arange(1, E - 1) if E > 2 else torch.zeros(1, dtype=torch.long)
+            chosen = pool[torch.randperm(pool.numel(), generator=g)[:K]]
+        else:
+            hot = E // 2
+            others = torch.tensor([e for e in range(E) if e != hot], dtype=torch.long)
+            extra = int(torch.randint(0, K, (1,), generator=g))
+            chosen = torch.cat([torch.tensor([hot]),
+                                others[torch.randperm(others.numel(), generator=g)[:extra]]])
+        tokens += [t] * chosen.numel()
+        experts += chosen.tolist()
+    perm = torch.randperm(len(tokens), generator=g)
+    return (torch.tensor(tokens, dtype=torch.int32)[perm],
+            torch.tensor(experts, dtype=torch.int32)[perm])
+
+
+def _inputs(case: Case, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Inputs on ``device``, identical for both backends. Router logits are bf16-representable
+    so that the top-K kernel (which orders fp32 by value with the lowest log2(E) mantissa bits
+    cleared) picks exactly what the stable sort picks."""
+    g = torch.Generator().manual_seed(seed)
+    T, d, n, E = case.T, case.d, case.n, case.E
+    made = {
+        "x": torch.randn(T, d, generator=g),
+        "w1": torch.randn(E, 2 * n, d, generator=g) / d ** 0.5,
+        "w2": torch.randn(E, d, n, generator=g) / n ** 0.5,
+        "logits": torch.randn(T, E, generator=g).bfloat16().float(),
+    }
+    if case.router in ("empty_experts", "hot_expert"):
+        made["token_idx"], made["expert_idx"] = _hand_pairs(case, g)
+        made["scores"] = torch.rand(made["token_idx"].numel(), generator=g) + 0.1
+    out = {}
+    for name, t in made.items():
+        if t.is_floating_point() and name in ("x", "w1", "w2"):
+            t = t.to(case.dtype)
+        elif name == "logits" and case.dtype == torch.bfloat16:
+            t = t.to(case.dtype)
+        out[name] = t.to(device)
+    return out
+
+
+def _run(case: Case, inputs: dict[str, torch.Tensor], backend: str):
+    """Forward + backward with ``backend``: ``(routing pairs, {name: tensor})`` with the output
+    and the gradient of every differentiable input."""
+    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+              for k, v in inputs.items()}
+    if case.layer:
+        layer = sonic.MoE(case.d, case.n, case.E, case.K, router=case.router, tile=case.tile,
+                          gate_up=case.gate_up, aux_loss_coef=0.01, backend=backend,
+                          device=leaves["x"].device, dtype=case.dtype)
+        with torch.no_grad():
+            layer.w1.copy_(leaves["w1"])
+            layer.w2.copy_(leaves["w2"])
+            layer.gate.weight.copy_(torch.linspace(-1, 1, case.E * case.d).reshape(case.E, case.d))
+        out = layer(leaves["x"])
+        pairs = (layer.last_routing.token_idx, layer.last_routing.expert_idx)
+        aux = layer.aux_loss
+        named = {"w1": layer.w1, "w2": layer.w2, "gate": layer.gate.weight}
+    else:
+        if case.router == "topk":
+            routing = sonic.topk_routing(leaves["logits"], case.K, backend=backend)
+        elif case.router == "token_rounding":
+            # Token choice by the reference on both sides: the top-K kernel's fused softmax may
+            # differ from torch's in the last bit, which can reorder near-equal picks of an
+            # expert and so which ones rounding drops; _check_token_rounding covers the kernel.
+            routing = sonic.token_rounding_routing(leaves["logits"], case.K, tile=case.tile,
+                                                   backend="torch")
+        else:
+            routing = sonic.Routing(leaves["token_idx"], leaves["expert_idx"], leaves["scores"],
+                                    case.T, case.E)
+        meta = sonic.routing_metadata(routing, backend=backend)
+        out = sonic.moe_experts(leaves["x"], leaves["w1"], leaves["w2"], routing.scores,
+                                routing.token_idx, routing.expert_idx, gate_up=case.gate_up,
+                                backend=backend, metadata=meta)
+        pairs = (routing.token_idx, routing.expert_idx)
+        aux = None
+        named = {"w1": leaves["w1"], "w2": leaves["w2"]}
+        named["scores" if "scores" in leaves else "logits"] = leaves.get("scores",
+                                                                         leaves["logits"])
+    grad_out = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
+    loss = (out.float() * grad_out).sum() + (aux if aux is not None else 0)
+    loss.backward()
+    results = {"out": out.detach(), "x.grad": leaves["x"].grad}
+    for name, t in named.items():
+        results[f"{name}.grad"] = t.grad
+    return pairs, results
+
+
+def _check_token_rounding(case: Case, logits: torch.Tensor) -> str | None:
+    """Token rounding with the ``"auto"`` token choice (the top-K kernel): what is wrong with
+    its routing, or None. Checked by its guarantees rather than against the reference (see
+    :func:`_run`): every count a multiple of the tile or clamped to T and within a tile of the
+    token-choice count, pairs unique and in range, scores finite and in [0, 1]."""
+    logits = logits.detach().requires_grad_()
+    r = sonic.token_rounding_routing(logits, case.K, tile=case.tile, backend="auto")
+    r.scores.sum().backward()
+    counts = torch.bincount(r.expert_idx.long(), minlength=case.E)
+    tc = torch.bincount(sonic.topk_routing(logits.detach(), case.K).expert_idx.long(),
+                        minlength=case.E)
+    keys = r.expert_idx.long() * max(case.T, 1) + r.token_idx.long()
+    if not bool(((counts % case.tile == 0) | (counts == case.T)).all()):
+        return "token rounding (auto): a count is neither a multiple of the tile nor T"
+    if not bool(((counts - tc).abs() < case.tile).all()):
+        return "token rounding (auto): a count moved by a tile or more"
+    if keys.unique().numel() != keys.numel() or (r.token_idx.numel() and (
+            int(r.token_idx.min()) < 0 or int(r.token_idx.max()) >= case.T)):
+        return "token rounding (auto): repeated or out-of-range pairs"
+    s = r.scores.detach()
+    if not bool((torch.isfinite(s) & (s >= 0) & (s <= 1)).all()):
+        return "token rounding (auto): a score is not finite or outside [0, 1]"
+    if not bool(torch.isfinite(logits.grad).all()):
+        return "token rounding (auto): non-finite logits gradient"
+    return None
+
+
+def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str]:
+    """``(passed, one-line summary)`` of one case; exceptions are failures, not crashes."""
+    try:
+        inputs = _inputs(case, seed, device)
+        _poison_allocator(case, device)
+        if case.router == "token_rounding":
+            problem = _check_token_rounding(case, inputs["logits"])
+            if problem:
+                return False, problem
+        pairs_auto, auto = _run(case, inputs, "auto")
+        pairs_ref, ref = _run(case, inputs, "torch")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as err:  # noqa: BLE001 - report and go on with the next case
+        return False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    if not all(torch.equal(a.long(), b.long()) for a, b in zip(pairs_auto, pairs_ref)):
+        return False, "routings differ between backends"
+    threshold = THRESHOLDS[case.dtype]
+    errors = {}
+    for name, r in ref.items():
+        a = auto[name]
+        if (a is None) != (r is None):
+            return False, f"{name}: gradient missing on one backend"
+        if r is not None and r.numel():
+            errors[name] = _rel(a, r)
+    worst = max(errors, key=lambda k: errors[k] if errors[k] == errors[k] else float("inf"),
+                default=None)
+    passed = all(e <= threshold for e in errors.values())  # NaN compares False: a failure
+    summary = "empty" if worst is None else f"max rel err {errors[worst]:.2e} ({worst})"
+    return passed, summary
+
+
+def _poison_allocator(case: Case, device: torch.device) -> None:
+    """Fill free blocks of the CUDA caching allocator with all-ones bytes (NaN as bf16/fp32):
+    a few blocks as large as the case's working set (large pool) and 1 MiB ones (small pool)."""
+    if device.type != "cuda" or os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        return
+    P = case.T * case.K + case.E * case.tile
+    working = 4 * (P * (2 * case.n + case.d) + case.T * case.d + 3 * case.E * case.n * case.d)
+    sizes = [min(working, 8 << 30)] * 4 + [1 << 20] * 64
+    blocks = [torch.full((max(s, 4) // 4,), -1, dtype=torch.int32, device=device) for s in sizes]
+    del blocks
+
+
+def sanitize_cases() -> list[Case]:
+    """Small cases reaching every kernel path once."""
+    base = dict(T=256, d=128, n=128, E=8, K=2)
+    return [
+        Case(**base, router="topk", gate_up="concat"),
+        Case(**base, router="topk", gate_up="interleaved"),
+        Case(**base, router="token_rounding", gate_up="concat", tile=64),
+        Case(**base, router="token_rounding", gate_up="interleaved", tile=64),
+        Case(**base, router="empty_experts"),
+        Case(T=256, d=128, n=128, E=8, K=1, router="hot_expert"),
+        Case(T=1, d=128, n=128, E=8, K=2, router="topk"),
+        Case(T=0, d=128, n=128, E=8, K=2, router="topk"),
+        Case(**base, router="topk", dtype=torch.float32),
+        Case(**base, router="topk", layer=True),
+    ]
+
+
+def random_case(rng: random.Random) -> Case:
+    """A random case; about a third of d, n off the multiples of 64 the kernels tile by."""
+    def dim():
+        return rng.choice([64, 128, 256, 512]) if rng.random() < 0.7 else rng.choice(
+            [3, 8, 24, 72, 100])
+
+    E = rng.choice([1, 2, 4, 8, 16, 64, 128, 256])
+    router = rng.choice(ROUTERS)
+    # The layer computes its own logits: only bf16 ones are ordered identically by the top-K
+    # kernel and the sort (see _inputs), and only top-K routing (see _run).
+    layer = router == "topk" and rng.random() < 0.2
+    return Case(T=rng.choice([1, 2, 7, 64, 129, 500, 1024, 4096]), d=dim(), n=dim(), E=E,
+                K=rng.randint(1, min(E, 8)), router=router,
+                dtype=torch.bfloat16 if layer else rng.choice([torch.bfloat16, torch.float32]),
+                gate_up=rng.choice(["concat", "interleaved"]),
+                tile=rng.choice([16, 64, 128]), layer=layer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--sanitize", action="store_true",
+                      help="small cases of every kernel path (for compute-sanitizer)")
+    mode.add_argument("--random", type=int, metavar="N", help="run up to N random cases")
+    parser.add_argument("--seconds", type=float, default=600.0,
+                        help="time limit of --random (default 600)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random cases")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (self-check)")
+    args = parser.parse_args(argv)
+    if args.random is not None and args.random < 1:
+        parser.error(f"--random must be >= 1, got {args.random}")
+    if not args.seconds > 0:
+        parser.error(f"--seconds must be > 0, got {args.seconds}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device available (use --device cpu to check "
+                     "the script itself)")
+    print(f"device {device}: {sonic.explain_backend('auto', device)}", flush=True)
+
+    rng = random.Random(args.seed)
+    cases = sanitize_cases() if args.sanitize else None
+    start, count, failures = time.monotonic(), 0, 0
+    while True:
+        if cases is not None:
+            if count == len(cases):
+                break
+            case = cases[count]
+        else:
+            if count == args.random or time.monotonic() - start > args.seconds:
+                break
+            case = random_case(rng)
+        passed, summary = run_case(case, seed=args.seed * 100003 + count, device=device)
+        count += 1
+        failures += not passed
+        print(f"{count:5d} {'ok  ' if passed else 'FAIL'} {case}: {summary}", flush=True)
+    print(f"{count} cases, {failures} failures", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
