@@ -56,14 +56,19 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
 
 
 def explain_backend(backend: str = "auto", device: torch.device | str | None = None) -> str:
-    """One line saying which backend ``backend`` resolves to on ``device`` and why."""
+    """One line saying which backend ``backend`` resolves to on ``device`` and why — or, for
+    ``"cute"`` where the kernels cannot run, that a call would raise and why."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     check_choice("backend", backend, BACKENDS)
     if backend == "torch":
         return "torch: requested"
     ok, reason = kernel_support(device)
-    return "cute: kernels available" if ok else f"torch: {reason}"
+    if ok:
+        return "cute: kernels available"
+    if backend == "cute":
+        return f"raises RuntimeError: backend='cute' cannot run here: {reason}"
+    return f"torch: {reason}"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -379,8 +379,6 @@ def test_training_step_under_deterministic_algorithms(router):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-@pytest.mark.xfail(strict=True, reason="the fix belongs in sonic/backend.py (explain_backend), "
-                   "which another engineer owns in this round; see issue 15")
 def test_explain_backend_says_cute_would_raise():
     line = sonic.explain_backend("cute", "cpu")
     assert "raise" in line and "not a CUDA GPU" in line
