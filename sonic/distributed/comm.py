@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Dtypes as small ints, for the configuration checks that travel in int64 tensors.
+DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def check_group(group) -> tuple[int, int]:
     """``(ep_size, ep_rank)`` of ``group`` (``None``: the default group).

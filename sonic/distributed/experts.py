@@ -31,12 +31,11 @@ from sonic._validation import (check_choice, check_float, check_index, check_int
                                check_same_device)
 from sonic.autograd.moe_experts import moe_experts
 from sonic.backend import expert_ops
-from sonic.distributed.comm import all_to_all, check_group
+from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What every rank sends every other rank beside its counts; all ranks compare all entries, so
 # a disagreement raises on every rank at once instead of hanging in the next collective.
 _AGREED = ("d (x.shape[1])", "n (w2_local.shape[2])", "num_experts", "dtype of x",
@@ -157,7 +156,7 @@ def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, nu
         for name, mine, theirs in zip(_AGREED, agreed, row[3:]):
             if mine != theirs:
                 if name == "dtype of x":
-                    mine, theirs = _DTYPES[mine], _DTYPES[theirs]
+                    mine, theirs = DTYPE_CODES[mine], DTYPE_CODES[theirs]
                 raise ValueError(f"EP ranks disagree on {name}: EP rank {source} has {theirs}, "
                                  f"this rank ({ep_rank}) has {mine}")
 
@@ -209,7 +208,7 @@ class Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         plan = ctx.plan
-        rows = grad_out.contiguous().index_select(0, plan.send_tokens)
+        rows = grad_out.index_select(0, plan.send_tokens)
         return all_to_all(rows, plan.recv_rows, plan.send_rows, plan.group), None, None
 
 
@@ -299,7 +298,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
                            gate_up=gate_up, backend=backend)
     ops = expert_ops(backend, x.device)
-    agreed = [d, n, num_experts, _DTYPES.index(x.dtype), int(torch.is_grad_enabled()),
+    agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
               *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local))]
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group)
     x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)

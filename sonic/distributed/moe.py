@@ -9,14 +9,13 @@ import torch.distributed as dist
 from torch import nn
 
 from sonic._validation import check_choice, check_int
-from sonic.distributed.comm import check_group, comm_device
+from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.experts import ep_moe_experts
 from sonic.nn.moe import MoE, load_balancing_loss
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.topk import SCORES, topk_routing
 from sonic.routing.types import Routing
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype")
 
@@ -81,8 +80,9 @@ class ExpertParallelMoE(nn.Module):
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, 2 * d_expert, d_model, **factory))
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, d_model, d_expert, **factory))
+        local = self.num_local_experts
+        self.w1 = nn.Parameter(torch.empty(local, 2 * d_expert, d_model, **factory))
+        self.w2 = nn.Parameter(torch.empty(local, d_model, d_expert, **factory))
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self._check_config()
@@ -91,7 +91,7 @@ class ExpertParallelMoE(nn.Module):
     def _check_config(self) -> None:
         mine = [self.d_model, self.d_expert, self.num_experts, self.top_k,
                 SCORES.index(self.score), int(self.renormalize),
-                GATE_UP_LAYOUTS.index(self.gate_up), _DTYPES.index(self.w1.dtype)]
+                GATE_UP_LAYOUTS.index(self.gate_up), DTYPE_CODES.index(self.w1.dtype)]
         device = comm_device(self.group, torch.device("cpu"))
         local = torch.tensor(mine, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(local) for _ in range(self.ep_size)]
@@ -143,7 +143,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
+            raise ValueError(f"x must have last dimension d_model={self.d_model}, "
+                             f"got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
         logits = self.gate(tokens)
         routing = topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
@@ -167,5 +168,5 @@ class ExpertParallelMoE(nn.Module):
 
 
 def _decode(name: str, code: int):
-    tables = {"score": SCORES, "gate_up": GATE_UP_LAYOUTS, "dtype": _DTYPES}
+    tables = {"score": SCORES, "gate_up": GATE_UP_LAYOUTS, "dtype": DTYPE_CODES}
     return tables[name][code] if name in tables else code
