@@ -5,6 +5,7 @@ input, the up-projection output H and routing metadata for backward; top-K token
 tile-aware token rounding routers; a PyTorch reference backend that runs everywhere.
 """
 
+from sonic import distributed
 from sonic.autograd import moe_experts
 from sonic.backend import explain_backend
 from sonic.memory import ActivationMemoryReport, profile_activation_memory
@@ -19,6 +20,7 @@ __all__ = [
     "MoE",
     "Routing",
     "RoutingMetadata",
+    "distributed",
     "explain_backend",
     "moe_experts",
     "profile_activation_memory",

@@ -1,0 +1,50 @@
+"""Process-group checks and the all-to-all primitive of expert parallelism.
+
+Everything goes through ``torch.distributed`` (gloo on CPU, NCCL on GPU); sonic has no transport
+of its own. A collective that a peer never joins waits until the process group's timeout
+(``init_process_group(..., timeout=...)``) and then raises: gloo raises ``RuntimeError``,
+NCCL's watchdog aborts the communicator. That timeout bounds every wait in this package.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Dtypes as small ints, for the configuration checks that travel in int64 tensors.
+DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_group(group) -> tuple[int, int]:
+    """``(ep_size, ep_rank)`` of ``group`` (``None``: the default group).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` unavailable or not initialised.
+        ValueError: this process is not a member of ``group``.
+    """
+    if not dist.is_available():
+        raise RuntimeError("group: torch.distributed is not available in this PyTorch build")
+    if not dist.is_initialized():
+        raise RuntimeError("group: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group first")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return dist.get_world_size(group), rank
+
+
+def comm_device(group, fallback: torch.device) -> torch.device:
+    """Where a small control tensor must live to travel over ``group``: NCCL moves CUDA
+    tensors only, gloo any."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows ``x[sum(in_splits[:j]) : ...]`` go to group rank ``j``; returns the
+    ``sum(out_splits)`` rows received, grouped by source rank (``out_splits[j]`` from rank j).
+    Not differentiable by itself: the autograd functions around it send gradients back."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out

@@ -1,0 +1,172 @@
+"""`ExpertParallelMoE`: `sonic.MoE` with its experts spread over an expert-parallel group."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sonic._validation import check_choice, check_int
+from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
+from sonic.distributed.experts import ep_moe_experts
+from sonic.nn.moe import MoE, load_balancing_loss
+from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.routing.topk import SCORES, topk_routing
+from sonic.routing.types import Routing
+
+_CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
+           "dtype")
+
+
+class ExpertParallelMoE(nn.Module):
+    """Mixture-of-Experts FFN whose ``E`` experts are split over the ranks of ``group``.
+
+    Each rank holds ``E/ep`` consecutive experts (expert ``e`` on group rank ``e // (E/ep)``)
+    and a replicated router; ``forward`` routes this rank's tokens and runs
+    :func:`sonic.distributed.ep_moe_experts`. Every rank of ``group`` must call ``forward`` and
+    ``backward`` together. With the same weights, each rank's output and gradients equal those
+    of :class:`sonic.MoE` on the concatenated batch (the router's gradient summed over ranks,
+    which the data-parallel wrapper of the replicated parameters does).
+
+    Args:
+        d_model, d_expert, num_experts, top_k, score, renormalize, gate_up, aux_loss_coef,
+        backend, device, dtype: as in :class:`sonic.MoE`. ``num_experts`` must be divisible
+            by the group size.
+        group: the EP process group (``None``: the default group).
+        router: ``"topk"``; token rounding across ranks is not implemented yet.
+
+    Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
+    ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``.
+
+    ``forward(x)``: ``x (..., d)`` → same shape and dtype. :attr:`aux_loss` is the
+    load-balancing loss of *this rank's* tokens (not of the whole batch, which would need an
+    all-reduce of the router statistics); :attr:`last_routing` the local :class:`Routing` with
+    global expert indices.
+
+    Construction is collective: one all-gather checks that all ranks agree on the
+    configuration, and the router weight is broadcast from group rank 0.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` not initialised.
+        ValueError: an argument out of range, ``num_experts`` not divisible by the group size,
+            ``router`` other than ``"topk"``, this process not in ``group``, or ranks
+            disagreeing on the configuration (raised on every rank).
+    """
+
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
+                 group=None, router: str = "topk", score: str = "softmax_topk",
+                 renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        check_int("d_model", d_model, low=1)
+        check_int("d_expert", d_expert, low=1)
+        check_int("num_experts", num_experts, low=1)
+        check_int("top_k", top_k, low=1, high=num_experts)
+        check_choice("score", score, SCORES)
+        check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
+        if router != "topk":
+            raise ValueError(f"router must be 'topk' (token rounding across EP ranks is not "
+                             f"implemented yet), got {router!r}")
+        self.ep_size, self.ep_rank = check_group(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
+                             f"{self.ep_size} (the size of group)")
+        self.group = group
+        self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
+        self.num_local_experts = num_experts // self.ep_size
+        self.router, self.score, self.renormalize = router, score, renormalize
+        self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
+        factory = {"device": device, "dtype": dtype}
+        self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
+        local = self.num_local_experts
+        self.w1 = nn.Parameter(torch.empty(local, 2 * d_expert, d_model, **factory))
+        self.w2 = nn.Parameter(torch.empty(local, d_model, d_expert, **factory))
+        self.aux_loss: torch.Tensor | None = None
+        self.last_routing: Routing | None = None
+        self._check_config()
+        self.reset_parameters()
+
+    def _check_config(self) -> None:
+        mine = [self.d_model, self.d_expert, self.num_experts, self.top_k,
+                SCORES.index(self.score), int(self.renormalize),
+                GATE_UP_LAYOUTS.index(self.gate_up), DTYPE_CODES.index(self.w1.dtype)]
+        device = comm_device(self.group, torch.device("cpu"))
+        local = torch.tensor(mine, dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        for source, theirs in enumerate(t.tolist() for t in gathered):
+            for name, a, b in zip(_CONFIG, mine, theirs):
+                if a != b:
+                    raise ValueError(f"EP ranks disagree on {name}: EP rank {source} has "
+                                     f"{_decode(name, b)}, this rank ({self.ep_rank}) has "
+                                     f"{_decode(name, a)}")
+
+    def reset_parameters(self) -> None:
+        """Collective. Router N(0, 0.02²), broadcast from group rank 0 so it is replicated;
+        experts U(±1/sqrt(fan_in)) as in :class:`sonic.MoE`, drawn from a generator seeded by
+        ``torch.initial_seed()`` and the EP rank, so ranks hold different experts even when
+        every rank seeds alike (as data-parallel training does)."""
+        nn.init.normal_(self.gate.weight, std=0.02)
+        weight = self.gate.weight.data
+        device = comm_device(self.group, weight.device)
+        shared = weight.to(device)
+        dist.broadcast(shared, group=self.group, group_src=0)
+        weight.copy_(shared)
+        generator = torch.Generator(self.w1.device).manual_seed(
+            (torch.initial_seed() + 1 + self.ep_rank) % 2**63)
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model),
+                         generator=generator)
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_expert), 1 / math.sqrt(self.d_expert),
+                         generator=generator)
+
+    @classmethod
+    def from_moe(cls, moe: MoE, *, group=None) -> "ExpertParallelMoE":
+        """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
+        its router and experts ``ep_rank·E/ep …`` copied. Collective, like the constructor.
+
+        Raises:
+            ValueError: ``moe.router`` is token rounding, or as the constructor.
+        """
+        layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
+                    router=moe.router, score=moe.score, renormalize=moe.renormalize,
+                    gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
+                    device=moe.w1.device, dtype=moe.w1.dtype)
+        experts = slice(layer.ep_rank * layer.num_local_experts,
+                        (layer.ep_rank + 1) * layer.num_local_experts)
+        with torch.no_grad():
+            layer.gate.weight.copy_(moe.gate.weight)
+            layer.w1.copy_(moe.w1[experts])
+            layer.w2.copy_(moe.w2[experts])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have last dimension d_model={self.d_model}, "
+                             f"got shape {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.d_model)
+        logits = self.gate(tokens)
+        routing = topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
+                               backend=self.backend)
+        # fp32 scores, as sonic.MoE passes them, so both layers compute the same thing.
+        out = ep_moe_experts(tokens, self.w1, self.w2, routing.scores.to(torch.float32),
+                             routing.token_idx, routing.expert_idx, group=self.group,
+                             num_experts=self.num_experts, gate_up=self.gate_up,
+                             backend=self.backend)
+        self.last_routing = routing
+        if self.aux_loss_coef and self.training:
+            self.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
+        else:
+            self.aux_loss = logits.new_zeros((), dtype=torch.float32)
+        return out.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
+                f"local_experts={self.num_local_experts}")
+
+
+def _decode(name: str, code: int):
+    tables = {"score": SCORES, "gate_up": GATE_UP_LAYOUTS, "dtype": DTYPE_CODES}
+    return tables[name][code] if name in tables else code

@@ -1,0 +1,276 @@
+"""Expert parallelism on CPU: gloo process groups of 1, 2 and 4 spawned ranks.
+
+Each spawned run executes every case once and saves per-case relative errors; the tests below
+read them. Every rank builds the whole problem from one seed, runs its share expert-parallel,
+and compares with single-process sonic on the concatenated batch (fp64, reference backend).
+"""
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sonic
+from sonic.distributed import ExpertParallelMoE, ep_moe_experts
+
+D, N = 8, 4
+TOL = 1e-10
+
+
+def _entry(rank, world, tmp, target, pg_timeout):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+    result = target(rank, world)
+    dist.destroy_process_group()
+    torch.save(result, f"{tmp}/rank{rank}.pt")
+
+
+def _spawn(world, target, tmp_path, *, pg_timeout=30, timeout=120):
+    """Run ``target(rank, world)`` on ``world`` gloo ranks; their results, by rank. Never
+    hangs: past ``timeout`` the ranks are killed and the test fails."""
+    ctx = mp.start_processes(_entry, args=(world, str(tmp_path), target, pg_timeout),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks still running after {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def _rel(a, b):
+    assert a.shape == b.shape
+    scale = b.norm()
+    return ((a - b).norm() / (scale if scale > 0 else 1)).item()
+
+
+# --- the layer: ExpertParallelMoE against sonic.MoE -------------------------------------------
+
+LAYER_CASES = {
+    # name: (tokens on rank r, E, K, forced routing)
+    "topk_ragged": (lambda r: 2 + 3 * r, 8, 2, None),
+    "tokens_1": (lambda r: 1, 8, 2, None),
+    "k_equals_e": (lambda r: 3, 4, 4, None),
+    "empty_expert": (lambda r: 4 + r, 8, 2, "empty_expert"),
+    "rank_without_tokens": (lambda r: 5, 8, 3, "last_rank"),
+}
+
+
+def _layer_case(rank, world, name, seed):
+    tokens_of, num_experts, top_k, forced = LAYER_CASES[name]
+    torch.manual_seed(seed)
+    full = sonic.MoE(D, N, num_experts, top_k, backend="torch", dtype=torch.float64)
+    counts = [tokens_of(r) for r in range(world)]
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    local = num_experts // world
+    avoided = []
+    if forced is not None:
+        # Feature 0 is positive for every token; a large negative router weight on it keeps
+        # the avoided experts out of every token's top K.
+        x_full[:, 0] = x_full[:, 0].abs() + 1
+        avoided = [1] if forced == "empty_expert" else list(range(num_experts - local, num_experts))
+        with torch.no_grad():
+            full.gate.weight[avoided, 0] = -10.0
+    layer = ExpertParallelMoE.from_moe(full)
+    lo = sum(counts[:rank])
+    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+    out = layer(x)
+    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = full(x_ref)
+    (out_ref * grad_full).sum().backward()
+    gate_grad = layer.gate.weight.grad.clone()
+    dist.all_reduce(gate_grad)
+    experts = slice(rank * local, (rank + 1) * local)
+    picked = layer.last_routing.expert_idx.long()
+    return {
+        "out": _rel(out.detach(), out_ref.detach()[lo:lo + counts[rank]]),
+        "x": _rel(x.grad, x_ref.grad[lo:lo + counts[rank]]),
+        "gate": _rel(gate_grad, full.gate.weight.grad),
+        "w1": _rel(layer.w1.grad, full.w1.grad[experts]),
+        "w2": _rel(layer.w2.grad, full.w2.grad[experts]),
+        "avoided_routed": bool(torch.isin(picked, torch.tensor(avoided, dtype=torch.long)).any()),
+    }
+
+
+# --- the function: ep_moe_experts against sonic.moe_experts on hand-built pairs --------------
+
+PAIR_CASES = {
+    # name: (tokens on rank r, E, experts a pair may pick)
+    "pairs_ragged": (lambda r: 3 + 2 * r, 8, "any"),
+    "pairs_rank_gets_nothing": (lambda r: 4, 8, "not_last_rank"),
+    "pairs_rank_without_tokens": (lambda r: 0 if r == 1 else 4, 8, "any"),
+}
+
+
+def _pairs(g, num_tokens, choices):
+    """0..len(choices) distinct experts per token (tokens without any included)."""
+    token_idx, expert_idx = [], []
+    for t in range(num_tokens):
+        k = int(torch.randint(0, len(choices) + 1, (1,), generator=g))
+        picked = choices[torch.randperm(len(choices), generator=g)[:k]]
+        token_idx += [t] * k
+        expert_idx += picked.tolist()
+    return torch.tensor(token_idx, dtype=torch.int32), torch.tensor(expert_idx, dtype=torch.int64)
+
+
+def _pairs_case(rank, world, name, seed):
+    tokens_of, num_experts, allowed = PAIR_CASES[name]
+    local = num_experts // world
+    g = torch.Generator().manual_seed(seed)
+    top = num_experts - local if allowed == "not_last_rank" and world > 1 else num_experts
+    choices = torch.arange(top)
+    counts = [tokens_of(r) for r in range(world)]
+    per_rank = [_pairs(g, c, choices) for c in counts]
+    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    w1 = torch.randn(num_experts, 2 * N, D, generator=g, dtype=torch.float64) / D ** 0.5
+    w2 = torch.randn(num_experts, D, N, generator=g, dtype=torch.float64) / N ** 0.5
+    scores_full = torch.rand(sum(len(t) for t, _ in per_rank), generator=g, dtype=torch.float64)
+    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    starts = torch.tensor([0] + counts).cumsum(0)
+    tok_full = torch.cat([t + starts[r] for r, (t, _) in enumerate(per_rank)]).to(torch.int32)
+    exp_full = torch.cat([e for _, e in per_rank])
+
+    lo, p_lo = sum(counts[:rank]), sum(len(t) for t, _ in per_rank[:rank])
+    tok, exp = per_rank[rank]
+    experts = slice(rank * local, (rank + 1) * local)
+    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+    s = scores_full[p_lo:p_lo + len(tok)].clone().requires_grad_()
+    w1_local = w1[experts].clone().requires_grad_()
+    w2_local = w2[experts].clone().requires_grad_()
+    out = ep_moe_experts(x, w1_local, w2_local, s, tok, exp, group=None,
+                         num_experts=num_experts, backend="torch")
+    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+
+    ref_in = [t.clone().requires_grad_() for t in (x_full, w1, w2, scores_full)]
+    out_ref = sonic.moe_experts(*ref_in[:3], ref_in[3], tok_full, exp_full, backend="torch")
+    (out_ref * grad_full).sum().backward()
+    x_ref, w1_ref, w2_ref, s_ref = ref_in
+    return {
+        "out": _rel(out.detach(), out_ref.detach()[lo:lo + counts[rank]]),
+        "x": _rel(x.grad, x_ref.grad[lo:lo + counts[rank]]),
+        "scores": _rel(s.grad, s_ref.grad[p_lo:p_lo + len(tok)]),
+        "w1": _rel(w1_local.grad, w1_ref.grad[experts]),
+        "w2": _rel(w2_local.grad, w2_ref.grad[experts]),
+    }
+
+
+def _all_cases(rank, world):
+    results = {}
+    for seed, name in enumerate(LAYER_CASES):
+        results[name] = _layer_case(rank, world, name, seed)
+    for seed, name in enumerate(PAIR_CASES):
+        results[name] = _pairs_case(rank, world, name, 100 + seed)
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"ep{w}")
+def ep_results(request, tmp_path_factory):
+    world = request.param
+    return world, _spawn(world, _all_cases, tmp_path_factory.mktemp(f"ep{world}"))
+
+
+@pytest.mark.parametrize("case", [*LAYER_CASES, *PAIR_CASES])
+def test_ep_matches_single_process(ep_results, case):
+    world, results = ep_results
+    if case in ("rank_without_tokens", "pairs_rank_without_tokens") and world == 1:
+        pytest.skip("needs a second rank")
+    for rank, result in enumerate(results):
+        errors = {k: v for k, v in result[case].items() if k != "avoided_routed"}
+        assert all(v <= TOL for v in errors.values()), (rank, errors)
+        assert not result[case].get("avoided_routed", False), rank
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def _catch(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _error_cases(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(3, D, generator=g)
+    tok = torch.tensor([0, 1, 2], dtype=torch.int32)
+    exp = torch.tensor([0, 3, 1])
+    s = torch.rand(3, generator=g)
+    w1, w2 = torch.randn(2, 2 * N, D), torch.randn(2, D, N)
+
+    def call(x=x, w1=w1, w2=w2, exp=exp, num_experts=4, group=None):
+        return ep_moe_experts(x, w1, w2, s, tok, exp, group=group, num_experts=num_experts,
+                              backend="torch")
+
+    out = {
+        "indivisible": _catch(lambda: call(num_experts=3)),
+        "wrong_local_experts": _catch(lambda: call(num_experts=8)),
+        "disagree_d": _catch(lambda: call(
+            x=torch.randn(3, D + rank), w1=torch.randn(2, 2 * N, D + rank),
+            w2=torch.randn(2, D + rank, N))),
+        "index_out_of_range": _catch(lambda: call(exp=exp + 2 * rank)),
+        "disagree_top_k": _catch(lambda: ExpertParallelMoE(D, N, 4, 1 + rank, backend="torch")),
+        "token_rounding": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, router="token_rounding")),
+    }
+    # A group that only rank 0 belongs to: size 1 runs locally there; rank 1 is no member.
+    solo = dist.new_group([0])
+    out["solo_group"] = _catch(lambda: call(w1=torch.randn(4, 2 * N, D),
+                                            w2=torch.randn(4, D, N), group=solo))
+    dist.barrier()
+    # Rank 1 never joins: rank 0's count exchange must end at the process group's timeout.
+    if rank == 0:
+        start = time.monotonic()
+        out["peer_missing"] = _catch(call)
+        out["waited_s"] = time.monotonic() - start
+    else:
+        time.sleep(5)
+    return out
+
+
+def test_errors_are_raised_on_every_rank(tmp_path):
+    r0, r1 = _spawn(2, _error_cases, tmp_path, pg_timeout=3, timeout=90)
+    for r in (r0, r1):
+        assert "num_experts=3 must be divisible by the EP size 2" in r["indivisible"]
+        assert "w1_local must have shape (E/ep=4" in r["wrong_local_experts"]
+        assert "EP ranks disagree on d (x.shape[1])" in r["disagree_d"]
+        assert "out of range" in r["index_out_of_range"]
+        assert "EP ranks disagree on top_k" in r["disagree_top_k"]
+        assert "router must be 'topk'" in r["token_rounding"]
+    assert "EP rank 1" in r0["index_out_of_range"]
+    assert "this rank" in r1["index_out_of_range"]
+    assert r0["solo_group"] == "no error"
+    assert "not a member" in r1["solo_group"]
+    # gloo reports the expired 3 s process-group timeout as a RuntimeError.
+    assert r0["peer_missing"].startswith("RuntimeError") and 2 < r0["waited_s"] < 15
+
+
+def test_nccl_benchmark_imports_without_a_gpu():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_ep.py"
+    spec = importlib.util.spec_from_file_location("bench_ep", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_uninitialised_process_group():
+    assert not dist.is_initialized()
+    x = torch.randn(2, D)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ep_moe_experts(x, torch.randn(1, 2 * N, D), torch.randn(1, D, N), torch.rand(2),
+                       torch.tensor([0, 1]), torch.tensor([0, 0]), group=None, num_experts=1)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ExpertParallelMoE(D, N, 4, 2)
