@@ -12,7 +12,7 @@ from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.experts import ep_moe_experts
 from sonic.nn.moe import MoE, load_balancing_loss
-from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES, topk_routing
 from sonic.routing.types import Routing
 
@@ -149,8 +149,10 @@ class ExpertParallelMoE(nn.Module):
         logits = self.gate(tokens)
         routing = topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
                                backend=self.backend)
-        # fp32 scores, as sonic.MoE passes them, so both layers compute the same thing.
-        out = ep_moe_experts(tokens, self.w1, self.w2, routing.scores.to(torch.float32),
+        # Scores in the accumulation dtype, as sonic.MoE passes them, so both layers compute
+        # the same thing.
+        out = ep_moe_experts(tokens, self.w1, self.w2,
+                             routing.scores.to(accumulate_dtype(tokens.dtype)),
                              routing.token_idx, routing.expert_idx, group=self.group,
                              num_experts=self.num_experts, gate_up=self.gate_up,
                              backend=self.backend)
