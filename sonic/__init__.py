@@ -5,6 +5,7 @@ input, the up-projection output H and routing metadata for backward; top-K token
 tile-aware token rounding routers; a PyTorch reference backend that runs everywhere.
 """
 
+from sonic import ops  # noqa: F401  (registers torch.ops.sonic.*)
 from sonic.autograd import moe_experts
 from sonic.backend import explain_backend
 from sonic.memory import ActivationMemoryReport, profile_activation_memory
