@@ -20,7 +20,10 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
 * ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend) -> (out, H)`` — the
   expert forward; its registered backward runs ``dh_dswiglu``, ``grouped_mm_varlen_k``,
   ``grouped_mm`` and ``aggregate`` (DESIGN §3). It saves x, w1, w2, H, scores and the packed
-  metadata, nothing else.
+  metadata, nothing else. Its ``H`` output is that saved activation, handed back only so
+  autograd can save it: :func:`sonic.moe_experts` drops it at once. Eagerly, when the graph is
+  not kept, the backward may write dH over it; a caller of the raw op must not read H after
+  backward.
 
 Token rounding's routing (a data-dependent ``P`` read back to the host) is not an op: a model
 routed by token rounding compiles with one graph break there.
