@@ -26,7 +26,8 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   backward.
 
 Token rounding's routing (a data-dependent ``P`` read back to the host) is not an op: a model
-routed by token rounding compiles with one graph break there.
+routed by token rounding compiles with a graph break there, or fullgraph with
+``torch._dynamo.config.capture_scalar_outputs = True`` (the read stays in the graph).
 """
 
 from __future__ import annotations

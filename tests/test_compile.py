@@ -171,3 +171,19 @@ def test_create_graph_still_raises_through_the_op():
     x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
     with pytest.raises(RuntimeError, match="not twice differentiable"):
         torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+
+
+def test_token_rounding_compiles_fullgraph_with_captured_scalar_outputs(monkeypatch):
+    # The host read of P becomes a data-dependent size inside the graph (still a device->host
+    # read when it runs, so not CUDA-graph capturable).
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    layer = _layer(torch.float32, router="token_rounding", tile=4)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    for T in (20, 27):
+        x = torch.randn(T, 16, requires_grad=True)
+        got, expect = _step(compiled, x), _step(layer, x)
+        torch.testing.assert_close(got[0], expect[0])
+        for a, b in zip(got[2], expect[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert counter.frame_count == 1
