@@ -187,3 +187,45 @@ def test_token_rounding_compiles_fullgraph_with_captured_scalar_outputs(monkeypa
         for a, b in zip(got[2], expect[2]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert counter.frame_count == 1
+
+
+def _recording_dh(calls):
+    """A dh_dswiglu that, like the CuTe dH kernel, writes dH over H when offered."""
+    from sonic.reference import ops as reference
+
+    def dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *, overwrite_h=False):
+        calls.append(overwrite_h)
+        dh, a_scaled, ds = reference.dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
+                                                gate_up)
+        if overwrite_h:
+            h.copy_(dh)
+            dh = h
+        return dh, a_scaled, ds
+    return dh_dswiglu
+
+
+def test_dh_overwrites_h_only_eagerly_and_when_the_graph_is_not_kept(monkeypatch):
+    import dataclasses
+
+    import sonic.backend
+
+    calls = []
+    monkeypatch.setattr(sonic.backend, "TORCH_OPS",
+                        dataclasses.replace(sonic.backend.TORCH_OPS,
+                                            dh_dswiglu=_recording_dh(calls)))
+    layer = _layer(torch.float32, backend="torch")
+    x = torch.randn(13, 16, requires_grad=True)
+
+    def grads(fn, **kw):
+        out = fn(x)
+        return torch.autograd.grad(out.square().sum(), [x, layer.w1, layer.w2], **kw)
+
+    kept = grads(layer, retain_graph=True)                  # graph kept: H must survive
+    assert calls == [False]
+    eager = grads(layer)                                    # graph freed: H is dead
+    assert calls == [False, True]
+    compiled = grads(torch.compile(layer, fullgraph=True))  # traced: the functional op
+    assert calls[2:] and not any(calls[2:])
+    for a, b, c in zip(kept, eager, compiled):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)

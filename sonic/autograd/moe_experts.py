@@ -12,8 +12,6 @@ dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (DESIGN �
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
@@ -21,27 +19,6 @@ from sonic._validation import (check_choice, check_float, check_index, check_ind
 from sonic.backend import BACKENDS, resolve_backend
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import RoutingMetadata
-
-
-def first_order_only(backward):
-    """Make a hand-written ``backward`` refuse ``create_graph=True``.
-
-    Such a backward works on saved tensors that carry no graph (H, the metadata), so a graph
-    recorded through it would miss terms: the second derivative would be wrong without any
-    error. Grad mode is on inside ``backward`` exactly when the caller asked for
-    ``create_graph=True``, so refusing then is cheap and never refuses plain training.
-    """
-    @functools.wraps(backward)
-    def guarded(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "sonic's MoE expert backward is not twice differentiable, so it cannot run "
-                "with create_graph=True (gradient penalties, Hessian-vector products, "
-                "double backward). Take first-order gradients with create_graph=False, or, where "
-                "second derivatives are needed, write the experts with plain PyTorch ops "
-                "(a per-expert loop) whose backward autograd records.")
-        return backward(ctx, *grads)
-    return guarded
 
 
 def _graph_kept() -> bool:
@@ -59,9 +36,9 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     Args:
         x: ``(T, d)`` layer input (bf16, fp16, fp32 or fp64).
         w1: ``(E, 2n, d)`` up-projection weights, ``x``'s dtype (under ``torch.autocast``
-            x and both weights are cast once to the autocast dtype, and H is kept in it). Rows ``[gate; up]`` with
-            ``gate_up="concat"`` (Hugging Face layout), alternating gate/up rows with
-            ``"interleaved"``.
+            x and both weights are cast once to the autocast dtype, and H is kept in it).
+            Rows ``[gate; up]`` with ``gate_up="concat"`` (Hugging Face layout), alternating
+            gate/up rows with ``"interleaved"``.
         w2: ``(E, d, n)`` down-projection weights, ``x``'s dtype.
         scores: ``(P,)`` float gate weight of each routed pair.
         token_idx: ``(P,)`` int32/int64 token of each pair, in ``[0, T)``.
