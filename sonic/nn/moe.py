@@ -27,8 +27,8 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
     ``f_e``: routed pairs that went to expert e divided by the number of tokens ``T`` (not
     differentiable); ``p_e``: mean router probability of expert e (softmax over all E). For
     top-K routing this is exactly ``transformers``' ``load_balancing_loss_func`` of the one
-    layer's logits (Mixtral, Qwen-MoE, OLMoE): ``K`` for perfectly uniform routing. (Before
-    0.2, ``f_e`` was divided by ``T·K``, so the loss was HF's divided by K.) HF's function given
+    layer's logits (Mixtral, Qwen-MoE, OLMoE): ``K`` for perfectly uniform routing. (Earlier
+    development versions divided ``f_e`` by ``T·K``: HF's loss divided by K.) HF's function given
     several layers pools their counts and probabilities; summing this loss over layers does
     not. 0 for an empty batch. A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable
     with respect to ``logits``.
@@ -119,7 +119,7 @@ class MoE(nn.Module):
     Router scores are fp32 (fp64 in an fp64 layer, so ``gradcheck`` works).
 
     Deprecated: when the aux loss is neither returned nor collected, the forward still leaves
-    it in :attr:`aux_loss` (attached to the graph, as before 0.2); reading it warns
+    it in :attr:`aux_loss` (attached to the graph, as it used to); reading it warns
     (``DeprecationWarning``) and the attribute goes away in the next release.
 
     Copies: ``copy.deepcopy`` and pickling (``torch.save(layer)``, EMA copies,
@@ -192,7 +192,7 @@ class MoE(nn.Module):
         return state
 
     def __setstate__(self, state):
-        if "aux_loss" in state:     # pickled by sonic < 0.2
+        if "aux_loss" in state:     # pickled by an earlier development version
             state["_aux_loss"] = state.pop("aux_loss")
         super().__setstate__(state)
 
