@@ -157,9 +157,8 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], backend: str):
             layer.w1.copy_(leaves["w1"])
             layer.w2.copy_(leaves["w2"])
             layer.gate.weight.copy_(torch.linspace(-1, 1, case.E * case.d).reshape(case.E, case.d))
-        out = layer(leaves["x"])
+        out, aux = layer(leaves["x"], return_aux_loss=True)
         pairs = (layer.last_routing.token_idx, layer.last_routing.expert_idx)
-        aux = layer.aux_loss
         named = {"w1": layer.w1, "w2": layer.w2, "gate": layer.gate.weight}
     else:
         if case.router == "topk":

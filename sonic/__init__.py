@@ -6,10 +6,11 @@ tile-aware token rounding routers; a PyTorch reference backend that runs everywh
 """
 
 from sonic import distributed
+from sonic import ops  # noqa: F401  (registers torch.ops.sonic.*)
 from sonic.autograd import moe_experts
 from sonic.backend import explain_backend
 from sonic.memory import ActivationMemoryReport, profile_activation_memory
-from sonic.nn import MoE
+from sonic.nn import MoE, collect_aux_losses, load_balancing_loss
 from sonic.routing import (Routing, RoutingMetadata, routing_metadata, token_rounding_routing,
                            topk_routing)
 
@@ -20,8 +21,10 @@ __all__ = [
     "MoE",
     "Routing",
     "RoutingMetadata",
+    "collect_aux_losses",
     "distributed",
     "explain_backend",
+    "load_balancing_loss",
     "moe_experts",
     "profile_activation_memory",
     "routing_metadata",

@@ -48,8 +48,9 @@ def check_choice(name: str, value, choices: Iterable[str]) -> None:
 
 
 def check_int(name: str, value, *, low: int, high: int | None = None) -> None:
-    """Raise unless ``low <= value (<= high)``; ``bool`` is not accepted as an int."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Raise unless ``low <= value (<= high)``; ``bool`` is not accepted as an int, a symbolic
+    ``torch.SymInt`` (a dynamic size under ``torch.compile``/``torch.export``) is."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"

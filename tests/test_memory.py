@@ -320,7 +320,7 @@ def test_cli_7b_matches_analytic_floor(capsys):
     assert result["config"] == "7B" and h_mib == 192
     assert result["sonic_MiB"] == pytest.approx(analytic, rel=0.03)
     assert result["torch_MiB"] > 1536
-    assert any("MoEExpertsFunction" in line for line in lines)
+    assert any("sonic_moe_experts" in line for line in lines)
 
 
 @pytest.mark.parametrize("text, expected", [

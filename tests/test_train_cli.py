@@ -91,3 +91,95 @@ def test_corpus_windows_are_shifted_by_one_byte():
     val = bytes(corpus.val.tolist())
     for row in torch.cat([inputs, targets[:, -1:]], dim=1).tolist():
         assert bytes(row) in val
+
+
+# ------------------------------------------------- checkpoints, per-step logs, TensorBoard
+
+from sonic.train.__main__ import main as train_main  # noqa: E402
+from sonic.train.loop import TrainConfig, train  # noqa: E402
+
+FAST = dict(steps=4, batch_size=2, seq_len=16, d_model=32, layers=1, heads=2, experts=4,
+            top_k=2, d_expert=16, tile=4, eval_batches=1, eval_every=2, warmup=1,
+            device="cpu")
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_resume_continues_exactly(tmp_path, router):
+    config = TrainConfig(router=router, **FAST)
+    straight = train(config, progress=False)
+    ckpt = tmp_path / "ckpt.pt"
+    first = train(config, progress=False, save=str(ckpt), stop_after=2)
+    assert first["steps"] == 2 and ckpt.exists()
+    resumed = train(config, progress=False, resume=str(ckpt), save=str(ckpt))
+    assert first["losses"] + resumed["losses"][2:] == straight["losses"]
+    assert resumed["losses"] == straight["losses"] and resumed["steps"] == 4
+    assert resumed["val_history"] == straight["val_history"]
+    state = torch.load(ckpt, weights_only=False)
+    assert state["step"] == 4 and state["config"]["router"] == router
+    assert {"model", "optimizer", "train_generator"} <= state.keys()
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    train(TrainConfig(**FAST), progress=False, save=str(ckpt), stop_after=1)
+    with pytest.raises(ValueError, match="d_model"):
+        train(TrainConfig(**{**FAST, "d_model": 64}), progress=False, resume=str(ckpt))
+
+
+def test_jsonl_log_has_one_line_per_step(tmp_path):
+    log = tmp_path / "log.jsonl"
+    assert train_main(["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--d-model",
+                       "32", "--layers", "1", "--heads", "2", "--experts", "4", "--d-expert",
+                       "16", "--eval-batches", "1", "--eval-every", "2", "--device", "cpu",
+                       "--no-progress", "--log-jsonl", str(log)]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all({"loss", "aux_loss", "lr", "tokens_per_s"} <= r.keys() for r in records)
+    assert all(math.isfinite(r["loss"]) and r["aux_loss"] > 0 for r in records)
+    assert "val_loss" in records[1] and "val_loss" not in records[0]
+
+
+def test_tensorboard_missing_is_a_usage_error(capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name == "torch.utils.tensorboard":
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--steps", "1", "--device", "cpu", "--no-progress", "--tensorboard", "tb"])
+    assert exc.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err
+
+
+def test_tensorboard_writer_gets_the_scalars(monkeypatch, tmp_path):
+    import types
+
+    written = []
+
+    class Writer:
+        def __init__(self, logdir):
+            self.logdir = logdir
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, step))
+
+        def close(self):
+            written.append(("closed", None))
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    train(TrainConfig(**FAST), progress=False, tensorboard=str(tmp_path))
+    tags = {tag for tag, _ in written}
+    assert {"train/loss", "train/lr", "train/aux_loss", "val/loss", "closed"} <= tags
+    assert ("train/loss", 4) in written
+
+
+def test_progress_bar_shows_the_latest_validation_loss():
+    proc = run_cli(*TINY, "--steps", "4", "--eval-every", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "val@2=" in proc.stderr and "val@0=" not in proc.stderr.splitlines()[-1]

@@ -1,5 +1,5 @@
 """Memory-minimal autograd functions of the MoE layer (DESIGN §3)."""
 
-from sonic.autograd.moe_experts import MoEExpertsFunction, moe_experts
+from sonic.autograd.moe_experts import moe_experts
 
-__all__ = ["MoEExpertsFunction", "moe_experts"]
+__all__ = ["moe_experts"]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
+import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from sonic._validation import check_bool, check_choice, check_int, check_non_negative, check_tensor
-from sonic.autograd.moe_experts import moe_experts
+from sonic.autograd.moe_experts import autocast_experts, moe_experts
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
@@ -20,22 +22,67 @@ ROUTERS = ("topk", "token_rounding")
 
 
 def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Switch-Transformer auxiliary loss ``E · Σ_e f_e · p_e`` (Fedus et al. 2021, eq. 4).
+    """Switch-Transformer auxiliary loss on Hugging Face's scale: ``E · Σ_e f_e · p_e``.
 
-    ``f_e``: fraction of routed pairs that went to expert e (not differentiable); ``p_e``: mean
-    router probability of expert e. Equals 1 for perfectly uniform routing, and 0 for an empty
-    batch (no tokens, no imbalance). A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable
+    ``f_e``: routed pairs that went to expert e divided by the number of tokens ``T`` (not
+    differentiable); ``p_e``: mean router probability of expert e (softmax over all E). For
+    top-K routing this is exactly ``transformers``' ``load_balancing_loss_func`` of the one
+    layer's logits (Mixtral, Qwen-MoE, OLMoE): ``K`` for perfectly uniform routing. (Earlier
+    development versions divided ``f_e`` by ``T·K``: HF's loss divided by K.) HF's function given
+    several layers pools their counts and probabilities; summing this loss over layers does
+    not. 0 for an empty batch. A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable
     with respect to ``logits``.
     """
     num_experts = logits.shape[1]
+    num_tokens = logits.shape[0]
     acc = accumulate_dtype(logits.dtype)
     probs = torch.softmax(logits.to(acc), dim=-1)
     counts = torch.zeros(num_experts, device=logits.device, dtype=acc)
-    counts.scatter_add_(0, routing.expert_idx.long(), counts.new_ones(1).expand(routing.num_pairs))
+    counts.scatter_add_(0, routing.expert_idx.long(),
+                        counts.new_ones(1).expand(routing.expert_idx.shape[0]))
     # An empty batch has no imbalance: 0, still attached to the logits' graph (not 0/0 = NaN).
-    fraction = counts / max(routing.num_pairs, 1)
-    mean_probs = probs.sum(dim=0) / max(logits.shape[0], 1)
+    denom = max(num_tokens, 1)
+    fraction = counts / denom
+    mean_probs = probs.sum(dim=0) / denom
     return num_experts * (fraction * mean_probs).sum()
+
+
+@contextlib.contextmanager
+def collect_aux_losses(model: nn.Module | None = None) -> Iterator[list[torch.Tensor]]:
+    """Collect the aux loss of every `sonic.MoE` forward run inside the block.
+
+    ``with collect_aux_losses(model) as aux: out = model(x)`` leaves in the list ``aux`` one
+    0-d tensor per MoE forward (``aux_loss_coef ·`` :func:`load_balancing_loss`, attached to the
+    forward's graph; nothing in eval mode or with ``aux_loss_coef=0``), in call order — the way
+    Hugging Face models collect router logits. Add ``sum(aux)`` to the loss. Nothing is kept
+    on the modules, so copies, EMA and ``torch.compile`` see no graph there.
+
+    Args:
+        model: collect only from the `sonic.MoE` layers in ``model`` (itself included); ``None``
+            collects from every layer.
+
+    Reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``) runs the
+    forward without grad and again during backward, so a collected loss from inside a
+    reentrant-checkpointed region trains nothing; there, return it from the checkpointed
+    function instead (``layer(x, return_aux_loss=True)``). Non-reentrant checkpointing works.
+    """
+    sink: list[torch.Tensor] = []
+    layers = None if model is None else [m for m in model.modules() if isinstance(m, MoE)]
+    _COLLECTORS.append((sink, None if layers is None else {id(m) for m in layers}))
+    try:
+        yield sink
+    finally:
+        _COLLECTORS.pop()
+
+
+_COLLECTORS: list[tuple[list, set | None]] = []
+
+
+def _collector_for(layer: "MoE") -> list | None:
+    for sink, ids in reversed(_COLLECTORS):
+        if ids is None or id(layer) in ids:
+            return sink
+    return None
 
 
 class MoE(nn.Module):
@@ -54,24 +101,30 @@ class MoE(nn.Module):
         renormalize: renormalise ``"topk_softmax"`` scores to sum to 1 (a ``bool``).
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
-        aux_loss_coef: weight of the load-balancing loss left in :attr:`aux_loss` after forward;
-            a finite number ``>= 0``, settable later (checked again then).
+        aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
+            scale); a finite number ``>= 0``, settable later (checked again then).
         backend: see :func:`moe_experts`.
 
     Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
 
-    ``forward(x)``: ``x (..., d)`` in the layer's dtype → same shape and dtype. After each
-    forward, :attr:`aux_loss` holds ``aux_loss_coef ·`` :func:`load_balancing_loss` in training
-    mode (a zero tensor when the coefficient is 0 or in eval mode), attached to the forward's
-    graph so that adding it to the loss trains the router, and :attr:`last_routing` the
-    :class:`Routing` used. Router scores are fp32 (fp64 in an fp64 layer, so ``gradcheck``
-    works).
+    ``forward(x, *, return_aux_loss=False)``: ``x (..., d)`` in the layer's dtype → same shape
+    and dtype; with ``return_aux_loss=True``, ``(out, aux_loss)`` where ``aux_loss`` is
+    ``aux_loss_coef ·`` :func:`load_balancing_loss` in training mode (a zero tensor when the
+    coefficient is 0 or in eval mode), attached to the forward's graph so that adding it to the
+    loss trains the router. :func:`collect_aux_losses` collects it from every layer of a model
+    instead. Under ``torch.autocast`` the layer accepts any float input and computes in the
+    autocast dtype, as ``nn.Linear`` does. :attr:`last_routing` holds the :class:`Routing`
+    of the last forward with detached scores (for inspection; not set under ``torch.export``).
+    Router scores are fp32 (fp64 in an fp64 layer, so ``gradcheck`` works).
+
+    Deprecated: when the aux loss is neither returned nor collected, the forward still leaves
+    it in :attr:`aux_loss` (attached to the graph, as it used to); reading it warns
+    (``DeprecationWarning``) and the attribute goes away in the next release.
 
     Copies: ``copy.deepcopy`` and pickling (``torch.save(layer)``, EMA copies,
-    ``torch.optim.swa_utils.AveragedModel``) work after a forward. An autograd graph cannot be
-    copied, so a copy's :attr:`aux_loss` and :attr:`last_routing` scores are detached values of
-    the last forward: they report it but do not train anything; the original's are unchanged.
+    ``torch.optim.swa_utils.AveragedModel``) work after a forward; a copy's deprecated
+    :attr:`aux_loss` is a detached value.
 
     Raises:
         TypeError / ValueError: at construction, a bad size, option or ``aux_loss_coef``; in
@@ -100,7 +153,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
-        self.aux_loss: torch.Tensor | None = None
+        self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self.reset_parameters()
 
@@ -122,15 +175,26 @@ class MoE(nn.Module):
         check_non_negative("aux_loss_coef", value)
         self._aux_loss_coef = value
 
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """Deprecated: the last forward's aux loss, when it was neither returned nor collected.
+        Use ``layer(x, return_aux_loss=True)`` or :func:`collect_aux_losses`."""
+        warnings.warn("sonic.MoE.aux_loss is deprecated and will be removed in the next "
+                      "release: use layer(x, return_aux_loss=True) or "
+                      "sonic.nn.collect_aux_losses(model)", DeprecationWarning, stacklevel=2)
+        return self._aux_loss
+
     def __getstate__(self):
-        # The last forward's graph tensors cannot be deep-copied; copies get their values.
+        # A graph cannot be deep-copied; a copy gets the deprecated aux loss's value.
         state = super().__getstate__()
-        if state.get("aux_loss") is not None:
-            state["aux_loss"] = state["aux_loss"].detach()
-        if state.get("last_routing") is not None:
-            routing = state["last_routing"]
-            state["last_routing"] = dataclasses.replace(routing, scores=routing.scores.detach())
+        if state.get("_aux_loss") is not None:
+            state["_aux_loss"] = state["_aux_loss"].detach()
         return state
+
+    def __setstate__(self, state):
+        if "aux_loss" in state:     # pickled by an earlier development version
+            state["_aux_loss"] = state.pop("aux_loss")
+        super().__setstate__(state)
 
     def reset_parameters(self) -> None:
         """Experts like ``nn.Linear`` (U(±1/sqrt(fan_in))); router N(0, 0.02²) so that routing
@@ -147,28 +211,50 @@ class MoE(nn.Module):
         return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
                             backend=self.backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         check_tensor("x", x)
         dtype = self.w1.dtype
-        if x.dtype != dtype:
+        autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+        if x.dtype != dtype and not autocast:
             raise TypeError(f"x has dtype {x.dtype} but this MoE layer's parameters are {dtype}; "
-                            f"cast the input (x.to({dtype})) or the layer (layer.to({x.dtype}))")
+                            f"cast the input (x.to({dtype})) or the layer (layer.to({x.dtype})), "
+                            "or run under torch.autocast")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
+        if autocast:
+            # Cast once per forward to the autocast dtype (as nn.Linear does): H is kept in it.
+            tokens, w1, w2 = autocast_experts(tokens, self.w1, self.w2)
+        else:
+            w1, w2 = self.w1, self.w2
         logits = self.gate(tokens)
         routing = self.route(logits)
-        out = moe_experts(tokens, self.w1, self.w2,
+        out = moe_experts(tokens, w1, w2,
                           routing.scores.to(accumulate_dtype(tokens.dtype)),
                           routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
                           backend=self.backend,
                           metadata=routing_metadata(routing, backend=self.backend))
-        self.last_routing = routing
         if self.aux_loss_coef and self.training:
-            self.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
+            aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
         else:
-            self.aux_loss = logits.new_zeros((), dtype=accumulate_dtype(logits.dtype))
-        return out.reshape(x.shape)
+            aux_loss = logits.new_zeros((), dtype=accumulate_dtype(logits.dtype))
+        out = out.reshape(*x.shape[:-1], self.d_model)
+        exporting = torch.compiler.is_exporting()
+        if not exporting:
+            self.last_routing = Routing(routing.token_idx, routing.expert_idx,
+                                        routing.scores.detach(), routing.num_tokens,
+                                        routing.num_experts, routing.top_k, routing.validated)
+        if return_aux_loss:
+            self._aux_loss = None
+            return out, aux_loss
+        sink = _collector_for(self)
+        if sink is not None:
+            self._aux_loss = None
+            if self.aux_loss_coef and self.training:
+                sink.append(aux_loss)
+        elif not exporting:
+            self._aux_loss = aux_loss     # deprecated path
+        return out
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

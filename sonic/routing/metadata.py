@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sonic._validation import check_range, read_min_max
+from sonic._validation import check_choice, check_range, read_min_max
 from sonic.routing.types import Routing
 
 
@@ -48,6 +48,8 @@ class RoutingMetadata:
     token_rows: torch.Tensor
     num_tokens: int
     num_experts: int
+    packed: torch.Tensor | None = None
+    top_k: int | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -60,9 +62,14 @@ class RoutingMetadata:
                 self.pair_rows, self.token_offsets, self.token_rows)
 
     @classmethod
-    def from_tensors(cls, tensors, num_tokens: int, num_experts: int) -> "RoutingMetadata":
-        """Inverse of :meth:`tensors`."""
-        return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts)
+    def from_tensors(cls, tensors, num_tokens: int, num_experts: int, *,
+                     packed: torch.Tensor | None = None,
+                     top_k: int | None = None) -> "RoutingMetadata":
+        """Inverse of :meth:`tensors`. ``packed``: the one int32 buffer the fields are views of,
+        when they are (``torch.ops.sonic.routing_metadata`` returns it; ``top_k`` says whether
+        it leaves out ``token_rows``, see :func:`sonic.ops.pack_metadata`)."""
+        return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts, packed=packed,
+                   top_k=top_k)
 
 
 def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetadata:
@@ -74,7 +81,9 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
             PyTorch reference (:func:`pairs_metadata`) elsewhere; ``"torch"`` or ``"cute"``.
 
     Returns:
-        A :class:`RoutingMetadata` on the routing's device, deterministic (stable order within
+        A :class:`RoutingMetadata` on the routing's device (built by the custom op
+        ``torch.ops.sonic.routing_metadata``; its fields are views of one int32 buffer),
+        deterministic (stable order within
         each expert). Built without a device→host synchronisation when ``routing.validated``
         (sonic's routers); otherwise the index ranges, and with ``top_k`` the token-major
         order, are checked first, in one host read. A ``validated`` routing is trusted: its
@@ -84,13 +93,17 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
         ValueError: an index outside ``[0, T)`` / ``[0, E)``, or a ``top_k`` routing whose
             pairs are not token-major (pair ``t·K + j`` must belong to token ``t``).
     """
-    from sonic.backend import expert_ops
+    from sonic.backend import BACKENDS, resolve_backend
+    from sonic.ops import routing_metadata_op
 
     if not routing.validated:
         _check_hand_built(routing)
-    ops = expert_ops(backend, routing.token_idx.device)
-    return ops.metadata(routing.token_idx, routing.expert_idx, routing.num_tokens,
-                        routing.num_experts, top_k=routing.top_k)
+    check_choice("backend", backend, BACKENDS)
+    if not torch.compiler.is_compiling():
+        # backend="cute" where the kernels cannot run fails here, before the op.
+        resolve_backend(backend, routing.token_idx.device)
+    return routing_metadata_op(routing.token_idx, routing.expert_idx, routing.num_tokens,
+                               routing.num_experts, routing.top_k, backend)
 
 
 def _check_hand_built(routing: Routing) -> None:

@@ -48,56 +48,6 @@ def _kernel_fits(logits: torch.Tensor, k: int) -> bool:
             and logits.dtype in (torch.bfloat16, torch.float32))
 
 
-class TopKScores(torch.autograd.Function):
-    """Top-K selection and scores in one call, with a hand-written backward.
-
-    The forward runs the bitonic top-K kernel where the backend resolves to the CuTe kernels,
-    and a stable sort otherwise. For backward it keeps only the ``(T, K)`` scores and indices
-    (plus, for ``"topk_softmax"``, the logits by reference to recompute the softmax) rather than
-    the ``(T, E)`` sort results plain autograd would keep. The backward is made of
-    differentiable torch ops on the saved output and input, so ``create_graph=True`` records it
-    and second derivatives are exact (``gradgradcheck`` in the tests).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, k: int, score: str, renormalize: bool, use_kernel: bool):
-        if use_kernel:
-            from sonic.kernels.topk import topk_scores
-            scores, idx = topk_scores(logits, k, score=score, renormalize=renormalize)
-        else:
-            scores, idx = _torch_topk_scores(logits.to(accumulate_dtype(logits.dtype)), k, score,
-                                             renormalize)
-        ctx.score, ctx.renormalize, ctx.num_experts = score, renormalize, logits.shape[1]
-        ctx.logits_dtype = logits.dtype
-        ctx.save_for_backward(scores, idx, logits if score == "topk_softmax" else None)
-        ctx.mark_non_differentiable(idx)
-        return scores, idx
-
-    @staticmethod
-    def backward(ctx, grad_scores, _grad_idx):
-        scores, idx, logits = ctx.saved_tensors
-        idx = idx.long()
-        g = grad_scores.to(scores.dtype)
-        if ctx.renormalize and ctx.score == "topk_softmax":
-            # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs, with s recovered as r·Σs.
-            probs = torch.softmax(logits.to(scores.dtype), dim=-1)
-            total = probs.gather(1, idx).sum(-1, keepdim=True)
-            g = (g - (g * scores).sum(-1, keepdim=True)) / total
-            selected = scores * total
-        elif ctx.score == "topk_softmax":
-            probs = torch.softmax(logits.to(scores.dtype), dim=-1)
-            selected = scores
-        if ctx.score == "softmax_topk":
-            grad_selected = scores * (g - (g * scores).sum(-1, keepdim=True))
-            grad = torch.zeros(idx.shape[0], ctx.num_experts, dtype=scores.dtype, device=idx.device)
-            grad.scatter_(1, idx, grad_selected)
-        else:
-            # softmax backward: p ⊙ (G − ⟨G, p⟩) with G the selected entries' gradient scattered.
-            grad = torch.zeros_like(probs).scatter_(1, idx, g)
-            grad = probs * (grad - (g * selected).sum(-1, keepdim=True))
-        return grad.to(ctx.logits_dtype), None, None, None, None
-
-
 def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
                  renormalize: bool = False, backend: str = "auto") -> Routing:
     """Top-K token choice: every token picks the K experts with the largest logits.
@@ -123,14 +73,19 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         TypeError / ValueError: ``logits`` not a 2-D float tensor, ``k`` outside ``[1, E]``,
             ``renormalize`` not a bool, unknown ``score`` or ``backend``.
     """
-    from sonic.backend import resolve_backend
+    import sonic.ops  # noqa: F401  (registers torch.ops.sonic)
+    from sonic.backend import BACKENDS, resolve_backend
 
     check_router_args(logits, k)
     check_choice("score", score, SCORES)
     check_bool("renormalize", renormalize)
+    check_choice("backend", backend, BACKENDS)
+    if not torch.compiler.is_compiling():
+        resolve_backend(backend, logits.device)   # backend="cute" that cannot run fails here
     num_tokens, num_experts = logits.shape
-    use_kernel = resolve_backend(backend, logits.device) == "cute" and _kernel_fits(logits, k)
-    scores, idx = TopKScores.apply(logits, k, score, renormalize, use_kernel)
+    # torch.ops.sonic.topk_routing: the bitonic kernel where it serves the call, a stable sort
+    # otherwise; backward (twice differentiable) registered with the op.
+    scores, idx = torch.ops.sonic.topk_routing(logits, k, score, renormalize, backend)
     return Routing(
         token_idx=token_major_pairs(num_tokens, k, logits.device),
         expert_idx=idx.flatten(),

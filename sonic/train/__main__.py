@@ -86,9 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak AdamW learning rate (linear warmup, cosine decay to 10%%)")
     p.add_argument("--warmup", type=_non_negative_int, default=d.warmup, help="warmup steps")
     p.add_argument("--eval-every", type=_non_negative_int, default=d.eval_every,
-                   help="also evaluate every N steps (0: only at step 0 and at the end)")
+                   help="also evaluate every N steps (0: only at step 0 and at the end); the "
+                        "progress bar shows the latest validation loss and its step")
     p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
                    help="fixed validation batches per evaluation")
+    p.add_argument("--save", metavar="PATH", default=None,
+                   help="write a checkpoint (model, optimizer, step, config, sampler state; "
+                        "torch.save) at the end, after --stop-after and every --save-every steps")
+    p.add_argument("--save-every", type=_non_negative_int, default=0, metavar="N",
+                   help="with --save, also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", metavar="PATH", default=None,
+                   help="continue a run from its --save checkpoint, up to --steps in total "
+                        "(same settings; the losses are those of an uninterrupted run)")
+    p.add_argument("--stop-after", type=_positive_int, default=None, metavar="N",
+                   help="stop after N steps of this invocation (the schedule still spans "
+                        "--steps); with --save, resume later with --resume")
+    p.add_argument("--log-jsonl", metavar="FILE", default=None,
+                   help="write one JSON line per step: step, loss, aux_loss, lr, tokens_per_s, "
+                        "and val_loss on evaluation steps (appended to with --resume)")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also log those scalars to TensorBoard in DIR (needs the tensorboard "
+                        "package)")
     p.add_argument("--json", action="store_true",
                    help="print the results as one JSON object on the last line")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -100,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     as_json, progress = args.pop("json"), not args.pop("no_progress")
+    options = {name: args.pop(name) for name in ("save", "save_every", "resume", "stop_after",
+                                                 "log_jsonl", "tensorboard")}
     try:
         config = TrainConfig(**args)
-        result = train(config, progress=progress)
+        result = train(config, progress=progress, **options)
     except ValueError as err:
         parser.error(str(err))
     if as_json:

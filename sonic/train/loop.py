@@ -3,15 +3,18 @@ top-K validation, and the activation memory one MoE layer keeps for backward."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sonic import explain_backend, profile_activation_memory
+from sonic import collect_aux_losses, explain_backend, profile_activation_memory
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
 from sonic.train.model import ByteMoELM
 
@@ -32,7 +35,8 @@ class TrainConfig:
     rounding. ``device=None`` picks CUDA when available, else the CPU; ``dtype="auto"`` is
     bfloat16 on CUDA and float32 on the CPU. ``data=None`` trains on the CPython documentation
     topics. ``eval_every=0`` evaluates only at step 0 and at the end. ``backend`` is passed to
-    every `sonic.MoE` layer.
+    every `sonic.MoE` layer. ``steps`` is the length of the whole run (the learning-rate
+    schedule spans it), also when it is resumed from a checkpoint.
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -53,7 +57,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 40
     grad_clip: float = 1.0
-    eval_every: int = 0
+    eval_every: int = 100
     eval_batches: int = 8
     val_fraction: float = 0.1
     data: str | None = None
@@ -147,32 +151,98 @@ def _activation_mib(model: ByteMoELM, inputs: torch.Tensor) -> float:
     return profile_activation_memory(moe, x).activation_mib
 
 
-def train(config: TrainConfig, *, progress: bool = True) -> dict:
-    """Train one model from scratch and score it.
+CHECKPOINT_VERSION = 1
+# Fields a resumed run may change; every other one must match the checkpoint's.
+_RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device")
 
-    Loss = next-byte cross-entropy + Σ over MoE layers of ``layer.aux_loss`` (load balancing,
-    already scaled by ``config.aux_loss_coef``). Same config on the same device → same losses.
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+    """Write ``state`` with ``torch.save`` atomically (a temporary file, then a rename), so an
+    interrupted save never leaves a truncated checkpoint behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike, config: TrainConfig) -> dict:
+    """Read a checkpoint written by :func:`train` with ``save=`` and check that ``config`` may
+    continue it (same model, data and optimisation settings; ``steps`` and evaluation settings
+    may differ). Raises ``ValueError`` otherwise."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {err}") from err
+    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"resume: {str(path)!r} is not a sonic.train checkpoint")
+    saved = state["config"]
+    differ = [f.name for f in fields(TrainConfig) if f.name not in _RESUMABLE_CHANGES
+              and saved.get(f.name) != getattr(config, f.name)]
+    if differ:
+        detail = ", ".join(f"{n}={saved.get(n)!r} (now {getattr(config, n)!r})" for n in differ)
+        raise ValueError(f"resume: the checkpoint was trained with different settings: {detail}")
+    if state["step"] > config.steps:
+        raise ValueError(f"resume: the checkpoint is at step {state['step']}, past "
+                         f"steps={config.steps}")
+    return state
+
+
+def _tensorboard_writer(logdir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ValueError("tensorboard: logging to TensorBoard needs the tensorboard package "
+                         "(pip install tensorboard)") from err
+    return SummaryWriter(logdir)
+
+
+def train(config: TrainConfig, *, progress: bool = True, save: str | None = None,
+          save_every: int = 0, resume: str | None = None, stop_after: int | None = None,
+          log_jsonl: str | None = None, tensorboard: str | None = None) -> dict:
+    """Train one model (from scratch or from a checkpoint) and score it.
+
+    Loss = next-byte cross-entropy + Σ over MoE layers of their load-balancing loss
+    (``config.aux_loss_coef ·`` :func:`sonic.load_balancing_loss`, collected with
+    :func:`sonic.collect_aux_losses`). Same config on the same device → same losses, and a run
+    stopped and resumed from its checkpoint gives the losses of the uninterrupted run.
 
     Args:
         config: the run.
-        progress: draw a tqdm bar (on stderr) with the loss and tokens/s.
+        progress: draw a tqdm bar (on stderr) with the loss, the latest validation loss and
+            tokens/s.
+        save: checkpoint path (``torch.save``: model, optimizer, step, config, data-sampler
+            state, losses so far), written at the end of the run, after ``stop_after`` steps
+            and every ``save_every`` steps.
+        resume: a checkpoint to continue from; the run goes on to ``config.steps``.
+        stop_after: stop after this many optimizer steps of this call (the schedule still
+            spans ``config.steps``); with ``save``, a checkpoint to resume from.
+        log_jsonl: append one JSON line per step: ``step``, ``loss`` (cross-entropy),
+            ``aux_loss``, ``lr``, ``tokens_per_s`` (since the first step of this call), and
+            ``val_loss`` on steps that evaluated.
+        tensorboard: a TensorBoard log dir (``torch.utils.tensorboard``; needs the
+            ``tensorboard`` package): the same scalars.
 
     Returns:
-        A JSON-serialisable dict: ``router``, ``steps``, ``train_loss`` (mean cross-entropy of
-        the last 10% of steps), ``val_loss_initial`` (step 0) and ``val_loss`` (end), both over
-        the same ``eval_batches`` validation batches with top-K routing, ``val_history``
-        (``[step, val_loss]`` pairs), ``tokens_per_s`` (training steps after the first, which
-        pays for warm-up; periodic evaluations excluded), ``activation_MiB_per_layer``,
-        ``params``, ``device``, ``dtype``, ``backend`` (what ``"auto"`` resolved to, and why),
-        ``seed``, ``config``.
+        A JSON-serialisable dict: ``router``, ``steps`` (steps done in total), ``train_loss``
+        (mean cross-entropy of the last 10% of steps), ``val_loss_initial`` (step 0) and
+        ``val_loss`` (end), both over the same ``eval_batches`` validation batches with top-K
+        routing, ``val_history`` (``[step, val_loss]`` pairs), ``tokens_per_s`` (training steps
+        after the first of this call, which pays for warm-up; periodic evaluations excluded),
+        ``activation_MiB_per_layer``, ``params``, ``device``, ``dtype``, ``backend`` (what
+        ``"auto"`` resolved to, and why), ``seed``, ``config``, ``losses`` (cross-entropy of
+        every step).
 
     Raises:
-        ValueError: unusable device, or a corpus too short for ``seq_len``.
+        ValueError: unusable device, a corpus too short for ``seq_len``, a checkpoint that does
+            not fit ``config``, TensorBoard requested but not installed.
     """
     device = _resolve_device(config.device)
     dtype = _DTYPES[config.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     corpus = ByteCorpus(load_text(config.data), val_fraction=config.val_fraction,
                         seq_len=config.seq_len)
+    state = load_checkpoint(resume, config) if resume else None
+    writer = _tensorboard_writer(tensorboard) if tensorboard else None
 
     torch.manual_seed(config.seed)
     model = ByteMoELM(max_seq_len=config.seq_len, d_model=config.d_model,
@@ -192,60 +262,117 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict:
                    for _ in range(config.eval_batches)]
     train_gen = torch.Generator().manual_seed(config.seed)
 
-    val_history = [[0, evaluate(model, val_batches)]]
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        train_gen.set_state(state["train_generator"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+        val_history = [list(v) for v in state["val_history"]]
+        losses = [torch.tensor(v) for v in state["losses"]]
+    else:
+        start = 0
+        val_history = [[0, evaluate(model, val_batches)]]
+        losses = []
+    end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     tokens_per_step = config.batch_size * config.seq_len
-    losses = []
+
+    def checkpoint_state(step: int) -> dict:
+        return {"version": CHECKPOINT_VERSION, "step": step, "config": asdict(config),
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "train_generator": train_gen.get_state(), "rng": torch.get_rng_state(),
+                "val_history": val_history, "losses": [float(v) for v in losses]}
 
     def clock() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    # Throughput is timed from the end of step 0, which pays for one-off warm-up (kernel
-    # compilation, allocator growth); a 1-step run times step 0 itself.
+    log = open(log_jsonl, "a" if resume else "w", encoding="utf-8") if log_jsonl else None
+    # Throughput is timed from the end of this call's first step, which pays for one-off
+    # warm-up (kernel compilation, allocator growth); a 1-step run times that step itself.
     started = clock()
     warm = None
     eval_seconds = 0.0
-    bar = tqdm(range(config.steps), disable=not progress, desc=f"train[{config.router}]",
-               unit="step", dynamic_ncols=True)
-    for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * _lr_factor(step, config.steps, config.warmup)
-        inputs, targets = to_device(corpus.batch("train", config.batch_size, config.seq_len,
-                                                 train_gen))
-        lm_loss = _lm_loss(model, inputs, targets)
-        loss = lm_loss + sum(layer.aux_loss for layer in model.moe_layers)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        losses.append(lm_loss.detach())
-        if step == 0:
-            warm = clock()
-        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            eval_started = clock()
-            val_history.append([step + 1, evaluate(model, val_batches)])
-            eval_seconds += clock() - eval_started
-        if progress and (step % 10 == 0 or step + 1 == config.steps):
-            postfix = {"loss": f"{losses[-1].item():.3f}", "val": f"{val_history[-1][1]:.3f}"}
-            if step > 0:
-                seconds = time.perf_counter() - warm - eval_seconds
-                postfix["tok/s"] = f"{step * tokens_per_step / seconds:.0f}"
-            bar.set_postfix(postfix, refresh=False)
-    finished = clock()
-    bar.close()
-    if config.steps > 1:
-        tokens_per_s = (config.steps - 1) * tokens_per_step / (finished - warm - eval_seconds)
-    else:
+    bar = tqdm(range(start, end), disable=not progress, desc=f"train[{config.router}]",
+               unit="step", dynamic_ncols=True, initial=start, total=config.steps)
+    try:
+        for step in bar:
+            lr = config.lr * _lr_factor(step, config.steps, config.warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = to_device(corpus.batch("train", config.batch_size,
+                                                     config.seq_len, train_gen))
+            with collect_aux_losses(model) as aux_losses:
+                lm_loss = _lm_loss(model, inputs, targets)
+            aux_loss = sum(aux_losses) if aux_losses else lm_loss.new_zeros(())
+            loss = lm_loss + aux_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            losses.append(lm_loss.detach())
+            done = step + 1
+            if warm is None:
+                warm = clock()
+            evaluated = None
+            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+                eval_started = clock()
+                evaluated = evaluate(model, val_batches)
+                val_history.append([done, evaluated])
+                eval_seconds += clock() - eval_started
+            rate = None
+            if done - start > 1:
+                rate = (done - start - 1) * tokens_per_step / (
+                    time.perf_counter() - warm - eval_seconds)
+            if log is not None or writer is not None:
+                record = {"step": done, "loss": losses[-1].item(), "aux_loss": float(aux_loss.detach()),
+                          "lr": lr, "tokens_per_s": rate}
+                if evaluated is not None:
+                    record["val_loss"] = evaluated
+                if log is not None:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if writer is not None:
+                    for key, value in record.items():
+                        if key != "step" and value is not None:
+                            writer.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss",
+                                              value, done)
+            if progress and (step % 10 == 0 or done == end or evaluated is not None):
+                postfix = {"loss": f"{losses[-1].item():.3f}",
+                           f"val@{val_history[-1][0]}": f"{val_history[-1][1]:.3f}"}
+                if rate is not None:
+                    postfix["tok/s"] = f"{rate:.0f}"
+                bar.set_postfix(postfix, refresh=False)
+            if save and save_every and done % save_every == 0 and done < end:
+                save_checkpoint(save, checkpoint_state(done))
+        finished = clock()
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+    steps_run = end - start
+    if steps_run > 1:
+        tokens_per_s = (steps_run - 1) * tokens_per_step / (finished - warm - eval_seconds)
+    elif steps_run == 1:
         tokens_per_s = tokens_per_step / (finished - started)
+    else:
+        tokens_per_s = 0.0
 
-    val_history.append([config.steps, evaluate(model, val_batches)])
-    tail = max(1, config.steps // 10)
-    probe = to_device(corpus.batch("train", config.batch_size, config.seq_len, train_gen))[0]
+    if end == config.steps and val_history[-1][0] != end:
+        val_history.append([config.steps, evaluate(model, val_batches)])
+    if writer is not None:
+        writer.add_scalar("val/loss", val_history[-1][1], val_history[-1][0])
+        writer.close()
+    if save:
+        save_checkpoint(save, checkpoint_state(end))
+    tail = max(1, len(losses) // 10)
+    probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
+                                   torch.Generator().manual_seed(config.seed + 1)))[0]
     return {
         "router": config.router,
-        "steps": config.steps,
-        "train_loss": torch.stack(losses[-tail:]).mean().item(),
+        "steps": end,
+        "train_loss": torch.stack(losses[-tail:]).mean().item() if losses else float("nan"),
         "val_loss_initial": val_history[0][1],
         "val_loss": val_history[-1][1],
         "val_history": val_history,
@@ -257,4 +384,5 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict:
         "backend": explain_backend(config.backend, device),
         "seed": config.seed,
         "config": asdict(config),
+        "losses": [float(v) for v in losses],
     }

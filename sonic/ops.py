@@ -1,0 +1,377 @@
+"""sonic's operators as PyTorch custom ops: ``torch.ops.sonic.*``.
+
+Every step of the MoE dataflow is registered with :func:`torch.library.custom_op` (one Python
+implementation for every device: it resolves ``backend`` on the tensors' device and runs the
+CuTe kernels on a supported GPU, the PyTorch reference elsewhere), a fake implementation that
+gives output shapes only (so ``torch.compile``, ``torch.export`` and meta tensors see through the
+ops without reading pointers or values), and, for the differentiable ops, an autograd formula
+registered with :func:`torch.library.register_autograd`.
+
+Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.moe_experts`):
+
+* ``sonic::topk_routing(logits, k, score, renormalize, backend) -> (scores, idx)`` — top-K
+  token choice, differentiable in ``logits`` (twice: the backward is made of torch ops).
+* ``sonic::routing_metadata(token_idx, expert_idx, num_tokens, num_experts, top_k, backend)
+  -> packed`` — the :class:`~sonic.RoutingMetadata` index vectors in one int32 buffer (see
+  :func:`pack_metadata`); ``top_k = 0`` for pairs in any order.
+* ``sonic::up_proj_swiglu``, ``sonic::grouped_mm``, ``sonic::grouped_mm_varlen_k``,
+  ``sonic::dh_dswiglu``, ``sonic::aggregate`` — the kernels of DESIGN §3, signatures as in
+  :mod:`sonic.reference.ops` plus ``backend``.
+* ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend) -> (out, H)`` — the
+  expert forward; its registered backward runs ``dh_dswiglu``, ``grouped_mm_varlen_k``,
+  ``grouped_mm`` and ``aggregate`` (DESIGN §3). It saves x, w1, w2, H, scores and the packed
+  metadata, nothing else. Its ``H`` output is that saved activation, handed back only so
+  autograd can save it: :func:`sonic.moe_experts` drops it at once. Eagerly, when the graph is
+  not kept, the backward may write dH over it; a caller of the raw op must not read H after
+  backward.
+
+Token rounding's routing (a data-dependent ``P`` read back to the host) is not an op: a model
+routed by token rounding compiles with a graph break there, or fullgraph with
+``torch._dynamo.config.capture_scalar_outputs = True`` (the read stays in the graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sonic.reference import ops as reference
+from sonic.routing.metadata import RoutingMetadata
+
+_INT32 = torch.int32
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return reference.accumulate_dtype(dtype)
+
+
+def _impl(backend: str, device: torch.device):
+    from sonic.backend import expert_ops
+    return expert_ops(backend, device)
+
+
+def _no_autocast(device: torch.device):
+    """Inside an op the inputs already have the dtypes the caller chose (``sonic.moe_experts``
+    applies autocast itself, once, before the op); autocast must not re-cast the kernels'
+    internal matmuls."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------ metadata
+
+
+def metadata_sizes(num_tokens, num_experts, num_pairs, top_k: int) -> list:
+    """Lengths of the fields in the packed metadata buffer (see :func:`pack_metadata`)."""
+    sizes = [num_experts, num_experts + 1, num_pairs, num_pairs, num_pairs, num_tokens + 1]
+    if not top_k:
+        sizes.append(num_pairs)
+    return sizes
+
+
+def pack_metadata(meta: RoutingMetadata, top_k: int) -> torch.Tensor:
+    """The index vectors of ``meta`` in one int32 buffer, in field order; with ``top_k`` the
+    buffer leaves out ``token_rows``, which equals ``pair_rows`` for token-major top-K pairs.
+
+    Without a copy when the fields already lie back to back in one allocation (the CuTe
+    metadata kernel allocates them so)."""
+    parts = list(meta.tensors())
+    if top_k:
+        parts = parts[:-1]
+    parts = [p.to(_INT32).reshape(-1) for p in parts]
+    total = sum(p.numel() for p in parts)
+    first = parts[0]
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    contiguous = all(p.is_contiguous() for p in parts)
+    expected = offset
+    for p in parts:
+        if (not contiguous or p.untyped_storage().data_ptr() != storage.data_ptr()
+                or p.storage_offset() != expected):
+            return torch.cat(parts)
+        expected += p.numel()
+    if storage.nbytes() < expected * 4:
+        return torch.cat(parts)
+    return first.new_empty(0).set_(storage, offset, (total,))
+
+
+def unpack_metadata(packed: torch.Tensor, num_tokens, num_experts, num_pairs,
+                    top_k: int) -> RoutingMetadata:
+    """Inverse of :func:`pack_metadata`: views of ``packed``."""
+    fields = list(packed.split(metadata_sizes(num_tokens, num_experts, num_pairs, top_k)))
+    if top_k:
+        fields.append(fields[4])          # token_rows = pair_rows
+    return RoutingMetadata.from_tensors(fields, num_tokens, num_experts, packed=packed,
+                                        top_k=top_k or None)
+
+
+@torch.library.custom_op("sonic::routing_metadata", mutates_args=())
+def _routing_metadata_op(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
+                         num_experts: int, top_k: int, backend: str) -> torch.Tensor:
+    ops = _impl(backend, expert_idx.device)
+    meta = ops.metadata(token_idx, expert_idx, num_tokens, num_experts, top_k=top_k or None)
+    packed = pack_metadata(meta, top_k)
+    # Never return an input (e.g. an empty index tensor passed through).
+    return packed.clone() if packed.untyped_storage().data_ptr() in (
+        token_idx.untyped_storage().data_ptr(), expert_idx.untyped_storage().data_ptr()) \
+        and packed.numel() else packed
+
+
+@_routing_metadata_op.register_fake
+def _(token_idx, expert_idx, num_tokens, num_experts, top_k, backend):
+    total = sum(metadata_sizes(num_tokens, num_experts, expert_idx.shape[0], top_k))
+    return expert_idx.new_empty(total, dtype=_INT32)
+
+
+def routing_metadata_op(token_idx, expert_idx, num_tokens: int, num_experts: int,
+                        top_k: int | None, backend: str) -> RoutingMetadata:
+    """:func:`sonic.routing_metadata` through ``torch.ops.sonic.routing_metadata``."""
+    k = top_k or 0
+    packed = torch.ops.sonic.routing_metadata(token_idx, expert_idx, num_tokens, num_experts, k,
+                                              backend)
+    return unpack_metadata(packed, num_tokens, num_experts, expert_idx.shape[0], k)
+
+
+# ------------------------------------------------------------------------------ top-K routing
+
+
+def _topk_forward(logits, k, score, renormalize, use_kernel):
+    from sonic.routing.topk import _torch_topk_scores
+    if use_kernel:
+        from sonic.kernels.topk import topk_scores
+        return topk_scores(logits, k, score=score, renormalize=renormalize)
+    return _torch_topk_scores(logits.to(_acc(logits.dtype)), k, score, renormalize)
+
+
+@torch.library.custom_op("sonic::topk_routing", mutates_args=())
+def _topk_op(logits: torch.Tensor, k: int, score: str, renormalize: bool,
+             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from sonic.backend import resolve_backend
+    from sonic.routing.topk import _kernel_fits
+    use_kernel = resolve_backend(backend, logits.device) == "cute" and _kernel_fits(logits, k)
+    with _no_autocast(logits.device):
+        scores, idx = _topk_forward(logits, k, score, renormalize, use_kernel)
+    return scores.to(_acc(logits.dtype)), idx.to(_INT32)
+
+
+@_topk_op.register_fake
+def _(logits, k, score, renormalize, backend):
+    t = logits.shape[0]
+    return (logits.new_empty(t, k, dtype=_acc(logits.dtype)),
+            logits.new_empty(t, k, dtype=_INT32))
+
+
+def _topk_setup(ctx, inputs, output):
+    logits, k, score, renormalize, _backend = inputs
+    scores, idx = output
+    ctx.score, ctx.renormalize, ctx.num_experts = score, renormalize, logits.shape[1]
+    ctx.logits_dtype = logits.dtype
+    ctx.save_for_backward(scores, idx, logits if score == "topk_softmax" else None)
+    ctx.mark_non_differentiable(idx)
+
+
+def _topk_backward(ctx, grad_scores, _grad_idx):
+    # Differentiable torch ops on the saved output and input: create_graph=True records them,
+    # so second derivatives are exact.
+    scores, idx, logits = ctx.saved_tensors
+    idx = idx.long()
+    g = grad_scores.to(scores.dtype)
+    if ctx.renormalize and ctx.score == "topk_softmax":
+        # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs, with s recovered as r·Σs.
+        probs = torch.softmax(logits.to(scores.dtype), dim=-1)
+        total = probs.gather(1, idx).sum(-1, keepdim=True)
+        g = (g - (g * scores).sum(-1, keepdim=True)) / total
+        selected = scores * total
+    elif ctx.score == "topk_softmax":
+        probs = torch.softmax(logits.to(scores.dtype), dim=-1)
+        selected = scores
+    if ctx.score == "softmax_topk":
+        grad_selected = scores * (g - (g * scores).sum(-1, keepdim=True))
+        grad = scores.new_zeros(idx.shape[0], ctx.num_experts).scatter(1, idx, grad_selected)
+    else:
+        # softmax backward: p ⊙ (G − ⟨G, p⟩) with G the selected entries' gradient scattered.
+        grad = torch.zeros_like(probs).scatter(1, idx, g)
+        grad = probs * (grad - (g * selected).sum(-1, keepdim=True))
+    return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+torch.library.register_autograd("sonic::topk_routing", _topk_backward, setup_context=_topk_setup)
+
+
+# ------------------------------------------------------------------------------ expert kernels
+
+
+@torch.library.custom_op("sonic::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                   gather_idx: torch.Tensor | None, backend: str) -> torch.Tensor:
+    with _no_autocast(a.device):
+        return _impl(backend, a.device).grouped_mm(a, b, offsets, gather_idx)
+
+
+@_grouped_mm_op.register_fake
+def _(a, b, offsets, gather_idx, backend):
+    rows = a.shape[0] if gather_idx is None else gather_idx.shape[0]
+    return a.new_empty(rows, b.shape[-1])
+
+
+@torch.library.custom_op("sonic::grouped_mm_varlen_k", mutates_args=())
+def _grouped_mm_varlen_k_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                            gather_idx_a: torch.Tensor | None, gather_idx_b: torch.Tensor | None,
+                            backend: str) -> torch.Tensor:
+    with _no_autocast(a.device):
+        return _impl(backend, a.device).grouped_mm_varlen_k(a, b, offsets, gather_idx_a,
+                                                            gather_idx_b)
+
+
+@_grouped_mm_varlen_k_op.register_fake
+def _(a, b, offsets, gather_idx_a, gather_idx_b, backend):
+    return a.new_empty(offsets.shape[0] - 1, a.shape[1], b.shape[1])
+
+
+@torch.library.custom_op("sonic::up_proj_swiglu", mutates_args=())
+def _up_proj_swiglu_op(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor,
+                       gather_idx: torch.Tensor, gate_up: str,
+                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with _no_autocast(x.device):
+        return _impl(backend, x.device).up_proj_swiglu(x, w1, offsets, gather_idx, gate_up)
+
+
+@_up_proj_swiglu_op.register_fake
+def _(x, w1, offsets, gather_idx, gate_up, backend):
+    p, two_n = gather_idx.shape[0], w1.shape[1]
+    return x.new_empty(p, two_n), x.new_empty(p, two_n // 2)
+
+
+def _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend, *,
+                overwrite_h=False):
+    with _no_autocast(dout.device):
+        return _impl(backend, dout.device).dh_dswiglu(dout, w2, offsets, gather_idx, h,
+                                                      row_scores, gate_up,
+                                                      overwrite_h=overwrite_h)
+
+
+@torch.library.custom_op("sonic::dh_dswiglu", mutates_args=())
+def _dh_dswiglu_op(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
+                   gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
+                   gate_up: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # As an op, never in place: the op promises not to mutate h (see _experts_backward).
+    return _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend)
+
+
+@_dh_dswiglu_op.register_fake
+def _(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend):
+    p, two_n = h.shape
+    return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
+
+
+@torch.library.custom_op("sonic::aggregate", mutates_args=())
+def _aggregate_op(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Tensor,
+                  row_scores: torch.Tensor | None, backend: str) -> torch.Tensor:
+    with _no_autocast(y.device):
+        return _impl(backend, y.device).aggregate(y, token_rows, token_offsets, row_scores)
+
+
+@_aggregate_op.register_fake
+def _(y, token_rows, token_offsets, row_scores, backend):
+    return y.new_empty(token_offsets.shape[0] - 1, y.shape[1])
+
+
+# ------------------------------------------------------------------------------ expert forward
+
+
+@torch.library.custom_op("sonic::moe_experts", mutates_args=())
+def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
+                    meta: torch.Tensor, top_k: int, gate_up: str,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
+    ops = _impl(backend, x.device)
+    offsets = m.expert_offsets
+    with _no_autocast(x.device):
+        # The CuTe up-proj gathers X's rows while loading them (the reference: a transient
+        # copy) and its epilogue stores both H (kept) and A (transient).
+        h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up)
+        y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
+        del act
+        row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
+        out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
+    return out, h
+
+
+@_moe_experts_op.register_fake
+def _(x, w1, w2, scores, meta, top_k, gate_up, backend):
+    return x.new_empty(x.shape), x.new_empty(scores.shape[0], w1.shape[1])
+
+
+def _experts_setup(ctx, inputs, output):
+    x, w1, w2, scores, meta, top_k, gate_up, backend = inputs
+    _out, h = output
+    ctx.save_for_backward(x, w1, w2, h, scores, meta)
+    ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
+    ctx.mark_non_differentiable(h)
+
+
+def _first_order_error() -> RuntimeError:
+    return RuntimeError(
+        "sonic's MoE expert backward is not twice differentiable, so it cannot run "
+        "with create_graph=True (gradient penalties, Hessian-vector products, "
+        "double backward). Take first-order gradients with create_graph=False, or, where "
+        "second derivatives are needed, write the experts with plain PyTorch ops "
+        "(a per-expert loop) whose backward autograd records.")
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether backward is being traced (torch.compile / AOTAutograd / export) rather than run
+    eagerly on real tensors."""
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
+
+
+def _experts_backward(ctx, grad_out, _grad_h):
+    # Grad mode is on inside backward exactly when the caller asked for create_graph=True. The
+    # saved H and metadata carry no graph, so a recorded backward would miss terms: refuse.
+    if torch.is_grad_enabled() and not _traced(grad_out):
+        raise _first_order_error()
+    from sonic.autograd.moe_experts import _graph_kept
+
+    x, w1, w2, h, scores, meta = ctx.saved_tensors
+    m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
+    backend, gate_up = ctx.backend, ctx.gate_up
+    need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
+    offsets = m.expert_offsets
+    grad_out = grad_out.contiguous().to(x.dtype)
+    row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
+
+    # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
+    # Eagerly, when the graph is not kept, H is dead after this step (this backward holds the
+    # only unpacked reference and nothing can unpack it again), so the kernel may write dH over
+    # it: the peak then holds one P x 2n buffer instead of two. Traced (torch.compile, export),
+    # the op never writes in place: a compiled graph may reuse H, and the op says it does not
+    # mutate its inputs.
+    if not _traced(h) and not _graph_kept():
+        dh, a_scaled, ds_rows = _dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
+                                            gate_up, backend, overwrite_h=True)
+        if dh.data_ptr() == h.data_ptr():
+            # Anything that still unpacks the saved H must fail loudly, not read dH.
+            torch.autograd.graph.increment_version(h)
+    else:
+        dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx,
+                                                           h, row_scores, gate_up, backend)
+    del h
+    grad_scores = ds_rows.index_select(0, m.pair_rows).to(scores.dtype) if need_s else None
+    grad_w2 = grad_w1 = grad_x = None
+    if need_w2:
+        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,
+                                                      None, backend)
+    del a_scaled
+    if need_x:
+        dx_rows = torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend)
+        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None, backend)
+        del dx_rows
+    if need_w1:
+        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
+    return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None
+
+
+torch.library.register_autograd("sonic::moe_experts", _experts_backward,
+                                setup_context=_experts_setup)

@@ -1,0 +1,231 @@
+"""torch.compile / torch.export / torch.library custom ops on the CPU (issue 16)."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import sonic
+from sonic import ops  # noqa: F401
+
+OPS = ("topk_routing", "routing_metadata", "grouped_mm", "grouped_mm_varlen_k",
+       "up_proj_swiglu", "dh_dswiglu", "aggregate", "moe_experts")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_every_op_is_registered():
+    for name in OPS:
+        assert hasattr(torch.ops.sonic, name), name
+
+
+def _layer(dtype, seed=0, **kw):
+    torch.manual_seed(seed)
+    return sonic.MoE(16, 8, 4, 2, dtype=dtype, aux_loss_coef=0.01, **kw)
+
+
+def _step(layer, x):
+    out, aux = layer(x, return_aux_loss=True)
+    loss = out.float().square().mean() + aux
+    grads = torch.autograd.grad(loss, [x, *layer.parameters()])
+    return out.detach(), loss.detach(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fullgraph_training_step_matches_eager_and_keeps_one_graph_for_any_T(dtype):
+    layer = _layer(dtype)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    frames = None
+    for T in (12, 17, 5):
+        x = torch.randn(T, 16, dtype=dtype, requires_grad=True)
+        got, expect = _step(compiled, x), _step(layer, x)
+        torch.testing.assert_close(got[0], expect[0], **tol)
+        torch.testing.assert_close(got[1], expect[1], **tol)
+        for a, b in zip(got[2], expect[2]):
+            torch.testing.assert_close(a, b, **tol)
+        if frames is None:
+            frames = counter.frame_count
+        assert counter.frame_count == frames == 1, "a new T recompiled"
+
+
+def test_compiled_graph_calls_sonic_ops_and_has_no_graph_break():
+    layer = _layer(torch.float32)
+    explanation = torch._dynamo.explain(layer)(torch.randn(9, 16))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    code = "\n".join(str(g.graph) for g in explanation.graphs)
+    assert "sonic.topk_routing" in code and "sonic.moe_experts" in code
+    assert "sonic.routing_metadata" in code
+
+
+def test_model_with_sonic_layers_and_collector_compiles_fullgraph():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = sonic.MoE(16, 8, 4, 2, aux_loss_coef=0.1)
+            self.b = sonic.MoE(16, 8, 4, 2, aux_loss_coef=0.1)
+
+        def forward(self, x):
+            with sonic.collect_aux_losses(self) as aux:
+                y = self.b(torch.nn.functional.gelu(self.a(x)))
+            return y, sum(aux)
+
+    torch.manual_seed(1)
+    net = Net()
+    x = torch.randn(2, 7, 16)
+    y, aux = torch.compile(net, fullgraph=True)(x)
+    y_ref, aux_ref = net(x)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(aux, aux_ref)
+    aux.backward()
+    assert net.a.gate.weight.grad.abs().sum() > 0
+
+
+def test_token_rounding_compiles_with_a_graph_break_at_its_host_read():
+    layer = _layer(torch.float32, router="token_rounding", tile=4)
+    x = torch.randn(20, 16, requires_grad=True)
+    explanation = torch._dynamo.explain(layer)(x)
+    assert explanation.graph_break_count >= 1
+    assert any("item" in str(b.reason) for b in explanation.break_reasons)
+    torch._dynamo.reset()
+    got = torch.compile(layer)(x)
+    torch.testing.assert_close(got, layer(x))
+
+
+def test_export_forward_with_dynamic_tokens():
+    layer = _layer(torch.float32).eval()
+    x = torch.randn(2, 5, 16)
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    exported = torch.export.export(layer, (x,), dynamic_shapes=({0: batch, 1: seq},))
+    targets = {str(n.target) for n in exported.graph.nodes}
+    assert {"sonic.topk_routing.default", "sonic.moe_experts.default"} <= targets
+    for shape in ((2, 5, 16), (3, 9, 16)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(exported.module()(x), layer(x))
+
+
+def test_export_training_forward():
+    layer = _layer(torch.float32)
+    x = torch.randn(10, 16)
+    exported = torch.export.export(layer, (x,), kwargs={"return_aux_loss": True})
+    out, aux = exported.module()(x, return_aux_loss=True)
+    ref, aux_ref = layer(x, return_aux_loss=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(aux, aux_ref)
+
+
+def _problem(T=9, d=8, n=4, E=4, K=2, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g, dtype=dtype)
+    w1 = torch.randn(E, 2 * n, d, generator=g, dtype=dtype) / d ** 0.5
+    w2 = torch.randn(E, d, n, generator=g, dtype=dtype) / n ** 0.5
+    logits = torch.randn(T, E, generator=g)
+    return x, w1, w2, logits
+
+
+def test_opcheck_expert_and_routing_ops():
+    x, w1, w2, logits = _problem()
+    r = sonic.topk_routing(logits, 2, backend="torch")
+    meta = sonic.routing_metadata(r, backend="torch")
+    scores = r.scores.detach()
+    for args in [(x.requires_grad_(), w1.requires_grad_(), w2, scores, meta.packed, 2,
+                  "concat", "torch")]:
+        torch.library.opcheck(torch.ops.sonic.moe_experts.default, args)
+    torch.library.opcheck(torch.ops.sonic.topk_routing.default,
+                          (logits.requires_grad_(), 2, "softmax_topk", False, "torch"))
+    torch.library.opcheck(torch.ops.sonic.routing_metadata.default,
+                          (r.token_idx, r.expert_idx, 9, 4, 0, "torch"))
+    torch.library.opcheck(torch.ops.sonic.aggregate.default,
+                          (torch.randn(18, 8), meta.token_rows, meta.token_offsets,
+                           torch.rand(18), "torch"))
+
+
+def test_moe_experts_functional_compiles_with_hand_built_pairs():
+    x, w1, w2, _ = _problem()
+    tok = torch.tensor([0, 1, 1, 3, 8, 8, 2])
+    exp = torch.tensor([1, 0, 3, 3, 2, 0, 1])
+    s = torch.rand(7)
+    fn = torch.compile(sonic.moe_experts, fullgraph=True)
+    torch.testing.assert_close(fn(x, w1, w2, s, tok, exp), sonic.moe_experts(x, w1, w2, s, tok, exp))
+
+
+def test_backward_with_retain_graph_twice_gives_the_same_gradients():
+    # retain_graph keeps the saved H: the dH step must not overwrite it then.
+    layer = _layer(torch.float32)
+    x = torch.randn(11, 16, requires_grad=True)
+    out = layer(x)
+    first = torch.autograd.grad(out.square().sum(), [x, layer.w1], retain_graph=True)
+    second = torch.autograd.grad(out.square().sum(), [x, layer.w1])
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
+
+
+def test_create_graph_still_raises_through_the_op():
+    layer = _layer(torch.float64)
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+
+
+def test_token_rounding_compiles_fullgraph_with_captured_scalar_outputs(monkeypatch):
+    # The host read of P becomes a data-dependent size inside the graph (still a device->host
+    # read when it runs, so not CUDA-graph capturable).
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    layer = _layer(torch.float32, router="token_rounding", tile=4)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    for T in (20, 27):
+        x = torch.randn(T, 16, requires_grad=True)
+        got, expect = _step(compiled, x), _step(layer, x)
+        torch.testing.assert_close(got[0], expect[0])
+        for a, b in zip(got[2], expect[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+def _recording_dh(calls):
+    """A dh_dswiglu that, like the CuTe dH kernel, writes dH over H when offered."""
+    from sonic.reference import ops as reference
+
+    def dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *, overwrite_h=False):
+        calls.append(overwrite_h)
+        dh, a_scaled, ds = reference.dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
+                                                gate_up)
+        if overwrite_h:
+            h.copy_(dh)
+            dh = h
+        return dh, a_scaled, ds
+    return dh_dswiglu
+
+
+def test_dh_overwrites_h_only_eagerly_and_when_the_graph_is_not_kept(monkeypatch):
+    import dataclasses
+
+    import sonic.backend
+
+    calls = []
+    monkeypatch.setattr(sonic.backend, "TORCH_OPS",
+                        dataclasses.replace(sonic.backend.TORCH_OPS,
+                                            dh_dswiglu=_recording_dh(calls)))
+    layer = _layer(torch.float32, backend="torch")
+    x = torch.randn(13, 16, requires_grad=True)
+
+    def grads(fn, **kw):
+        out = fn(x)
+        return torch.autograd.grad(out.square().sum(), [x, layer.w1, layer.w2], **kw)
+
+    kept = grads(layer, retain_graph=True)                  # graph kept: H must survive
+    assert calls == [False]
+    eager = grads(layer)                                    # graph freed: H is dead
+    assert calls == [False, True]
+    compiled = grads(torch.compile(layer, fullgraph=True))  # traced: the functional op
+    assert calls[2:] and not any(calls[2:])
+    for a, b, c in zip(kept, eager, compiled):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
