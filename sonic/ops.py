@@ -310,6 +310,8 @@ def _experts_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2, h, scores, meta)
     ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
     ctx.mark_non_differentiable(h)
+    # H has no gradient; materialised, it would be a P x 2n buffer of zeros in every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _first_order_error() -> RuntimeError:
@@ -335,6 +337,8 @@ def _experts_backward(ctx, grad_out, _grad_h):
     from sonic.autograd.moe_experts import _graph_kept
 
     x, w1, w2, h, scores, meta = ctx.saved_tensors
+    if grad_out is None:     # the output took no part in the loss (grads are not materialised)
+        return None, None, None, None, None, None, None, None
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
     need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
