@@ -95,7 +95,16 @@ def _layer_case(rank, world, name, seed):
     dist.all_reduce(gate_grad)
     experts = slice(rank * local, (rank + 1) * local)
     picked = layer.last_routing.expert_idx.long()
+    # The aux loss is MoE's, of this rank's tokens: returned, or collected like a MoE layer's.
+    layer.aux_loss_coef = full.aux_loss_coef = 0.01
+    x_local = x.detach()
+    _, aux = layer(x_local, return_aux_loss=True)
+    with sonic.collect_aux_losses(layer) as collected:
+        layer(x_local)
+    _, aux_ref = full(x_local, return_aux_loss=True)
     return {
+        "aux": _rel(aux.detach(), aux_ref.detach()),
+        "aux_collected": float(len(collected) != 1 or not torch.equal(collected[0], aux)),
         "out": _rel(out.detach(), out_ref.detach()[lo:lo + counts[rank]]),
         "x": _rel(x.grad, x_ref.grad[lo:lo + counts[rank]]),
         "gate": _rel(gate_grad, full.gate.weight.grad),

@@ -11,16 +11,16 @@ from torch import nn
 from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.experts import ep_moe_experts
-from sonic.nn.moe import MoE, load_balancing_loss
+from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
-from sonic.routing.topk import SCORES, topk_routing
+from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
 
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype")
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(MoE):
     """Mixture-of-Experts FFN whose ``E`` experts are split over the ranks of ``group``.
 
     Each rank holds ``E/ep`` consecutive experts (expert ``e`` on group rank ``e // (E/ep)``)
@@ -40,10 +40,11 @@ class ExpertParallelMoE(nn.Module):
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
     ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``.
 
-    ``forward(x)``: ``x (..., d)`` → same shape and dtype. :attr:`aux_loss` is the
-    load-balancing loss of *this rank's* tokens (not of the whole batch, which would need an
-    all-reduce of the router statistics); :attr:`last_routing` the local :class:`Routing` with
-    global expert indices.
+    ``forward(x, *, return_aux_loss=False)``: as :meth:`sonic.MoE.forward` (autocast, the aux
+    loss returned or collected by :func:`sonic.collect_aux_losses`), with the experts run by
+    :func:`ep_moe_experts`. The aux loss is the load-balancing loss of *this rank's* tokens
+    (not of the whole batch, which would need an all-reduce of the router statistics);
+    :attr:`last_routing` the local :class:`Routing` with global expert indices.
 
     Construction is collective: one all-gather checks that all ranks agree on the
     configuration, and the router weight is broadcast from group rank 0.
@@ -59,16 +60,15 @@ class ExpertParallelMoE(nn.Module):
                  group=None, router: str = "topk", score: str = "softmax_topk",
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
                  backend: str = "auto", device=None, dtype=None):
-        super().__init__()
+        # Not MoE.__init__: it would allocate all E experts on every rank.
+        nn.Module.__init__(self)
         check_int("d_model", d_model, low=1)
         check_int("d_expert", d_expert, low=1)
         check_int("num_experts", num_experts, low=1)
         check_int("top_k", top_k, low=1, high=num_experts)
         check_choice("score", score, SCORES)
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-        if router != "topk":
-            raise ValueError(f"router must be 'topk' (token rounding across EP ranks is not "
-                             f"implemented yet), got {router!r}")
+        self.router = router
         self.ep_size, self.ep_rank = check_group(group)
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
@@ -76,14 +76,15 @@ class ExpertParallelMoE(nn.Module):
         self.group = group
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.num_local_experts = num_experts // self.ep_size
-        self.router, self.score, self.renormalize = router, score, renormalize
+        self.score, self.renormalize = score, renormalize
+        self.tile, self.rounding = 128, "nearest"     # token rounding's, unused here
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         local = self.num_local_experts
         self.w1 = nn.Parameter(torch.empty(local, 2 * d_expert, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_expert, **factory))
-        self.aux_loss: torch.Tensor | None = None
+        self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self._check_config()
         self.reset_parameters()
@@ -141,27 +142,25 @@ class ExpertParallelMoE(nn.Module):
             layer.w2.copy_(moe.w2[experts])
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have last dimension d_model={self.d_model}, "
-                             f"got shape {tuple(x.shape)}")
-        tokens = x.reshape(-1, self.d_model)
-        logits = self.gate(tokens)
-        routing = topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
-                               backend=self.backend)
-        # Scores in the accumulation dtype, as sonic.MoE passes them, so both layers compute
-        # the same thing.
-        out = ep_moe_experts(tokens, self.w1, self.w2,
-                             routing.scores.to(accumulate_dtype(tokens.dtype)),
-                             routing.token_idx, routing.expert_idx, group=self.group,
-                             num_experts=self.num_experts, gate_up=self.gate_up,
-                             backend=self.backend)
-        self.last_routing = routing
-        if self.aux_loss_coef and self.training:
-            self.aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
-        else:
-            self.aux_loss = logits.new_zeros((), dtype=torch.float32)
-        return out.reshape(x.shape)
+    @property
+    def router(self) -> str:
+        return self._router
+
+    @router.setter
+    def router(self, value: str) -> None:
+        if value != "topk":
+            raise ValueError(f"router must be 'topk' (token rounding across EP ranks is not "
+                             f"implemented yet), got {value!r}")
+        self._router = value
+
+    def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                routing: Routing) -> torch.Tensor:
+        """:func:`ep_moe_experts` on this rank's tokens and experts (scores in the accumulation
+        dtype, as :class:`sonic.MoE` passes them)."""
+        return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
+                              routing.token_idx, routing.expert_idx, group=self.group,
+                              num_experts=self.num_experts, gate_up=self.gate_up,
+                              backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

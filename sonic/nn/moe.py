@@ -211,6 +211,16 @@ class MoE(nn.Module):
         return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
                             backend=self.backend)
 
+    def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                routing: Routing) -> torch.Tensor:
+        """The expert computation of :meth:`forward`: ``tokens (T, d)``, the (possibly autocast)
+        expert weights and the routing → ``(T, d)``. Subclasses that place experts elsewhere
+        (:class:`sonic.distributed.ExpertParallelMoE`) override it."""
+        return moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
+                           routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
+                           backend=self.backend,
+                           metadata=routing_metadata(routing, backend=self.backend))
+
     def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         check_tensor("x", x)
         dtype = self.w1.dtype
@@ -229,11 +239,7 @@ class MoE(nn.Module):
             w1, w2 = self.w1, self.w2
         logits = self.gate(tokens)
         routing = self.route(logits)
-        out = moe_experts(tokens, w1, w2,
-                          routing.scores.to(accumulate_dtype(tokens.dtype)),
-                          routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
-                          backend=self.backend,
-                          metadata=routing_metadata(routing, backend=self.backend))
+        out = self.experts(tokens, w1, w2, routing)
         if self.aux_loss_coef and self.training:
             aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
         else:
