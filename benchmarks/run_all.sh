@@ -21,5 +21,9 @@ python3 benchmarks/bench_moe.py --profile
 echo "== bench_moe, sparse configs (E=256, K=8, n=1024): top-K and token rounding on the same data"
 python3 benchmarks/bench_moe.py --router both --config 8192,4096,1024,256,8 \
     --config 16384,4096,1024,256,8 --config 32768,1536,1024,256,8
+echo "== bench_compile (eager vs torch.compile vs reduce-overhead)"
+python3 benchmarks/bench_compile.py
+echo "== stress_gpu: random cases against the reference"
+python3 benchmarks/stress_gpu.py --random 500 --seconds 180 --seed 0 | tail -n 3
 echo "== python -m sonic.train"
 python3 -m sonic.train --json --no-progress 2>&1 | tail -n 3
