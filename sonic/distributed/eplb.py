@@ -293,3 +293,58 @@ def plan_placement(load: torch.Tensor | Sequence[float], num_ranks: int,
     slot_expert = torch.tensor([e for experts in per_rank for e in sorted(experts)],
                                dtype=torch.int64)
     return Placement(slot_expert, num_ranks, slots_per_rank, num_experts)
+
+
+def sum_over_replicas(tensors, placement: Placement, group=None, *,
+                      primary_only: bool = False) -> None:
+    """In place, for every expert with more than one replica: each of its slots in each of
+    ``tensors`` (this rank's ``(slots_per_rank, ...)`` per-slot tensors, e.g. ``w1.grad``)
+    becomes the sum over all its replicas on all ranks — or, with ``primary_only``, the value
+    of its first replica (the lowest slot), which makes replicas equal (initialisation).
+
+    One ``all_reduce`` per tensor over ``group`` of a buffer holding only the replicated
+    experts (``(#replicated, ...)``; ranks without a replica of an expert add zeros), so a
+    placement without replicas costs nothing. Collective: every rank of ``group`` must call it
+    with the same placement and tensor shapes.
+    """
+    import torch.distributed as dist
+
+    from sonic.distributed.comm import check_group
+    _, rank = check_group(group)
+    counts = placement.replica_counts()
+    replicated = (counts > 1).nonzero().flatten()
+    if replicated.numel() == 0:
+        return
+    index_of = torch.full((placement.num_experts,), -1, dtype=torch.int64)
+    index_of[replicated] = torch.arange(replicated.numel())
+    experts = placement.rank_experts(rank)
+    local = (index_of[experts] >= 0).nonzero().flatten()            # this rank's replica slots
+    global_slots = rank * placement.slots_per_rank + local
+    if primary_only:
+        primary = torch.tensor([placement.replicas(int(e))[0] for e in experts[local]],
+                               dtype=torch.int64)
+        sources = local[primary == global_slots]
+    else:
+        sources = local
+    for t in tensors:
+        with torch.no_grad():
+            buf = t.new_zeros((replicated.numel(),) + tuple(t.shape[1:]))
+            src = sources.to(t.device)
+            buf.index_add_(0, index_of[experts[sources]].to(t.device), t.index_select(0, src))
+            dist.all_reduce(buf, group=group)
+            dst = local.to(t.device)
+            t.index_copy_(0, dst, buf.index_select(0, index_of[experts[local]].to(t.device)))
+
+
+def reduce_replica_grads(params, placement: Placement, group=None) -> None:
+    """After backward: the gradient of every replica slot of ``params`` (this rank's expert
+    weights, ``(slots_per_rank, ...)``, e.g. ``[w1, w2]``) becomes the gradient of the expert
+    as a whole, the sum over its replicas on all ranks, so replicas stay equal under any
+    optimizer. A parameter without a gradient gets a zero one first (every rank must join the
+    all-reduce). Collective (see :func:`sum_over_replicas`)."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    sum_over_replicas(grads, placement, group)
