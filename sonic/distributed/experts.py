@@ -296,7 +296,10 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             group's timeout. Out-of-range indices on any rank, or ranks disagreeing on ``d``,
             ``n``, ``E``, the dtype or grad mode and which inputs require grad (backward's
             collectives depend on them): raised on *every*
-            rank after the count exchange.
+            rank after the count exchange. With a ``placement``: one for other than ``ep`` ranks
+            or ``E`` experts, or ``w1_local`` not holding ``slots_per_rank`` experts (this
+            rank); ranks holding different placements (every rank).
+        TypeError: ``placement`` not a :class:`~sonic.distributed.Placement` or ``None``.
         RuntimeError: ``torch.distributed`` not initialised, or a collective timed out.
 
     Sources: MetaShuffling (PyTorch blog, 2025) for the on-device counts with one host sync;
