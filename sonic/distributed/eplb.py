@@ -113,7 +113,7 @@ class Placement:
     num_ranks: int
     slots_per_rank: int
     num_experts: int
-    _tables: dict = field(default_factory=dict, repr=False, compare=False)
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_int("num_ranks", self.num_ranks, low=1)
