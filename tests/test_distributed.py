@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sonic
-from sonic.distributed import ExpertParallelMoE, ep_moe_experts
+from sonic.distributed import (ExpertLoad, ExpertParallelMoE, Placement, ep_moe_experts,
+                               plan_placement, reduce_replica_grads)
 
 D, N = 8, 4
 TOL = 1e-10
@@ -176,12 +177,126 @@ def _pairs_case(rank, world, name, seed):
     }
 
 
+# --- EPLB: the layer and the function with a replicated-expert placement --------------------
+
+def _eplb_layer_case(rank, world, seed):
+    """Skewed routing (experts 0 and 1 hot), a plan from the measured load with one redundant
+    slot per rank, the layer from ``from_moe(placement=)``; replica gradients reduced."""
+    num_experts, top_k = 8, 2
+    torch.manual_seed(seed)
+    full = sonic.MoE(D, N, num_experts, top_k, backend="torch", dtype=torch.float64)
+    counts = [6 + r for r in range(world)]
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    x_full[:, 0] = x_full[:, 0].abs() + 1
+    with torch.no_grad():
+        full.gate.weight[0, 0], full.gate.weight[1, 0] = 3.0, 1.0
+
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = full(x_ref)
+    (out_ref * grad_full).sum().backward()
+    measured = ExpertLoad(num_experts)
+    measured.update(full.last_routing)
+    placement = plan_placement(measured.counts(), world, num_experts // world + 1)
+
+    layer = ExpertParallelMoE.from_moe(full, placement=placement)
+    layer.expert_load = ExpertLoad(num_experts)
+    lo = sum(counts[:rank])
+    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+    out = layer(x)
+    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+    mine = placement.rank_experts(rank)
+    replicated = placement.replica_counts()[mine] > 1
+    # Every replica slot got some of its expert's pairs (the split happened) ...
+    split = bool((layer.w1.grad[replicated].flatten(1).abs().sum(1) > 0).all())
+    layer.reduce_replica_grads()
+    gate_grad = layer.gate.weight.grad.clone()
+    dist.all_reduce(gate_grad)
+    # Replicas of a freshly built layer start equal on all ranks.
+    fresh = ExpertParallelMoE(D, N, num_experts, top_k, placement=placement, backend="torch",
+                              dtype=torch.float64)
+    gathered = [torch.empty_like(fresh.w1.data) for _ in range(world)]
+    dist.all_gather(gathered, fresh.w1.data)
+    slots = torch.cat(gathered)
+    unequal = sum(float((slots[placement.replicas(e)] - slots[placement.replicas(e)[0]])
+                        .abs().max()) for e in range(num_experts))
+    return {
+        "out": _rel(out.detach(), out_ref.detach()[lo:lo + counts[rank]]),
+        "x": _rel(x.grad, x_ref.grad[lo:lo + counts[rank]]),
+        "gate": _rel(gate_grad, full.gate.weight.grad),
+        "w1": _rel(layer.w1.grad, full.w1.grad[mine]),
+        "w2": _rel(layer.w2.grad, full.w2.grad[mine]),
+        "load": float((layer.expert_load.counts(all_reduce=True) - measured.counts()).abs().sum()),
+        "fresh_replicas_unequal": unequal,
+        "replicas": int(placement.replica_counts().max()),
+        "split": split,
+    }
+
+
+def _eplb_pairs_case(rank, world, seed):
+    """``ep_moe_experts`` with a hand-made placement: one extra slot per rank, all holding
+    expert 0 — so expert 0 has world + 1 replicas, two of them on rank 0."""
+    num_experts = 8
+    local = num_experts // world
+    slot_expert = torch.cat([torch.cat([torch.arange(r * local, (r + 1) * local),
+                                        torch.tensor([0])]) for r in range(world)])
+    placement = Placement(slot_expert, world, local + 1, num_experts)
+    g = torch.Generator().manual_seed(seed)
+    counts = [5 + r for r in range(world)]
+    per_rank = [_pairs(g, c, torch.arange(num_experts)) for c in counts]
+    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    w1 = torch.randn(num_experts, 2 * N, D, generator=g, dtype=torch.float64) / D ** 0.5
+    w2 = torch.randn(num_experts, D, N, generator=g, dtype=torch.float64) / N ** 0.5
+    scores_full = torch.rand(sum(len(t) for t, _ in per_rank), generator=g, dtype=torch.float64)
+    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    starts = torch.tensor([0] + counts).cumsum(0)
+    tok_full = torch.cat([t + starts[r] for r, (t, _) in enumerate(per_rank)]).to(torch.int32)
+    exp_full = torch.cat([e for _, e in per_rank])
+
+    lo, p_lo = sum(counts[:rank]), sum(len(t) for t, _ in per_rank[:rank])
+    tok, exp = per_rank[rank]
+    mine = placement.rank_experts(rank)
+    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+    s = scores_full[p_lo:p_lo + len(tok)].clone().requires_grad_()
+    w1_local = w1[mine].clone().requires_grad_()
+    w2_local = w2[mine].clone().requires_grad_()
+    out = ep_moe_experts(x, w1_local, w2_local, s, tok, exp, group=None,
+                         num_experts=num_experts, backend="torch", placement=placement)
+    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+    reduce_replica_grads([w1_local, w2_local], placement)
+
+    ref_in = [t.clone().requires_grad_() for t in (x_full, w1, w2, scores_full)]
+    out_ref = sonic.moe_experts(*ref_in[:3], ref_in[3], tok_full, exp_full, backend="torch")
+    (out_ref * grad_full).sum().backward()
+    x_ref, w1_ref, w2_ref, s_ref = ref_in
+    result = {
+        "out": _rel(out.detach(), out_ref.detach()[lo:lo + counts[rank]]),
+        "x": _rel(x.grad, x_ref.grad[lo:lo + counts[rank]]),
+        "scores": _rel(s.grad, s_ref.grad[p_lo:p_lo + len(tok)]),
+        "w1": _rel(w1_local.grad, w1_ref.grad[mine]),
+        "w2": _rel(w2_local.grad, w2_ref.grad[mine]),
+    }
+    # Ranks holding different placements: raised on every rank by the count exchange.
+    if world > 1:
+        other = Placement(slot_expert.roll(rank), world, local + 1, num_experts)
+        result["disagree"] = _catch(lambda: ep_moe_experts(
+            x.detach(), w1_local.detach(), w2_local.detach(), s.detach(), tok, exp, group=None,
+            num_experts=num_experts, backend="torch", placement=other))
+    return result
+
+
+EPLB_CASES = {"eplb_layer": _eplb_layer_case, "eplb_pairs": _eplb_pairs_case}
+
+
 def _all_cases(rank, world):
     results = {}
     for seed, name in enumerate(LAYER_CASES):
         results[name] = _layer_case(rank, world, name, seed)
     for seed, name in enumerate(PAIR_CASES):
         results[name] = _pairs_case(rank, world, name, 100 + seed)
+    for seed, (name, case) in enumerate(EPLB_CASES.items()):
+        results[name] = case(rank, world, 200 + seed)
     return results
 
 
@@ -200,6 +315,23 @@ def test_ep_matches_single_process(ep_results, case):
         errors = {k: v for k, v in result[case].items() if k != "avoided_routed"}
         assert all(v <= TOL for v in errors.values()), (rank, errors)
         assert not result[case].get("avoided_routed", False), rank
+
+
+@pytest.mark.parametrize("case", EPLB_CASES)
+def test_eplb_placement_matches_single_process(ep_results, case):
+    """A replicated-expert placement: output, dX, scores / router gradient (summed over ranks)
+    and every expert's weight gradient, replicas' reduced by ``reduce_replica_grads``, equal
+    single-process sonic on the concatenated batch."""
+    world, results = ep_results
+    flags = ("replicas", "split", "disagree", "load", "fresh_replicas_unequal")
+    for rank, result in enumerate(results):
+        errors = {k: v for k, v in result[case].items() if k not in flags}
+        assert errors and all(v <= TOL for v in errors.values()), (rank, errors)
+        if case == "eplb_layer":
+            assert result[case]["replicas"] >= 2 and result[case]["split"], rank
+            assert result[case]["load"] == 0 and result[case]["fresh_replicas_unequal"] == 0
+        if world > 1 and case == "eplb_pairs":
+            assert "EP ranks disagree on placement" in result[case]["disagree"], rank
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Expert parallelism (EP) over ``torch.distributed``: dispatch and combine all-to-alls around
 sonic's local expert computation."""
 
+from sonic.distributed.eplb import (ExpertLoad, Placement, plan_placement, reduce_replica_grads,
+                                   sum_over_replicas)
 from sonic.distributed.experts import DispatchPlan, ep_moe_experts, plan_dispatch
 from sonic.distributed.moe import ExpertParallelMoE
 
-__all__ = ["DispatchPlan", "ExpertParallelMoE", "ep_moe_experts", "plan_dispatch"]
+__all__ = ["DispatchPlan", "ExpertLoad", "ExpertParallelMoE", "Placement", "ep_moe_experts",
+           "plan_dispatch", "plan_placement", "reduce_replica_grads", "sum_over_replicas"]

@@ -1,8 +1,11 @@
 """Expert-parallel MoE experts: dispatch all-to-all → local sonic experts → combine all-to-all.
 
-Expert ``e`` lives on EP rank ``e // (E/ep)`` (contiguous placement). A layer call:
+Expert ``e`` lives on EP rank ``e // (E/ep)`` (contiguous placement), or, given a
+:class:`~sonic.distributed.Placement` (EPLB), in the slots the placement gives it: each rank
+holds ``slots_per_rank`` expert weights and a pair of a replicated expert goes to one of its
+replicas (:meth:`Placement.pair_slots`). A layer call:
 
-1. **plan** (on the device): the destination rank of every routed pair, the distinct
+1. **plan** (on the device): the destination slot and rank of every routed pair, the distinct
    (token, destination rank) rows to send — a token goes to a rank *once*, however many of its
    experts live there — and per destination the row and pair counts.
 2. **count exchange**: one ``all_to_all_single`` of the counts (with a few integers that let
@@ -32,6 +35,7 @@ from sonic._validation import (check_choice, check_float, check_index, check_int
 from sonic.autograd.moe_experts import moe_experts
 from sonic.backend import expert_ops
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
+from sonic.distributed.eplb import Placement
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
@@ -40,7 +44,8 @@ from sonic.routing.types import Routing
 # a disagreement raises on every rank at once instead of hanging in the next collective.
 _AGREED = ("d (x.shape[1])", "n (w2_local.shape[2])", "num_experts", "dtype of x",
            "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
-           "w1_local.requires_grad", "w2_local.requires_grad")
+           "w1_local.requires_grad", "w2_local.requires_grad",
+           "placement (its fingerprint; 0 for the contiguous default)")
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class DispatchPlan:
         pair_order: ``(P,)`` int64 — pairs grouped by destination rank (stable).
     Receive side:
         recv_tokens: ``(P_recv,)`` int32 — received row of each received pair.
-        recv_experts: ``(P_recv,)`` int32 — its local expert, in ``[0, E/ep)``.
+        recv_experts: ``(P_recv,)`` int32 — its local expert (slot), in ``[0, E/ep)`` or
+            ``[0, slots_per_rank)`` with a placement.
     Host split sizes (one per group rank): ``send_rows``, ``recv_rows``, ``send_pairs``,
     ``recv_pairs``.
     """
@@ -76,17 +82,19 @@ class DispatchPlan:
 
 
 def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
-                  num_experts: int, agreed: list[int], group) -> DispatchPlan:
+                  num_experts: int, agreed: list[int], group,
+                  placement: Placement | None = None) -> DispatchPlan:
     """Build the :class:`DispatchPlan` with one count all-to-all and one host read.
 
-    ``agreed`` holds this rank's values of :data:`_AGREED`.
+    ``agreed`` holds this rank's values of :data:`_AGREED`. ``placement``: where experts live
+    (``None``: contiguous, expert ``e`` at local index ``e % (E/ep)`` of rank ``e // (E/ep)``).
 
     Raises:
         ValueError: on every rank, if any rank's indices are out of range or ranks disagree on
             an entry of :data:`_AGREED`.
     """
     ep_size, ep_rank = check_group(group)
-    num_local = num_experts // ep_size
+    num_local = num_experts // ep_size if placement is None else placement.slots_per_rank
     device = token_idx.device
     tokens, experts = token_idx.long(), expert_idx.long()
     # Out-of-range indices are reported collectively after the exchange; clamping keeps the
@@ -94,7 +102,9 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     bad = ((tokens < 0) | (tokens >= num_tokens) | (experts < 0) | (experts >= num_experts)).any()
     width = max(num_tokens, 1)
     tokens, experts = tokens.clamp(0, width - 1), experts.clamp(0, num_experts - 1)
-    dst = experts // num_local
+    # The slot of each pair: its expert (contiguous) or one of the expert's replicas.
+    slots = experts if placement is None else placement.pair_slots(tokens, experts, ep_rank)
+    dst = slots // num_local
     cell = dst * width + tokens                                # (rank, token), rank-major
     mark = torch.zeros(ep_size * width, dtype=torch.int64, device=device).scatter_(0, cell, 1)
     row_of_cell = torch.cumsum(mark, 0) - 1
@@ -105,7 +115,7 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     rank_start = torch.cumsum(rows_per_rank, 0) - rows_per_rank
     # One int per pair for the receiver: its row within the block sent to that rank, and its
     # local expert.
-    info = (send_row - rank_start[dst]) * num_local + (experts - dst * num_local)
+    info = (send_row - rank_start[dst]) * num_local + (slots - dst * num_local)
 
     counts = torch.cat([rows_per_rank[:, None], pairs_per_rank[:, None],
                         bad.to(torch.int64).expand(ep_size, 1),
@@ -143,6 +153,20 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
         recv_experts=(recv_info % num_local).to(torch.int32),
         send_rows=send_rows, recv_rows=recv_rows, send_pairs=send_pairs, recv_pairs=recv_pairs,
         num_tokens=num_tokens, group=group)
+
+
+def check_placement(placement, num_experts: int, ep_size: int) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``placement`` is a :class:`Placement` for
+    ``num_experts`` experts over ``ep_size`` ranks."""
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a sonic.distributed.Placement or None, got "
+                        f"{type(placement).__name__}")
+    if placement.num_ranks != ep_size:
+        raise ValueError(f"placement is for num_ranks={placement.num_ranks}, the EP group has "
+                         f"{ep_size} ranks")
+    if placement.num_experts != num_experts:
+        raise ValueError(f"placement is for num_experts={placement.num_experts}, got "
+                         f"num_experts={num_experts}")
 
 
 def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, num_tokens: int,
@@ -215,13 +239,20 @@ class Combine(torch.autograd.Function):
 def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tensor,
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
                    group, num_experts: int, gate_up: str = "concat",
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", placement: Placement | None = None) -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
     group rank ``e // (E/ep)``, which holds it at local index ``e % (E/ep)``. The result on each
     rank equals :func:`sonic.moe_experts` on the concatenated batch with all ``E`` experts,
     restricted to this rank's tokens. A group of size 1 runs :func:`sonic.moe_experts` directly.
+
+    With a ``placement`` (EPLB), this rank holds the experts of its ``slots_per_rank`` slots
+    (``w1_local[i]`` is expert ``placement.rank_experts(ep_rank)[i]``), and a pair of an expert
+    with ``R`` replicas goes to replica ``(token + ep_rank) % R``. The output is the same; each
+    replica's weight gradient covers the pairs it received, so the gradient of the expert as a
+    whole is the sum over its replicas: :func:`sonic.distributed.reduce_replica_grads` (or
+    :meth:`ExpertParallelMoE.reduce_replica_grads`) sums them after backward.
 
     Args:
         x: ``(T, d)`` this rank's tokens (bf16, fp16, fp32 or fp64); ``T`` may differ per rank
@@ -232,8 +263,12 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         token_idx: ``(P,)`` int32/int64 local token of each pair, in ``[0, T)``.
         expert_idx: ``(P,)`` int32/int64 *global* expert of each pair, in ``[0, E)``.
         group: the EP process group (``None``: the default group).
-        num_experts: ``E``, all experts over all ranks; divisible by the group size ``ep``.
+        num_experts: ``E``, all experts over all ranks; divisible by the group size ``ep``
+            unless a ``placement`` is given.
         gate_up, backend: as in :func:`sonic.moe_experts`, for the local expert computation.
+        placement: a :class:`~sonic.distributed.Placement` for ``ep`` ranks and ``E`` experts
+            (the same on every rank), or ``None`` for the contiguous placement; with it
+            ``w1_local``/``w2_local`` hold ``slots_per_rank`` experts.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -261,7 +296,10 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             group's timeout. Out-of-range indices on any rank, or ranks disagreeing on ``d``,
             ``n``, ``E``, the dtype or grad mode and which inputs require grad (backward's
             collectives depend on them): raised on *every*
-            rank after the count exchange.
+            rank after the count exchange. With a ``placement``: one for other than ``ep`` ranks
+            or ``E`` experts, or ``w1_local`` not holding ``slots_per_rank`` experts (this
+            rank); ranks holding different placements (every rank).
+        TypeError: ``placement`` not a :class:`~sonic.distributed.Placement` or ``None``.
         RuntimeError: ``torch.distributed`` not initialised, or a collective timed out.
 
     Sources: MetaShuffling (PyTorch blog, 2025) for the on-device counts with one host sync;
@@ -278,29 +316,35 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
                       token_idx=token_idx, expert_idx=expert_idx)
     ep_size, _ = check_group(group)
-    if num_experts % ep_size:
-        raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
-                         f"{ep_size} (the size of group)")
-    num_local = num_experts // ep_size
+    if placement is None:
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
+                             f"{ep_size} (the size of group)")
+        num_local, label = num_experts // ep_size, "E/ep"
+    else:
+        check_placement(placement, num_experts, ep_size)
+        num_local, label = placement.slots_per_rank, "slots_per_rank"
     num_tokens, d = x.shape
     n = w2_local.shape[-1]
     if tuple(w1_local.shape) != (num_local, 2 * n, d):
-        raise ValueError(f"w1_local must have shape (E/ep={num_local}, 2n={2 * n}, d={d}), "
+        raise ValueError(f"w1_local must have shape ({label}={num_local}, 2n={2 * n}, d={d}), "
                          f"got {tuple(w1_local.shape)}")
     if tuple(w2_local.shape) != (num_local, d, n):
-        raise ValueError(f"w2_local must have shape (E/ep={num_local}, d={d}, n), "
+        raise ValueError(f"w2_local must have shape ({label}={num_local}, d={d}, n), "
                          f"got {tuple(w2_local.shape)}")
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
         if t.shape != scores.shape:
             raise ValueError(f"{name} must have shape (P={scores.shape[0]},) like scores, "
                              f"got {tuple(t.shape)}")
-    if ep_size == 1:
+    if ep_size == 1 and placement is None:
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
                            gate_up=gate_up, backend=backend)
     ops = expert_ops(backend, x.device)
     agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
-              *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local))]
-    plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group)
+              *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
+              0 if placement is None else placement.fingerprint()]
+    plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
+                         placement)
     x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)
     # The pairs were built here from range-checked indices: no second check (a host read).
     local = Routing(plan.recv_tokens, plan.recv_experts, scores_recv, sum(plan.recv_rows),

@@ -10,14 +10,15 @@ from torch import nn
 
 from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
-from sonic.distributed.experts import ep_moe_experts
+from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
+from sonic.distributed.experts import check_placement, ep_moe_experts
 from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
 
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
-           "dtype")
+           "dtype", "placement (fingerprint)")
 
 
 class ExpertParallelMoE(MoE):
@@ -36,9 +37,24 @@ class ExpertParallelMoE(MoE):
             by the group size.
         group: the EP process group (``None``: the default group).
         router: ``"topk"``; token rounding across ranks is not implemented yet.
+        placement: an EPLB :class:`~sonic.distributed.Placement` (from
+            :func:`~sonic.distributed.plan_placement`) for ``ep`` ranks and ``E`` experts, the
+            same on every rank; ``None`` (default): the contiguous placement above.
 
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
-    ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``.
+    ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``; with a placement
+    ``w1 (slots_per_rank, 2n, d)``, ``w2 (slots_per_rank, d, n)``, slot ``i`` holding expert
+    ``placement.rank_experts(ep_rank)[i]``.
+
+    **EPLB.** With a placement that replicates experts, a replicated expert's pairs are split
+    between its replicas (:meth:`Placement.pair_slots`) and each replica's weight gradient
+    covers only its share: call :meth:`reduce_replica_grads` after backward (and before the
+    optimizer step, on every rank) to give each replica the expert's whole gradient. It is an
+    explicit call, not a gradient hook, so that it runs once per optimizer step (not once per
+    micro-batch under gradient accumulation: the sum is linear) and at a point every rank
+    reaches together, next to the data-parallel all-reduce of the other parameters. Set
+    :attr:`expert_load` to an :class:`~sonic.distributed.ExpertLoad` to count the routed pairs
+    of every forward on the device (the statistics for the next plan).
 
     ``forward(x, *, return_aux_loss=False)``: as :meth:`sonic.MoE.forward` (autocast, the aux
     loss returned or collected by :func:`sonic.collect_aux_losses`), with the experts run by
@@ -59,7 +75,8 @@ class ExpertParallelMoE(MoE):
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                  group=None, router: str = "topk", score: str = "softmax_topk",
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend: str = "auto", device=None, dtype=None,
+                 placement: Placement | None = None):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         check_int("d_model", d_model, low=1)
@@ -70,12 +87,17 @@ class ExpertParallelMoE(MoE):
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
         self.router = router
         self.ep_size, self.ep_rank = check_group(group)
-        if num_experts % self.ep_size:
+        if placement is not None:
+            check_placement(placement, num_experts, self.ep_size)
+        elif num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
                              f"{self.ep_size} (the size of group)")
         self.group = group
+        self.placement = placement
+        self.expert_load: ExpertLoad | None = None
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
-        self.num_local_experts = num_experts // self.ep_size
+        self.num_local_experts = (num_experts // self.ep_size if placement is None
+                                  else placement.slots_per_rank)
         self.score, self.renormalize = score, renormalize
         self.tile, self.rounding = 128, "nearest"     # token rounding's, unused here
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
@@ -92,7 +114,8 @@ class ExpertParallelMoE(MoE):
     def _check_config(self) -> None:
         mine = [self.d_model, self.d_expert, self.num_experts, self.top_k,
                 SCORES.index(self.score), int(self.renormalize),
-                GATE_UP_LAYOUTS.index(self.gate_up), DTYPE_CODES.index(self.w1.dtype)]
+                GATE_UP_LAYOUTS.index(self.gate_up), DTYPE_CODES.index(self.w1.dtype),
+                0 if self.placement is None else self.placement.fingerprint()]
         device = comm_device(self.group, torch.device("cpu"))
         local = torch.tensor(mine, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(local) for _ in range(self.ep_size)]
@@ -108,7 +131,8 @@ class ExpertParallelMoE(MoE):
         """Collective. Router N(0, 0.02²), broadcast from group rank 0 so it is replicated;
         experts U(±1/sqrt(fan_in)) as in :class:`sonic.MoE`, drawn from a generator seeded by
         ``torch.initial_seed()`` and the EP rank, so ranks hold different experts even when
-        every rank seeds alike (as data-parallel training does)."""
+        every rank seeds alike (as data-parallel training does). With a placement, the replicas
+        of an expert then take the values of its first replica (one all-reduce per weight)."""
         nn.init.normal_(self.gate.weight, std=0.02)
         weight = self.gate.weight.data
         device = comm_device(self.group, weight.device)
@@ -121,11 +145,24 @@ class ExpertParallelMoE(MoE):
                          generator=generator)
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_expert), 1 / math.sqrt(self.d_expert),
                          generator=generator)
+        if self.placement is not None:
+            sum_over_replicas([self.w1.data, self.w2.data], self.placement, self.group,
+                              primary_only=True)
+
+    def reduce_replica_grads(self) -> None:
+        """Collective, after backward on every rank: each replica's ``w1``/``w2`` gradient
+        becomes the sum over all replicas of its expert (the expert's whole gradient), one
+        all-reduce per weight of the replicated experts only. A no-op without a placement or
+        without replicas. See the class docstring for why this is explicit."""
+        if self.placement is not None:
+            reduce_replica_grads([self.w1, self.w2], self.placement, self.group)
 
     @classmethod
-    def from_moe(cls, moe: MoE, *, group=None) -> "ExpertParallelMoE":
+    def from_moe(cls, moe: MoE, *, group=None,
+                 placement: Placement | None = None) -> "ExpertParallelMoE":
         """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
-        its router and experts ``ep_rank·E/ep …`` copied. Collective, like the constructor.
+        its router and experts ``ep_rank·E/ep …`` copied — or, with a ``placement``, the
+        experts of this rank's slots. Collective, like the constructor.
 
         Raises:
             ValueError: ``moe.router`` is token rounding, or as the constructor.
@@ -133,9 +170,12 @@ class ExpertParallelMoE(MoE):
         layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
-                    device=moe.w1.device, dtype=moe.w1.dtype)
-        experts = slice(layer.ep_rank * layer.num_local_experts,
-                        (layer.ep_rank + 1) * layer.num_local_experts)
+                    device=moe.w1.device, dtype=moe.w1.dtype, placement=placement)
+        if placement is None:
+            experts = slice(layer.ep_rank * layer.num_local_experts,
+                            (layer.ep_rank + 1) * layer.num_local_experts)
+        else:
+            experts = placement.rank_experts(layer.ep_rank).to(moe.w1.device)
         with torch.no_grad():
             layer.gate.weight.copy_(moe.gate.weight)
             layer.w1.copy_(moe.w1[experts])
@@ -156,16 +196,20 @@ class ExpertParallelMoE(MoE):
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 routing: Routing) -> torch.Tensor:
         """:func:`ep_moe_experts` on this rank's tokens and experts (scores in the accumulation
-        dtype, as :class:`sonic.MoE` passes them)."""
+        dtype, as :class:`sonic.MoE` passes them); counts the pairs into :attr:`expert_load`
+        when set."""
+        if self.expert_load is not None:
+            self.expert_load.update(routing)
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
                               routing.token_idx, routing.expert_idx, group=self.group,
                               num_experts=self.num_experts, gate_up=self.gate_up,
-                              backend=self.backend)
+                              backend=self.backend, placement=self.placement)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
-                f"local_experts={self.num_local_experts}")
+                f"local_experts={self.num_local_experts}"
+                + ("" if self.placement is None else ", placement=EPLB"))
 
 
 def _decode(name: str, code: int):
