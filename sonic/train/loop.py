@@ -301,8 +301,17 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         return tuple(t.to(device, non_blocking=True) for t in batch)
 
     val_gen = torch.Generator().manual_seed(_VAL_SEED)
-    val_batches = [to_device(corpus.batch("val", config.batch_size, config.seq_len, val_gen))
+    val_batches = [to_device(corpus.batch("val", config.batch_size, config.seq_len, val_gen,
+                                          shard=par.rank, num_shards=par.world))
                    for _ in range(config.eval_batches)]
+
+    def validate() -> float:
+        """Validation loss of the global batches (each rank scores its shard)."""
+        loss = evaluate(model, val_batches)
+        if par.distributed:
+            loss = parallel.mean_over_world(torch.tensor(loss, device=device), par).item()
+        return loss
+
     train_gen = torch.Generator().manual_seed(config.seed)
 
     if state is not None:
@@ -315,7 +324,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         losses = [torch.tensor(v) for v in state["losses"]]
     else:
         start = 0
-        val_history = [[0, evaluate(model, val_batches)]]
+        val_history = [[0, validate()]]
         losses = []
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     tokens_per_step = config.batch_size * config.seq_len * par.world   # all ranks'
@@ -367,7 +376,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             evaluated = None
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 eval_started = clock()
-                evaluated = evaluate(model, val_batches)
+                evaluated = validate()
                 val_history.append([done, evaluated])
                 eval_seconds += clock() - eval_started
             rate = None
@@ -409,7 +418,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         tokens_per_s = 0.0
 
     if end == config.steps and val_history[-1][0] != end:
-        val_history.append([config.steps, evaluate(model, val_batches)])
+        val_history.append([config.steps, validate()])
     if writer is not None:
         writer.add_scalar("val/loss", val_history[-1][1], val_history[-1][0])
         writer.close()
