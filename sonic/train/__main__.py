@@ -8,6 +8,7 @@ import math
 import sys
 
 from sonic.train.loop import TrainConfig, train
+from sonic.train.parallel import world_from_env
 
 
 def _positive_int(text: str) -> int:
@@ -90,9 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "progress bar shows the latest validation loss and its step")
     p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches,
                    help="fixed validation batches per evaluation")
+    p.add_argument("--ep", type=_positive_int, default=d.ep, metavar="N",
+                   help="expert parallelism under torchrun (torchrun --nproc_per_node=W -m "
+                        "sonic.train --ep N): groups of N ranks split every MoE layer's "
+                        "experts, data parallel over the W/N groups; N must divide W and "
+                        "--experts. --batch-size is per rank. Under torchrun with --ep 1: "
+                        "data parallel only")
     p.add_argument("--save", metavar="PATH", default=None,
                    help="write a checkpoint (model, optimizer, step, config, sampler state; "
-                        "torch.save) at the end, after --stop-after and every --save-every steps")
+                        "torch.save) at the end, after --stop-after and every --save-every "
+                        "steps; under torchrun one file per rank, PATH.rank{r}")
     p.add_argument("--save-every", type=_non_negative_int, default=0, metavar="N",
                    help="with --save, also checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", metavar="PATH", default=None,
@@ -125,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         result = train(config, progress=progress, **options)
     except ValueError as err:
         parser.error(str(err))
+    if world_from_env()[1] != 0:   # under torchrun, rank 0 reports
+        return 0
     if as_json:
         print(json.dumps(result))
     else:
+        if result["world_size"] > 1:
+            print(f"world size {result['world_size']}  ep {result['ep']}  (tokens/s: all ranks)")
         print(f"router {result['router']}  steps {result['steps']}  device {result['device']} "
               f"({result['dtype']})  params {result['params']:,}")
         print(f"val loss {result['val_loss_initial']:.4f} -> {result['val_loss']:.4f} nats/byte  "

@@ -63,14 +63,21 @@ class ByteCorpus:
                     f"{seq_len + 1}; use more text or a smaller --seq-len")
 
     def batch(self, split: str, batch_size: int, seq_len: int,
-              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+              generator: torch.Generator, *, shard: int = 0,
+              num_shards: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Random contiguous windows of one split.
+
+        With ``num_shards > 1`` the generator draws a global batch of
+        ``num_shards·batch_size`` windows and this returns shard ``shard`` of it (rows
+        ``shard·batch_size …``): ranks that share the generator's seed read different windows,
+        and together exactly the windows one process reads with ``num_shards·batch_size``.
 
         Args:
             split: ``"train"`` or ``"val"``.
             batch_size: ``B``, windows per batch.
             seq_len: ``S``, bytes per window.
             generator: CPU generator that picks the window starts (seeded → reproducible).
+            shard, num_shards: which part of the global batch to return, and how many parts.
 
         Returns:
             ``(inputs, targets)``, both ``(B, S)`` int64 on the CPU; ``targets`` is ``inputs``
@@ -81,7 +88,10 @@ class ByteCorpus:
         """
         if split not in ("train", "val"):
             raise ValueError(f"split: expected 'train' or 'val', got {split!r}")
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard: expected 0 <= shard < num_shards={num_shards}, got {shard}")
         data = self.train if split == "train" else self.val
-        starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)
+        starts = torch.randint(0, len(data) - seq_len, (num_shards * batch_size,),
+                               generator=generator)[shard * batch_size:(shard + 1) * batch_size]
         windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
         return windows[:, :-1], windows[:, 1:]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
+from sonic.train import parallel
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
 from sonic.train.model import ByteMoELM
 
@@ -36,7 +37,9 @@ class TrainConfig:
     bfloat16 on CUDA and float32 on the CPU. ``data=None`` trains on the CPython documentation
     topics. ``eval_every=0`` evaluates only at step 0 and at the end. ``backend`` is passed to
     every `sonic.MoE` layer. ``steps`` is the length of the whole run (the learning-rate
-    schedule spans it), also when it is resumed from a checkpoint.
+    schedule spans it), also when it is resumed from a checkpoint. ``ep`` is the expert-parallel
+    size under ``torchrun`` (see :mod:`sonic.train.parallel`): ``batch_size`` is then per rank,
+    the global batch ``WORLD_SIZE·batch_size`` windows.
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -65,10 +68,11 @@ class TrainConfig:
     dtype: str = "auto"
     backend: str = "auto"
     seed: int = 0
+    ep: int = 1
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "experts",
-                    "top_k", "d_expert", "tile", "eval_batches")
+                    "top_k", "d_expert", "tile", "eval_batches", "ep")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -78,6 +82,10 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
         if self.router not in ("topk", "token_rounding"):
             raise ValueError(f"router: expected 'topk' or 'token_rounding', got {self.router!r}")
+        if self.ep > 1 and self.router != "topk":
+            raise ValueError(f"router: {self.router!r} is not supported with --ep > 1 yet "
+                             f"(token rounding across EP ranks is not implemented); use "
+                             f"--router topk")
         if self.d_model % self.heads:
             raise ValueError(f"d_model: expected a multiple of heads={self.heads}, "
                              f"got {self.d_model}")
@@ -166,10 +174,10 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: str | os.PathLike, config: TrainConfig) -> dict:
+def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1) -> dict:
     """Read a checkpoint written by :func:`train` with ``save=`` and check that ``config`` may
-    continue it (same model, data and optimisation settings; ``steps`` and evaluation settings
-    may differ). Raises ``ValueError`` otherwise."""
+    continue it (same model, data and optimisation settings, same number of processes;
+    ``steps`` and evaluation settings may differ). Raises ``ValueError`` otherwise."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError) as err:
@@ -177,11 +185,16 @@ def load_checkpoint(path: str | os.PathLike, config: TrainConfig) -> dict:
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"resume: {str(path)!r} is not a sonic.train checkpoint")
     saved = state["config"]
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
     differ = [f.name for f in fields(TrainConfig) if f.name not in _RESUMABLE_CHANGES
-              and saved.get(f.name) != getattr(config, f.name)]
+              and saved.get(f.name, defaults[f.name]) != getattr(config, f.name)]
     if differ:
-        detail = ", ".join(f"{n}={saved.get(n)!r} (now {getattr(config, n)!r})" for n in differ)
+        detail = ", ".join(f"{n}={saved.get(n, defaults[n])!r} (now {getattr(config, n)!r})"
+                           for n in differ)
         raise ValueError(f"resume: the checkpoint was trained with different settings: {detail}")
+    if state.get("world_size", 1) != world_size:
+        raise ValueError(f"resume: the checkpoint was trained on {state.get('world_size', 1)} "
+                         f"processes, this run has {world_size}")
     if state["step"] > config.steps:
         raise ValueError(f"resume: the checkpoint is at step {state['step']}, past "
                          f"steps={config.steps}")
@@ -223,6 +236,15 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         tensorboard: a TensorBoard log dir (``torch.utils.tensorboard``; needs the
             ``tensorboard`` package): the same scalars.
 
+    Under ``torchrun`` (``WORLD_SIZE > 1``) every rank calls this; it initialises
+    ``torch.distributed`` (NCCL on CUDA, one device per process, ``cuda:LOCAL_RANK``; gloo on
+    the CPU) unless already initialised, and trains expert parallel over groups of
+    ``config.ep`` ranks, data parallel over the rest (:mod:`sonic.train.parallel`). Each rank
+    reads its own ``batch_size`` windows of a global batch of ``WORLD_SIZE·batch_size`` (the
+    windows one process would read with that batch size); the losses are means over all ranks;
+    only rank 0 draws the progress bar and writes ``log_jsonl``/``tensorboard``; checkpoints
+    are per rank, ``save + ".rank{r}"`` (``resume`` names the same ``PATH``).
+
     Returns:
         A JSON-serialisable dict: ``router``, ``steps`` (steps done in total), ``train_loss``
         (mean cross-entropy of the last 10% of steps), ``val_loss_initial`` (step 0) and
@@ -231,17 +253,35 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         after the first of this call, which pays for warm-up; periodic evaluations excluded),
         ``activation_MiB_per_layer``, ``params``, ``device``, ``dtype``, ``backend`` (what
         ``"auto"`` resolved to, and why), ``seed``, ``config``, ``losses`` (cross-entropy of
-        every step).
+        every step), ``world_size``, ``ep``; under ``torchrun``, ``tokens_per_s`` is the global
+        rate (all ranks' tokens) and ``params`` counts every expert once.
 
     Raises:
         ValueError: unusable device, a corpus too short for ``seq_len``, a checkpoint that does
-            not fit ``config``, TensorBoard requested but not installed.
+            not fit ``config``, TensorBoard requested but not installed, ``config.ep`` that does
+            not divide the world size or ``config.experts``.
     """
     device = _resolve_device(config.device)
+    par, device = parallel.setup(config.ep, config.experts, device)
+    try:
+        return _train(config, par, device, progress=progress and par.is_main, save=save,
+                      save_every=save_every, resume=resume, stop_after=stop_after,
+                      log_jsonl=log_jsonl if par.is_main else None,
+                      tensorboard=tensorboard if par.is_main else None)
+    finally:
+        par.close()
+
+
+def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *, progress: bool,
+           save: str | None, save_every: int, resume: str | None, stop_after: int | None,
+           log_jsonl: str | None, tensorboard: str | None) -> dict:
     dtype = _DTYPES[config.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     corpus = ByteCorpus(load_text(config.data), val_fraction=config.val_fraction,
                         seq_len=config.seq_len)
-    state = load_checkpoint(resume, config) if resume else None
+    if par.distributed:   # one checkpoint file per rank
+        save = f"{save}.rank{par.rank}" if save else None
+        resume = f"{resume}.rank{par.rank}" if resume else None
+    state = load_checkpoint(resume, config, par.world) if resume else None
     writer = _tensorboard_writer(tensorboard) if tensorboard else None
 
     torch.manual_seed(config.seed)
@@ -251,6 +291,9 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
                       d_expert=config.d_expert, router=config.router, tile=config.tile,
                       aux_loss_coef=config.aux_loss_coef, backend=config.backend,
                       device=device, dtype=dtype)
+    if par.ep > 1:
+        model.shard_experts(par.ep_group)
+    parallel.broadcast_replicated(model, par)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
 
@@ -258,8 +301,17 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         return tuple(t.to(device, non_blocking=True) for t in batch)
 
     val_gen = torch.Generator().manual_seed(_VAL_SEED)
-    val_batches = [to_device(corpus.batch("val", config.batch_size, config.seq_len, val_gen))
+    val_batches = [to_device(corpus.batch("val", config.batch_size, config.seq_len, val_gen,
+                                          shard=par.rank, num_shards=par.world))
                    for _ in range(config.eval_batches)]
+
+    def validate() -> float:
+        """Validation loss of the global batches (each rank scores its shard)."""
+        loss = evaluate(model, val_batches)
+        if par.distributed:
+            loss = parallel.mean_over_world(torch.tensor(loss, device=device), par).item()
+        return loss
+
     train_gen = torch.Generator().manual_seed(config.seed)
 
     if state is not None:
@@ -272,13 +324,14 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         losses = [torch.tensor(v) for v in state["losses"]]
     else:
         start = 0
-        val_history = [[0, evaluate(model, val_batches)]]
+        val_history = [[0, validate()]]
         losses = []
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
-    tokens_per_step = config.batch_size * config.seq_len
+    tokens_per_step = config.batch_size * config.seq_len * par.world   # all ranks'
 
     def checkpoint_state(step: int) -> dict:
         return {"version": CHECKPOINT_VERSION, "step": step, "config": asdict(config),
+                "world_size": par.world, "rank": par.rank,
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "train_generator": train_gen.get_state(), "rng": torch.get_rng_state(),
                 "val_history": val_history, "losses": [float(v) for v in losses]}
@@ -302,15 +355,20 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
             for group in optimizer.param_groups:
                 group["lr"] = lr
             inputs, targets = to_device(corpus.batch("train", config.batch_size,
-                                                     config.seq_len, train_gen))
+                                                     config.seq_len, train_gen,
+                                                     shard=par.rank, num_shards=par.world))
             with collect_aux_losses(model) as aux_losses:
                 lm_loss = _lm_loss(model, inputs, targets)
             aux_loss = sum(aux_losses) if aux_losses else lm_loss.new_zeros(())
             loss = lm_loss + aux_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            parallel.reduce_gradients(model, par)
+            parallel.clip_grad_norm(model, config.grad_clip, par)
             optimizer.step()
+            if par.distributed:   # the losses of the global batch: means over the ranks
+                lm_loss, aux_loss = parallel.mean_over_world(
+                    torch.stack([lm_loss.detach().float(), aux_loss.detach().float()]), par)
             losses.append(lm_loss.detach())
             done = step + 1
             if warm is None:
@@ -318,7 +376,7 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
             evaluated = None
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 eval_started = clock()
-                evaluated = evaluate(model, val_batches)
+                evaluated = validate()
                 val_history.append([done, evaluated])
                 eval_seconds += clock() - eval_started
             rate = None
@@ -360,7 +418,7 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         tokens_per_s = 0.0
 
     if end == config.steps and val_history[-1][0] != end:
-        val_history.append([config.steps, evaluate(model, val_batches)])
+        val_history.append([config.steps, validate()])
     if writer is not None:
         writer.add_scalar("val/loss", val_history[-1][1], val_history[-1][0])
         writer.close()
@@ -378,11 +436,19 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         "val_history": val_history,
         "tokens_per_s": tokens_per_s,
         "activation_MiB_per_layer": _activation_mib(model, probe),
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": _num_params(model, par),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "backend": explain_backend(config.backend, device),
         "seed": config.seed,
         "config": asdict(config),
         "losses": [float(v) for v in losses],
+        "world_size": par.world,
+        "ep": par.ep,
     }
+
+
+def _num_params(model: ByteMoELM, par: parallel.Parallel) -> int:
+    """Parameters of the whole model: a rank holds 1/ep of the experts."""
+    replicated, sharded = parallel.split_parameters(model)
+    return sum(p.numel() for p in replicated) + par.ep * sum(p.numel() for p in sharded)

@@ -99,6 +99,16 @@ class ByteMoELM(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * num_layers) ** 0.5)
 
+    def shard_experts(self, group) -> None:
+        """Expert parallelism: replace every block's `sonic.MoE` by its share on this rank of
+        ``group``, a `sonic.distributed.ExpertParallelMoE` (router and experts
+        ``ep_rank·E/ep …`` copied). Collective over ``group``; the model must be the same on
+        every rank of it (same seed)."""
+        from sonic.distributed import ExpertParallelMoE
+
+        for block in self.blocks:
+            block.moe = ExpertParallelMoE.from_moe(block.moe, group=group)
+
     @property
     def moe_layers(self) -> list[MoE]:
         """The `sonic.MoE` layer of every block, first to last."""
