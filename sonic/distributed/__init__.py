@@ -3,5 +3,7 @@ sonic's local expert computation."""
 
 from sonic.distributed.experts import DispatchPlan, ep_moe_experts, plan_dispatch
 from sonic.distributed.moe import ExpertParallelMoE
+from sonic.distributed.token_rounding import ep_token_rounding_routing
 
-__all__ = ["DispatchPlan", "ExpertParallelMoE", "ep_moe_experts", "plan_dispatch"]
+__all__ = ["DispatchPlan", "ExpertParallelMoE", "ep_moe_experts", "ep_token_rounding_routing",
+           "plan_dispatch"]

@@ -81,6 +81,15 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
               probs.detach())
     keys, order, num_kept = _selection(*inputs, tile, rounding)
     num_kept = int(num_kept)                                   # the one host read: P
+    return kept_routing(keys, order, num_kept, tc_scores, probs)
+
+
+def kept_routing(keys: torch.Tensor, order: torch.Tensor, num_kept: int, tc_scores: torch.Tensor,
+                 probs: torch.Tensor) -> Routing:
+    """The :class:`Routing` of the first ``num_kept`` sorted keys ``e·T + t`` (``order``: their
+    sources, as :func:`kept_keys` returns them), scored differentiably: a kept pick by its
+    token-choice score ``tc_scores[order]``, an added pair by ``probs[t, e]``."""
+    num_tokens, num_experts = probs.shape
     keys, order = keys[:num_kept], order[:num_kept]
     tokens, experts = keys % num_tokens, keys // num_tokens
     # Scores: a kept pick its token-choice score, an added pair S[t, e]; gathered by
