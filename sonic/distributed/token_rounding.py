@@ -116,17 +116,18 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         num_kept = num_kept + (added < num_experts * num_tokens).sum()
     num_kept = int(num_kept)                                   # the one host read: P_r
     if num_tokens == 0:
+        # No pairs; the empty scores stay attached to the logits, as on the other ranks (the
+        # expert dispatch checks that all ranks agree on scores.requires_grad).
         empty = torch.zeros(0, dtype=torch.int32, device=device)
-        return Routing(empty, empty, logits.new_zeros(0, dtype=acc), 0, num_experts,
-                       validated=True)
+        return Routing(empty, empty, probs.reshape(-1)[:0], 0, num_experts, validated=True)
     return kept_routing(keys, order, num_kept, tc_scores, probs)
 
 
 def _all_gather(x: torch.Tensor, ep_size: int, group) -> torch.Tensor:
     """``(ep, *x.shape)``: every rank's ``x``, by group rank."""
-    out = x.new_empty((ep_size,) + tuple(x.shape))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    out = [torch.empty_like(x) for _ in range(ep_size)]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return torch.stack(out)
 
 
 def _boundary(scores, probs, tc_tokens, tc_experts, local_counts, drop, add, offset, width,
@@ -153,7 +154,8 @@ def _boundary(scores, probs, tc_tokens, tc_experts, local_counts, drop, add, off
     # Adding experts: their add[e] strongest local non-picks (fewer where the rank has fewer).
     local_width = min(width, num_tokens)
     if local_width > 0:
-        best = strongest_non_pick_tokens(probs, tc_tokens, tc_experts, local_width)
+        # Slots past an expert's non-picks are not used (fp32 ones hold no valid token).
+        best = strongest_non_pick_tokens(probs, tc_tokens, tc_experts, local_width).clamp(min=0)
         slot = torch.arange(local_width, device=device)
         usable = torch.minimum(add, num_tokens - local_counts)[:, None]
         experts = torch.arange(num_experts, device=device)[:, None]
@@ -186,7 +188,7 @@ def _boundary(scores, probs, tc_tokens, tc_experts, local_counts, drop, add, off
     ranking = torch.where(dropping, weakest, strongest)
     position = torch.empty_like(ranking).scatter_(
         1, ranking, torch.arange(ep_size * width, device=device).expand_as(ranking))
-    chosen = position < torch.where(dropping, drop, add)[:, None]
+    chosen = position < (drop + add)[:, None]                 # |change_e| of each expert
     mine = chosen[:, ep_rank * width:(ep_rank + 1) * width].flatten()
     dropping = dropping.expand(num_experts, width).flatten()
 
