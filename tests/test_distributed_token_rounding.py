@@ -21,11 +21,12 @@ D, N = 8, 4
 TOL = 1e-12
 
 # Function cases: (dtype, rounding, tile, ties), each with its own seed; the sizes vary by seed.
-ROUTING_CASES = list(itertools.product(
-    ("float32", "float64"), ("nearest", "up", "down"), (1, 4, 16), ("none", "rounded", "few_values")))
+ROUTING_CASES = list(itertools.product(("float32", "float64"), ("nearest", "up", "down"),
+                                       (1, 4, 16), ("none", "rounded", "few_values")))
 # Extra shapes: (name, tokens on rank r, E, K, tile, rounding, ties).
 EDGE_CASES = {
-    "rank_without_tokens": (lambda r, w: 0 if r == w - 1 else 9 + 4 * r, 6, 2, 4, "up", "few_values"),
+    "rank_without_tokens": (lambda r, w: 0 if r == w - 1 else 9 + 4 * r, 6, 2, 4, "up",
+                            "few_values"),
     "one_token_per_rank": (lambda r, w: 1, 4, 2, 4, "nearest", "none"),
     "k_equals_e": (lambda r, w: 5 + r, 4, 4, 16, "up", "none"),
     "repeated_rows": (lambda r, w: 20 + 3 * r, 8, 2, 16, "nearest", "repeated_rows"),
@@ -153,7 +154,8 @@ def _check_routing(world, results, name, seed, spec):
     ref = sonic.token_rounding_routing(full, k, tile=tile, rounding=rounding, backend="torch")
     tokens, experts = ref.token_idx.long(), ref.expert_idx.long()
     (ref.scores * weights[tokens, experts].to(ref.scores.dtype)).sum().backward()
-    ref_scores = {(t, e): s for t, e, s in zip(tokens.tolist(), experts.tolist(), ref.scores.tolist())}
+    ref_scores = {(t, e): s for t, e, s in
+                  zip(tokens.tolist(), experts.tolist(), ref.scores.tolist())}
     mine = {}
     for rank, result in enumerate(results):
         r = result[name]

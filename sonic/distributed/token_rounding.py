@@ -31,20 +31,21 @@ import torch.distributed as dist
 from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import check_group, comm_device
 from sonic.reference.ops import accumulate_dtype
-from sonic.routing.token_rounding import (MAX_ADDED, ROUNDINGS, expert_counts, kept_keys,
+from sonic.routing.token_rounding import (ROUNDINGS, expert_counts, kept_keys,
                                           kept_routing, rounded_counts,
                                           strongest_non_pick_tokens, weakest_pick_ranks)
 from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
 
-# The most picks rounding can drop from one expert, per rounding mode, for a tile.
-MAX_DROPPED = {"nearest": lambda tile: (tile - 1) // 2, "up": lambda tile: 0,
-               "down": lambda tile: tile - 1}
+# The most pairs rounding can move one expert's boundary by, per rounding mode, for a tile:
+# "nearest" drops at most ceil(tile/2) - 1 picks or adds at most floor(tile/2) non-picks.
+MAX_CHANGE = {"nearest": lambda tile: tile // 2, "up": lambda tile: tile - 1,
+              "down": lambda tile: tile - 1}
 
 
 def candidate_width(tile: int, rounding: str) -> int:
     """``W``: candidates one rank sends per expert (an expert drops or adds, never both)."""
-    return max(MAX_ADDED[rounding](tile), MAX_DROPPED[rounding](tile))
+    return MAX_CHANGE[rounding](tile)
 
 
 def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile: int = 128,
@@ -69,7 +70,8 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         (fp64 for fp64 logits), differentiable with respect to ``logits``.
 
     Cost: two all-gathers (``E + 1`` int64, then ``E × W × 2`` int64 per rank,
-    ``W = candidate_width(tile, rounding)`` ≤ ``tile − 1``) and one device→host read.
+    ``W = candidate_width(tile, rounding)``: ``tile // 2`` for ``"nearest"``, ``tile − 1``
+    otherwise; ``W = 0``, as for ``tile = 1``, skips the second) and one device→host read.
 
     Raises:
         TypeError / ValueError: as :func:`sonic.token_rounding_routing`.
