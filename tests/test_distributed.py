@@ -364,7 +364,7 @@ def _error_cases(rank, world):
             w2=torch.randn(2, D + rank, N))),
         "index_out_of_range": _catch(lambda: call(exp=exp + 2 * rank)),
         "disagree_top_k": _catch(lambda: ExpertParallelMoE(D, N, 4, 1 + rank, backend="torch")),
-        "token_rounding": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, router="token_rounding")),
+        "unknown_router": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, router="expert_choice")),
     }
     # A group that only rank 0 belongs to: size 1 runs locally there; rank 1 is no member.
     solo = dist.new_group([0])
@@ -389,7 +389,7 @@ def test_errors_are_raised_on_every_rank(tmp_path):
         assert "EP ranks disagree on d (x.shape[1])" in r["disagree_d"]
         assert "out of range" in r["index_out_of_range"]
         assert "EP ranks disagree on top_k" in r["disagree_top_k"]
-        assert "router must be 'topk'" in r["token_rounding"]
+        assert "router must be one of 'topk', 'token_rounding'" in r["unknown_router"]
     assert "EP rank 1" in r0["index_out_of_range"]
     assert "this rank" in r1["index_out_of_range"]
     assert r0["solo_group"] == "no error"

@@ -5,6 +5,8 @@ from sonic.distributed.eplb import (ExpertLoad, Placement, plan_placement, reduc
                                    sum_over_replicas)
 from sonic.distributed.experts import DispatchPlan, ep_moe_experts, plan_dispatch
 from sonic.distributed.moe import ExpertParallelMoE
+from sonic.distributed.token_rounding import ep_token_rounding_routing
 
 __all__ = ["DispatchPlan", "ExpertLoad", "ExpertParallelMoE", "Placement", "ep_moe_experts",
-           "plan_dispatch", "plan_placement", "reduce_replica_grads", "sum_over_replicas"]
+           "ep_token_rounding_routing", "plan_dispatch", "plan_placement", "reduce_replica_grads",
+           "sum_over_replicas"]

@@ -12,8 +12,10 @@ from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
 from sonic.distributed.experts import check_placement, ep_moe_experts
-from sonic.nn.moe import MoE
+from sonic.distributed.token_rounding import ep_token_rounding_routing
+from sonic.nn.moe import ROUTERS, MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
+from sonic.routing.token_rounding import ROUNDINGS
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
 
@@ -36,7 +38,12 @@ class ExpertParallelMoE(MoE):
         backend, device, dtype: as in :class:`sonic.MoE`. ``num_experts`` must be divisible
             by the group size.
         group: the EP process group (``None``: the default group).
-        router: ``"topk"``; token rounding across ranks is not implemented yet.
+        router: ``"topk"`` or ``"token_rounding"``: in training mode
+            :func:`sonic.distributed.ep_token_rounding_routing` rounds every expert's count of
+            tokens from *all* ranks to a multiple of ``tile`` (the selection of single-process
+            token rounding on the concatenated batch); eval mode routes by top-K.
+        tile, rounding: token rounding's ``M_tile`` and mode, as in :class:`sonic.MoE`; all
+            ranks must use the same.
         placement: an EPLB :class:`~sonic.distributed.Placement` (from
             :func:`~sonic.distributed.plan_placement`) for ``ep`` ranks and ``E`` experts, the
             same on every rank; ``None`` (default): the contiguous placement above.
@@ -68,12 +75,13 @@ class ExpertParallelMoE(MoE):
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
         ValueError: an argument out of range, ``num_experts`` not divisible by the group size,
-            ``router`` other than ``"topk"``, this process not in ``group``, or ranks
+            unknown ``router`` or ``rounding``, this process not in ``group``, or ranks
             disagreeing on the configuration (raised on every rank).
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                  group=None, router: str = "topk", score: str = "softmax_topk",
+                 tile: int = 128, rounding: str = "nearest",
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
                  backend: str = "auto", device=None, dtype=None,
                  placement: Placement | None = None):
@@ -83,6 +91,8 @@ class ExpertParallelMoE(MoE):
         check_int("d_expert", d_expert, low=1)
         check_int("num_experts", num_experts, low=1)
         check_int("top_k", top_k, low=1, high=num_experts)
+        check_int("tile", tile, low=1)
+        check_choice("rounding", rounding, ROUNDINGS)
         check_choice("score", score, SCORES)
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
         self.router = router
@@ -99,7 +109,7 @@ class ExpertParallelMoE(MoE):
         self.num_local_experts = (num_experts // self.ep_size if placement is None
                                   else placement.slots_per_rank)
         self.score, self.renormalize = score, renormalize
-        self.tile, self.rounding = 128, "nearest"     # token rounding's, unused here
+        self.tile, self.rounding = tile, rounding
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
@@ -165,10 +175,11 @@ class ExpertParallelMoE(MoE):
         experts of this rank's slots. Collective, like the constructor.
 
         Raises:
-            ValueError: ``moe.router`` is token rounding, or as the constructor.
+            ValueError: as the constructor.
         """
         layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
+                    tile=moe.tile, rounding=moe.rounding,
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
                     device=moe.w1.device, dtype=moe.w1.dtype, placement=placement)
         if placement is None:
@@ -188,10 +199,16 @@ class ExpertParallelMoE(MoE):
 
     @router.setter
     def router(self, value: str) -> None:
-        if value != "topk":
-            raise ValueError(f"router must be 'topk' (token rounding across EP ranks is not "
-                             f"implemented yet), got {value!r}")
+        check_choice("router", value, ROUTERS)
         self._router = value
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """Top-K routing of this rank's tokens, or in training mode with
+        ``router="token_rounding"`` token rounding across the group (collective)."""
+        if self.training and self.router == "token_rounding":
+            return ep_token_rounding_routing(logits, self.top_k, group=self.group, tile=self.tile,
+                                             rounding=self.rounding, backend=self.backend)
+        return super().route(logits)
 
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 routing: Routing) -> torch.Tensor:

@@ -81,6 +81,15 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
               probs.detach())
     keys, order, num_kept = _selection(*inputs, tile, rounding)
     num_kept = int(num_kept)                                   # the one host read: P
+    return kept_routing(keys, order, num_kept, tc_scores, probs)
+
+
+def kept_routing(keys: torch.Tensor, order: torch.Tensor, num_kept: int, tc_scores: torch.Tensor,
+                 probs: torch.Tensor) -> Routing:
+    """The :class:`Routing` of the first ``num_kept`` sorted keys ``e·T + t`` (``order``: their
+    sources, as :func:`kept_keys` returns them), scored differentiably: a kept pick by its
+    token-choice score ``tc_scores[order]``, an added pair by ``probs[t, e]``."""
+    num_tokens, num_experts = probs.shape
     keys, order = keys[:num_kept], order[:num_kept]
     tokens, experts = keys % num_tokens, keys // num_tokens
     # Scores: a kept pick its token-choice score, an added pair S[t, e]; gathered by
@@ -104,26 +113,49 @@ def _selection(tc_scores: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: tor
     sorted keys ``e·T + t`` of the kept pairs first (``P`` of them, a 0-d tensor), and for each
     key its source: ``order < T·K`` is a kept pick, larger an added pair."""
     num_tokens, num_experts = probs.shape
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=probs.device)
-    counts.scatter_add_(0, tc_experts.long(), counts.new_ones(1).expand(tc_experts.numel()))
+    counts = expert_counts(tc_experts, num_experts)
     change = rounded_counts(counts, tile, rounding, num_tokens) - counts     # |change| < tile
     # Every pick outranks every non-pick, so rounding only moves an expert's boundary: it drops
-    # its -change weakest picks or adds its change strongest non-picks. A dropped pick and an
-    # unused slot get the key E·T, which sorts past the kept pairs.
+    # its -change weakest picks or adds its change strongest non-picks.
     dropped = _weakest_picks(tc_scores, tc_experts, counts, (-change).clamp(min=0))
-    keys = torch.where(dropped, num_experts * num_tokens, tc_experts * num_tokens + tc_tokens)
     width = min(MAX_ADDED[rounding](tile), num_tokens)
+    added = None
     if width > 0:
-        keys = torch.cat([keys, _strongest_non_picks(probs, tc_tokens, tc_experts,
-                                                     change.clamp(min=0), width)])
-    keys, order = torch.sort(keys)
+        added = _strongest_non_picks(probs, tc_tokens, tc_experts, change.clamp(min=0), width)
+    keys, order = kept_keys(tc_tokens, tc_experts, dropped, added, num_tokens, num_experts)
     return keys, order, tc_tokens.numel() + change.sum()
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(E,)`` int64 number of pairs of each expert."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, experts.long(), counts.new_ones(1).expand(experts.numel()))
+
+
+def kept_keys(tc_tokens: torch.Tensor, tc_experts: torch.Tensor, dropped: torch.Tensor,
+              added: torch.Tensor | None, num_tokens: int, num_experts: int):
+    """``(keys, order)``: the keys ``e·T + t`` of the token-choice pairs not ``dropped``
+    followed by the ``added`` keys, sorted (the kept pairs first, grouped by expert, tokens
+    ascending); ``order`` the source of each key (``< T·K``: a pick). A dropped pick and an
+    unused slot carry the key ``E·T``, which sorts past the kept pairs."""
+    keys = torch.where(dropped, num_experts * num_tokens, tc_experts * num_tokens + tc_tokens)
+    if added is not None:
+        keys = torch.cat([keys, added])
+    return torch.sort(keys)
 
 
 def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
                    drop: torch.Tensor) -> torch.Tensor:
     """``(P,)`` mask of each expert ``e``'s ``drop[e]`` lowest-scored token-major pairs
-    (``counts[e]`` pairs per expert).
+    (``counts[e]`` pairs per expert)."""
+    ranked, rank = weakest_pick_ranks(scores, experts, counts)
+    return torch.zeros_like(experts, dtype=torch.bool).scatter_(
+        0, ranked, rank < drop[experts[ranked]])
+
+
+def weakest_pick_ranks(scores: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
+    """``(ranked, rank)``: the token-major pairs grouped by expert (ascending), weakest first
+    within an expert (``counts[e]`` pairs per expert), and each one's position in its expert.
 
     Among equal scores the higher token goes first, so the choice is exact and deterministic:
     pairs are ranked within their expert by two stable sorts (score, then expert) of the pairs
@@ -133,17 +165,28 @@ def _weakest_picks(scores: torch.Tensor, experts: torch.Tensor, counts: torch.Te
     reverse = torch.arange(num_pairs - 1, -1, -1, device=scores.device)
     by_score = reverse[torch.argsort(scores[reverse], stable=True)]
     ranked = by_score[torch.argsort(experts[by_score], stable=True)]
-    ranked_experts = experts[ranked]
     starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=scores.device) - starts[ranked_experts]
-    return torch.zeros_like(experts, dtype=torch.bool).scatter_(
-        0, ranked, rank < drop[ranked_experts])
+    rank = torch.arange(num_pairs, device=scores.device) - starts[experts[ranked]]
+    return ranked, rank
 
 
 def _strongest_non_picks(probs: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: torch.Tensor,
                          add: torch.Tensor, width: int) -> torch.Tensor:
     """``(E·width,)`` keys ``e·T + t`` of each expert ``e``'s ``add[e] <= width`` non-picked
-    tokens of largest ``probs[t, e]``; ``E·T`` in the unused slots.
+    tokens of largest ``probs[t, e]``; ``E·T`` in the unused slots."""
+    num_tokens, num_experts = probs.shape
+    device = probs.device
+    tokens = strongest_non_pick_tokens(probs, tc_tokens, tc_experts, width)
+    slot = torch.arange(width, device=device)
+    experts = torch.arange(num_experts, device=device)[:, None]
+    keys = torch.where(slot < add[:, None], experts * num_tokens + tokens, num_experts * num_tokens)
+    return keys.flatten().to(tc_tokens.dtype)
+
+
+def strongest_non_pick_tokens(probs: torch.Tensor, tc_tokens: torch.Tensor,
+                              tc_experts: torch.Tensor, width: int) -> torch.Tensor:
+    """``(E, width)`` int64: per expert, tokens by descending ``probs[t, e]``, non-picks first
+    (``width <= T``; past an expert's non-picks come picks, which callers must not use).
 
     Among equal probabilities the lower token goes first, so the choice is exact and
     deterministic: fp32 probabilities (non-negative, so their bits order like integers) are
@@ -158,12 +201,7 @@ def _strongest_non_picks(probs: torch.Tensor, tc_tokens: torch.Tensor, tc_expert
         ranks = (probs.t().contiguous().view(torch.int32).to(torch.int64) << 32) | token_order
         ranks.view(-1).index_fill_(0, picks, -1)          # a pick is never added
         top = torch.topk(ranks, width, dim=1).values
-        tokens = num_tokens - 1 - (top & 0xFFFFFFFF)
-    else:
-        values = probs.t().clone(memory_format=torch.contiguous_format)
-        values.view(-1).index_fill_(0, picks, -1.0)
-        tokens = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :width]
-    slot = torch.arange(width, device=device)
-    experts = torch.arange(num_experts, device=device)[:, None]
-    keys = torch.where(slot < add[:, None], experts * num_tokens + tokens, num_experts * num_tokens)
-    return keys.flatten().to(tc_tokens.dtype)
+        return num_tokens - 1 - (top & 0xFFFFFFFF)
+    values = probs.t().clone(memory_format=torch.contiguous_format)
+    values.view(-1).index_fill_(0, picks, -1.0)
+    return torch.sort(values, dim=1, descending=True, stable=True).indices[:, :width]
