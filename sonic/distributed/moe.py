@@ -8,14 +8,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sonic._validation import check_choice, check_int
+from sonic._validation import check_choice
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
 from sonic.distributed.experts import check_placement, ep_moe_experts
 from sonic.distributed.token_rounding import ep_token_rounding_routing
 from sonic.nn.moe import ROUTERS, MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
-from sonic.routing.token_rounding import ROUNDINGS
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
 
@@ -87,15 +86,9 @@ class ExpertParallelMoE(MoE):
                  placement: Placement | None = None):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
-        check_int("d_model", d_model, low=1)
-        check_int("d_expert", d_expert, low=1)
-        check_int("num_experts", num_experts, low=1)
-        check_int("top_k", top_k, low=1, high=num_experts)
-        check_int("tile", tile, low=1)
-        check_choice("rounding", rounding, ROUNDINGS)
-        check_choice("score", score, SCORES)
-        check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-        self.router = router
+        self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
+                        score=score, renormalize=renormalize, rounding=rounding,
+                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend)
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
             check_placement(placement, num_experts, self.ep_size)
@@ -105,19 +98,13 @@ class ExpertParallelMoE(MoE):
         self.group = group
         self.placement = placement
         self.expert_load: ExpertLoad | None = None
-        self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.num_local_experts = (num_experts // self.ep_size if placement is None
                                   else placement.slots_per_rank)
-        self.score, self.renormalize = score, renormalize
-        self.tile, self.rounding = tile, rounding
-        self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         local = self.num_local_experts
         self.w1 = nn.Parameter(torch.empty(local, 2 * d_expert, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_expert, **factory))
-        self._aux_loss: torch.Tensor | None = None
-        self.last_routing: Routing | None = None
         self._check_config()
         self.reset_parameters()
 

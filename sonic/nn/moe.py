@@ -136,6 +136,20 @@ class MoE(nn.Module):
                  renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
                  aux_loss_coef: float = 0.0, backend: str = "auto", device=None, dtype=None):
         super().__init__()
+        self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
+                        score=score, renormalize=renormalize, rounding=rounding,
+                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend)
+        factory = {"device": device, "dtype": dtype}
+        self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
+        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
+        self.reset_parameters()
+
+    def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
+                   router: str, tile: int, score: str, renormalize: bool, rounding: str,
+                   gate_up: str, aux_loss_coef: float, backend: str) -> None:
+        """Check and set the configuration and per-forward state (everything but the
+        parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
         check_int("d_expert", d_expert, low=1)
         check_int("num_experts", num_experts, low=1)
@@ -149,13 +163,8 @@ class MoE(nn.Module):
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
-        factory = {"device": device, "dtype": dtype}
-        self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
-        self.reset_parameters()
 
     @property
     def router(self) -> str:
