@@ -66,6 +66,22 @@ LAYER_CASES = {
 }
 
 
+def layer_step(layer, full, x_full, grad_full, counts, rank):
+    """One backward of the EP ``layer`` on this rank's rows of ``x_full`` and of the
+    single-process ``full`` on all of them (same ``grad_full``): ``(x, out, x_ref, out_ref,
+    router gradient summed over ranks)``."""
+    lo = sum(counts[:rank])
+    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+    out = layer(x)
+    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = full(x_ref)
+    (out_ref * grad_full).sum().backward()
+    gate_grad = layer.gate.weight.grad.clone()
+    dist.all_reduce(gate_grad)
+    return x, out, x_ref, out_ref, gate_grad
+
+
 def _layer_case(rank, world, name, seed):
     tokens_of, num_experts, top_k, forced = LAYER_CASES[name]
     torch.manual_seed(seed)
@@ -85,15 +101,7 @@ def _layer_case(rank, world, name, seed):
             full.gate.weight[avoided, 0] = -10.0
     layer = ExpertParallelMoE.from_moe(full)
     lo = sum(counts[:rank])
-    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
-    out = layer(x)
-    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
-
-    x_ref = x_full.clone().requires_grad_()
-    out_ref = full(x_ref)
-    (out_ref * grad_full).sum().backward()
-    gate_grad = layer.gate.weight.grad.clone()
-    dist.all_reduce(gate_grad)
+    x, out, x_ref, out_ref, gate_grad = layer_step(layer, full, x_full, grad_full, counts, rank)
     experts = slice(rank * local, (rank + 1) * local)
     picked = layer.last_routing.expert_idx.long()
     # The aux loss is MoE's, of this rank's tokens: returned, or collected like a MoE layer's.
@@ -136,14 +144,10 @@ def _pairs(g, num_tokens, choices):
     return torch.tensor(token_idx, dtype=torch.int32), torch.tensor(expert_idx, dtype=torch.int64)
 
 
-def _pairs_case(rank, world, name, seed):
-    tokens_of, num_experts, allowed = PAIR_CASES[name]
-    local = num_experts // world
-    g = torch.Generator().manual_seed(seed)
-    top = num_experts - local if allowed == "not_last_rank" and world > 1 else num_experts
-    choices = torch.arange(top)
-    counts = [tokens_of(r) for r in range(world)]
-    per_rank = [_pairs(g, c, choices) for c in counts]
+def _pairs_problem(g, counts, per_rank, num_experts, rank):
+    """Random fp64 data for hand-built pairs ``per_rank`` (each rank's local ``(tokens,
+    experts)``): the concatenated batch, weights, scores, dO and global pairs, then this rank's
+    token and pair offsets and its pairs."""
     x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
     w1 = torch.randn(num_experts, 2 * N, D, generator=g, dtype=torch.float64) / D ** 0.5
     w2 = torch.randn(num_experts, D, N, generator=g, dtype=torch.float64) / N ** 0.5
@@ -152,9 +156,21 @@ def _pairs_case(rank, world, name, seed):
     starts = torch.tensor([0] + counts).cumsum(0)
     tok_full = torch.cat([t + starts[r] for r, (t, _) in enumerate(per_rank)]).to(torch.int32)
     exp_full = torch.cat([e for _, e in per_rank])
-
     lo, p_lo = sum(counts[:rank]), sum(len(t) for t, _ in per_rank[:rank])
     tok, exp = per_rank[rank]
+    return (x_full, w1, w2, scores_full, grad_full, tok_full, exp_full, lo, p_lo, tok, exp)
+
+
+def _pairs_case(rank, world, name, seed):
+    tokens_of, num_experts, allowed = PAIR_CASES[name]
+    local = num_experts // world
+    g = torch.Generator().manual_seed(seed)
+    top = num_experts - local if allowed == "not_last_rank" and world > 1 else num_experts
+    choices = torch.arange(top)
+    counts = [tokens_of(r) for r in range(world)]
+    per_rank = [_pairs(g, c, choices) for c in counts]
+    (x_full, w1, w2, scores_full, grad_full, tok_full, exp_full,
+     lo, p_lo, tok, exp) = _pairs_problem(g, counts, per_rank, num_experts, rank)
     experts = slice(rank * local, (rank + 1) * local)
     x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
     s = scores_full[p_lo:p_lo + len(tok)].clone().requires_grad_()
@@ -245,17 +261,8 @@ def _eplb_pairs_case(rank, world, seed):
     g = torch.Generator().manual_seed(seed)
     counts = [5 + r for r in range(world)]
     per_rank = [_pairs(g, c, torch.arange(num_experts)) for c in counts]
-    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(num_experts, 2 * N, D, generator=g, dtype=torch.float64) / D ** 0.5
-    w2 = torch.randn(num_experts, D, N, generator=g, dtype=torch.float64) / N ** 0.5
-    scores_full = torch.rand(sum(len(t) for t, _ in per_rank), generator=g, dtype=torch.float64)
-    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
-    starts = torch.tensor([0] + counts).cumsum(0)
-    tok_full = torch.cat([t + starts[r] for r, (t, _) in enumerate(per_rank)]).to(torch.int32)
-    exp_full = torch.cat([e for _, e in per_rank])
-
-    lo, p_lo = sum(counts[:rank]), sum(len(t) for t, _ in per_rank[:rank])
-    tok, exp = per_rank[rank]
+    (x_full, w1, w2, scores_full, grad_full, tok_full, exp_full,
+     lo, p_lo, tok, exp) = _pairs_problem(g, counts, per_rank, num_experts, rank)
     mine = placement.rank_experts(rank)
     x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
     s = scores_full[p_lo:p_lo + len(tok)].clone().requires_grad_()

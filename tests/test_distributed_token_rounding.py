@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import sonic
 from sonic.distributed import ExpertParallelMoE, ep_token_rounding_routing
-from test_distributed import _rel, _spawn
+from test_distributed import _rel, _spawn, layer_step
 
 D, N = 8, 4
 TOL = 1e-12
@@ -101,14 +101,7 @@ def _layer_case(rank, world, rounding, tile, last_empty, seed):
     grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
     layer = ExpertParallelMoE.from_moe(full)
     lo, local = sum(counts[:rank]), 8 // world
-    x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
-    out = layer(x)
-    (out * grad_full[lo:lo + counts[rank]]).sum().backward()
-    x_ref = x_full.clone().requires_grad_()
-    out_ref = full(x_ref)
-    (out_ref * grad_full).sum().backward()
-    gate_grad = layer.gate.weight.grad.clone()
-    dist.all_reduce(gate_grad)
+    x, out, x_ref, out_ref, gate_grad = layer_step(layer, full, x_full, grad_full, counts, rank)
     experts = slice(rank * local, (rank + 1) * local)
     pairs = torch.tensor([layer.last_routing.num_pairs])
     dist.all_reduce(pairs)

@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sonic._validation import check_choice
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
 from sonic.distributed.experts import check_placement, ep_moe_experts
 from sonic.distributed.token_rounding import ep_token_rounding_routing
-from sonic.nn.moe import ROUTERS, MoE
+from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
@@ -179,15 +178,6 @@ class ExpertParallelMoE(MoE):
             layer.w1.copy_(moe.w1[experts])
             layer.w2.copy_(moe.w2[experts])
         return layer
-
-    @property
-    def router(self) -> str:
-        return self._router
-
-    @router.setter
-    def router(self, value: str) -> None:
-        check_choice("router", value, ROUTERS)
-        self._router = value
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Top-K routing of this rank's tokens, or in training mode with
