@@ -24,7 +24,7 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
-from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.types import GATE_UP_LAYOUTS
 
 # Output columns per lane and slice: one 16-byte bf16 vector.
 VEC = 8

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sonic.types import GATE_UP_LAYOUTS
+
 TILE_M = 128
 TILE_K = 64
 # Elements per 16-byte bf16 vector (epilogue stores, width checks).
@@ -30,7 +32,6 @@ SMEM_BYTES = 227 * 1024 - (MAX_EXPERTS + 1) * 4 - 1024
 MAX_STAGES = 8
 
 EPILOGUES = ("store", "swiglu", "dswiglu")
-GATE_UP = ("concat", "interleaved")
 # The kernel class of each architecture, "module:class", imported lazily by the dispatcher
 # (interface.kernel_class). The one place to register another mainloop, e.g.
 # "sm_100a": "sonic.kernels.grouped_gemm.sm100:Sm100GroupedGemm".
@@ -99,8 +100,8 @@ class GroupedGemmConfig:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if (self.epilogue == "swiglu") != (self.gate_up is not None):
             raise ValueError("gate_up is given exactly with the 'swiglu' epilogue")
-        if self.gate_up is not None and self.gate_up not in GATE_UP:
-            raise ValueError(f"gate_up must be one of {GATE_UP}, got {self.gate_up!r}")
+        if self.gate_up is not None and self.gate_up not in GATE_UP_LAYOUTS:
+            raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {self.gate_up!r}")
         if self.epilogue == "swiglu" and (self.varlen_k or not self.gather_a or self.b_n_major
                                           or self.pingpong):
             raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")

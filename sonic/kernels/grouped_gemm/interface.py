@@ -18,6 +18,7 @@ from sonic.kernels.grouped_gemm import heuristic
 from sonic.kernels.grouped_gemm.config import (MAINLOOPS, MAX_EXPERTS, TILE_M, VEC,
                                                GroupedGemmConfig)
 from sonic.kernels.registry import KernelVariant, register
+from sonic.types import GATE_UP_LAYOUTS
 
 
 def kernel_class(arch: str):
@@ -139,8 +140,8 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
         TypeError / ValueError: as :func:`grouped_gemm`; also an unknown ``gate_up``, or ``n``
             not a multiple of 8 (of 64 with ``"concat"``).
     """
-    if gate_up not in ("concat", "interleaved"):
-        raise ValueError(f"gate_up must be 'concat' or 'interleaved', got {gate_up!r}")
+    if gate_up not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {gate_up!r}")
     if gather_idx is None:
         raise ValueError("gather_idx is required: the SwiGLU epilogue serves the gathered "
                          "up-proj")
