@@ -21,9 +21,10 @@ Layout of the package, one concern per module (only the modules marked *kernel* 
   sub-tiles through one hook.
 """
 
-from sonic.kernels.grouped_gemm.config import GroupedGemmConfig
+from sonic.kernels.grouped_gemm.config import MAX_EXPERTS, VEC, GroupedGemmConfig
 from sonic.kernels.grouped_gemm.interface import (grouped_gemm, grouped_gemm_dswiglu,
                                                   grouped_gemm_swiglu, grouped_gemm_varlen_k)
 
-__all__ = ["GroupedGemmConfig", "grouped_gemm", "grouped_gemm_dswiglu", "grouped_gemm_swiglu",
-           "grouped_gemm_varlen_k"]
+# MAX_EXPERTS (largest E) and VEC (K, N multiples) are the limits the backend checks.
+__all__ = ["MAX_EXPERTS", "VEC", "GroupedGemmConfig", "grouped_gemm", "grouped_gemm_dswiglu",
+           "grouped_gemm_swiglu", "grouped_gemm_varlen_k"]
