@@ -17,7 +17,7 @@ import torch
 
 from sonic._validation import check_choice
 from sonic.reference import ops as reference
-from sonic.routing.metadata import pairs_metadata
+from sonic.reference.metadata import pairs_metadata
 
 BACKENDS = ("auto", "torch", "cute")
 
@@ -25,7 +25,7 @@ BACKENDS = ("auto", "torch", "cute")
 @dataclass(frozen=True)
 class ExpertOps:
     """The implementations of one backend; signatures as in :mod:`sonic.reference.ops` and
-    :func:`sonic.routing.metadata.pairs_metadata`."""
+    :func:`sonic.reference.metadata.pairs_metadata`."""
 
     name: str
     metadata: Callable

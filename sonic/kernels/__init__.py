@@ -2,7 +2,9 @@
 
 Importing this package does not import ``cutlass`` (the ``gpu`` extra): kernel modules import it
 lazily, so CPU-only installs can import ``sonic``. Check :func:`kernels_available` before
-calling a kernel. Entry points:
+calling a kernel; :func:`sonic.kernels.runtime.device_arch` names a device's architecture, by
+which the grouped GEMM picks its mainloop. This package imports nothing of sonic but itself and
+the leaf :mod:`sonic.types`. Entry points:
 
 * :func:`sonic.kernels.routing_metadata.routing_metadata_topk`,
   :func:`sonic.kernels.routing_metadata.routing_metadata_pairs` — routing metadata.
@@ -14,8 +16,11 @@ calling a kernel. Entry points:
   :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k` — varlen-M / varlen-K grouped GEMMs
   with optional row gather; :func:`sonic.kernels.grouped_gemm.grouped_gemm_swiglu` — the
   gathered up-proj with the SwiGLU epilogue; :func:`sonic.kernels.grouped_gemm.grouped_gemm_dswiglu`
-  — the gathered dA' GEMM with the dSwiGLU epilogue (correct, not yet faster than the GEMM plus
-  the one-pass epilogue kernel, so ``"auto"`` does not use it).
+  — the gathered dA' GEMM with the dSwiGLU epilogue. The package is split by concern (config,
+  heuristic, tile scheduler, operand ring, TMA producers, base kernel, sm_90 WGMMA mainloop,
+  epilogues); see its docstring.
+* :mod:`sonic.kernels.activation` — the fp32 silu / SwiGLU / dSwiGLU maths shared by the
+  one-pass kernels and the grouped-GEMM epilogues.
 
 ``python -m sonic.kernels --list`` lists the registered variants; ``--compile-check sm_90a``
 compiles them all on the CPU.

@@ -40,7 +40,7 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
-from sonic.routing.metadata import RoutingMetadata
+from sonic.types import RoutingMetadata
 
 # Largest E: the scatter keeps per-expert counts of every warp in shared memory, which must stay
 # under the 48 KiB a launch gets without opting in to more.

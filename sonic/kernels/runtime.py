@@ -35,11 +35,39 @@ _CACHE_LOCK = threading.Lock()
 _FAKE_ADDRESS = 1 << 20
 
 
+# Compute-capability major -> the CuTe DSL target the kernels are compiled for. Every kernel
+# runs on these; the grouped GEMM dispatches its mainloop by the same name
+# (sonic.kernels.grouped_gemm.config.MAINLOOPS), where an sm_100a mainloop will be registered.
+SUPPORTED_ARCHS = {9: "sm_90a"}
+# Target compiled for when no GPU says otherwise (the CPU compile check).
+DEFAULT_ARCH = "sm_90a"
+
+
+def device_capability(device: torch.device | str | int | None = None) -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of a CUDA device (``None``: the current one)."""
+    if device is None:
+        device = torch.cuda.current_device()
+    return torch.cuda.get_device_capability(device)
+
+
+def device_arch(device: torch.device | str | int | None = None) -> str:
+    """The CuTe DSL target of a CUDA device: ``"sm_90a"`` for compute capability 9.x, else
+    ``"sm_<major><minor>a"`` (which no kernel supports yet; :func:`kernels_available` says so)."""
+    major, minor = device_capability(device)
+    return SUPPORTED_ARCHS.get(major, f"sm_{major}{minor}a")
+
+
+def compile_arch() -> str:
+    """The target of a compile without a device: ``CUTE_DSL_ARCH``, else :data:`DEFAULT_ARCH`."""
+    return os.environ.get("CUTE_DSL_ARCH") or DEFAULT_ARCH
+
+
 def kernels_available(device: torch.device | str | int | None = None) -> tuple[bool, str]:
     """Whether the CuTe-DSL kernels can run on ``device``.
 
-    True only for a CUDA device of compute capability 9.x (Hopper, sm_90a) when the CuTe DSL
-    (``nvidia-cutlass-dsl``, the ``gpu`` extra) is importable.
+    True only for a CUDA device whose architecture is in :data:`SUPPORTED_ARCHS` (compute
+    capability 9.x: Hopper, sm_90a) when the CuTe DSL (``nvidia-cutlass-dsl``, the ``gpu``
+    extra) is importable.
 
     Args:
         device: a CUDA device (``torch.device``, string or index); ``None`` means the current
@@ -58,8 +86,8 @@ def kernels_available(device: torch.device | str | int | None = None) -> tuple[b
         return False, f"tensors are on {device}, the CuTe-DSL kernels need a CUDA device"
     if not torch.cuda.is_available():
         return False, "no CUDA device is available (torch.cuda.is_available() is False)"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
+    major, minor = device_capability(device)
+    if major not in SUPPORTED_ARCHS:
         name = torch.cuda.get_device_name(device)
         return False, (f"{name} has compute capability {major}.{minor}; the CuTe-DSL kernels are "
                        "built for Hopper (sm_90a, compute capability 9.x)")

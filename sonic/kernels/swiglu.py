@@ -9,9 +9,9 @@ One warp owns one row of ``H (P, 2n)``; each lane walks 8-column slices ``lane, 
 of the row's ``n`` output columns. A slice's 8 gate and 8 up values are two 16-byte loads of
 ``H`` — the two halves of the row (``"concat"``) or 16 consecutive elements alternating gate, up
 (``"interleaved"``) — held in a ``(2, 8)`` register fragment whose mode 0 picks gate or up, so
-the same arithmetic serves both layouts. Math is fp32 (``σ`` from the hardware ``ex2`` and
-``rcp`` approximations, within ~1e-6 relative of the IEEE functions); each bf16 output is
-rounded once.
+the same arithmetic serves both layouts. Math is fp32 (:mod:`sonic.kernels.activation`, shared
+with the grouped-GEMM epilogues: ``σ`` from the hardware ``ex2`` and ``rcp`` approximations,
+within ~1e-6 relative of the IEEE functions); each bf16 output is rounded once.
 The backward's ``ds = ⟨dA', A⟩`` is summed by each lane over its slices in slice order, then
 across the warp by a butterfly shuffle with fixed offsets: the order is fixed, no atomics, so
 ``ds`` is bitwise deterministic. Neighbouring lanes touch neighbouring 16-byte slices, so every
@@ -24,12 +24,11 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
-from sonic.reference.ops import GATE_UP_LAYOUTS
+from sonic.types import GATE_UP_LAYOUTS
 
 # Output columns per lane and slice: one 16-byte bf16 vector.
 VEC = 8
 WARP = 32
-LOG2_E = 1.4426950408889634
 # Rows per block (one warp each): 256 threads, enough blocks per SM to hide DRAM latency.
 WARPS = 8
 
@@ -40,6 +39,8 @@ def _kernels():
     import cutlass
     from cutlass import BFloat16, Float32, Int32, Int64, cute
     from cuda.bindings import driver as cuda
+
+    from sonic.kernels import activation
 
     class SwigluKernel:
         """One static configuration: ``n``, gate/up layout, forward (SwiGLU) or backward epilogue.
@@ -128,24 +129,13 @@ def _kernels():
                 dap_src = cute.make_tensor(da_prime + (out_row + col), cute.make_layout(VEC))
                 cute.autovec_copy(dap_src, dap_frag)
 
-        def _sigmoid(self, g):
-            """``σ(g) = 1 / (1 + 2^(−g·log2 e))`` of an fp32 vector with the MUFU ``ex2`` and
-            ``rcp`` approximations (≤ 2 ulp each). The IEEE ``exp`` and division would nearly
-            double the backward's instructions (n = 1024 SASS: 1573 against 885 per thread) and
-            raise its registers from 79 to 98, i.e. fewer warps in flight to cover DRAM latency."""
-            den = cute.make_rmem_tensor((VEC,), Float32)
-            den.store(1.0 + cute.math.exp2(g * -LOG2_E, fastmath=True))
-            for j in range(VEC):
-                den[j] = cute.arch.rcp_approx(den[j])
-            return den.load()
-
         def _finish(self, a, dh, out_row, col, score, partial, h_layout, h_frag, dap_frag):
             """Compute and store one loaded slice; return ``partial + Σ dA'·A`` over the slice
             (backward) or ``partial`` unchanged (forward). Traced inline, like :meth:`_load`."""
             g = h_frag[0, None].load().to(Float32)
             u = h_frag[1, None].load().to(Float32)
-            sig = self._sigmoid(g)
-            silu = g * sig
+            sig = activation.sigmoid_vec(g, VEC)
+            silu = activation.silu(g, sig)
             act = silu * u
             a_frag = cute.make_rmem_tensor((VEC,), BFloat16)
             if self.backward:
@@ -153,7 +143,7 @@ def _kernels():
                 partial = partial + (dap * act).reduce(cute.ReductionOp.ADD, 0.0, 0)
                 da = dap * score
                 dh_frag = cute.make_rmem_tensor(h_frag.layout, BFloat16)
-                dh_frag[0, None].store((da * u * sig * (1.0 + g * (1.0 - sig))).to(BFloat16))
+                dh_frag[0, None].store(activation.dswiglu_gate(da, g, u, sig).to(BFloat16))
                 dh_frag[1, None].store((da * silu).to(BFloat16))
                 cute.autovec_copy(dh_frag, cute.make_tensor(dh + (out_row * 2 + col * self.h_scale),
                                                             h_layout))

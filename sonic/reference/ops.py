@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GATE_UP_LAYOUTS = ("concat", "interleaved")
+from sonic.types import GATE_UP_LAYOUTS  # noqa: F401  (re-exported: its former public path)
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -7,69 +7,16 @@ one host read first), so it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sonic._validation import check_choice, check_range, read_min_max
+# RoutingMetadata and the reference pairs_metadata live in the leaf sonic.types and in
+# sonic.reference; re-exported here, their public path.
+from sonic.reference.metadata import pairs_metadata
 from sonic.routing.types import Routing
+from sonic.types import RoutingMetadata
 
-
-@dataclass(frozen=True)
-class RoutingMetadata:
-    """Where every routed pair lives once pairs are grouped by expert.
-
-    "Rows" are positions in the expert-sorted order: the rows of expert ``e`` are
-    ``expert_offsets[e]:expert_offsets[e+1]``, and within an expert rows keep the pairs' order
-    (a stable sort), so the metadata is deterministic. All index tensors are int32 on the
-    routing's device.
-
-    Attributes:
-        expert_counts: ``(E,)`` — pairs routed to each expert.
-        expert_offsets: ``(E+1,)`` — exclusive prefix sum of ``expert_counts``; ``[E] == P``.
-        sorted_pairs: ``(P,)`` — the pair index of each row.
-        gather_idx: ``(P,)`` — the source token of each row (``token_idx[sorted_pairs]``);
-            the gather index of the varlen-M GEMMs.
-        pair_rows: ``(P,)`` — the row of each pair (inverse permutation of ``sorted_pairs``).
-        token_offsets: ``(T+1,)`` — exclusive prefix sum of pairs per token.
-        token_rows: ``(P,)`` — rows grouped by token: the rows of token ``t`` are
-            ``token_rows[token_offsets[t]:token_offsets[t+1]]``, in pair order. The index of the
-            per-token gather-sum (expert aggregation).
-        num_tokens: ``T``.
-        num_experts: ``E``.
-    """
-
-    expert_counts: torch.Tensor
-    expert_offsets: torch.Tensor
-    sorted_pairs: torch.Tensor
-    gather_idx: torch.Tensor
-    pair_rows: torch.Tensor
-    token_offsets: torch.Tensor
-    token_rows: torch.Tensor
-    num_tokens: int
-    num_experts: int
-    packed: torch.Tensor | None = None
-    top_k: int | None = None
-
-    @property
-    def num_pairs(self) -> int:
-        """``P``, the number of routed pairs (rows)."""
-        return self.sorted_pairs.numel()
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The index tensors, in field order (for ``ctx.save_for_backward``)."""
-        return (self.expert_counts, self.expert_offsets, self.sorted_pairs, self.gather_idx,
-                self.pair_rows, self.token_offsets, self.token_rows)
-
-    @classmethod
-    def from_tensors(cls, tensors, num_tokens: int, num_experts: int, *,
-                     packed: torch.Tensor | None = None,
-                     top_k: int | None = None) -> "RoutingMetadata":
-        """Inverse of :meth:`tensors`. ``packed``: the one int32 buffer the fields are views of,
-        when they are (``torch.ops.sonic.routing_metadata`` returns it; ``top_k`` says whether
-        it leaves out ``token_rows``, see :func:`sonic.ops.pack_metadata`)."""
-        return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts, packed=packed,
-                   top_k=top_k)
+__all__ = ["RoutingMetadata", "pairs_metadata", "routing_metadata"]
 
 
 def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetadata:
@@ -78,7 +25,7 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
     Args:
         routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64.
         backend: ``"auto"`` uses the CuTe index-shuffling kernel on a supported GPU and the
-            PyTorch reference (:func:`pairs_metadata`) elsewhere; ``"torch"`` or ``"cute"``.
+            PyTorch reference (:func:`sonic.reference.metadata.pairs_metadata`) elsewhere; ``"torch"`` or ``"cute"``.
 
     Returns:
         A :class:`RoutingMetadata` on the routing's device (built by the custom op
@@ -119,48 +66,3 @@ def _check_hand_built(routing: Routing) -> None:
         raise ValueError(f"Routing with top_k={routing.top_k} needs token-major pairs (pair "
                          f"t·top_k + j belongs to token t), but token_idx does not follow "
                          f"that order; use top_k=None for pairs in any order")
-
-
-def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to the host.
-    counts = torch.zeros(bins, dtype=torch.int32, device=idx.device)
-    counts.scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.int32))
-    offsets = torch.zeros(bins + 1, dtype=torch.int32, device=idx.device)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
-    return counts, offsets
-
-
-def pairs_metadata(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
-                   num_experts: int, *, top_k: int | None = None) -> RoutingMetadata:
-    """:func:`routing_metadata` on raw pair tensors (PyTorch reference implementation).
-
-    Args:
-        token_idx: ``(P,)`` int32/int64 in ``[0, num_tokens)``.
-        expert_idx: ``(P,)`` int32/int64 in ``[0, num_experts)``.
-        top_k: ``K`` if the pairs are token-major top-K choices (see :attr:`Routing.top_k`):
-            the per-token grouping is then the pair order itself and needs no sort.
-    """
-    num_pairs = token_idx.numel()
-    device = token_idx.device
-    expert_counts, expert_offsets = _counts_and_offsets(expert_idx, num_experts)
-    sorted_pairs = torch.argsort(expert_idx, stable=True)
-    rows = torch.arange(num_pairs, dtype=torch.int32, device=device)
-    pair_rows = torch.empty_like(rows).scatter_(0, sorted_pairs, rows)
-    if top_k is None:
-        _, token_offsets = _counts_and_offsets(token_idx, num_tokens)
-        token_rows = pair_rows[torch.argsort(token_idx, stable=True)]
-    else:
-        token_offsets = torch.arange(0, num_tokens * top_k + 1, top_k, dtype=torch.int32,
-                                     device=device)
-        token_rows = pair_rows
-    return RoutingMetadata(
-        expert_counts=expert_counts,
-        expert_offsets=expert_offsets,
-        sorted_pairs=sorted_pairs.to(torch.int32),
-        gather_idx=token_idx[sorted_pairs].to(torch.int32),
-        pair_rows=pair_rows,
-        token_offsets=token_offsets,
-        token_rows=token_rows,
-        num_tokens=num_tokens,
-        num_experts=num_experts,
-    )

@@ -1,0 +1,30 @@
+"""Grouped GEMMs over expert-sorted rows: varlen-M and varlen-K, one persistent launch each.
+
+DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1. Public entry points (torch tensors in and out):
+:func:`grouped_gemm` (varlen-M, optional row gather), :func:`grouped_gemm_swiglu` (gathered
+up-proj with the SwiGLU epilogue), :func:`grouped_gemm_dswiglu` (gathered dA' GEMM with the
+dSwiGLU + ds + A' epilogue) and :func:`grouped_gemm_varlen_k` (weight gradients).
+
+Layout of the package, one concern per module (only the modules marked *kernel* import
+``cutlass``; importing this package does not):
+
+* :mod:`.config` — constants, the frozen :class:`GroupedGemmConfig` (compile-cache key), the
+  pipeline's barrier contract, and :data:`MAINLOOPS`, the architecture -> kernel-class table.
+* :mod:`.heuristic` — the tile plan, each choice citing its measurement.
+* :mod:`.interface` — validation, allocation, architecture dispatch, launch; variants.
+* :mod:`.tile_scheduler` (kernel) — varlen-M / varlen-K persistent schedulers.
+* :mod:`.pipeline` (kernel) — the operand ring (stages, phases, cluster release).
+* :mod:`.load` (kernel) — TMA producers: contiguous tiles, gathered rows, multicast.
+* :mod:`.base` (kernel) — warp roles, shared storage, launch, the pipeline contract.
+* :mod:`.sm90` (kernel) — the Hopper WGMMA mainloop and its accumulator view.
+* :mod:`.epilogue` (kernel) — store, SwiGLU, dSwiGLU + ds + A', all fed fp32 accumulator
+  sub-tiles through one hook.
+"""
+
+from sonic.kernels.grouped_gemm.config import MAX_EXPERTS, VEC, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.interface import (grouped_gemm, grouped_gemm_dswiglu,
+                                                  grouped_gemm_swiglu, grouped_gemm_varlen_k)
+
+# MAX_EXPERTS (largest E) and VEC (K, N multiples) are the limits the backend checks.
+__all__ = ["MAX_EXPERTS", "VEC", "GroupedGemmConfig", "grouped_gemm", "grouped_gemm_dswiglu",
+           "grouped_gemm_swiglu", "grouped_gemm_varlen_k"]

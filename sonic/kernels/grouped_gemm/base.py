@@ -1,0 +1,194 @@
+"""The grouped-GEMM kernel skeleton: warp roles, shared storage, launch; the mainloop is a hook.
+
+DESIGN §4; SonicMoE (arXiv 2512.14080) §4.1–4.2. One persistent, warp-specialised launch per
+GEMM; the architecture's subclass (:mod:`.sm90`) supplies the tiled MMA, the operand
+shared-memory layouts and the consumer mainloop, and hands finished tiles to the epilogue
+(:mod:`.epilogue`).
+
+Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contract`):
+
+* Warp roles. Warpgroup 0 (``PRODUCER_THREADS``) produces: the TMA loads of A and B
+  (:mod:`.load`) and an epilogue's own loads (dSwiGLU's H). Warpgroups 1..2 consume: the
+  MMA mainloop over a tile's k-tiles, then the epilogue — cooperatively on one
+  ``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x 128`` tile.
+* ``full[s]`` (producer -> consumers), count ``barrier_contract(cfg).full`` = 1: one elected
+  producer thread arrives with expect-tx for the stage's bytes; the stage is full once that
+  arrival and all its bytes landed.
+* ``empty[s]`` (consumers -> producers), count ``barrier_contract(cfg).empty`` = 4 warps per
+  reading warpgroup (ping-pong: 1, cooperative: 2) × cluster CTAs: every MMA warp arrives once
+  on the stage's barrier in every CTA of the cluster when done reading it (on a cluster both
+  CTAs' producers write into the stage of both).
+* Named barriers: 1 + wg / 2 - wg hand the tensor cores between ping-pong warpgroups
+  (256 threads); 3 + wg orders a warpgroup's epilogue staging (128 threads).
+* Cluster sync after barrier init and tile-table build, and before exit (no CTA leaves while
+  its peer can still arrive on its barriers).
+
+Imports ``cutlass``: only the kernel modules import this one.
+"""
+
+import cutlass
+from cuda.bindings import driver as cuda
+from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from sonic.kernels import runtime
+from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, PRODUCER_THREADS, THREADS,
+                                               GroupedGemmConfig, barrier_contract)
+from sonic.kernels.grouped_gemm.epilogue import make_epilogue
+from sonic.kernels.grouped_gemm.load import FULL_ARRIVALS, TmaProducers
+from sonic.kernels.grouped_gemm.pipeline import OperandRing
+from sonic.kernels.grouped_gemm.tile_scheduler import make_scheduler
+
+
+class GroupedGemmKernel(TmaProducers):
+    """One static configuration of the grouped GEMM (architecture-independent part).
+
+    Subclasses implement :meth:`make_tiled_mma`, :meth:`make_smem_layouts` and
+    :meth:`consume`. Launch arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
+    dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``; then
+    ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
+    ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
+    be any value.
+    """
+
+    def __init__(self, cfg: GroupedGemmConfig):
+        self.cfg = cfg
+        self.ring = OperandRing(cfg)
+        self.scheduler = make_scheduler(cfg)
+        self.epilogue = make_epilogue(cfg, self.ring)
+        self.contract = barrier_contract(cfg)
+
+    # Architecture hooks.
+    def make_tiled_mma(self):
+        """The tiled MMA of the consumer warpgroups."""
+        raise NotImplementedError
+
+    def make_smem_layouts(self):
+        """``(a_smem, b_smem)``: staged, swizzled operand layouts of the ring."""
+        raise NotImplementedError
+
+    def consume(self, ctid, first, stride, total, tiled_mma, s_a, s_b, s_c, outs, m_off, table,
+                num_experts, full, empty, stage_mem):
+        """Consumer warpgroups: the mainloop of each tile, then :meth:`Epilogue.visit`."""
+        raise NotImplementedError
+
+    def check_contract(self, tiled_mma) -> None:
+        """Trace-time check of the pipeline contract: the barrier counts the kernel initialises
+        (:func:`barrier_contract`, from the configuration) must equal the arrivals its code
+        paths make — one expect-tx per fill, and one release per MMA warp (the tiled MMA's
+        threads / 32) on each CTA of the cluster. A mismatch would hang the GPU; here it
+        fails compilation.
+
+        Raises:
+            AssertionError: the counts differ (names both).
+        """
+        mma_warps = tiled_mma.size // 32
+        empty = mma_warps * self.ring.cluster
+        assert self.contract.full == FULL_ARRIVALS, (
+            f"full barrier initialised for {self.contract.full} arrivals, the producer makes "
+            f"{FULL_ARRIVALS}")
+        assert self.contract.empty == empty, (
+            f"empty barrier initialised for {self.contract.empty} arrivals, {mma_warps} MMA "
+            f"warps releasing on {self.ring.cluster} CTA(s) make {empty}")
+
+    @cute.jit
+    def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, act_addr: Int64,
+                 h_addr: Int64, scores_addr: Int64, ds_addr: Int64,
+                 gidx_a_addr: Int64, gidx_b_addr: Int64, offsets_addr: Int64, rows_a: Int32,
+                 rows_b: Int32, num_experts: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):
+        cfg = self.cfg
+        gmem = runtime.gmem_ptr
+        a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
+        act = gmem(BF16, act_addr, 16)
+        h, scores, ds = gmem(BF16, h_addr, 16), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
+        gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
+        offsets = gmem(Int32, offsets_addr, 4)
+        tiled_mma = self.make_tiled_mma()
+        self.check_contract(tiled_mma)
+        a_smem, b_smem = self.make_smem_layouts()
+        tma = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
+        # dSwiGLU reads H (P, 2n) with P passed as rows_b.
+        tma["epi"] = self.epilogue.make_tma(h, rows_b, a_smem)
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[Int64, cfg.stages]
+            empty: cute.struct.MemRange[Int64, cfg.stages]
+            tile_start: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
+            sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[
+                BF16, self.epilogue.staging_elems()], 128]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
+                    *tma["b_mc"], *tma["b_mc_row"], *tma["epi"], a_smem, b_smem, c, act,
+                    scores, ds, gidx_a, gidx_b, offsets, rows_a, rows_b, num_experts).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cfg.cluster, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
+               tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
+               tma_atom_b_mc_row, tma_b_mc_row, tma_atom_epi, tma_epi,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
+               act: cute.Pointer, scores: cute.Pointer, ds: cute.Pointer, gidx_a: cute.Pointer,
+               gidx_b: cute.Pointer, offsets: cute.Pointer,
+               rows_a: Int32, rows_b: Int32, num_experts: Int32):
+        """Role dispatch: barrier init and tile table, then producer or consumer warpgroup."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        table = storage.tile_start.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
+        s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        # Raw stage memory (A space, B space, swizzle) for an epilogue's own loads.
+        stage_mem = (storage.sA.data_ptr(), storage.sB.data_ptr(), a_smem.inner)
+        s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+            if cutlass.const_expr(cfg.varlen_k):
+                cpasync.prefetch_descriptor(tma_atom_a_row)
+                cpasync.prefetch_descriptor(tma_atom_b_row)
+            if cutlass.const_expr(self.epilogue.has_producer_loads):
+                self.epilogue.prefetch((tma_atom_epi, tma_epi))
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(cfg.stages):
+                    cute.arch.mbarrier_init(full + s, self.contract.full)
+                    cute.arch.mbarrier_init(empty + s, self.contract.empty)
+            cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(not cfg.varlen_k):
+                self.scheduler.prepare(m_off, table, num_experts)
+        self.ring.sync_cluster()
+
+        # Work items: tiles, or on a cluster pairs of m-tiles (one per CTA) of an n-tile.
+        first, step = bidx, grid
+        if cutlass.const_expr(cfg.cluster > 1):
+            first, step = bidx // cfg.cluster, grid // cfg.cluster
+        total = self.scheduler.total(table, num_experts)
+
+        if tidx < PRODUCER_THREADS:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            self.produce(warp, first, step, total, (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
+                         (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
+                          tma_atom_b_mc_row, tma_b_mc_row), (tma_atom_epi, tma_epi), a_smem,
+                         b_smem, s_a, s_b, stage_mem, gidx_a, gidx_b, rows_a, rows_b, m_off,
+                         table, num_experts, full, empty)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
+                         storage.sC.data_ptr(), (c, act, scores, ds), m_off, table,
+                         num_experts, full, empty, stage_mem)
+        # On a cluster no CTA may exit while the other can still arrive on its barriers.
+        if cutlass.const_expr(cfg.cluster > 1):
+            self.ring.sync_cluster()

@@ -1,0 +1,204 @@
+"""Static configuration of one grouped-GEMM kernel: tile sizes, the frozen config, its cache key.
+
+Pure Python (no ``cutlass``): the torch-facing dispatcher, the tile-plan heuristic and the CPU
+tests use it without the CuTe DSL installed. A :class:`GroupedGemmConfig` holds every
+compile-time choice and nothing batch-dependent, so it *is* the compile-cache key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sonic.types import GATE_UP_LAYOUTS
+
+TILE_M = 128
+TILE_K = 64
+# Elements per 16-byte bf16 vector (epilogue stores, width checks).
+VEC = 8
+# Largest E: the varlen-M tile table lives in shared memory (4 bytes per expert).
+MAX_EXPERTS = 1024
+PRODUCER_THREADS = 128
+CONSUMER_WARPGROUPS = 2
+# CTAs per cluster of the multicast kernels.
+CLUSTER = 2
+THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
+# Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
+# 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
+# conflicts.
+SLAB = 64
+PAD = 8
+# Shared memory per CTA on sm_90 (227 KiB) less room for barriers and the tile table.
+SMEM_BYTES = 227 * 1024 - (MAX_EXPERTS + 1) * 4 - 1024
+MAX_STAGES = 8
+
+EPILOGUES = ("store", "swiglu", "dswiglu")
+# The kernel class of each architecture, "module:class", imported lazily by the dispatcher
+# (interface.kernel_class). The one place to register another mainloop, e.g.
+# "sm_100a": "sonic.kernels.grouped_gemm.sm100:Sm100GroupedGemm".
+MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90:Sm90GroupedGemm"}
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Every compile-time choice of one grouped-GEMM kernel (hashable: the compile-cache key).
+
+    Attributes:
+        varlen_k: varlen-K (``C[e] = A_eᵀ·B_e``, weight gradients) instead of varlen-M.
+        tile_n: N tile (128 or 256); the M tile is :data:`TILE_M`, the K tile :data:`TILE_K`.
+        pingpong: ping-pong schedule (each consumer warpgroup owns a ``128 x 128`` tile)
+            instead of cooperative (both share one ``128 x tile_n`` tile, 64 rows each).
+        cluster: CTAs per cluster, 1 or :data:`CLUSTER` (B tile multicast).
+        dim_m: M (varlen-K only; 0 for varlen-M, where M is the runtime ``P``).
+        dim_n: N.
+        dim_k: K (varlen-M only; 0 for varlen-K, where K is each expert's row count).
+        gather_a, gather_b: rows of A / B gathered by index while loading (``gather_b``:
+            varlen-K only).
+        b_n_major: varlen-M B is the N-major view of a contiguous ``(E, K, N)``.
+        transpose_c: varlen-K stores ``C[e]ᵀ`` ``(E, N, M)``.
+        epilogue: ``"store"`` (C), ``"swiglu"`` (H and A = SwiGLU(H)) or ``"dswiglu"`` (dH, A',
+            ds partials from dA', H and the row scores).
+        gate_up: gate/up layout of the ``"swiglu"`` epilogue (``"concat"`` or
+            ``"interleaved"``), else None.
+        arch: target architecture, a key of :data:`MAINLOOPS`.
+
+    Raises:
+        ValueError: a combination no kernel implements (the message names it).
+    """
+
+    varlen_k: bool
+    tile_n: int
+    pingpong: bool
+    cluster: int
+    dim_m: int
+    dim_n: int
+    dim_k: int
+    gather_a: bool
+    gather_b: bool = False
+    b_n_major: bool = False
+    transpose_c: bool = False
+    epilogue: str = "store"
+    gate_up: str | None = None
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.arch not in MAINLOOPS:
+            raise ValueError(f"no grouped-GEMM mainloop for arch {self.arch!r}; registered: "
+                             f"{sorted(MAINLOOPS)}")
+        if self.tile_n not in (128, 256):
+            raise ValueError(f"tile_n must be 128 or 256, got {self.tile_n}")
+        if self.pingpong and self.tile_n != 128:
+            raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
+        if self.cluster not in (1, CLUSTER) or (self.cluster > 1 and self.pingpong):
+            raise ValueError("a 2-CTA cluster serves the cooperative kernels")
+        if self.varlen_k and self.cluster > 1 and self.m_tiles % self.cluster:
+            raise ValueError("varlen-K on a cluster pairs the m-tiles of M")
+        if self.gather_b and not self.varlen_k:
+            raise ValueError("gather_b serves the varlen-K kernel (varlen-M B is a weight)")
+        if self.transpose_c and (not self.varlen_k or self.pingpong):
+            raise ValueError("a transposed C serves the cooperative varlen-K kernel")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if (self.epilogue == "swiglu") != (self.gate_up is not None):
+            raise ValueError("gate_up is given exactly with the 'swiglu' epilogue")
+        if self.gate_up is not None and self.gate_up not in GATE_UP_LAYOUTS:
+            raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {self.gate_up!r}")
+        if self.epilogue == "swiglu" and (self.varlen_k or not self.gather_a or self.b_n_major
+                                          or self.pingpong):
+            raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")
+        if self.epilogue == "dswiglu" and (self.varlen_k or not self.gather_a
+                                           or not self.b_n_major or self.pingpong
+                                           or self.tile_n < TILE_M):
+            raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
+                             "(cooperative, tile_n >= 128)")
+
+    # Tiles and the operand ring.
+    @property
+    def n_tiles(self) -> int:
+        return (self.dim_n + self.tile_n - 1) // self.tile_n
+
+    @property
+    def m_tiles(self) -> int:
+        return (self.dim_m + TILE_M - 1) // TILE_M
+
+    @property
+    def k_tiles(self) -> int:
+        return (self.dim_k + TILE_K - 1) // TILE_K
+
+    @property
+    def rows_wg(self) -> int:
+        """Tile rows of one consumer warpgroup's accumulator."""
+        return TILE_M if self.pingpong else TILE_M // CONSUMER_WARPGROUPS
+
+    @property
+    def stages(self) -> int:
+        """Ring stages: as many ``A + B`` k-tiles as fit beside the epilogue's staging buffer."""
+        stage_bytes = (TILE_M + self.tile_n) * TILE_K * 2
+        return min(MAX_STAGES, (SMEM_BYTES - self.staging_elems * 2) // stage_bytes)
+
+    @property
+    def staging_elems(self) -> int:
+        """bf16 elements of the epilogue staging buffer (one ``rows_wg x SLAB`` block, padded,
+        per consumer warpgroup)."""
+        return CONSUMER_WARPGROUPS * self.rows_wg * (SLAB + PAD)
+
+    @property
+    def tma_bytes(self) -> int:
+        """Bytes of one operand stage: every operand arrives by TMA (out-of-bounds boxes are
+        zero-filled and counted), so a stage is complete at one expect-tx and these bytes."""
+        return (self.tile_n + TILE_M) * TILE_K * 2
+
+    @property
+    def b_halves(self) -> bool:
+        """varlen-M B n-tile loaded as two half boxes, rows ``nt·tile_n/2 ..`` and
+        ``N/2 + nt·tile_n/2 ..``: the SwiGLU "concat" epilogue asks for it so that gate and up
+        of one output column land in the same thread's accumulator."""
+        return self.epilogue == "swiglu" and self.gate_up == "concat"
+
+    @property
+    def row_copies(self) -> bool:
+        """Producers spread row copies over four warps (and keep row indices in registers)."""
+        return self.varlen_k or self.gather_a
+
+    @property
+    def producer_regs(self) -> int:
+        return 56 if self.row_copies else 40
+
+    @property
+    def consumer_regs(self) -> int:
+        return 224 if self.row_copies else 232
+
+    @property
+    def cache_key(self) -> tuple:
+        """Key of :func:`sonic.kernels.runtime.compiled`: the kernel family and this config."""
+        return ("grouped_gemm", self)
+
+
+@dataclass(frozen=True)
+class BarrierContract:
+    """Arrival counts of the operand ring's mbarriers, derived from the warp roles.
+
+    Attributes:
+        full: arrivals completing a *full* barrier phase (besides the transaction bytes).
+        empty: arrivals completing an *empty* barrier phase.
+    """
+
+    full: int
+    empty: int
+
+
+def barrier_contract(cfg: GroupedGemmConfig) -> BarrierContract:
+    """Re-derive the ring's arrival counts from the role configuration.
+
+    * full[s]: producer -> consumers. One elected producer thread arrives with expect-tx for
+      the stage's bytes (one arrival), whatever the number of producer warps issuing copies.
+    * empty[s]: consumers -> producers. Every consumer warp reading the stage arrives once
+      when done: 4 warps of one warpgroup (ping-pong: one warpgroup reads a stage) or of both
+      (cooperative), and on a cluster on the barrier of every CTA, because every CTA's
+      producer writes (multicasts) into the stage of both.
+
+    The base kernel initialises its barriers with these counts and asserts, while tracing,
+    that they equal what the consumer and producer code paths issue, so a wrong count fails
+    compilation instead of hanging the GPU.
+    """
+    readers_per_cta = 1 if cfg.pingpong else CONSUMER_WARPGROUPS
+    return BarrierContract(full=1, empty=4 * readers_per_cta * cfg.cluster)

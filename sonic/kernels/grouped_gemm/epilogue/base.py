@@ -1,0 +1,151 @@
+"""Epilogue contract and the plain store epilogue.
+
+A consumer warpgroup hands its finished tile to :meth:`Epilogue.visit`: the fp32 accumulator
+view, the warpgroup's staging buffer, the tile's coordinates and the operand-ring position
+(which an epilogue that reads ring stages, like dSwiGLU, advances and returns). Stores go
+through the staging buffer: per ``SLAB`` columns the thread's column pairs are rounded to bf16
+and staged, then every thread stores whole 16-byte row chunks, masked to the tile's valid rows
+and columns, so a tile never writes rows of the next expert.
+Imports ``cutlass``: only the kernel modules import this one.
+"""
+
+import cutlass
+from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
+
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M, VEC, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.pipeline import OperandRing
+
+# Named barrier of consumer warpgroup ``wg``'s epilogue: 3 + wg (1 and 2 are ping-pong's).
+BARRIER = 3
+
+
+class Epilogue:
+    """Hooks with their defaults; subclasses implement :meth:`visit`.
+
+    Attributes:
+        cfg: the kernel configuration.
+        ring: the operand ring (an epilogue that reads ring stages releases them).
+        has_producer_loads: the producer calls :meth:`producer_loads` after each tile's
+            k-tiles (class attribute).
+    """
+
+    has_producer_loads = False
+
+    def __init__(self, cfg: GroupedGemmConfig, ring: OperandRing):
+        self.cfg = cfg
+        self.ring = ring
+
+    def staging_elems(self) -> int:
+        """bf16 elements of shared memory the epilogue stages its stores in."""
+        return self.cfg.staging_elems
+
+    def make_tma(self, h, rows, a_smem) -> tuple:
+        """Host side: ``(atom, tensor)`` of the epilogue's own TMA loads, or ``(None, None)``."""
+        return (None, None)
+
+    def prefetch(self, tma: tuple):
+        """Prefetch the descriptor of the epilogue's TMA loads (producer warp 0)."""
+
+    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
+              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
+              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
+              empty: cute.Pointer):
+        """The one hook: store this warpgroup's part of a finished tile.
+
+        Args:
+            acc: fp32 accumulator view (``pairs``, ``coord``, ``value``, ``row_coord``).
+            stage_c: this warpgroup's staging buffer; ``wg_tid`` the thread in the
+                warpgroup, ``wg`` the warpgroup, ``wg_row0`` its first tile row, ``lane``.
+            outs: the global pointers ``(c, act, scores, ds)``.
+            e, row0, rows, nt, mt: the scheduler's tile coordinates.
+            stage_mem, stage, phase, full, empty: the operand ring.
+
+        Returns:
+            The ring position ``(stage, phase)`` after the epilogue.
+        """
+        raise NotImplementedError
+
+    @cute.jit
+    def stage_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
+                   transposed: cutlass.Constexpr = False):
+        """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows → staging buffer
+        (``transposed``: staged row = column, staged column = row; rows_wg == SLAB)."""
+        pair_f32 = cute.make_rmem_tensor((2,), F32)
+        pair = cute.make_rmem_tensor((2,), BF16)
+        for p in acc.pairs(sl):
+            m, n = acc.coord(p)
+            pair_f32[0] = acc.value(p, 0)
+            pair_f32[1] = acc.value(p, 1)
+            pair.store(pair_f32.load().to(BF16))
+            if cutlass.const_expr(transposed):
+                # A quad's column pairs over 8 rows: 16 distinct banks.
+                for v0 in cutlass.range_constexpr(2):
+                    cute.make_tensor(
+                        stage_c + (n + v0 - sl * SLAB) * (SLAB + PAD) + (m - wg_row0),
+                        cute.make_layout(1))[0] = pair[v0]
+            else:
+                offset = (m - wg_row0) * (SLAB + PAD) + (n - sl * SLAB)
+                cute.autovec_copy(pair, cute.make_tensor(
+                    stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+
+    @cute.jit
+    def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
+              dst: cute.Pointer, base: Int64, pitch: int, col0: int, col_limit: Int32,
+              rows: Int32):
+        """Staged ``rows_wg x width`` block → ``dst[base + m·pitch + col0 + col]`` as 16-byte
+        row chunks, masked to tile rows ``< rows`` and to ``col0 + col < col_limit`` (widths
+        are multiples of 8, so a chunk is entirely inside or outside)."""
+        chunk = cute.make_rmem_tensor((VEC,), BF16)
+        chunks_per_row = width // VEC
+        for q in cutlass.range_constexpr(self.cfg.rows_wg * chunks_per_row // 128):
+            index = wg_tid + q * 128
+            r = index // chunks_per_row
+            col = (index - r * chunks_per_row) * VEC
+            m = wg_row0 + r
+            if m < rows and col0 + col < col_limit:
+                cute.autovec_copy(cute.make_tensor(
+                    stage_c + cute.assume(r * (SLAB + PAD) + col, divby=VEC),
+                    cute.make_layout(VEC)), chunk)
+                cute.autovec_copy(chunk, cute.make_tensor(
+                    dst + cute.assume(base + (Int64(m) * pitch + col0 + col), divby=VEC),
+                    cute.make_layout(VEC)))
+
+
+class StoreEpilogue(Epilogue):
+    """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``)."""
+
+    @cute.jit
+    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
+              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
+              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
+              empty: cute.Pointer):
+        """bf16 store of this warpgroup's rows of the tile, masked to the expert's rows
+        (varlen-M) or to M (varlen-K), and to N.
+
+        A row of a slab is one 128-byte line. With ``transpose_c`` the slab is staged
+        transposed, so the chunks are 8 consecutive rows of one column — contiguous in
+        ``C[e]ᵀ``, 8 threads covering a 128-byte line of it.
+        """
+        cfg = self.cfg
+        c = outs[0]
+        cols = cfg.dim_n - nt * cfg.tile_n
+        if cutlass.const_expr(cfg.varlen_k):
+            rows = cfg.dim_m - mt * TILE_M
+            base = (Int64(e) * cfg.dim_m + mt * TILE_M) * cfg.dim_n + nt * cfg.tile_n
+        else:
+            base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
+        for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
+            self.stage_slab(acc, stage_c, wg_row0, sl, cfg.transpose_c)
+            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+            if cutlass.const_expr(cfg.transpose_c):
+                # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
+                # whose warpgroup part starts at M index mt·TILE_M + wg_row0.
+                self.flush(stage_c, wg_tid, Int32(0), cfg.rows_wg, c,
+                           (Int64(e) * cfg.dim_n + nt * cfg.tile_n + sl * SLAB) * cfg.dim_m
+                           + mt * TILE_M, cfg.dim_m, wg_row0, rows, cols - sl * SLAB)
+            else:
+                self.flush(stage_c, wg_tid, wg_row0, SLAB, c, base, cfg.dim_n, sl * SLAB,
+                           cols, rows)
+            # The next slab overwrites the staging buffer.
+            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+        return stage, phase

@@ -1,0 +1,193 @@
+"""dH epilogue (DESIGN §3 backward step 1; SonicMoE arXiv 2512.14080 §4.1.3, App. C).
+
+On the fp32 tile of ``dA' = gather(dO)·W2`` (never stored), with the saved H ("concat" layout,
+``[gate | up]``) and the row scores ``s``: store ``dH = dSwiGLU(s·dA', H)`` ``(P, 2n)``,
+``A' = s·A`` ``(P, n)`` and per n-tile partial sums of ``ds = ⟨dA', A⟩`` ``(P, n_tiles)``
+(fp32; summed by the caller in a fixed order, so bitwise deterministic).
+
+The tile's H arrives by TMA through the operand ring: after a tile's k-tiles the producer runs
+this epilogue's :meth:`DswigluEpilogue.producer_loads`, which queues one stage per ``SLAB`` of
+columns (the gate slab where A goes, the up slab at the start of B's space), so the loads
+overlap the tile's last k-tiles and the epilogue reads H pairs from shared memory (4-byte loads,
+swizzle-aware). Measured faster than the dA' GEMM followed by the standalone epilogue kernel
+(benchmarks/RESULTS.md). The epilogue is not hidden behind a mainloop: ping-pong would need
+``128 x 128`` tiles, which carry 2/3 of the FLOP per loaded byte of the clustered ``128 x 256``
+ones on an L2-bound mainloop (see :func:`sonic.kernels.grouped_gemm.heuristic.plan`).
+Imports ``cutlass``: only the kernel modules import this one.
+"""
+
+import cutlass
+from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync
+
+from sonic.kernels import activation
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_K, TILE_M
+from sonic.kernels.grouped_gemm.epilogue.base import BARRIER, Epilogue
+
+# Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
+H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
+
+
+class DswigluEpilogue(Epilogue):
+    """dH, A' and ds partials; declares its H loads into the operand ring."""
+
+    has_producer_loads = True
+
+    def make_tma(self, h, rows, a_smem) -> tuple:
+        """H ``(P, 2n)`` (``P`` = ``rows``): ``TILE_M x SLAB`` boxes, 128-byte swizzled like A
+        (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8 rows hit
+        distinct banks."""
+        m_h = cute.make_tensor(h, cute.make_layout((rows, 2 * self.cfg.dim_n),
+                                                   stride=(2 * self.cfg.dim_n, 1)))
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.make_composed_layout(
+                a_smem.inner, 0, cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1))),
+            (TILE_M, SLAB))
+
+    def prefetch(self, tma: tuple):
+        cpasync.prefetch_descriptor(tma[0])
+
+    @cute.jit
+    def h_slabs(self, stage_mem: tuple, stage: Int32):
+        """Where ring stage ``stage`` holds the gate and up ``TILE_M x SLAB`` slabs of H
+        (unswizzled pointers): gate where the stage's A k-tile goes, up at the start of
+        its B k-tile."""
+        return (stage_mem[0] + stage * (TILE_M * TILE_K),
+                stage_mem[1] + stage * (self.cfg.tile_n * TILE_K))
+
+    @cute.jit
+    def producer_loads(self, warp: Int32, tma_h: tuple, stage_mem: tuple, row0: Int32,
+                       nt: Int32, stage: Int32, phase: Int32, full: cute.Pointer,
+                       empty: cute.Pointer):
+        """Queue the tile's H, one ring stage per SLAB of columns (the gate columns
+        ``nt·tile_n + sl·SLAB ..`` and the matching up columns ``n + ..``). Rows past P and
+        columns past 2n arrive as zeros; the rest beyond the tile's expert or n only reach
+        masked outputs. Returns the producer's ring position after them."""
+        atom, tensor = tma_h
+        for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
+            cute.arch.mbarrier_wait(empty + stage, phase)
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + stage, H_STAGE_BYTES)
+                slabs = self.h_slabs(stage_mem, stage)
+                for half in cutlass.range_constexpr(2):
+                    dst = cute.make_tensor(cute.recast_ptr(slabs[half], stage_mem[2]),
+                                           cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1)))
+                    g_h = cute.local_tile(cute.domain_offset(
+                        (row0, half * self.cfg.dim_n + nt * self.cfg.tile_n + sl * SLAB),
+                        tensor), (TILE_M, SLAB), (0, None))
+                    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                     cute.group_modes(dst, 0, 2),
+                                                     cute.group_modes(g_h, 0, 2))
+                    cute.copy(atom, t_g[None, 0], t_s, tma_bar_ptr=full + stage)
+            stage, phase = self.ring.next_stage(stage, phase)
+        return stage, phase
+
+    @cute.jit
+    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
+              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
+              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
+              empty: cute.Pointer):
+        """Per SLAB of columns, this thread's gate and up values of H are read from the slab's
+        ring stage (which is then released to the producer), and dH's gate half, dH's up half
+        and A' are staged and stored in turn from fp32 dA', g, u and s; the ds partial of each
+        of the thread's rows is reduced over the quad of threads holding the row and stored
+        once per tile. Returns the ring position after the tile's H stages."""
+        dh, a_scaled, scores, ds = outs
+        n = self.cfg.dim_n
+        row_count = acc.rows_per_thread
+        # Score of each of this thread's rows, zero past the expert.
+        s_row = cute.make_rmem_tensor((row_count,), F32)
+        partial = cute.make_rmem_tensor((row_count,), F32)
+        partial.fill(0.0)
+        for i in cutlass.range_constexpr(row_count):
+            m = acc.row_coord(i)
+            s_row[i] = 0.0
+            if m < rows:
+                s_row[i] = cute.make_tensor(scores + row0, cute.make_layout(TILE_M))[m]
+        silu = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
+        cols = n - nt * self.cfg.tile_n
+        for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
+            cute.arch.mbarrier_wait(full + stage, phase)
+            slabs = self.h_slabs(stage_mem, stage)
+            col0 = nt * self.cfg.tile_n + sl * SLAB
+            for part in cutlass.range_constexpr(3):
+                self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, silu, s_row,
+                                        partial, part)
+                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                if cutlass.const_expr(part == 2):
+                    # The warpgroup has read the slab's H: the stage can be refilled.
+                    self.ring.release(empty + stage, lane)
+                    stage, phase = self.ring.next_stage(stage, phase)
+                    self.flush(stage_c, wg_tid, wg_row0, SLAB, a_scaled, Int64(row0) * n, n,
+                               col0, n, rows)
+                else:
+                    self.flush(stage_c, wg_tid, wg_row0, SLAB, dh, Int64(row0) * (2 * n),
+                               2 * n, col0 + part * n, (part + 1) * n, rows)
+                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+        n_tiles = self.cfg.n_tiles
+        for i in cutlass.range_constexpr(row_count):
+            total = partial[i]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            m = acc.row_coord(i)
+            if lane % 4 == 0:
+                if m < rows:
+                    cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
+                                     cute.make_layout(1))[0] = total
+        return stage, phase
+
+    @cute.jit
+    def h_pair(self, slab: cute.Pointer, m: Int32, col: Int32, inside, pair: cute.Tensor):
+        """The H values at row ``m``, columns ``col, col + 1`` (``col`` even) of a slab in
+        a ring stage, one 4-byte load, or zeros when not ``inside``. The slab's rows are
+        128-byte lines whose 16-byte chunks TMA's 128-byte swizzle permutes by the row
+        (chunk ``c`` at ``c ^ (m mod 8)``; stage bases are 1024-byte aligned)."""
+        pair.fill(0.0)
+        if inside:
+            offset = m * SLAB + ((col // 8) ^ (m % 8)) * 8 + col % 8
+            cute.autovec_copy(cute.make_tensor(slab + cute.assume(offset, divby=2),
+                                               cute.make_layout(2)), pair)
+
+    @cute.jit
+    def stage_dswiglu_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
+                           slabs: tuple, cols: Int32, silu: cute.Tensor, s_row: cute.Tensor,
+                           partial: cute.Tensor, part: int):
+        """Slab ``sl`` of dH's gate half (``part`` 0, which also keeps ``silu(g)``), up half
+        (1) or A' (2, also adding ``dA'·A`` to the row partials) → staging buffer. With
+        ``dA = s·dA'``: ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``,
+        ``A' = s·silu(g)·u`` (:mod:`sonic.kernels.activation`, as the one-pass
+        :func:`sonic.kernels.swiglu.dswiglu_epilogue`; σ is evaluated once per value). g and u
+        are read from the slab's ring stage, as zeros on columns past n (a column pair is
+        entirely inside or outside: n is a multiple of 8), so no value of the neighbouring
+        columns enters ds."""
+        out = cute.make_rmem_tensor((2,), F32)
+        pair = cute.make_rmem_tensor((2,), BF16)
+        gate = cute.make_rmem_tensor((2,), BF16)
+        up = cute.make_rmem_tensor((2,), BF16)
+        for p in acc.pairs(sl):
+            slot = p.index * 2
+            s = s_row[p.row]
+            m, col = acc.coord(p)
+            if cutlass.const_expr(part != 1):
+                self.h_pair(slabs[1], m, col - sl * SLAB, col < cols, up)
+            if cutlass.const_expr(part == 0):
+                self.h_pair(slabs[0], m, col - sl * SLAB, col < cols, gate)
+            for v0 in cutlass.range_constexpr(2):
+                dap = acc.value(p, v0)
+                if cutlass.const_expr(part == 0):
+                    g = gate[v0].to(F32)
+                    u = up[v0].to(F32)
+                    sig = activation.sigmoid(g)
+                    silu[slot + v0] = activation.silu(g, sig)
+                    out[v0] = activation.dswiglu_gate(s * dap, g, u, sig)
+                elif cutlass.const_expr(part == 1):
+                    out[v0] = (s * dap) * silu[slot + v0]
+                else:
+                    act = silu[slot + v0] * up[v0].to(F32)
+                    partial[p.row] = partial[p.row] + dap * act
+                    out[v0] = act * s
+            pair.store(out.load().to(BF16))
+            offset = (m - wg_row0) * (SLAB + PAD) + (col - sl * SLAB)
+            cute.autovec_copy(pair, cute.make_tensor(
+                stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))

@@ -1,0 +1,67 @@
+"""Tile plan: which configuration each grouped GEMM of an MoE layer runs with.
+
+Measured at the ANCHORS shapes (7B, OLMoE, 30B) on H100 and H200 by tile-plan sweeps with
+``benchmarks/bench_grouped_gemm.py`` (benchmarks/RESULTS.md, "Grouped GEMM"). On H100 the
+kernels are bound by L2→SM bandwidth (~6.5–7 TB/s at 64–85 FLOP per loaded byte), so the plan
+maximises FLOP per loaded byte. Pure Python: no ``cutlass``.
+"""
+
+from __future__ import annotations
+
+from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
+
+
+def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
+         dim_m: int = 0) -> tuple[int, bool, int]:
+    """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
+
+    * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
+      mostly masked).
+    * Cooperative ``128 x tile_n`` tiles on 2-CTA clusters that multicast the shared B tile,
+      for gathered varlen-M A (up-proj, ``dA'``), contiguous A with K > 512 (down-proj, ``dX̃``
+      at OLMoE/30B) and varlen-K when M has an even number of m-tiles. H100, 30B: up 558 →
+      651, dA' 571 → 628, down 609 → 633, dX 603 → 674, dW1 481 → 577, dW2 531 → 626 TFLOPS
+      (no cluster → cluster); contiguous A on ping-pong ``128 x 128`` tiles reached only 443
+      (down) and 327 (dX) there.
+    * Contiguous A with K ≤ 512 (the 7B down-proj and dX̃): ping-pong ``128 x 128``, one
+      warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2), because the
+      mainloop is short — H100 7B down 456 vs 444 on a cluster.
+    """
+    tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
+    if varlen_k:
+        return tile_n, False, CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
+    if not gathered and dim_k <= 512:
+        return 128, True, 1
+    return tile_n, False, CLUSTER
+
+
+def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,
+                    epilogue: str = "store", gate_up: str | None = None,
+                    arch: str = "sm_90a") -> GroupedGemmConfig:
+    """The planned varlen-M configuration (:func:`plan`, then the epilogue's constraints).
+
+    With the SwiGLU "concat" epilogue a tile's gate half must not run past ``n = N/2``: when
+    ``n`` is not a multiple of half the planned tile, the tile drops to ``128 x 128``.
+
+    Raises:
+        ValueError: as :class:`GroupedGemmConfig`.
+    """
+    tile_n, pingpong, cluster = plan(False, dim_n, gathered, dim_k)
+    if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
+        tile_n = 128
+    return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
+                             dim_m=0, dim_n=dim_n, dim_k=dim_k, gather_a=gathered,
+                             b_n_major=b_n_major, epilogue=epilogue, gate_up=gate_up, arch=arch)
+
+
+def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
+                    transpose_c: bool = False, arch: str = "sm_90a") -> GroupedGemmConfig:
+    """The planned varlen-K configuration (:func:`plan`).
+
+    Raises:
+        ValueError: as :class:`GroupedGemmConfig`.
+    """
+    tile_n, pingpong, cluster = plan(True, dim_n, dim_m=dim_m)
+    return GroupedGemmConfig(varlen_k=True, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
+                             dim_m=dim_m, dim_n=dim_n, dim_k=0, gather_a=gather_a,
+                             gather_b=gather_b, transpose_c=transpose_c, arch=arch)

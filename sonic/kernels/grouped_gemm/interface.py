@@ -1,0 +1,388 @@
+"""Torch-facing grouped GEMMs: validation, allocation, tile plan, architecture dispatch, launch.
+
+DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1: every expert's GEMM runs in ONE persistent,
+warp-specialised launch whose tile scheduler reads the per-expert row ranges ``expert_offsets``
+on the device, so no host synchronisation and no per-expert launch is needed.
+
+This module imports no ``cutlass``: the kernel class of a configuration's architecture
+(:data:`sonic.kernels.grouped_gemm.config.MAINLOOPS`) is imported on first compile.
+"""
+
+import functools
+import importlib
+
+import torch
+
+from sonic.kernels import runtime
+from sonic.kernels.grouped_gemm import heuristic
+from sonic.kernels.grouped_gemm.config import (MAINLOOPS, MAX_EXPERTS, TILE_M, VEC,
+                                               GroupedGemmConfig)
+from sonic.kernels.registry import KernelVariant, register
+from sonic.types import GATE_UP_LAYOUTS
+
+
+def kernel_class(arch: str):
+    """The kernel class of ``arch`` (imports its module, hence ``cutlass``).
+
+    Raises:
+        ValueError: no grouped-GEMM mainloop is registered for ``arch``.
+    """
+    if arch not in MAINLOOPS:
+        raise ValueError(f"no grouped-GEMM mainloop for {arch}; registered: {sorted(MAINLOOPS)}")
+    module, name = MAINLOOPS[arch].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def compile_config(cfg: GroupedGemmConfig, keep_ptx: bool = False):
+    """Compile ``cfg`` with placeholder arguments (on the CPU for the compile check, or on the
+    GPU at first launch): a :class:`sonic.kernels.runtime.Launcher`."""
+    import cutlass
+
+    kernel = kernel_class(cfg.arch)(cfg)
+    addresses = [runtime.fake_address() for _ in range(10)]
+    sizes = [cutlass.Int32(1) for _ in range(4)]
+    return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
+
+
+def _launcher(cfg: GroupedGemmConfig):
+    return runtime.compiled(cfg.cache_key, lambda: compile_config(cfg))
+
+
+@functools.cache
+def _resident(index: int, cluster: int) -> int:
+    """CTAs (``cluster == 1``) or clusters of ``cluster`` CTAs that device ``index`` runs at
+    once at one CTA per SM: a persistent grid larger than that would run a tail wave."""
+    if cluster == 1:
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(index):
+        return HardwareInfo(index).get_max_active_clusters(cluster)
+
+
+def _num_ctas(device: torch.device, work_items: int, cluster: int = 1) -> int:
+    """Persistent grid size: one CTA (cluster) per resident slot, at most one per work item."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return cluster * max(1, min(_resident(index, cluster), work_items))
+
+
+def _check_offsets(expert_offsets, device) -> int:
+    runtime.check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1,
+                         device=device)
+    num_experts = expert_offsets.numel() - 1
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"expert_offsets must have E+1 entries with 1 <= E <= {MAX_EXPERTS}, "
+                         f"got {expert_offsets.numel()} entries")
+    return num_experts
+
+
+def _check_width(name: str, size: int) -> None:
+    if size <= 0 or size % VEC:
+        raise ValueError(f"{name} must be a positive multiple of {VEC}, got {size}")
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                 gather_idx: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """varlen-M grouped GEMM: ``out[r] = A[r] · b[e]ᵀ`` for every row ``r`` of expert ``e``.
+
+    DESIGN §3 (up-proj ``H = gather(X)·W1ᵀ``, down-proj ``Y = A·W2ᵀ``, backward
+    ``dX̃ = dH·W1``) and §4; SonicMoE (arXiv 2512.14080) §4.1. One persistent launch for all
+    experts, fp32 accumulation, bf16 output, bitwise deterministic; no host synchronisation.
+
+    Args:
+        a: bf16, contiguous, CUDA. ``(P, K)`` rows already sorted by expert, or with
+            ``gather_idx`` the ``(T, K)`` source rows (``A[r] = a[gather_idx[r]]``, gathered
+            while loading, never materialised).
+        b: ``(E, N, K)`` bf16, either contiguous (K-major: per expert the ``nn.Linear``
+            (out, in) layout) or the ``transpose(1, 2)`` view of a contiguous ``(E, K, N)``
+            (N-major, e.g. ``w2.transpose(1, 2)`` for the backward's ``dO·W2``); no copy is made.
+        expert_offsets: ``(E+1,)`` int32, contiguous: expert ``e`` owns rows
+            ``[expert_offsets[e], expert_offsets[e+1])``; non-decreasing from 0 with
+            ``expert_offsets[E] == P`` (as :class:`sonic.RoutingMetadata` builds it). Read on
+            the device only; not validated against the data.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``, or None.
+        out: ``(P, N)`` bf16, contiguous, written in place and returned; allocated if None.
+
+    Returns:
+        ``(P, N)`` bf16.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: a tensor is not a contiguous CUDA tensor of the right rank, devices differ,
+            shapes disagree, ``K`` or ``N`` is not a positive multiple of 8, or ``E`` exceeds
+            1024.
+    """
+    return _varlen_m(a, b, expert_offsets, gather_idx, out, None)[0]
+
+
+def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
+                        gather_idx: torch.Tensor,
+                        gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``, ``A = SwiGLU(H)``, one launch.
+
+    DESIGN §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
+    backward) and A, computed from H's bf16 values exactly as :func:`sonic.kernels.swiglu.swiglu`
+    does, so A equals the backward's recomputation bitwise.
+
+    Args:
+        x: ``(T, d)`` bf16, contiguous, CUDA; rows gathered by ``gather_idx`` while loading.
+        w1: ``(E, 2n, d)`` bf16, contiguous; rows ``[gate; up]`` (``gate_up="concat"``) or
+            alternating (``"interleaved"``).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, values in ``[0, T)``.
+        gate_up: ``"concat"`` or ``"interleaved"``.
+
+    Returns:
+        ``(H, A)``: ``(P, 2n)`` and ``(P, n)`` bf16.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm`; also an unknown ``gate_up``, or ``n``
+            not a multiple of 8 (of 64 with ``"concat"``).
+    """
+    if gate_up not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {gate_up!r}")
+    if gather_idx is None:
+        raise ValueError("gather_idx is required: the SwiGLU epilogue serves the gathered "
+                         "up-proj")
+    n = w1.shape[1] // 2 if w1.ndim == 3 else 0
+    if n <= 0 or n % (64 if gate_up == "concat" else VEC) or w1.shape[1] % 2:
+        raise ValueError(f"w1 must have 2n rows per expert with n a multiple of "
+                         f"{64 if gate_up == 'concat' else VEC}, got shape {tuple(w1.shape)}")
+    return _varlen_m(x, w1, expert_offsets, gather_idx, None, gate_up)
+
+
+def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
+                         gather_idx: torch.Tensor, h: torch.Tensor,
+                         row_scores: torch.Tensor, *, dh_out: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
+
+    DESIGN §3 backward step 1; SonicMoE (arXiv 2512.14080) §4.1.3 and App. C. dA' never leaves
+    the registers: the epilogue reads the saved H ("concat" layout) and the row scores and
+    stores ``dH = dSwiGLU(s·dA', H)``, ``A' = s·A`` and ``ds = ⟨dA', A⟩`` — the function of
+    :func:`sonic.kernels.swiglu.dswiglu_epilogue`, computed from fp32 dA' instead of its bf16
+    copy. ``ds`` is summed over n-tiles in a fixed order (bitwise deterministic).
+
+    Args:
+        dout: ``(T, d)`` bf16, contiguous, CUDA: the layer's output gradient, rows gathered
+            by ``gather_idx``.
+        w2: ``(E, d, n)`` bf16, contiguous (read N-major, no copy).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, values in ``[0, T)``.
+        h: ``(P, 2n)`` bf16, contiguous, 16-byte aligned: the forward's up-projection output,
+            rows ``[gate | up]``.
+        row_scores: ``(P,)`` fp32, contiguous: the score of each row.
+        dh_out: ``(P, 2n)`` bf16, contiguous: where dH is written, allocated if None. It may be
+            ``h`` itself: dH then overwrites H in place, which is safe because every tile
+            reads its H slabs into shared memory before it stores their dH, and no two tiles
+            touch the same element (the backward thus needs no second ``P x 2n`` buffer).
+
+    Returns:
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` when given.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm`; also ``h``, ``row_scores`` or
+            ``dh_out`` of the wrong dtype, shape or device, or ``dh_out`` overlapping ``h``
+            without being ``h``.
+    """
+    runtime.check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3)
+    runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                         device=w2.device)
+    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=w2.device)
+    runtime.check_tensor("row_scores", row_scores, dtypes=(torch.float32,), ndim=1,
+                         device=w2.device)
+    num_pairs, n = gather_idx.numel(), w2.shape[2]
+    if tuple(h.shape) != (num_pairs, 2 * n):
+        raise ValueError(f"h must have shape (P, 2n) = {(num_pairs, 2 * n)}, got "
+                         f"{tuple(h.shape)}")
+    if row_scores.numel() != num_pairs:
+        raise ValueError(f"row_scores must have P = {num_pairs} entries, got "
+                         f"{row_scores.numel()}")
+    if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and _overlap(dh_out, h):
+        raise ValueError("dh_out must be h itself or a buffer that does not overlap h: a "
+                         "shifted overlap would overwrite H rows another tile still reads")
+    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
+                     (h, row_scores))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of two contiguous tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
+    """:func:`grouped_gemm` (``swiglu`` and ``dswiglu`` None): ``(out, None)``;
+    :func:`grouped_gemm_swiglu`: ``(H, A)``; :func:`grouped_gemm_dswiglu` (``dswiglu`` =
+    ``(h, row_scores)``, validated by the caller; ``out`` receives dH): ``(dH, A', ds)``."""
+    runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
+    device = a.device
+    b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+    runtime.check_tensor("b", b.transpose(1, 2) if b_n_major else b, dtypes=(torch.bfloat16,),
+                         ndim=3, device=device)
+    num_experts = _check_offsets(expert_offsets, device)
+    if b.shape[0] != num_experts:
+        raise ValueError(f"b must have E = {num_experts} experts (expert_offsets has E+1 "
+                         f"entries), got shape {tuple(b.shape)}")
+    dim_n, dim_k = b.shape[1], b.shape[2]
+    if a.shape[1] != dim_k:
+        raise ValueError(f"a must have K = {dim_k} columns (b is (E, N, K)), got shape "
+                         f"{tuple(a.shape)}")
+    _check_width("K", dim_k)
+    _check_width("N", dim_n)
+    if gather_idx is not None:
+        runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                             device=device)
+        num_pairs = gather_idx.numel()
+    else:
+        num_pairs = a.shape[0]
+    # The dH kernel's C is dH, (P, 2n) with n = N.
+    out_name, out_cols = ("dh_out", 2 * dim_n) if dswiglu is not None else ("out", dim_n)
+    if out is None:
+        out = torch.empty(num_pairs, out_cols, dtype=torch.bfloat16, device=device)
+    else:
+        runtime.check_tensor(out_name, out, dtypes=(torch.bfloat16,), ndim=2, device=device)
+        if tuple(out.shape) != (num_pairs, out_cols):
+            raise ValueError(f"{out_name} must have shape ({num_pairs}, {out_cols}), got "
+                             f"{tuple(out.shape)}")
+    act = None
+    if swiglu is not None:
+        act = torch.empty(num_pairs, dim_n // 2, dtype=torch.bfloat16, device=device)
+    gathered = gather_idx is not None
+    cfg = heuristic.varlen_m_config(
+        dim_n, dim_k, gathered, b_n_major,
+        epilogue="dswiglu" if dswiglu is not None else "swiglu" if swiglu else "store",
+        gate_up=swiglu, arch=runtime.device_arch(device))
+    ds_parts = None
+    if dswiglu is not None:
+        act = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+        ds_parts = torch.zeros(num_pairs, cfg.n_tiles, dtype=torch.float32, device=device)
+    if num_pairs == 0 or a.shape[0] == 0:
+        return (out, act) if dswiglu is None else (out.zero_(), act.zero_(), ds_parts.sum(1))
+    fn = _launcher(cfg)
+    # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
+    m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
+    work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    # Without gather the index addresses are never read; expert_offsets' stands in for them.
+    idx = addr(gather_idx, 4) if gathered else offsets_addr
+    out_addr = addr(out, 16)
+    # Addresses a variant never reads: out's stands in for them.
+    h_addr, scores_addr, ds_addr = (
+        (addr(dswiglu[0], 16), addr(dswiglu[1], 4), addr(ds_parts, 4)) if dswiglu is not None
+        else (out_addr,) * 3)
+    fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr,
+       h_addr, scores_addr, ds_addr, idx, idx, offsets_addr, a.shape[0],
+       num_pairs if dswiglu is not None else 0, num_experts,
+       _num_ctas(device, work_items, cfg.cluster))
+    if dswiglu is not None:
+        return out, act, ds_parts.sum(1)
+    return out, act
+
+
+def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                          gather_idx_a: torch.Tensor | None = None,
+                          gather_idx_b: torch.Tensor | None = None) -> torch.Tensor:
+    """varlen-K grouped GEMM: ``C[e] = A_eᵀ · B_e`` over the rows of expert ``e``.
+
+    DESIGN §3 backward (``dW2[e] = gather(dO)ᵀ_e · A'_e``, ``dW1[e] = dH_eᵀ · gather(X)_e``)
+    and §4; SonicMoE (arXiv 2512.14080) §4.1. One persistent launch, fp32 accumulation in row
+    order (bitwise deterministic), bf16 output; an expert with no rows gets zeros.
+
+    Args:
+        a: bf16, contiguous, CUDA: ``(P, M)``, or the ``(T_a, M)`` source rows when
+            ``gather_idx_a`` is given (row ``r`` of ``A`` is ``a[gather_idx_a[r]]``).
+        b: bf16, contiguous: ``(P, N)``, or ``(T_b, N)`` with ``gather_idx_b``.
+        expert_offsets: ``(E+1,)`` int32, contiguous, non-decreasing from 0, last entry ``P``.
+        gather_idx_a, gather_idx_b: ``(P,)`` int32, contiguous, or None.
+
+    Returns:
+        ``(E, M, N)`` bf16.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: a tensor is not a contiguous CUDA tensor of the right rank, devices differ,
+            the row counts disagree, ``M`` or ``N`` is not a positive multiple of 8, or ``E``
+            exceeds 1024.
+    """
+    runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
+    device = a.device
+    runtime.check_tensor("b", b, dtypes=(torch.bfloat16,), ndim=2, device=device)
+    num_experts = _check_offsets(expert_offsets, device)
+    dim_m, dim_n = a.shape[1], b.shape[1]
+    _check_width("M (columns of a)", dim_m)
+    _check_width("N (columns of b)", dim_n)
+    rows = []
+    for name, x, idx in (("a", a, gather_idx_a), ("b", b, gather_idx_b)):
+        if idx is not None:
+            runtime.check_tensor(f"gather_idx_{name}", idx, dtypes=(torch.int32,), ndim=1,
+                                 device=device)
+            rows.append(idx.numel())
+        else:
+            rows.append(x.shape[0])
+    if rows[0] != rows[1]:
+        raise ValueError(f"a and b must have the same number of rows P (after gathering), got "
+                         f"{rows[0]} and {rows[1]}")
+    out = torch.empty(num_experts, dim_m, dim_n, dtype=torch.bfloat16, device=device)
+    if rows[0] == 0:
+        return out.zero_()
+    ga, gb = gather_idx_a is not None, gather_idx_b is not None
+    # Only B gathered (dW1 = dHᵀ·gather(X)): compute C[e]ᵀ = B_eᵀ·A_e, the gathered rows on
+    # the 128-wide M side and store it transposed; measured faster at the ANCHORS shapes.
+    transpose_c = gb and not ga
+    if transpose_c:
+        a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
+        dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c,
+                                    arch=runtime.device_arch(device))
+    fn = _launcher(cfg)
+    work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    # An index address that is not gathered is never read; expert_offsets' stands in for it.
+    out_addr = addr(out, 16)
+    fn(addr(a, 16), addr(b, 16), out_addr, out_addr, out_addr, out_addr, out_addr,
+       addr(gather_idx_a, 4) if ga else offsets_addr,
+       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
+       num_experts, _num_ctas(device, work_items, cfg.cluster))
+    return out
+
+
+_MARKERS_TMA = ("wgmma.mma_async", "cp.async.bulk.tensor")
+
+
+def _register(variant: str, make_config) -> None:
+    """Register a compile-check variant; ``make_config(arch)`` plans its configuration for the
+    architecture being compiled for (``CUTE_DSL_ARCH``)."""
+    register(KernelVariant(
+        kernel="grouped_gemm", variant=variant,
+        compile_fake=lambda: compile_config(make_config(runtime.compile_arch()), keep_ptx=True),
+        ptx_markers=_MARKERS_TMA))
+
+
+# The forward's up-proj and down-proj, and the backward's dA' (gathered dO · N-major W2).
+for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, False),
+                                  (256, 1536, True, True)):
+    _register(f"varlen_m_n{_n}_k{_k}_{'gather' if _gather else 'contig'}"
+              f"{'_bn' if _n_major else ''}",
+              lambda arch, n=_n, k=_k, g=_gather, nm=_n_major: heuristic.varlen_m_config(
+                  n, k, g, nm, arch=arch))
+# The forward's up-proj with the SwiGLU epilogue, both gate/up layouts.
+for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
+    _register(f"varlen_m_n{_n}_k1536_gather_swiglu_{_gate_up}",
+              lambda arch, n=_n, gu=_gate_up: heuristic.varlen_m_config(
+                  n, 1536, True, epilogue="swiglu", gate_up=gu, arch=arch))
+# The backward's dH kernel: dA' with the dSwiGLU epilogue, on 128 x 256 tiles (four H slabs
+# per tile) and on 128 x 128 tiles (n not a multiple of 256: two).
+for _n in (1024, 192):
+    _register(f"varlen_m_n{_n}_k4096_gather_bn_dswiglu",
+              lambda arch, n=_n: heuristic.varlen_m_config(n, 4096, True, True,
+                                                           epilogue="dswiglu", arch=arch))
+# The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
+for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):
+    _register(f"varlen_k_m{_m}_n{_n}_gather_a{'_ct' if _transpose else ''}",
+              lambda arch, m=_m, n=_n, tr=_transpose: heuristic.varlen_k_config(
+                  m, n, True, False, tr, arch=arch))
+

@@ -1,0 +1,393 @@
+"""TMA producers: the operand loads of the grouped GEMM, contiguous, gathered rows, multicast.
+
+Every operand arrives by TMA, so a ring stage is complete when its one expect-tx arrival and
+all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
+
+* varlen-M: B and contiguous A as tiles (rows past the expert's end belong to the next expert or
+  are TMA's zero fill; they only reach masked output rows); gathered A as one ``1 x TILE_K`` box
+  per tile row, written at that row's 128-byte line of the stage — the hardware applies the
+  128-byte swizzle by shared-memory address, so the rows land exactly where the MMA expects
+  them. This replaced 16-byte ``cp.async`` gathers, which were capped near 10 GB/s per SM by the
+  load/store path (ncu: both pipeline ends waiting, no memory-bound sign), 1.5–1.9× slower at
+  the ANCHORS shapes.
+* varlen-K operands are MN-major: whole k-tiles of contiguous rows as ``64 x TILE_K`` boxes;
+  gathered rows and an expert's last partial k-tile as ``64 x 1`` row boxes, a row past the
+  expert's end pointing out of bounds so TMA writes zeros and no stale value (possibly NaN)
+  enters the reduction. A gathered operand's row indices are read one k-tile ahead.
+* 2-CTA clusters: when both CTAs' tiles are the same expert's, each loads half of the B tile and
+  multicasts it, a third less L2→SM traffic per tile (128 x 256: A 128 + B 128 rows per k-tile
+  instead of 128 + 256).
+
+Imports ``cutlass``: only the kernel modules import this one.
+"""
+
+import cutlass
+from cutlass import Int32, cute
+from cutlass.cute.nvgpu import cpasync
+
+from sonic.kernels.grouped_gemm.config import TILE_K, TILE_M
+
+# Arrivals on a stage's full barrier per fill: one elected producer thread's expect-tx.
+FULL_ARRIVALS = 1
+
+
+def mn_major_tma(ptr, rows, width: int, smem, multicast: bool = False):
+    """TMA atoms for an MN-major varlen-K operand ``(rows, width)``: ``64 x TILE_K`` boxes
+    and ``64 x 1`` row boxes (``multicast``: issued with a cluster mask)."""
+    m_x = cute.make_tensor(ptr, cute.make_layout((width, rows), stride=(1, width)))
+    op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast
+          else cpasync.CopyBulkTensorTileG2SOp())
+    return tuple(cpasync.make_tiled_tma_atom(
+        op, m_x, cute.make_composed_layout(
+            smem.inner, 0, cute.make_layout(box, stride=(1, 64))), box)
+        for box in ((64, TILE_K), (64, 1)))
+
+
+class TmaProducers:
+    """Producer-warp role of the grouped GEMM kernel (a mixin of
+    :class:`sonic.kernels.grouped_gemm.base.GroupedGemmKernel`, whose ``cfg``, ``scheduler``,
+    ``ring`` and ``epilogue`` it uses)."""
+
+    def make_operand_tmas(self, a, b, rows_a, rows_b, num_experts, a_smem, b_smem) -> dict:
+        """Host side: the TMA atoms and tensors of A and B (``(atom, tensor)`` pairs; absent
+        ones ``(None, None)``).
+
+        varlen-M: B by tiles, A by tiles or (gathered) one row per box. varlen-K: both operands
+        MN-major, by 64 x TILE_K boxes (whole k-tiles of contiguous rows) or by 64 x 1 row boxes
+        (gathered rows, and an expert's last partial k-tile, whose rows past the expert's end
+        take an out-of-bounds row and so arrive as zeros).
+        """
+        cfg = self.cfg
+        tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None),
+               "b_mc_row": (None, None)}
+        if cfg.varlen_k:
+            tma["a"], tma["a_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem)
+            tma["b"], tma["b_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem)
+            if cfg.cluster > 1:
+                tma["b_mc"], tma["b_mc_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem,
+                                                            multicast=True)
+            return tma
+        m_a = cute.make_tensor(a, cute.make_layout((rows_a, cfg.dim_k), stride=(cfg.dim_k, 1)))
+        # Gathered: a box of one row, written at the row's 128-byte line of the stage (the
+        # 128-byte swizzle of a TMA write follows the shared-memory address).
+        a_box = ((1, TILE_K) if cfg.gather_a else (TILE_M, TILE_K))
+        a_box_smem = (cute.make_composed_layout(
+            a_smem.inner, 0, cute.make_layout(a_box, stride=(TILE_K, 1)))
+            if cfg.gather_a else cute.slice_(a_smem, (None, None, 0)))
+        tma["a"] = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box)
+        b_stride = ((1, cfg.dim_n) if cfg.b_n_major else (cfg.dim_k, 1))
+        m_b = cute.make_tensor(b, cute.make_layout(
+            (cfg.dim_n, cfg.dim_k, num_experts), stride=(*b_stride, cfg.dim_n * cfg.dim_k)))
+        b_box = (cfg.tile_n // 2 if cfg.b_halves else cfg.tile_n, TILE_K)
+        b_box_smem = (cute.make_composed_layout(
+            b_smem.inner, 0, cute.make_layout(b_box, stride=(TILE_K, 1)))
+            if cfg.b_halves else cute.slice_(b_smem, (None, None, 0)))
+        tma["b"] = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
+        if cfg.cluster > 1:
+            # A shared B tile: each CTA multicasts its half (a B tile of two half boxes is
+            # split already, so each CTA multicasts one of them).
+            tma["b_mc"] = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b, b_box_smem, b_box,
+                num_multicast=1 if cfg.b_halves else cfg.cluster)
+        return tma
+
+    @cute.jit
+    def produce(self, warp: Int32, first: Int32, step: Int32, total: Int32, tma_a: tuple,
+                tma_b: tuple, epi_tma: tuple, a_smem: cute.ComposedLayout,
+                b_smem: cute.ComposedLayout, s_a: cute.Tensor, s_b: cute.Tensor,
+                stage_mem: tuple, gidx_a: cute.Pointer, gidx_b: cute.Pointer, rows_a: Int32,
+                rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                full: cute.Pointer, empty: cute.Pointer):
+        """The producer warpgroup: the loader of the configuration's mode and gathers.
+
+        ``tma_a``: A's ``(atom, tensor, row atom, row tensor)``; ``tma_b``: B's the same, then
+        its multicast ``(atom, tensor, row atom, row tensor)`` (see :meth:`make_operand_tmas`).
+        """
+        s_a_base, s_b_base = stage_mem[0], stage_mem[1]
+        if cutlass.const_expr(self.cfg.varlen_k):
+            self.produce_varlen_k(
+                warp, first, step, total, tma_a,
+                tma_b[:4] if self.cfg.cluster == 1 else tma_b[4:], a_smem, b_smem, s_a_base,
+                s_b_base, gidx_a, gidx_b, rows_a, rows_b, m_off, table, num_experts, full,
+                empty)
+        elif cutlass.const_expr(self.cfg.gather_a):
+            self.produce_gather_m(warp, first, step, total, tma_a[0], tma_a[1],
+                                  (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), a_smem, b_smem,
+                                  s_a_base, s_b_base, s_b, gidx_a, m_off, table, num_experts,
+                                  full, empty, epi_tma, stage_mem)
+        else:
+            if warp == 0:
+                self.produce_tma(first, step, total, tma_a[0], tma_a[1],
+                                 (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), s_a, s_b, m_off,
+                                 table, num_experts, full, empty)
+
+    @cute.jit
+    def produce_tma(self, first: Int32, step: Int32, total: Int32, tma_atom_a, tma_a,
+                    tma_b: tuple, s_a: cute.Tensor, s_b: cute.Tensor,
+                    m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                    full: cute.Pointer, empty: cute.Pointer):
+        """varlen-M, contiguous A: one warp issues the TMA loads of A and B."""
+        stage = Int32(0)
+        phase = Int32(1)
+        t = first
+        while t < total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+            g_a = cute.local_tile(cute.domain_offset((row0, 0), tma_a), (TILE_M, TILE_K),
+                                  (0, None))
+            t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
+                                               cute.group_modes(s_a, 0, 2),
+                                               cute.group_modes(g_a, 0, 2))
+            for kt in cutlass.range(self.cfg.k_tiles, unroll=1):
+                cute.arch.mbarrier_wait(empty + stage, phase)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
+                cute.copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage],
+                          tma_bar_ptr=full + stage)
+                self.load_b(tma_b, s_b, None, nt, kt, e, stage, full, shared)
+                stage, phase = self.ring.next_stage(stage, phase)
+            t += step
+
+    @cute.jit
+    def produce_gather_m(self, warp: Int32, first: Int32, step: Int32, total: Int32,
+                         tma_atom_a, tma_a, tma_b: tuple, a_smem: cute.ComposedLayout,
+                         b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
+                         s_b_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
+                         m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                         full: cute.Pointer, empty: cute.Pointer, epi_tma: tuple,
+                         stage_mem: tuple):
+        """varlen-M, gathered A: every tile row arrives by its own TMA row copy.
+
+        Producer warp ``w`` owns tile rows ``32w .. 32w+31``; lane ``l`` reads the source
+        row of row ``32w + l`` once per tile and the warp then issues the 32 row copies of
+        each k-tile in turn (a TMA copy takes warp-uniform coordinates). Rows past the
+        expert's end copy the tile's first source row: they only reach masked output rows,
+        and every stage then receives the same byte count. Compared with 16-byte cp.async
+        copies this keeps the row loads off the SM's load/store path (measured ~2× faster
+        on H200 at the ANCHORS shapes). After a tile's k-tiles the epilogue may queue its own
+        loads into the ring (:meth:`Epilogue.producer_loads`).
+        """
+        g_a = cute.group_modes(cute.local_tile(tma_a, (1, TILE_K), (None, None)), 0, 2)
+        row_layout = cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
+        lane = cute.arch.lane_idx()
+        stage = Int32(0)
+        phase = Int32(1)
+        t = first
+        while t < total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+            r = warp * 32 + lane
+            if r >= rows:
+                r = Int32(0)
+            src_row = cute.make_tensor(gidx + row0, cute.make_layout(TILE_M))[r]
+            for kt in cutlass.range(self.cfg.k_tiles, unroll=1):
+                cute.arch.mbarrier_wait(empty + stage, phase)
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
+                    self.load_b(tma_b, s_b, (s_b_base, b_smem.inner), nt, kt, e, stage,
+                                full, shared)
+                for i in cutlass.range_constexpr(32):
+                    src = cute.arch.shuffle_sync(src_row, i)
+                    dst = cute.make_tensor(cute.recast_ptr(
+                        s_a_base + (stage * TILE_M + warp * 32 + i) * TILE_K,
+                        a_smem.inner), row_layout)
+                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
+                                                       cute.group_modes(dst, 0, 2), g_a)
+                    cute.copy(tma_atom_a, t_ga[None, src, kt], t_sa,
+                              tma_bar_ptr=full + stage)
+                stage, phase = self.ring.next_stage(stage, phase)
+            if cutlass.const_expr(self.epilogue.has_producer_loads):
+                stage, phase = self.epilogue.producer_loads(warp, epi_tma, stage_mem, row0, nt,
+                                                            stage, phase, full, empty)
+            t += step
+
+    @cute.jit
+    def load_b(self, tma_b: tuple, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32, kt: Int32,
+               e: Int32, stage: Int32, full: cute.Pointer, shared):
+        """varlen-M: B n-tile ``nt`` of expert ``e``, k-tile ``kt`` → ``stage``: one box, or
+        with ``b_halves`` two half boxes (rows ``nt·tile_n/2 ..`` and ``N/2 + nt·tile_n/2 ..``).
+        On a cluster with ``shared``, this CTA loads its share (its rank's half of the box, or
+        its rank's half box) and multicasts it to both CTAs."""
+        atom, tensor, atom_mc, tensor_mc = tma_b
+        bar = full + stage
+        if cutlass.const_expr(self.cfg.cluster > 1):
+            if shared:
+                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                if cutlass.const_expr(self.cfg.b_halves):
+                    self.copy_b_half(atom_mc, tensor_mc, s_b_raw, rank, nt, kt, e, stage,
+                                     bar, True)
+                else:
+                    self.copy_b_tile(atom_mc, tensor_mc, s_b, rank, nt, kt, e, stage, bar,
+                                     True)
+            else:
+                self.load_b_whole(atom, tensor, s_b, s_b_raw, nt, kt, e, stage, bar)
+        else:
+            self.load_b_whole(atom, tensor, s_b, s_b_raw, nt, kt, e, stage, bar)
+
+    @cute.jit
+    def load_b_whole(self, atom, tensor, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32,
+                     kt: Int32, e: Int32, stage: Int32, bar: cute.Pointer):
+        """The whole B tile into this CTA only."""
+        if cutlass.const_expr(self.cfg.b_halves):
+            for h in cutlass.range_constexpr(2):
+                self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
+        else:
+            self.copy_b_tile(atom, tensor, s_b, 0, nt, kt, e, stage, bar, False)
+
+    @cute.jit
+    def copy_b_tile(self, atom, tensor, s_b: cute.Tensor, rank, nt: Int32, kt: Int32,
+                    e: Int32, stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
+        """B tile as one box into this CTA, or (``multicast``) this CTA's ``rank`` share of
+        it into both CTAs of the cluster."""
+        g_b = cute.group_modes(
+            cute.local_tile(tensor, (self.cfg.tile_n, TILE_K), (None, None, None)), 0, 2)
+        t_s, t_g = cpasync.tma_partition(
+            atom, rank, cute.make_layout(self.cfg.cluster if multicast else 1),
+            cute.group_modes(s_b, 0, 2), g_b)
+        self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, multicast)
+
+    @cute.jit
+    def copy_b_half(self, atom, tensor, s_b_raw: tuple, h, nt: Int32, kt: Int32, e: Int32,
+                    stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
+        """``b_halves``: half box ``h`` (0: rows of the first half of N, 1: the matching rows
+        of the second half) of B n-tile ``nt``, to this CTA or (``multicast``) to both CTAs of
+        the cluster."""
+        half = self.cfg.tile_n // 2
+        g_b = cute.group_modes(cute.local_tile(tensor, (half, TILE_K), (None, None, None)),
+                               0, 2)
+        s_b_base, swizzle = s_b_raw
+        dst = cute.make_tensor(cute.recast_ptr(
+            s_b_base + (stage * self.cfg.tile_n + h * half) * TILE_K, swizzle),
+            cute.make_layout((half, TILE_K), stride=(TILE_K, 1)))
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                         cute.group_modes(dst, 0, 2), g_b)
+        self.tma_copy(atom, t_g[None, h * (self.cfg.dim_n // 2 // half) + nt, kt, e], t_s, bar,
+                      multicast)
+
+    @cute.jit
+    def produce_varlen_k(self, warp: Int32, first: Int32, step: Int32, total: Int32,
+                         tma_a: tuple, tma_b: tuple, a_smem: cute.ComposedLayout,
+                         b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
+                         s_b_base: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
+                         rows_a: Int32, rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor,
+                         num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+        """varlen-K: both operands are ``TILE_K`` rows of the expert per k-tile, MN-major in
+        shared memory, loaded by TMA.
+
+        A contiguous operand's whole k-tiles arrive as ``64 x TILE_K`` boxes issued by warp
+        0. Gathered rows, and the rows of an expert's last partial k-tile, arrive as one
+        ``64 x 1`` box per row and 64 columns, spread over the four producer warps (16 rows
+        each); a row past the expert's end reads row ``rows`` of the source — out of bounds,
+        so TMA writes zeros and no stale value enters the reduction. Lane ``l`` holds the
+        source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are read right
+        after the copies of ``kt`` are issued, overlapping the wait for the next free stage.
+        On a cluster, B (the same rows of the same expert for both CTAs) is split by columns:
+        each CTA loads its half of the 64-column blocks and multicasts them.
+        """
+        lane = cute.arch.lane_idx()
+        row_in_tile = warp * (TILE_K // 4) + lane % (TILE_K // 4)
+        stage = Int32(0)
+        phase = Int32(1)
+        t = first
+        while t < total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+            k_tiles = (rows + TILE_K - 1) // TILE_K
+            src_a = self.row_source(gidx_a, self.cfg.gather_a, row0, rows, row_in_tile, Int32(0),
+                                    rows_a)
+            src_b = self.row_source(gidx_b, self.cfg.gather_b, row0, rows, row_in_tile, Int32(0),
+                                    rows_b)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                cute.arch.mbarrier_wait(empty + stage, phase)
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
+                whole = (kt + 1) * TILE_K <= rows
+                self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, TILE_M, mt * TILE_M,
+                                 self.cfg.gather_a, whole, src_a, row0, kt, stage, full, False)
+                self.load_k_tile(warp, tma_b, b_smem.inner, s_b_base, self.cfg.tile_n,
+                                 nt * self.cfg.tile_n, self.cfg.gather_b, whole, src_b, row0, kt,
+                                 stage, full, self.cfg.cluster > 1)
+                src_a = self.row_source(gidx_a, self.cfg.gather_a, row0, rows, row_in_tile,
+                                        kt + 1, rows_a)
+                src_b = self.row_source(gidx_b, self.cfg.gather_b, row0, rows, row_in_tile,
+                                        kt + 1, rows_b)
+                stage, phase = self.ring.next_stage(stage, phase)
+            t += step
+
+    @cute.jit
+    def row_source(self, gidx: cute.Pointer, gathered: cutlass.Constexpr, row0: Int32,
+                   rows: Int32, row_in_tile: Int32, kt: Int32, oob: Int32) -> Int32:
+        """Source row of tile row ``row_in_tile`` of k-tile ``kt``; ``oob`` past the end."""
+        r = kt * TILE_K + row_in_tile
+        src = oob
+        if r < rows:
+            src = row0 + r
+            if cutlass.const_expr(gathered):
+                src = cute.make_tensor(gidx, cute.make_layout(row0 + rows))[row0 + r]
+        return src
+
+    @cute.jit
+    def load_k_tile(self, warp: Int32, tma: tuple, swizzle, s_base: cute.Pointer,
+                    tile_mn: cutlass.Constexpr, col0: Int32, gathered: cutlass.Constexpr,
+                    whole, src: Int32, row0: Int32, kt: Int32, stage: Int32,
+                    full: cute.Pointer, split: cutlass.Constexpr):
+        """Issue the TMA copies of one operand's k-tile into ``stage``; with ``split`` only
+        this CTA's share of the 64-column blocks, multicast to the cluster."""
+        atom_box, tma_box, atom_row, tma_row = tma
+        stage_base = s_base + stage * (tile_mn * TILE_K)
+        blocks = tile_mn // 64 // (self.cfg.cluster if split else 1)
+        j0 = Int32(0)
+        if cutlass.const_expr(split):
+            j0 = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) * blocks
+        if cutlass.const_expr(gathered):
+            self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, blocks, j0, col0,
+                           src, full + stage, split)
+        else:
+            if whole:
+                if warp == 0:
+                    g_box = cute.group_modes(cute.local_tile(
+                        cute.domain_offset((0, row0), tma_box), (64, TILE_K), (None, None)),
+                        0, 2)
+                    for jj in cutlass.range_constexpr(blocks):
+                        j = j0 + jj
+                        dst = cute.make_tensor(
+                            cute.recast_ptr(stage_base + j * (64 * TILE_K), swizzle),
+                            cute.make_layout((64, TILE_K), stride=(1, 64)))
+                        t_s, t_g = cpasync.tma_partition(
+                            atom_box, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                            g_box)
+                        self.tma_copy(atom_box, t_g[None, col0 // 64 + j, kt], t_s,
+                                      full + stage, split)
+            else:
+                self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, blocks, j0,
+                               col0, src, full + stage, split)
+
+    @cute.jit
+    def copy_rows(self, warp: Int32, atom_row, tma_row, swizzle, stage_base: cute.Pointer,
+                  blocks: cutlass.Constexpr, j0: Int32, col0: Int32, src: Int32,
+                  bar: cute.Pointer, multicast: cutlass.Constexpr):
+        """This warp's ``TILE_K / 4`` rows of a k-tile, one ``64 x 1`` box per 64 columns of
+        blocks ``j0 .. j0 + blocks``."""
+        g_row = cute.group_modes(cute.local_tile(tma_row, (64, 1), (None, None)), 0, 2)
+        for i in cutlass.range_constexpr(TILE_K // 4):
+            row = cute.arch.shuffle_sync(src, i)
+            for jj in cutlass.range_constexpr(blocks):
+                j = j0 + jj
+                dst = cute.make_tensor(cute.recast_ptr(
+                    stage_base + j * (64 * TILE_K) + (warp * (TILE_K // 4) + i) * 64,
+                    swizzle), cute.make_layout((64, 1), stride=(1, 64)))
+                t_s, t_g = cpasync.tma_partition(
+                    atom_row, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), g_row)
+                self.tma_copy(atom_row, t_g[None, col0 // 64 + j, row], t_s, bar, multicast)
+
+    @cute.jit
+    def tma_copy(self, atom, src: cute.Tensor, dst: cute.Tensor, bar: cute.Pointer,
+                 multicast: cutlass.Constexpr):
+        """One TMA load into this CTA, or (``multicast``) into every CTA of the cluster."""
+        if cutlass.const_expr(multicast):
+            cute.copy(atom, src, dst, tma_bar_ptr=bar,
+                      mcast_mask=cutlass.Int16((1 << self.cfg.cluster) - 1))
+        else:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
+

@@ -1,0 +1,188 @@
+"""Hopper (sm_90a) mainloop of the grouped GEMM: WGMMA with fp32 register accumulators.
+
+Two consumer warpgroups run WGMMA on the operand ring's stages, either cooperatively on one
+``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x 128`` tile, one
+warpgroup's epilogue overlapping the other's mainloop (SonicMoE arXiv 2512.14080 §4.2). A finished
+accumulator goes to the epilogue as a :class:`WgmmaAccumulator`, which hides the WGMMA fragment
+layout behind sub-tiles of ``SLAB`` columns.
+Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16 as BF16, Float32 as F32, Int32, cute
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, SLAB, TILE_K, TILE_M,
+                                               GroupedGemmConfig)
+
+
+class ColumnPair(NamedTuple):
+    """One of a thread's column pairs in an accumulator sub-tile (trace-time handle).
+
+    ``sl``: the sub-tile (SLAB columns); ``mm``: 64-row block; ``j``: 8-column group in the
+    sub-tile; ``v1``: which of the thread's two rows in the block."""
+
+    sl: int
+    mm: int
+    j: int
+    v1: int
+
+    @property
+    def index(self) -> int:
+        """Position of the pair among the thread's pairs of one sub-tile."""
+        return (self.mm * (SLAB // 8) + self.j) * 2 + self.v1
+
+    @property
+    def row(self) -> int:
+        """Which of the thread's rows (``0 .. rows_per_thread``) the pair is on."""
+        return self.mm * 2 + self.v1
+
+
+class WgmmaAccumulator:
+    """A warpgroup's fp32 WGMMA accumulator as sub-tiles of SLAB columns (the epilogue's view).
+
+    The WGMMA accumulator holds, per 8-column group, a column pair (v0 = 0, 1) on each of two
+    rows (v1 = 0, 1) for each 64-row block; a thread of a quad holds the same rows. All
+    methods run at trace time and emit only the register reads and coordinate arithmetic
+    that indexing the fragment directly would.
+
+    Attributes:
+        rows_per_thread: distinct tile rows this thread holds values of.
+        pairs_per_slab: column pairs this thread holds per sub-tile.
+    """
+
+    def __init__(self, acc: cute.Tensor, coords: cute.Tensor):
+        self.acc = acc
+        self.coords = coords
+        self.row_blocks = cute.size(acc, mode=[1])
+        self.rows_per_thread = 2 * self.row_blocks
+        self.pairs_per_slab = self.row_blocks * (SLAB // 8) * 2
+
+    def pairs(self, sl: int):
+        """This thread's column pairs of sub-tile ``sl``, in register order."""
+        for mm in range(self.row_blocks):
+            for j in range(SLAB // 8):
+                for v1 in range(2):
+                    yield ColumnPair(sl, mm, j, v1)
+
+    def _mode(self, p: ColumnPair, v0: int, sl: int):
+        return ((v0, p.v1, sl * (SLAB // 8) + p.j), p.mm, 0)
+
+    def coord(self, p: ColumnPair, v0: int = 0):
+        """``(m, n)``: tile row and column of value ``v0`` of pair ``p``."""
+        return self.coords[self._mode(p, v0, p.sl)]
+
+    def value(self, p: ColumnPair, v0: int, sl: int | None = None):
+        """fp32 value ``v0`` of pair ``p``, or of the same position in sub-tile ``sl``."""
+        return self.acc[self._mode(p, v0, p.sl if sl is None else sl)]
+
+    def row_coord(self, i: int):
+        """Tile row of this thread's row ``i``."""
+        m, _ = self.coords[((0, i % 2, 0), i // 2, 0)]
+        return m
+
+
+class Sm90GroupedGemm(GroupedGemmKernel):
+    """Grouped GEMM with the WGMMA mainloop (cooperative or ping-pong consumers)."""
+
+    def __init__(self, cfg: GroupedGemmConfig):
+        super().__init__(cfg)
+        # Operand majorness: varlen-M reads K-major A rows, varlen-K MN-major rows; varlen-M B
+        # is K-major or (b_n_major) N-major.
+        self.a_layout = LayoutEnum.COL_MAJOR if cfg.varlen_k else LayoutEnum.ROW_MAJOR
+        self.b_layout = (LayoutEnum.COL_MAJOR if cfg.varlen_k or cfg.b_n_major
+                         else LayoutEnum.ROW_MAJOR)
+
+    def make_tiled_mma(self):
+        cfg = self.cfg
+        return sm90_utils.make_trivial_tiled_mma(
+            BF16, BF16, self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(), F32,
+            (1 if cfg.pingpong else CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, cfg.tile_n))
+
+    def make_smem_layouts(self):
+        tile_mnk = (TILE_M, self.cfg.tile_n, TILE_K)
+        return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, BF16, self.cfg.stages),
+                sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, BF16, self.cfg.stages))
+
+    @cute.jit
+    def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
+                tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
+                s_c: cute.Pointer, outs: tuple, m_off: cute.Tensor, table: cute.Tensor,
+                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple):
+        """WGMMA over the k-tiles of each tile, then the epilogue.
+
+        Cooperative: both warpgroups run every tile of the CTA. Ping-pong: warpgroup ``w``
+        runs the CTA's tiles ``w, w+2, ...``; two named barriers hand the tensor cores from
+        one warpgroup's mainloop to the other's, so one warpgroup's epilogue overlaps the
+        other's mainloop (SonicMoE §4.2). A warpgroup skips the stages of the other's tiles.
+        """
+        cfg = self.cfg
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        wg_tid = ctid - wg * 128
+        stage_c = s_c + wg * (cfg.rows_wg * (SLAB + PAD))
+        # First tile row of this warpgroup's accumulator.
+        wg_row0 = wg * cfg.rows_wg
+        mma_tid = ctid
+        step = stride
+        t = first
+        if cutlass.const_expr(cfg.pingpong):
+            wg_row0 = Int32(0)
+            mma_tid = ctid - wg * 128
+            step = 2 * stride
+            t = first + wg * stride
+        thr_mma = tiled_mma.get_slice(mma_tid)
+        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, cfg.tile_n)), F32)
+        k_blocks = cute.size(t_ca, mode=[2])
+        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
+        lane = cute.arch.lane_idx()
+        stage = Int32(0)
+        phase = Int32(0)
+        if cutlass.const_expr(cfg.pingpong):
+            if wg == 1:
+                if first < total:
+                    stage, phase = self.ring.skip(
+                        stage, phase, self.scheduler.tile_k_tiles(first, m_off, num_experts))
+        while t < total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+            k_tiles = self.scheduler.tile_k_tiles(t, m_off, num_experts)
+            if cutlass.const_expr(cfg.pingpong):
+                if t != first:
+                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            prev = Int32(0)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                cute.arch.mbarrier_wait(full + stage, phase)
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, t_ca[None, None, kb, stage],
+                              t_cb[None, None, kb, stage], acc)
+                warpgroup.commit_group()
+                # Keep one WGMMA batch in flight; the previous stage is then free.
+                warpgroup.wait_group(1)
+                if kt > 0:
+                    self.ring.release(empty + prev, lane)
+                prev = stage
+                stage, phase = self.ring.next_stage(stage, phase)
+            warpgroup.wait_group(0)
+            if k_tiles > 0:
+                self.ring.release(empty + prev, lane)
+            if cutlass.const_expr(cfg.pingpong):
+                # The other warpgroup's next tile is t + stride; it may start its mainloop.
+                if t + stride < total:
+                    cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+                    stage, phase = self.ring.skip(
+                        stage, phase, self.scheduler.tile_k_tiles(t + stride, m_off,
+                                                                  num_experts))
+            stage, phase = self.epilogue.visit(
+                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e,
+                row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
+            t += step

@@ -1,0 +1,165 @@
+"""Static persistent tile schedulers over the device-side ``expert_offsets`` (varlen-M, varlen-K).
+
+CTA ``b`` of a grid of ``G`` takes work items ``b, b + G, ...`` (on a cluster: cluster ``b`` of
+``G / cluster`` takes pairs of m-tiles). A work item decodes to (expert, first row, rows, n-tile,
+m-tile, shared) with no host synchronisation: experts with no rows own no tile, and ragged last
+tiles are masked by the epilogue. Producer and consumer warps decode the same sequence.
+Imports ``cutlass``: only the kernel modules import this one.
+"""
+
+import cutlass
+from cutlass import Int32, cute
+
+from sonic.kernels.grouped_gemm.config import TILE_K, TILE_M, GroupedGemmConfig
+
+
+class VarlenMScheduler:
+    """varlen-M: linear m-tiles of all experts × n-tiles, via a per-CTA table in shared memory.
+
+    ``table[e]`` is expert ``e``'s first linear m-tile (built from ``expert_offsets`` by one warp
+    scan) and a binary search maps a linear m-tile back to its expert. On a 2-CTA cluster the
+    CTAs take consecutive m-tiles of one n-tile; ``shared`` says both are the same expert's, so
+    the B tile can be multicast.
+    """
+
+    def __init__(self, cfg: GroupedGemmConfig):
+        self.cluster = cfg.cluster
+        self.n_tiles = cfg.n_tiles
+        self.k_tiles = cfg.k_tiles
+
+    @cute.jit
+    def prepare(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+        """``table[e]`` = first linear m-tile of expert ``e``; ``table[E]`` = all m-tiles.
+
+        One warp: each lane sums the m-tile counts of a contiguous chunk of experts, a
+        shuffle scan turns the sums into chunk starts, then each lane writes its chunk.
+        """
+        lane = cute.arch.lane_idx()
+        chunk = (num_experts + 31) // 32
+        lo = lane * chunk
+        hi = lo + chunk
+        if hi > num_experts:
+            hi = num_experts
+        local = Int32(0)
+        for e in cutlass.range(lo, hi, unroll=1):
+            local += (m_off[e + 1] - m_off[e] + TILE_M - 1) // TILE_M
+        inclusive = local
+        for i in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(inclusive, 1 << i)
+            if lane >= (1 << i):
+                inclusive += other
+        run = inclusive - local
+        for e in cutlass.range(lo, hi, unroll=1):
+            table[e] = run
+            run += (m_off[e + 1] - m_off[e] + TILE_M - 1) // TILE_M
+        if lane == 31:
+            table[num_experts] = inclusive
+
+    def total(self, table: cute.Tensor, num_experts: Int32):
+        """Work items: all m-tiles (in cluster-sized groups) × n-tiles."""
+        return (table[num_experts] + self.cluster - 1) // self.cluster * self.n_tiles
+
+    @cute.jit
+    def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+        """Work item ``t`` → (expert, first row of the tile, rows, n-tile, m-tile, shared).
+
+        The first row is a row of ``P`` and ``rows`` the rows of the expert left from it. On a
+        cluster, ``t`` is a pair of linear m-tiles and this CTA takes the one of its rank. With
+        an odd m-tile count the last pair's second CTA repeats the first one's tile with no
+        rows (it loads its half of B and stores nothing).
+        """
+        shared = False
+        mg = t // self.n_tiles
+        nt = t - mg * self.n_tiles
+        phantom = False
+        e_peer = Int32(0)
+        if cutlass.const_expr(self.cluster > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            last = table[num_experts] - 1
+            peer = mg * self.cluster + 1 - rank
+            mg = mg * self.cluster + rank
+            if peer > last:
+                peer = last
+            if mg > last:
+                phantom = True
+                mg = peer
+            e_peer = self.expert_of(peer, table, num_experts)
+        e = self.expert_of(mg, table, num_experts)
+        mt = mg - table[e]
+        row0 = m_off[e] + mt * TILE_M
+        rows = m_off[e + 1] - row0
+        if cutlass.const_expr(self.cluster > 1):
+            shared = e == e_peer
+            if phantom:
+                rows = Int32(0)
+        return e, row0, rows, nt, mt, shared
+
+    @cute.jit
+    def expert_of(self, mg: Int32, table: cute.Tensor, num_experts: Int32) -> Int32:
+        """The expert owning linear m-tile ``mg``: the largest ``e`` with ``table[e] <= mg``
+        (empty experts share their start with the next expert, so the search lands on the
+        one that owns the tile)."""
+        lo = Int32(0)
+        hi = num_experts - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if table[mid] <= mg:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @cute.jit
+    def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
+        """k-tiles of every tile: ``K / TILE_K``."""
+        return Int32(self.k_tiles)
+
+
+class VarlenKScheduler:
+    """varlen-K: experts × m-tiles of M × n-tiles of N, each reducing over its expert's rows.
+
+    On a 2-CTA cluster both CTAs take the same expert and n-tile and consecutive m-tiles, so
+    the B rows are always shared (multicast).
+    """
+
+    def __init__(self, cfg: GroupedGemmConfig):
+        self.cluster = cfg.cluster
+        self.n_tiles = cfg.n_tiles
+        self.per_expert = cfg.m_tiles // cfg.cluster * cfg.n_tiles
+
+    @cute.jit
+    def prepare(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+        """Nothing to build: work items map to experts arithmetically."""
+        pass
+
+    def total(self, table: cute.Tensor, num_experts: Int32):
+        """Work items: experts × (m-tiles / cluster) × n-tiles."""
+        return num_experts * self.per_expert
+
+    @cute.jit
+    def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+        """Work item ``t`` → (expert, expert's first row of ``P``, its row count, n-tile,
+        m-tile of ``M``, shared)."""
+        shared = False
+        e = t // self.per_expert
+        rest = t - e * self.per_expert
+        mt = rest // self.n_tiles
+        nt = rest - mt * self.n_tiles
+        row0 = m_off[e]
+        rows = m_off[e + 1] - row0
+        if cutlass.const_expr(self.cluster > 1):
+            shared = True
+            mt = mt * self.cluster + cute.arch.make_warp_uniform(
+                cute.arch.block_idx_in_cluster())
+        return e, row0, rows, nt, mt, shared
+
+    @cute.jit
+    def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
+        """k-tiles of tile ``t``: its expert's rows over ``TILE_K``."""
+        e = t // self.per_expert
+        return (m_off[e + 1] - m_off[e] + TILE_K - 1) // TILE_K
+
+
+def make_scheduler(cfg: GroupedGemmConfig):
+    """The scheduler of ``cfg``'s mode."""
+    return VarlenKScheduler(cfg) if cfg.varlen_k else VarlenMScheduler(cfg)

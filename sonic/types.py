@@ -1,0 +1,77 @@
+"""Value types shared across sonic's layers; a leaf module that imports nothing from sonic.
+
+The GPU kernels (:mod:`sonic.kernels`) may import from here and from nothing else of sonic, so
+layers run one way: kernels -> backend -> routing / autograd / nn.
+
+* :data:`GATE_UP_LAYOUTS` — how the gate and up halves of ``W1``'s rows (and of ``H``'s columns)
+  are laid out (DESIGN §1).
+* :class:`RoutingMetadata` — where every routed pair lives once grouped by expert (DESIGN §2),
+  re-exported as ``sonic.RoutingMetadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# "concat": gate = columns [0, n), up = [n, 2n) (the Hugging Face layout);
+# "interleaved": gate = even columns, up = odd columns.
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+
+@dataclass(frozen=True)
+class RoutingMetadata:
+    """Where every routed pair lives once pairs are grouped by expert.
+
+    "Rows" are positions in the expert-sorted order: the rows of expert ``e`` are
+    ``expert_offsets[e]:expert_offsets[e+1]``, and within an expert rows keep the pairs' order
+    (a stable sort), so the metadata is deterministic. All index tensors are int32 on the
+    routing's device.
+
+    Attributes:
+        expert_counts: ``(E,)`` — pairs routed to each expert.
+        expert_offsets: ``(E+1,)`` — exclusive prefix sum of ``expert_counts``; ``[E] == P``.
+        sorted_pairs: ``(P,)`` — the pair index of each row.
+        gather_idx: ``(P,)`` — the source token of each row (``token_idx[sorted_pairs]``);
+            the gather index of the varlen-M GEMMs.
+        pair_rows: ``(P,)`` — the row of each pair (inverse permutation of ``sorted_pairs``).
+        token_offsets: ``(T+1,)`` — exclusive prefix sum of pairs per token.
+        token_rows: ``(P,)`` — rows grouped by token: the rows of token ``t`` are
+            ``token_rows[token_offsets[t]:token_offsets[t+1]]``, in pair order. The index of the
+            per-token gather-sum (expert aggregation).
+        num_tokens: ``T``.
+        num_experts: ``E``.
+    """
+
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    sorted_pairs: torch.Tensor
+    gather_idx: torch.Tensor
+    pair_rows: torch.Tensor
+    token_offsets: torch.Tensor
+    token_rows: torch.Tensor
+    num_tokens: int
+    num_experts: int
+    packed: torch.Tensor | None = None
+    top_k: int | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        """``P``, the number of routed pairs (rows)."""
+        return self.sorted_pairs.numel()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The index tensors, in field order (for ``ctx.save_for_backward``)."""
+        return (self.expert_counts, self.expert_offsets, self.sorted_pairs, self.gather_idx,
+                self.pair_rows, self.token_offsets, self.token_rows)
+
+    @classmethod
+    def from_tensors(cls, tensors, num_tokens: int, num_experts: int, *,
+                     packed: torch.Tensor | None = None,
+                     top_k: int | None = None) -> "RoutingMetadata":
+        """Inverse of :meth:`tensors`. ``packed``: the one int32 buffer the fields are views of,
+        when they are (``torch.ops.sonic.routing_metadata`` returns it; ``top_k`` says whether
+        it leaves out ``token_rows``, see :func:`sonic.ops.pack_metadata`)."""
+        return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts, packed=packed,
+                   top_k=top_k)

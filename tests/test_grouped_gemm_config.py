@@ -1,0 +1,141 @@
+"""CPU tests of the grouped-GEMM package's pure-Python parts: the frozen config (validation,
+derived sizes, cache key), the barrier contract, the tile-plan heuristic; and that a wrong
+barrier count fails compilation (needs the CuTe DSL, no GPU)."""
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sonic.kernels.grouped_gemm import heuristic
+from sonic.kernels.grouped_gemm.config import (CLUSTER, GroupedGemmConfig, barrier_contract)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+
+
+def _m(**kw):
+    base = dict(varlen_k=False, tile_n=256, pingpong=False, cluster=CLUSTER, dim_m=0,
+                dim_n=1024, dim_k=1536, gather_a=True)
+    return GroupedGemmConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tile_n=192), "tile_n must be 128 or 256"),
+    (dict(pingpong=True, cluster=1), "ping-pong schedule holds a 128 x 128"),
+    (dict(tile_n=128, pingpong=True), "2-CTA cluster serves the cooperative"),
+    (dict(cluster=4), "2-CTA cluster"),
+    (dict(gather_b=True), "gather_b serves the varlen-K"),
+    (dict(transpose_c=True), "transposed C serves the cooperative varlen-K"),
+    (dict(epilogue="gelu"), "epilogue must be one of"),
+    (dict(epilogue="swiglu"), "gate_up is given exactly with the 'swiglu' epilogue"),
+    (dict(gate_up="concat"), "gate_up is given exactly"),
+    (dict(epilogue="swiglu", gate_up="halves"), "gate_up must be one of"),
+    (dict(epilogue="swiglu", gate_up="concat", gather_a=False), "SwiGLU epilogue serves"),
+    (dict(epilogue="dswiglu"), "dSwiGLU epilogue serves"),     # K-major B
+    (dict(arch="sm_100a"), "no grouped-GEMM mainloop for arch 'sm_100a'"),
+])
+def test_config_rejects_unsupported_combinations(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _m(**kw)
+
+
+def test_config_varlen_k_cluster_needs_even_m_tiles():
+    with pytest.raises(ValueError, match="pairs the m-tiles of M"):
+        GroupedGemmConfig(varlen_k=True, tile_n=256, pingpong=False, cluster=CLUSTER,
+                          dim_m=384, dim_n=256, dim_k=0, gather_a=True)
+
+
+def test_config_derived_sizes():
+    coop = _m()
+    # 227 KiB less table and barriers, less a 2 x 64 x 72 bf16 staging buffer, over
+    # (128 + 256) x 64 bf16 stages.
+    assert (coop.stages, coop.rows_wg, coop.n_tiles, coop.k_tiles) == (4, 64, 4, 24)
+    assert coop.tma_bytes == (128 + 256) * 64 * 2
+    pp = _m(tile_n=128, pingpong=True, cluster=1, gather_a=False, dim_k=256)
+    assert (pp.stages, pp.rows_wg, pp.producer_regs, pp.consumer_regs) == (5, 128, 40, 232)
+    assert _m(epilogue="swiglu", gate_up="concat").b_halves
+    assert not _m(epilogue="swiglu", gate_up="interleaved").b_halves
+
+
+def test_cache_key_is_the_config():
+    a, b = _m(), _m()
+    assert a.cache_key == b.cache_key and hash(a.cache_key) == hash(b.cache_key)
+    keys = {a.cache_key, _m(dim_n=512).cache_key, _m(b_n_major=True).cache_key,
+            _m(epilogue="swiglu", gate_up="concat").cache_key,
+            _m(epilogue="swiglu", gate_up="interleaved").cache_key}
+    assert len(keys) == 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.tile_n = 128
+
+
+@pytest.mark.parametrize("pingpong,cluster,expected", [(False, 1, 8), (False, CLUSTER, 16),
+                                                       (True, 1, 4)])
+def test_barrier_contract(pingpong, cluster, expected):
+    cfg = _m(tile_n=128 if pingpong else 256, pingpong=pingpong, cluster=cluster)
+    assert barrier_contract(cfg).full == 1
+    assert barrier_contract(cfg).empty == expected
+
+
+@pytest.mark.parametrize("args,expected", [
+    # gathered varlen-M (up-proj, dA'): cooperative 128 x 256 on a 2-CTA cluster
+    ((False, 1024, True, 1536), (256, False, CLUSTER)),
+    # N small and not a multiple of 256: 128-wide tiles
+    ((False, 192, True, 4096), (128, False, CLUSTER)),
+    # contiguous A, K > 512 (down-proj / dX at OLMoE, 30B): cooperative on a cluster
+    ((False, 2048, False, 1024), (256, False, CLUSTER)),
+    # contiguous A, K <= 512 (7B down-proj / dX): ping-pong 128 x 128, no cluster
+    ((False, 4096, False, 256), (128, True, 1)),
+])
+def test_plan_varlen_m(args, expected):
+    assert heuristic.plan(*args) == expected
+
+
+def test_plan_varlen_k_cluster_needs_even_m_tiles():
+    assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER)
+    assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1)
+    assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
+
+
+def test_swiglu_concat_tile_keeps_gate_half_inside_n():
+    # n = 320: a 256 tile's gate half (128) does not divide n, so the tile drops to 128.
+    assert heuristic.varlen_m_config(640, 1536, True, epilogue="swiglu",
+                                     gate_up="concat").tile_n == 128
+    assert heuristic.varlen_m_config(640, 1536, True, epilogue="swiglu",
+                                     gate_up="interleaved").tile_n == 128
+    assert heuristic.varlen_m_config(1024, 1536, True, epilogue="swiglu",
+                                     gate_up="concat").tile_n == 256
+
+
+@pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl) is not importable")
+def test_wrong_barrier_count_fails_compilation():
+    code = """
+import sys
+from sonic.kernels import runtime
+runtime.set_compile_arch("sm_90a")
+from sonic.kernels.grouped_gemm import config, heuristic, interface
+from sonic.kernels.grouped_gemm.sm90 import Sm90GroupedGemm
+cfg = heuristic.varlen_m_config(512, 256, True)
+
+class Miscounted(Sm90GroupedGemm):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.contract = config.BarrierContract(full=1, empty=self.contract.empty // 2)
+
+import cutlass
+try:
+    runtime.compile_launcher(Miscounted(cfg), *[runtime.fake_address() for _ in range(10)],
+                             *[cutlass.Int32(1) for _ in range(4)])
+except Exception as err:
+    print("FAILED:", err)
+    sys.exit(0)
+sys.exit(1)
+"""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "empty barrier initialised for 8 arrivals" in out.stdout, out.stdout
