@@ -21,7 +21,10 @@ ratios.
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
   same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm: the two torch-gmm
   times cancel the machine, so the ratio of ratios compares sonic with SonicMoE.
-* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``); ``--trace
+  With ``--router both`` it also times each router's routing phase (selection + metadata, the
+  router GEMM excluded) and prints its share of that router's step.
+* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``), and with
+  ``--router both`` the per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
 """
@@ -47,15 +50,27 @@ MiB = float(1 << 20)
 def _sonic_layer(router: str, tile: int):
     def layer(x, router_weight, w1, w2, k):
         logits = x @ router_weight.t()
-        if router == "token_rounding":
-            r = sonic.token_rounding_routing(logits, k, tile=tile)
-        else:
-            r = sonic.topk_routing(logits, k)
-        layer.pairs = r.num_pairs
+        r = _route(router, tile, logits, k)
+        # Token rounding's P stays on the device (a 0-d tensor), read after the timing.
+        layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid
         return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
                                  metadata=sonic.routing_metadata(r))
     layer.pairs = 0
     return layer
+
+
+def _route(router: str, tile: int, logits, k):
+    if router == "token_rounding":
+        # Padded, as sonic.MoE routes: no host read of P.
+        return sonic.token_rounding_routing(logits, k, tile=tile, padded=True)
+    return sonic.topk_routing(logits, k)
+
+
+def _routing_phase(router: str, tile: int, logits, k):
+    """One routing phase as the layer runs it: selection and metadata (router GEMM excluded)."""
+    def route():
+        return sonic.routing_metadata(_route(router, tile, logits, k))
+    return route
 
 
 def _peak_mib(fn, grad):
@@ -67,7 +82,7 @@ def _peak_mib(fn, grad):
     return (torch.cuda.max_memory_allocated() - base) / MiB
 
 
-def _kernel_breakdown(fn, rows: int = 14):
+def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward"):
     """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -77,7 +92,7 @@ def _kernel_breakdown(fn, rows: int = 14):
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
               and e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
-    print(f"  per-kernel CUDA time of one sonic forward+backward: {total / 1e3:.2f} ms")
+    print(f"  per-kernel CUDA time of one {what}: {total / 1e3:.3f} ms")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
         label = e.key.replace("kernel_cutlass_kernel_sonickernels", "sonic:")
         label = label if len(label) <= 72 else f"{label[:34]}...{label[-35:]}"
@@ -126,7 +141,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
             print(f"  {impl} trace, per step: " + "; ".join(
                 f"span {r['span_us'] / 1e3:.2f} ms busy {r['busy_us'] / 1e3:.2f} ms idle "
                 f"{r['idle_us']:.0f} us" for r in idle))
-        pairs = T * K if impl == "torch-gmm" else layer.pairs
+        pairs = T * K if impl == "torch-gmm" else int(layer.pairs)
         flops = 6 * pairs * d * n
         saved = sonic.profile_activation_memory(layer, x, *params, K).activation_bytes / MiB
         for t in leaves:
@@ -161,8 +176,19 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
         tr = rows["sonic-TR"]
         result["sonic_token_rounding"] = tr
         result["token_rounding_speedup"] = s["fwd_bwd_us"] / tr["fwd_bwd_us"]
-        print(f"  token rounding / top-K, fwd+bwd (time): {result['token_rounding_speedup']:.2f}x "
+        print(f"  token rounding / top-K, fwd+bwd (time): {result['token_rounding_speedup']:.3f}x "
               f"faster (P = {tr['P']} vs {s['P']})")
+        # The routing phase (selection + metadata) of each router, and its share of the step.
+        logits = (x @ router_weight.t()).detach()
+        for r, impl in (("topk", "sonic-topK"), ("token_rounding", "sonic-TR")):
+            route = _routing_phase(r, tile, logits, K)
+            route()
+            route_us = bench(route)
+            result[f"routing_us_{r}"] = route_us
+            print(f"  {impl} routing phase (selection + metadata): {route_us:.1f} us, "
+                  f"{100 * route_us / rows[impl]['fwd_bwd_us']:.2f}% of its step")
+            if profile_kernels:
+                _kernel_breakdown(route, rows=40, what=f"{impl} routing phase")
     if profile_kernels:
         _kernel_breakdown(steps[first])
     return result

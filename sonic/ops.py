@@ -25,9 +25,11 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   not kept, the backward may write dH over it; a caller of the raw op must not read H after
   backward.
 
-Token rounding's routing (a data-dependent ``P`` read back to the host) is not an op: a model
-routed by token rounding compiles with a graph break there, or fullgraph with
-``torch._dynamo.config.capture_scalar_outputs = True`` (the read stays in the graph).
+Token rounding's routing is not an op. Its exact form reads the data-dependent ``P`` back to
+the host (a graph break under ``torch.compile``, or fullgraph with
+``torch._dynamo.config.capture_scalar_outputs = True``); its padded form
+(``padded=True``, what :class:`sonic.MoE` uses) has shapes fixed by ``(T, E, K, tile)`` and
+keeps ``P`` on the device, so it makes no host read and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class RoutingMetadata:
 
     Attributes:
         expert_counts: ``(E,)`` — pairs routed to each expert.
-        expert_offsets: ``(E+1,)`` — exclusive prefix sum of ``expert_counts``; ``[E] == P``.
+        expert_offsets: ``(E+1,)`` — exclusive prefix sum of ``expert_counts``; ``[E] == P``,
+            the routed pairs (for a padded routing less than the rows: the padding rows follow).
         sorted_pairs: ``(P,)`` — the pair index of each row.
         gather_idx: ``(P,)`` — the source token of each row (``token_idx[sorted_pairs]``);
             the gather index of the varlen-M GEMMs.

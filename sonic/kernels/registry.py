@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 # Kernel modules that register variants, in listing order.
-KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu")
+KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu",
+                  "token_rounding")
 
 _REGISTRY: dict[tuple[str, str], "KernelVariant"] = {}
 

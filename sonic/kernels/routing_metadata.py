@@ -20,7 +20,9 @@ equals ``pair_rows``: two launches in all. Arbitrary pairs (token rounding) need
 grouped by token as well: an exclusive scan of the per-token counts into ``token_offsets``, then
 each pair takes a slot in its token's segment, and a last launch orders every segment by pair
 index (a pair's place = the number of smaller pair indices in its segment), so ``token_rows``
-keeps pair order too: four launches.
+keeps pair order too: four launches. Arbitrary pairs may carry padding (expert ``E``, a padded
+token-rounding routing): it is counted as one bin more, so its rows follow every expert's and
+``expert_offsets[E]`` is the number of routed pairs, and it is left out of the token grouping.
 
 The token scan runs one CTA per tile of ``SCAN_TILE`` tokens. A CTA first sums the counts of all
 tokens before its tile itself (redundant across CTAs, but with no inter-CTA communication the
@@ -124,9 +126,12 @@ def _kernels():
         def __init__(self, num_experts: int, topk: bool):
             self.E = num_experts
             self.topk = topk
+            # Arbitrary pairs count expert E as one bin more: the padding of a padded routing,
+            # whose rows follow every expert's.
+            self.bins = num_experts if topk else num_experts + 1
             self.warps = THREADS // 32
-            # Threads that share one expert's sum over the chunk histograms (scatter prologue).
-            self.groups = min(16, max(1, THREADS // num_experts))
+            # Threads that share one bin's sum over the chunk histograms (scatter prologue).
+            self.groups = min(16, max(1, THREADS // self.bins))
 
         @cute.jit
         def __call__(self, expert_idx: cutlass.Int64, token_idx: cutlass.Int64, hist: cutlass.Int64,
@@ -141,7 +146,7 @@ def _kernels():
                     expert_idx, token_idx, hist, token_work, token_slots, expert_counts,
                     expert_offsets, sorted_pairs, gather_idx, pair_rows, token_offsets, token_rows))
             chunks = cutlass.max((num_pairs + CHUNK - 1) // CHUNK, 1)
-            hist_smem = self.E * 4
+            hist_smem = self.bins * 4
             self.histogram(expert_idx, token_idx, hist, token_work, num_pairs, num_tokens).launch(
                 grid=[chunks, 1, 1], block=[THREADS, 1, 1], smem=hist_smem, stream=stream)
             if cutlass.const_expr(not self.topk):
@@ -149,20 +154,21 @@ def _kernels():
                 self.token_scan(token_work, token_offsets, num_tokens).launch(
                     grid=[num_tokens // SCAN_TILE + 1, 1, 1], block=[SCAN_THREADS, 1, 1],
                     smem=SCAN_THREADS // 32 * 4, stream=stream)
-            scatter_smem = (self.warps + 2 + 2 * self.groups) * self.E * 4 + self.warps * 4 + 64
+            scatter_smem = (self.warps + 2 + 2 * self.groups) * self.bins * 4 + self.warps * 4 + 64
             self.scatter(expert_idx, token_idx, hist, token_work, token_slots, expert_counts,
                          expert_offsets,
                          sorted_pairs, gather_idx, pair_rows, token_offsets, token_rows,
                          num_pairs, num_tokens, k, chunks).launch(
                 grid=[chunks, 1, 1], block=[THREADS, 1, 1], smem=scatter_smem, stream=stream)
             if cutlass.const_expr(not self.topk):
-                self.token_order(token_slots, token_offsets, token_idx, pair_rows, token_rows,
-                                 num_pairs, num_tokens).launch(
+                self.token_order(token_slots, token_offsets, token_idx, expert_idx, pair_rows,
+                                 token_rows, num_pairs, num_tokens).launch(
                     grid=[chunks * ITEMS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
         def _chunk_experts(self, experts: cute.Tensor, first: Int32, num_pairs: Int32):
-            """Experts of this thread's pairs ``first + i·THREADS`` (``i < ITEMS``); ``E`` (no
-            expert) past the end or out of range.
+            """Bins of this thread's pairs ``first + i·THREADS`` (``i < ITEMS``): the expert,
+            ``E`` for padding (arbitrary pairs only), ``bins`` (no row) past the end or out of
+            range.
 
             Branch-free, and every load is issued before any value is used, so the ITEMS loads
             overlap instead of costing ITEMS memory round trips.
@@ -170,7 +176,7 @@ def _kernels():
             last = num_pairs - 1
             raw = [experts[cutlass.min(first + i * THREADS, last)] for i in range(ITEMS)]
             return [Int32(cutlass.select_((first + i * THREADS < num_pairs) & (raw[i] >= 0)
-                                          & (raw[i] < self.E), raw[i], self.E))
+                                          & (raw[i] < self.bins), raw[i], self.bins))
                     for i in range(ITEMS)]
 
         @cute.kernel
@@ -180,9 +186,9 @@ def _kernels():
             chunk, _, _ = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
             smem = cutlass.memory.SmemAllocator()
-            counts = smem.allocate_tensor(Int32, cute.make_layout(self.E), byte_alignment=16)
+            counts = smem.allocate_tensor(Int32, cute.make_layout(self.bins), byte_alignment=16)
             experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
-            for e in cutlass.range(tidx, self.E, THREADS):
+            for e in cutlass.range(tidx, self.bins, THREADS):
                 counts[e] = 0
             cute.arch.sync_threads()
             chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
@@ -193,17 +199,19 @@ def _kernels():
                 # expert taking every token would otherwise serialise the whole CTA.
                 peers = cute.arch.match_sync(0xFFFFFFFF, e)
                 below = peers & ((cutlass.Uint32(1) << lane) - 1)
-                if e < self.E and below == 0:
+                if e < self.bins and below == 0:
                     cute.arch.atomic_add(counts.iterator + e, Int32(cute.arch.popc(peers)))
                 if cutlass.const_expr(not self.topk):
-                    if p < num_pairs:
+                    # Padding belongs to no token.
+                    if e < self.E:
                         tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
                         t = tokens[p]
                         work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
                         cute.arch.atomic_add(work.iterator + t, Int32(1))
             cute.arch.sync_threads()
-            out = cute.make_tensor(hist, cute.make_layout((self.E, chunk + 1), stride=(1, self.E)))
-            for e in cutlass.range(tidx, self.E, THREADS):
+            out = cute.make_tensor(hist, cute.make_layout((self.bins, chunk + 1),
+                                                          stride=(1, self.bins)))
+            for e in cutlass.range(tidx, self.bins, THREADS):
                 out[e, chunk] = counts[e]
 
         @cute.kernel
@@ -275,17 +283,18 @@ def _kernels():
                     token_offsets: cute.Pointer, token_rows: cute.Pointer,
                     num_pairs: Int32, num_tokens: Int32, k: Int32, chunks: Int32):
             E = self.E
+            B = self.bins
             tidx, _, _ = cute.arch.thread_idx()
             chunk, _, _ = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
             warp = cute.arch.warp_idx()
             smem = cutlass.memory.SmemAllocator()
-            base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-            totals = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-            warp_counts = smem.allocate_tensor(Int32, cute.make_layout((E, self.warps)), byte_alignment=16)
+            base = smem.allocate_tensor(Int32, cute.make_layout(B), byte_alignment=16)
+            totals = smem.allocate_tensor(Int32, cute.make_layout(B), byte_alignment=16)
+            warp_counts = smem.allocate_tensor(Int32, cute.make_layout((B, self.warps)), byte_alignment=16)
             scratch = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=16)
-            partial = smem.allocate_tensor(Int32, cute.make_layout((E, self.groups, 2)), byte_alignment=16)
-            hists = cute.make_tensor(hist, cute.make_layout((E, chunks), stride=(1, E)))
+            partial = smem.allocate_tensor(Int32, cute.make_layout((B, self.groups, 2)), byte_alignment=16)
+            hists = cute.make_tensor(hist, cute.make_layout((B, chunks), stride=(1, B)))
             experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
             tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
             work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
@@ -314,9 +323,9 @@ def _kernels():
             # Every CTA reads all of them, so the loads are spread over the whole CTA: ``groups``
             # threads per expert each sum every groups-th chunk (reads coalesced along experts),
             # then the partial sums meet in shared memory.
-            for j in cutlass.range(tidx, self.groups * E, THREADS):
-                g = j // E
-                e = j - g * E
+            for j in cutlass.range(tidx, self.groups * B, THREADS):
+                g = j // B
+                e = j - g * B
                 before = Int32(0)
                 total = Int32(0)
                 for c in cutlass.range(g, chunks, self.groups, unroll=8):
@@ -327,7 +336,7 @@ def _kernels():
                 partial[e, g, 0] = before
                 partial[e, g, 1] = total
             cute.arch.sync_threads()
-            for e in cutlass.range(tidx, E, THREADS):
+            for e in cutlass.range(tidx, B, THREADS):
                 before = Int32(0)
                 total = Int32(0)
                 for g in cutlass.range_constexpr(self.groups):
@@ -343,14 +352,18 @@ def _kernels():
                 for e in cutlass.range(tidx, E, THREADS):
                     counts_out[e] = totals[e]
             cute.arch.sync_threads()
-            block_exclusive_scan(totals, totals, E, scratch, THREADS)
+            block_exclusive_scan(totals, totals, B, scratch, THREADS)
             if chunk == 0:
                 offsets_out = cute.make_tensor(expert_offsets, cute.make_layout(E + 1))
                 for e in cutlass.range(tidx, E, THREADS):
                     offsets_out[e] = totals[e]
                 if tidx == 0:
-                    offsets_out[E] = num_pairs
-            for e in cutlass.range(tidx, E, THREADS):
+                    if cutlass.const_expr(self.topk):
+                        offsets_out[E] = num_pairs
+                    else:
+                        # The routed pairs; padding rows start here.
+                        offsets_out[E] = totals[E]
+            for e in cutlass.range(tidx, B, THREADS):
                 base[e] = base[e] + totals[e]
 
             sorted_out = cute.make_tensor(sorted_pairs, cute.make_layout(num_pairs))
@@ -367,11 +380,11 @@ def _kernels():
                 e = chunk_experts[i]
                 peers = cute.arch.match_sync(0xFFFFFFFF, e)
                 rank = Int32(cute.arch.popc(peers & lanes_below))
-                leader = rank == 0 and e < E
+                leader = rank == 0 and e < B
                 if leader:
                     warp_counts[e, warp] = Int32(cute.arch.popc(peers))
                 cute.arch.sync_threads()
-                if e < E:
+                if e < B:
                     row = base[e] + rank
                     for w in cutlass.range_constexpr(self.warps):
                         if w < warp:
@@ -397,11 +410,12 @@ def _kernels():
 
         @cute.kernel
         def token_order(self, token_slots: cute.Pointer, token_offsets: cute.Pointer,
-                        token_idx: cute.Pointer, pair_rows: cute.Pointer, token_rows: cute.Pointer,
-                        num_pairs: Int32, num_tokens: Int32):
+                        token_idx: cute.Pointer, expert_idx: cute.Pointer, pair_rows: cute.Pointer,
+                        token_rows: cute.Pointer, num_pairs: Int32, num_tokens: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             block, _, _ = cute.arch.block_idx()
             tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+            experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
             rows = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
             slots = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
             offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
@@ -409,7 +423,8 @@ def _kernels():
             # One pair per thread (grid = P / THREADS): each pair's loads form a dependent chain,
             # so occupancy, not per-thread work, hides their latency.
             p = block * THREADS + tidx
-            if p < num_pairs:
+            # Padding (expert E) has no place among any token's rows.
+            if p < num_pairs and experts[cutlass.min(p, num_pairs - 1)] < self.E:
                 t = tokens[p]
                 lo = offsets[t]
                 place = lo
@@ -460,8 +475,9 @@ def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens
     chunks = -(-num_pairs // CHUNK)
     # One allocation split into the seven outputs (field order) and the scratch: allocations
     # dominate the host time of a call.
+    bins = num_experts if topk else num_experts + 1
     sizes = (num_experts, num_experts + 1, num_pairs, num_pairs, num_pairs, num_tokens + 1,
-             num_pairs, chunks * num_experts, 0 if topk else num_pairs)
+             num_pairs, chunks * bins, 0 if topk else num_pairs)
     *fields, hist, token_slots = torch.empty(sum(sizes), **i32).split(sizes)
     out = RoutingMetadata.from_tensors(fields, num_tokens=num_tokens, num_experts=num_experts)
     if topk:
@@ -511,8 +527,10 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
 
     Args:
         token_idx: ``(P,)`` int32, contiguous, CUDA; values in ``[0, T)``.
-        expert_idx: ``(P,)`` int32, contiguous, same device; values in ``[0, E)`` (pairs with
-            other values get no row and leave rows unwritten).
+        expert_idx: ``(P,)`` int32, contiguous, same device; values in ``[0, E]``: ``E`` marks
+            a padding pair (:attr:`sonic.Routing.num_valid`), which gets a row after
+            ``expert_offsets[E]`` (the routed pairs) and no place in ``token_offsets`` /
+            ``token_rows`` (pairs with other values get no row and leave rows unwritten).
         num_tokens: ``T`` >= 0.
         num_experts: ``E`` in ``[1, 512]`` (a compile-time constant: each new ``E`` compiles once).
 

@@ -28,7 +28,8 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
     differentiable); ``p_e``: mean router probability of expert e (softmax over all E). For
     top-K routing this is exactly ``transformers``' ``load_balancing_loss_func`` of the one
     layer's logits (Mixtral, Qwen-MoE, OLMoE): ``K`` for perfectly uniform routing. (Earlier
-    development versions divided ``f_e`` by ``T·K``: HF's loss divided by K.) HF's function given
+    development versions divided ``f_e`` by ``T·K``: HF's loss divided by K.) A padded routing's
+    padding (:attr:`Routing.num_valid`) counts for no expert. HF's function given
     several layers pools their counts and probabilities; summing this loss over layers does
     not. 0 for an empty batch. A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable
     with respect to ``logits``.
@@ -37,9 +38,11 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
     num_tokens = logits.shape[0]
     acc = accumulate_dtype(logits.dtype)
     probs = torch.softmax(logits.to(acc), dim=-1)
-    counts = torch.zeros(num_experts, device=logits.device, dtype=acc)
+    # One bin more for the padding of a padded routing (expert E), left out of the loss.
+    counts = torch.zeros(num_experts + 1, device=logits.device, dtype=acc)
     counts.scatter_add_(0, routing.expert_idx.long(),
                         counts.new_ones(1).expand(routing.expert_idx.shape[0]))
+    counts = counts[:num_experts]
     # An empty batch has no imbalance: 0, still attached to the logits' graph (not 0/0 = NaN).
     denom = max(num_tokens, 1)
     fraction = counts / denom
@@ -115,7 +118,8 @@ class MoE(nn.Module):
     loss trains the router. :func:`collect_aux_losses` collects it from every layer of a model
     instead. Under ``torch.autocast`` the layer accepts any float input and computes in the
     autocast dtype, as ``nn.Linear`` does. :attr:`last_routing` holds the :class:`Routing`
-    of the last forward with detached scores (for inspection; not set under ``torch.export``).
+    of the last forward with detached scores (for inspection; not set under ``torch.export``);
+    token rounding leaves a padded one there (``last_routing.trim()`` gives the exact pairs).
     Router scores are fp32 (fp64 in an fp64 layer, so ``gradcheck`` works).
 
     Deprecated: when the aux loss is neither returned nor collected, the forward still leaves
@@ -215,8 +219,9 @@ class MoE(nn.Module):
     def route(self, logits: torch.Tensor) -> Routing:
         """Routing for ``logits (T, E)`` under the current router and mode."""
         if self.training and self.router == "token_rounding":
+            # Padded: no host read of P, so a training step can be captured in a CUDA graph.
             return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding,
-                                          backend=self.backend)
+                                          backend=self.backend, padded=True)
         return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
                             backend=self.backend)
 
@@ -258,7 +263,8 @@ class MoE(nn.Module):
         if not exporting:
             self.last_routing = Routing(routing.token_idx, routing.expert_idx,
                                         routing.scores.detach(), routing.num_tokens,
-                                        routing.num_experts, routing.top_k, routing.validated)
+                                        routing.num_experts, routing.top_k, routing.validated,
+                                        routing.num_valid)
         if return_aux_loss:
             self._aux_loss = None
             return out, aux_loss

@@ -13,9 +13,12 @@ from sonic.types import RoutingMetadata
 
 
 def _counts_and_offsets(idx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of ``idx`` values in ``[0, bins)`` and their exclusive prefix sum; a value
+    ``bins`` (padding) is counted in neither."""
     # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to the host.
-    counts = torch.zeros(bins, dtype=torch.int32, device=idx.device)
+    counts = torch.zeros(bins + 1, dtype=torch.int32, device=idx.device)
     counts.scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.int32))
+    counts = counts[:bins]
     offsets = torch.zeros(bins + 1, dtype=torch.int32, device=idx.device)
     torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
     return counts, offsets
@@ -27,7 +30,10 @@ def pairs_metadata(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens
 
     Args:
         token_idx: ``(P,)`` int32/int64 in ``[0, num_tokens)``.
-        expert_idx: ``(P,)`` int32/int64 in ``[0, num_experts)``.
+        expert_idx: ``(P,)`` int32/int64 in ``[0, num_experts]``: ``num_experts`` marks a
+            padding pair (:attr:`sonic.Routing.num_valid`), which gets a row after
+            ``expert_offsets[E]`` and belongs to no token (``token_offsets[T]`` counts only
+            routed pairs).
         top_k: ``K`` if the pairs are token-major top-K choices (see :attr:`sonic.Routing.top_k`):
             the per-token grouping is then the pair order itself and needs no sort.
     """
@@ -38,8 +44,10 @@ def pairs_metadata(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens
     rows = torch.arange(num_pairs, dtype=torch.int32, device=device)
     pair_rows = torch.empty_like(rows).scatter_(0, sorted_pairs, rows)
     if top_k is None:
-        _, token_offsets = _counts_and_offsets(token_idx, num_tokens)
-        token_rows = pair_rows[torch.argsort(token_idx, stable=True)]
+        # Padding pairs count as token T: they sort after every token's rows.
+        owner = torch.where(expert_idx < num_experts, token_idx, num_tokens)
+        _, token_offsets = _counts_and_offsets(owner, num_tokens)
+        token_rows = pair_rows[torch.argsort(owner, stable=True)]
     else:
         token_offsets = torch.arange(0, num_tokens * top_k + 1, top_k, dtype=torch.int32,
                                      device=device)

@@ -23,7 +23,10 @@ def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetad
     """Group a routing's pairs by expert and by token (DESIGN §2, MetaShuffling).
 
     Args:
-        routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64.
+        routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64. A padded routing's
+            padding pairs (see :attr:`Routing.num_valid`) get the rows after
+            ``expert_offsets[E]`` (the true ``P``) and no place in ``token_offsets`` /
+            ``token_rows``, so the GEMMs and the aggregation never touch them.
         backend: ``"auto"`` uses the CuTe index-shuffling kernel on a supported GPU and the
             PyTorch reference (:func:`sonic.reference.metadata.pairs_metadata`) elsewhere; ``"torch"`` or ``"cute"``.
 

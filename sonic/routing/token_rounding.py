@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sonic._validation import check_choice, check_int
+from sonic._validation import check_bool, check_choice, check_int
 from sonic.reference.ops import accumulate_dtype
 from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
@@ -29,8 +29,16 @@ def rounded_counts(counts: torch.Tensor, tile: int, rounding: str, num_tokens: i
     return (r * tile).clamp(0, num_tokens)
 
 
+def capacity(num_tokens: int, num_experts: int, k: int, tile: int, rounding: str) -> int:
+    """The most pairs token rounding can route: ``min(T·K + E·MAX_ADDED(tile), T·E)`` (each
+    expert gains fewer than ``tile`` tokens, and keeps at most ``T``). The length of a padded
+    routing, known without looking at the logits."""
+    return min(num_tokens * k + num_experts * MAX_ADDED[rounding](tile), num_tokens * num_experts)
+
+
 def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
-                           rounding: str = "nearest", backend: str = "auto") -> Routing:
+                           rounding: str = "nearest", backend: str = "auto",
+                           padded: bool = False) -> Routing:
     """Token rounding: top-K token choice, then each expert's token count rounded to a tile.
 
     Training-time routing that removes the padding waste of partially filled GEMM tiles:
@@ -48,62 +56,114 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
         k: experts per token of the underlying token choice, ``1 <= k <= E``.
         tile: ``M_tile`` of the grouped GEMM (128 on Hopper), ``>= 1``.
         rounding: ``"nearest"`` (the paper's NR-f, default), ``"up"`` or ``"down"``.
-        backend: backend of the token-choice step, as in :func:`topk_routing`.
+        backend: backend of the token-choice step, as in :func:`topk_routing`, and of the
+            selection: ``"cute"`` (or ``"auto"`` on a supported GPU) runs the selection kernel
+            (:mod:`sonic.kernels.token_rounding`) for fp32/bf16/fp16 logits.
+        padded: ``False``: the exact pairs, ``P = Σ r_e`` of them, which reads ``P`` back to
+            the host once. ``True``: no host read (CUDA-graph capturable) — the pairs are padded
+            to :func:`capacity` with ``Routing.num_valid`` the true ``P`` on the device;
+            ``routing.trim()`` gives the exact routing.
 
     Returns:
         A :class:`Routing` whose pairs are grouped by expert (ascending), each expert's tokens in
-        ascending order; ``P = Σ r_e`` is data-dependent, so building it reads ``P`` back to the
-        host once. Scores are fp32 (fp64 for fp64 logits), differentiable with respect to ``logits``.
+        ascending order (padding, if any, after them). Scores are fp32 (fp64 for fp64 logits),
+        differentiable with respect to ``logits``.
 
     Raises:
         TypeError / ValueError: bad ``logits``, ``k`` outside ``[1, E]``, ``tile < 1``, unknown
-            ``rounding``.
+            ``rounding``, ``padded`` not a bool.
 
     Use it for training only; evaluate with :func:`topk_routing` (paper §5.2).
     """
     check_router_args(logits, k)
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
+    check_bool("padded", padded)
     num_tokens, num_experts = logits.shape
     acc = accumulate_dtype(logits.dtype)
     if num_tokens == 0:
         empty = torch.zeros(0, dtype=torch.int32, device=logits.device)
+        num_valid = empty.new_zeros(()) if padded else None
         return Routing(empty, empty, logits.new_zeros(0, dtype=acc), 0, num_experts,
-                       validated=True)
+                       validated=True, num_valid=num_valid)
     # Token choice (the bitonic top-K kernel where it runs): its scores S/ΣS_picked are the
     # renormalised TC scores of step 2; its pairs are token-major.
     tc = topk_routing(logits, k, backend=backend)
-    # Keys e·T + t, and the sorts over them, in int32 where they fit: half the radix passes.
-    key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
     tc_scores = tc.scores.to(acc)
     probs = torch.softmax(logits.to(acc), dim=-1)
+    size = capacity(num_tokens, num_experts, k, tile, rounding) if padded else None
+    if _use_kernel(backend, probs):
+        from sonic.kernels.token_rounding import token_rounding_select
+        tokens, experts, source, num_kept = token_rounding_select(
+            probs.detach(), tc_scores.detach(), tc.expert_idx.view(num_tokens, k), tile,
+            rounding, size if padded else capacity(num_tokens, num_experts, k, tile, rounding))
+        if not padded:
+            count = int(num_kept)                              # the one host read: P
+            tokens, experts, source = tokens[:count], experts[:count], source[:count]
+        return scored_routing(tokens, experts, source, tc_scores, probs,
+                              num_kept if padded else None)
+    # Keys e·T + t, and the sorts over them, in int32 where they fit: half the radix passes.
+    key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
     inputs = (tc_scores.detach(), tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype),
               probs.detach())
     keys, order, num_kept = _selection(*inputs, tile, rounding)
-    num_kept = int(num_kept)                                   # the one host read: P
-    return kept_routing(keys, order, num_kept, tc_scores, probs)
+    if padded:
+        return kept_routing(keys, order, num_kept, tc_scores, probs, capacity=size)
+    return kept_routing(keys, order, int(num_kept), tc_scores, probs)   # the one host read: P
 
 
-def kept_routing(keys: torch.Tensor, order: torch.Tensor, num_kept: int, tc_scores: torch.Tensor,
-                 probs: torch.Tensor) -> Routing:
-    """The :class:`Routing` of the first ``num_kept`` sorted keys ``e·T + t`` (``order``: their
-    sources, as :func:`kept_keys` returns them), scored differentiably: a kept pick by its
-    token-choice score ``tc_scores[order]``, an added pair by ``probs[t, e]``."""
+def _use_kernel(backend: str, probs: torch.Tensor) -> bool:
+    """Whether the selection runs as the CuTe kernel: fp32 combined scores (their bits are the
+    kernel's sort keys) on a device where the kernels run."""
+    from sonic.backend import resolve_backend
+    if probs.dtype != torch.float32 or resolve_backend(backend, probs.device) != "cute":
+        return False
+    from sonic.kernels.token_rounding import kernel_fits
+    return kernel_fits(*probs.shape)
+
+
+def kept_routing(keys: torch.Tensor, order: torch.Tensor, num_kept, tc_scores: torch.Tensor,
+                 probs: torch.Tensor, *, capacity: int | None = None) -> Routing:
+    """The :class:`Routing` of the kept sorted keys ``e·T + t`` (``order``: their sources, as
+    :func:`kept_keys` returns them), scored as :func:`scored_routing` says.
+
+    ``capacity=None``: the first ``num_kept`` (an int) keys. Otherwise the first ``capacity``
+    keys, ``num_kept`` (a 0-d tensor) of them kept and the rest the sentinel key ``E·T``: a
+    padded routing, built with no host read."""
     num_tokens, num_experts = probs.shape
-    keys, order = keys[:num_kept], order[:num_kept]
-    tokens, experts = keys % num_tokens, keys // num_tokens
-    # Scores: a kept pick its token-choice score, an added pair S[t, e]; gathered by
-    # index_select, whose backward (index_add) is fast where indexing's is not.
+    length = num_kept if capacity is None else capacity
+    keys, order = keys[:length], order[:length]
+    return scored_routing(keys % num_tokens, keys // num_tokens, order, tc_scores, probs,
+                          None if capacity is None else num_kept)
+
+
+def scored_routing(tokens: torch.Tensor, experts: torch.Tensor, source: torch.Tensor,
+                   tc_scores: torch.Tensor, probs: torch.Tensor,
+                   num_valid: torch.Tensor | None) -> Routing:
+    """The :class:`Routing` of kept pairs (``tokens``, ``experts``; padding: expert ``E``)
+    scored differentiably: a kept pick by its token-choice score ``tc_scores[source]``
+    (``source < T·K``), an added pair by ``probs[t, e]``, padding by 0."""
+    num_tokens, num_experts = probs.shape
+    experts = experts.to(torch.int32)
+    real = experts < num_experts
+    # Gathers by index_select, whose backward (index_add) is fast where indexing's is not;
+    # indices clamped into range for padding, whose scores are then masked (the masked
+    # branch gets no gradient, whatever the backward computes for padding rows).
     num_picks = tc_scores.numel()
-    pick_scores = tc_scores.index_select(0, order.clamp(max=num_picks - 1))
-    add_scores = probs.reshape(-1).index_select(0, tokens.long() * num_experts + experts)
+    pick_scores = tc_scores.index_select(0, source.clamp(0, num_picks - 1))
+    add_scores = probs.reshape(-1).index_select(
+        0, tokens.long() * num_experts + experts.clamp(max=num_experts - 1))
+    scores = torch.where(source < num_picks, pick_scores, add_scores)
+    if num_valid is not None:
+        scores = torch.where(real, scores, 0)
     return Routing(
         token_idx=tokens.to(torch.int32),
-        expert_idx=experts.to(torch.int32),
-        scores=torch.where(order < num_picks, pick_scores, add_scores),
+        expert_idx=experts,
+        scores=scores,
         num_tokens=num_tokens,
         num_experts=num_experts,
         validated=True,
+        num_valid=num_valid,
     )
 
 

@@ -27,6 +27,13 @@ class Routing:
         validated: ``True`` when the indices are known to be in range because a sonic router
             built them; :func:`sonic.routing_metadata` then skips its range check, a
             device→host read. Leave it ``False`` for pairs built by hand.
+        num_valid: ``None`` when every pair is routed. Otherwise a 0-d integer tensor on the
+            pairs' device: the routing is *padded* to a capacity known without looking at the
+            values (token rounding built with ``padded=True``), its first ``num_valid`` pairs
+            are the routed ones and the rest are inert padding — expert ``num_experts`` (a
+            sentinel that sorts after every expert), token 0, score 0 — which
+            :func:`sonic.routing_metadata` gives rows after ``expert_offsets[E]``, so no GEMM,
+            aggregation or count sees them. :meth:`trim` drops the padding (one host read).
 
     Pairs may come in any order; a token may have 0..E pairs and an expert 0..T.
     ``P = T·K`` for top-K token choice and data-dependent for token rounding.
@@ -40,7 +47,9 @@ class Routing:
         TypeError: a field of the wrong type or dtype (indices must be int32/int64, scores
             floating point, sizes ints, ``validated`` a bool).
         ValueError: tensors that are not 1-D of one length ``P`` on one device, negative sizes,
-            or ``top_k`` with ``P != num_tokens·top_k``.
+            ``top_k`` with ``P != num_tokens·top_k``, or ``num_valid`` that is not a 0-d
+            integer tensor on the pairs' device, or is given with ``top_k`` or without
+            ``validated`` (only sonic's routers build padded routings).
     """
 
     token_idx: torch.Tensor
@@ -50,6 +59,7 @@ class Routing:
     num_experts: int
     top_k: int | None = None
     validated: bool = False
+    num_valid: torch.Tensor | None = None
 
     def __post_init__(self):
         check_index("token_idx", self.token_idx)
@@ -72,8 +82,25 @@ class Routing:
                     f"top_k={self.top_k} promises P = num_tokens·top_k = "
                     f"{self.num_tokens * self.top_k} token-major pairs, got P={num_pairs}; "
                     "use top_k=None for pairs in any other layout")
+        if self.num_valid is not None:
+            check_index("num_valid", self.num_valid, ndim=0)
+            check_same_device(token_idx=self.token_idx, num_valid=self.num_valid)
+            if self.top_k is not None or not self.validated:
+                raise ValueError("num_valid (a padded routing) needs top_k=None and "
+                                 "validated=True: only sonic's routers build padded routings")
 
     @property
     def num_pairs(self) -> int:
-        """``P``, the number of routed pairs."""
+        """``P``, the length of the pair tensors: the number of routed pairs, or for a padded
+        routing (``num_valid`` set) the capacity, an upper bound on it (see :meth:`trim`)."""
         return self.token_idx.numel()
+
+    def trim(self) -> "Routing":
+        """This routing without its padding: ``self`` when ``num_valid`` is ``None``, else the
+        first ``num_valid`` pairs (views; the scores keep their graph to the logits). Reads
+        ``num_valid`` back to the host: a device→host synchronisation."""
+        if self.num_valid is None:
+            return self
+        count = int(self.num_valid)
+        return Routing(self.token_idx[:count], self.expert_idx[:count], self.scores[:count],
+                       self.num_tokens, self.num_experts, validated=True)
