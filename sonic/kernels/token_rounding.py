@@ -303,7 +303,9 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
         return tokens, experts, source, num_kept
     tc_experts = tc_experts.contiguous()
     # Sort keys, expert-major (see the module docstring): probability bits, picks raised.
-    keys = probs.t().contiguous().view(torch.int32)
+    # A copy even where probs.t() is already contiguous (T = 1 or E = 1): the picks are
+    # written into it, and probs is the caller's (autograd saves it for softmax).
+    keys = probs.t().clone(memory_format=torch.contiguous_format).view(torch.int32)
     token_of_pair = torch.arange(num_tokens, device=device, dtype=torch.int32).repeat_interleave(top_k)
     picks = tc_experts.view(-1) * num_tokens + token_of_pair
     keys.view(-1).index_copy_(0, picks.long(), tc_scores.contiguous().view(torch.int32) + PICK_KEY)
