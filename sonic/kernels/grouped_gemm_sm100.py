@@ -520,21 +520,27 @@ def _kernels():
                             h + cute.assume(row * (2 * n) + n + col, divby=VEC),
                             cute.make_layout(VEC)), u)
                         for i in cutlass.range_constexpr(VEC):
-                            dap = vals[q * VEC + i]
-                            dg, du, scaled, a = dswiglu_values(dap, g[i].to(F32), u[i].to(F32),
-                                                               s)
-                            d_gate[i] = dg
-                            d_up[i] = du
-                            a_s[i] = scaled
-                            partial = partial + dap * a
-                        for frag, dst, offset in ((d_gate, dh, row * (2 * n) + col),
-                                                  (d_up, dh, row * (2 * n) + n + col),
-                                                  (a_s, a_scaled, row * n + col)):
-                            out.store(frag.load().to(BF16))
-                            cute.autovec_copy(out, cute.make_tensor(
-                                dst + cute.assume(offset, divby=VEC), cute.make_layout(VEC)))
+                            r = dswiglu_values(vals[q * VEC + i], g[i].to(F32), u[i].to(F32),
+                                               s)
+                            d_gate[i] = r[0]
+                            d_up[i] = r[1]
+                            a_s[i] = r[2]
+                            partial = partial + vals[q * VEC + i] * r[3]
+                        self.store_chunk(d_gate, out, dh, row * (2 * n) + col)
+                        self.store_chunk(d_up, out, dh, row * (2 * n) + n + col)
+                        self.store_chunk(a_s, out, a_scaled, row * n + col)
+            # An attribute read inside a run-time `if` would be carried as `self`; read it here.
+            n_tiles = self.n_tiles
             if inside:
-                cute.make_tensor(ds + (row * self.n_tiles + nt), cute.make_layout(1))[0] = partial
+                cute.make_tensor(ds + (row * n_tiles + nt), cute.make_layout(1))[0] = partial
+
+        @cute.jit
+        def store_chunk(self, frag: cute.Tensor, out: cute.Tensor, dst: cute.Pointer,
+                        offset: Int64):
+            """bf16 of the ``VEC`` fp32 values of ``frag`` → ``dst[offset ..]`` (16 bytes)."""
+            out.store(frag.load().to(BF16))
+            cute.autovec_copy(out, cute.make_tensor(dst + cute.assume(offset, divby=VEC),
+                                                    cute.make_layout(VEC)))
 
     return Sm100GroupedGemm
 
