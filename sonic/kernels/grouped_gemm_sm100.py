@@ -563,3 +563,424 @@ def _tile_n(dim_n: int) -> int:
     """UMMA N of a tile: 256 (the largest single-CTA UMMA, 2 x 256 TMEM columns) unless N is
     small and not a multiple of 256. Untuned: no sm_100 measurement exists yet."""
     return 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
+
+
+def sm100_available(device=None) -> tuple[bool, str]:
+    """Whether these kernels can run on ``device``: a CUDA device of compute capability 10.x
+    (sm_100a: B200, GB200) with the CuTe DSL importable.
+
+    Args:
+        device: a CUDA device (``torch.device``, string or index); ``None``: the current one.
+
+    Returns:
+        ``(ok, reason)``; ``reason`` says why not, empty when ``ok``.
+    """
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is available (torch.cuda.is_available() is False)"
+    if device is None:
+        device = torch.cuda.current_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        return False, f"tensors are on {device}, the sm_100 kernels need a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 10:
+        return False, (f"{torch.cuda.get_device_name(device)} has compute capability "
+                       f"{major}.{minor}; the tcgen05 kernels need sm_100a (10.x)")
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError as err:
+        return False, f"the CuTe DSL is not importable ({err})"
+    return True, ""
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                 gather_idx: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """varlen-M grouped GEMM on sm_100a: ``out[r] = A[r] · b[e]ᵀ`` for every row ``r`` of expert
+    ``e``; arguments, shapes, dtypes and errors exactly as
+    :func:`sonic.kernels.grouped_gemm.grouped_gemm` (``a (P, K)`` or gathered ``(T, K)``,
+    ``b (E, N, K)`` K-major or the N-major view of a contiguous ``(E, K, N)``, ``expert_offsets
+    (E+1,)`` int32, ``gather_idx (P,)`` int32; returns ``(P, N)`` bf16). DESIGN §3;
+    SonicMoE §4.1."""
+    return _varlen_m(a, b, expert_offsets, gather_idx, out, None)[0]
+
+
+def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
+                        gather_idx: torch.Tensor,
+                        gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up-proj with the SwiGLU epilogue on sm_100a: ``(H (P, 2n), A (P, n))`` bf16; arguments
+    and errors as :func:`sonic.kernels.grouped_gemm.grouped_gemm_swiglu`. SonicMoE §4.1.2."""
+    if gate_up not in ("concat", "interleaved"):
+        raise ValueError(f"gate_up must be 'concat' or 'interleaved', got {gate_up!r}")
+    if gather_idx is None:
+        raise ValueError("gather_idx is required: the SwiGLU epilogue serves the gathered "
+                         "up-proj")
+    n = w1.shape[1] // 2 if w1.ndim == 3 else 0
+    if n <= 0 or n % (64 if gate_up == "concat" else VEC) or w1.shape[1] % 2:
+        raise ValueError(f"w1 must have 2n rows per expert with n a multiple of "
+                         f"{64 if gate_up == 'concat' else VEC}, got shape {tuple(w1.shape)}")
+    return _varlen_m(x, w1, expert_offsets, gather_idx, None, gate_up)
+
+
+def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
+                         gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor, *,
+                         dh_out: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's dH kernel on sm_100a: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue;
+    returns ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; arguments (``dh_out`` may be
+    ``h``) and errors as :func:`sonic.kernels.grouped_gemm.grouped_gemm_dswiglu`.
+    SonicMoE §4.1.3, App. C."""
+    runtime.check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3)
+    runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                         device=w2.device)
+    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=w2.device)
+    runtime.check_tensor("row_scores", row_scores, dtypes=(torch.float32,), ndim=1,
+                         device=w2.device)
+    num_pairs, n = gather_idx.numel(), w2.shape[2]
+    if tuple(h.shape) != (num_pairs, 2 * n):
+        raise ValueError(f"h must have shape (P, 2n) = {(num_pairs, 2 * n)}, got "
+                         f"{tuple(h.shape)}")
+    if row_scores.numel() != num_pairs:
+        raise ValueError(f"row_scores must have P = {num_pairs} entries, got "
+                         f"{row_scores.numel()}")
+    if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and sm90._overlap(dh_out, h):
+        raise ValueError("dh_out must be h itself or a buffer that does not overlap h")
+    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
+                     (h, row_scores))
+
+
+def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
+    """Validate, allocate and launch a varlen-M variant (see the sm_90 ``_varlen_m``)."""
+    runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
+    device = a.device
+    b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+    runtime.check_tensor("b", b.transpose(1, 2) if b_n_major else b, dtypes=(torch.bfloat16,),
+                         ndim=3, device=device)
+    num_experts = sm90._check_offsets(expert_offsets, device)
+    if b.shape[0] != num_experts:
+        raise ValueError(f"b must have E = {num_experts} experts (expert_offsets has E+1 "
+                         f"entries), got shape {tuple(b.shape)}")
+    dim_n, dim_k = b.shape[1], b.shape[2]
+    if a.shape[1] != dim_k:
+        raise ValueError(f"a must have K = {dim_k} columns (b is (E, N, K)), got shape "
+                         f"{tuple(a.shape)}")
+    sm90._check_width("K", dim_k)
+    sm90._check_width("N", dim_n)
+    gathered = gather_idx is not None
+    if gathered:
+        runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                             device=device)
+    num_pairs = gather_idx.numel() if gathered else a.shape[0]
+    out_name, out_cols = ("dh_out", 2 * dim_n) if dswiglu is not None else ("out", dim_n)
+    if out is None:
+        out = torch.empty(num_pairs, out_cols, dtype=torch.bfloat16, device=device)
+    else:
+        runtime.check_tensor(out_name, out, dtypes=(torch.bfloat16,), ndim=2, device=device)
+        if tuple(out.shape) != (num_pairs, out_cols):
+            raise ValueError(f"{out_name} must have shape ({num_pairs}, {out_cols}), got "
+                             f"{tuple(out.shape)}")
+    tile_n = _tile_n(dim_n)
+    if swiglu == "concat" and (dim_n // 2) % (tile_n // 2):
+        tile_n = 128    # a tile's gate half must not run past n
+    n_tiles = (dim_n + tile_n - 1) // tile_n
+    act = ds_parts = None
+    if swiglu is not None:
+        act = torch.empty(num_pairs, dim_n // 2, dtype=torch.bfloat16, device=device)
+    if dswiglu is not None:
+        act = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+        ds_parts = torch.zeros(num_pairs, n_tiles, dtype=torch.float32, device=device)
+    if num_pairs == 0 or a.shape[0] == 0:
+        return (out, act) if dswiglu is None else (out.zero_(), act.zero_(), ds_parts.sum(1))
+    key = ("grouped_gemm_sm100_varlen_m", tile_n, dim_n, dim_k, gathered, b_n_major, swiglu,
+           dswiglu is not None)
+    fn = runtime.compiled(key, lambda: _compile(False, tile_n, 0, dim_n, dim_k, gathered, False,
+                                                b_n_major, swiglu, dswiglu is not None))
+    work_items = ((num_pairs + TILE_M - 1) // TILE_M + num_experts) * n_tiles
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    idx = addr(gather_idx, 4) if gathered else offsets_addr
+    out_addr = addr(out, 16)
+    h_addr, scores_addr, ds_addr = (
+        (addr(dswiglu[0], 16), addr(dswiglu[1], 4), addr(ds_parts, 4)) if dswiglu is not None
+        else (out_addr,) * 3)
+    fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr,
+       h_addr, scores_addr, ds_addr, idx, idx, offsets_addr, a.shape[0], 0, num_experts,
+       sm90._num_ctas(device, work_items))
+    if dswiglu is not None:
+        return out, act, ds_parts.sum(1)
+    return out, act
+
+
+def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                          gather_idx_a: torch.Tensor | None = None,
+                          gather_idx_b: torch.Tensor | None = None) -> torch.Tensor:
+    """varlen-K grouped GEMM on sm_100a: ``C[e] = A_eᵀ · B_e`` ``(E, M, N)`` bf16 over the rows
+    of each expert (zeros for an expert with no rows); arguments and errors as
+    :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k`. DESIGN §3 (dW1, dW2)."""
+    runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
+    device = a.device
+    runtime.check_tensor("b", b, dtypes=(torch.bfloat16,), ndim=2, device=device)
+    num_experts = sm90._check_offsets(expert_offsets, device)
+    dim_m, dim_n = a.shape[1], b.shape[1]
+    sm90._check_width("M (columns of a)", dim_m)
+    sm90._check_width("N (columns of b)", dim_n)
+    rows = []
+    for name, x, idx in (("a", a, gather_idx_a), ("b", b, gather_idx_b)):
+        if idx is not None:
+            runtime.check_tensor(f"gather_idx_{name}", idx, dtypes=(torch.int32,), ndim=1,
+                                 device=device)
+        rows.append(idx.numel() if idx is not None else x.shape[0])
+    if rows[0] != rows[1]:
+        raise ValueError(f"a and b must have the same number of rows P (after gathering), got "
+                         f"{rows[0]} and {rows[1]}")
+    out = torch.empty(num_experts, dim_m, dim_n, dtype=torch.bfloat16, device=device)
+    if rows[0] == 0:
+        return out.zero_()
+    ga, gb = gather_idx_a is not None, gather_idx_b is not None
+    tile_n = _tile_n(dim_n)
+    key = ("grouped_gemm_sm100_varlen_k", tile_n, dim_m, dim_n, ga, gb)
+    fn = runtime.compiled(key, lambda: _compile(True, tile_n, dim_m, dim_n, 0, ga, gb))
+    work_items = (num_experts * ((dim_m + TILE_M - 1) // TILE_M)
+                  * ((dim_n + tile_n - 1) // tile_n))
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    out_addr = addr(out, 16)
+    fn(addr(a, 16), addr(b, 16), out_addr, out_addr, out_addr, out_addr, out_addr,
+       addr(gather_idx_a, 4) if ga else offsets_addr,
+       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
+       num_experts, sm90._num_ctas(device, work_items))
+    return out
+
+
+
+# ---- compile check (CPU, CUTE_DSL_ARCH=sm_100a) ----------------------------------------------
+
+SM100_MARKERS = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.ld", "cp.async.bulk.tensor")
+
+
+def _variant(name: str, varlen_k: bool, dim_m: int, dim_n: int, dim_k: int, gather_a: bool,
+             gather_b: bool, b_n_major: bool = False, swiglu: str | None = None,
+             dswiglu: bool = False) -> KernelVariant:
+    tile_n = _tile_n(dim_n)
+    if swiglu == "concat" and (dim_n // 2) % (tile_n // 2):
+        tile_n = 128
+    return KernelVariant(
+        kernel="grouped_gemm_sm100", variant=name,
+        compile_fake=lambda: _compile(varlen_k, tile_n, dim_m, dim_n, dim_k, gather_a,
+                                      gather_b, b_n_major, swiglu, dswiglu, keep_ptx=True),
+        ptx_markers=SM100_MARKERS)
+
+
+# The six GEMMs of DESIGN §3 and both fused epilogues, at ANCHORS-like sizes. Not registered
+# in sonic.kernels.registry (whose compile check targets sm_90a); see :func:`compile_check`.
+SM100_VARIANTS = (
+    _variant("varlen_m_n512_k1536_gather", False, 0, 512, 1536, True, False),
+    _variant("varlen_m_n1536_k256_contig", False, 0, 1536, 256, False, False),
+    _variant("varlen_m_n1536_k512_contig_bn", False, 0, 1536, 512, False, False, True),
+    _variant("varlen_m_n512_k1536_gather_swiglu_concat", False, 0, 512, 1536, True, False,
+             swiglu="concat"),
+    _variant("varlen_m_n2048_k1536_gather_swiglu_interleaved", False, 0, 2048, 1536, True,
+             False, swiglu="interleaved"),
+    _variant("varlen_m_n1024_k4096_gather_bn_dswiglu", False, 0, 1024, 4096, True, False, True,
+             dswiglu=True),
+    _variant("varlen_m_n192_k4096_gather_bn_dswiglu", False, 0, 192, 4096, True, False, True,
+             dswiglu=True),
+    _variant("varlen_k_m1536_n256_gather_a", True, 1536, 256, 0, True, False),
+    _variant("varlen_k_m512_n1536_gather_b", True, 512, 1536, 0, False, True),
+    _variant("varlen_k_m256_n128_contig", True, 256, 128, 0, False, False),
+)
+
+
+def compile_check(arch: str = "sm_100a", out=None) -> int:
+    """Compile every :data:`SM100_VARIANTS` entry for ``arch`` without a GPU, print kernel,
+    variant, seconds and PTX marker counts, and return the number of failures (a compile error
+    or a missing marker). Must run in a process that has not imported cutlass for another
+    architecture (:func:`sonic.kernels.runtime.set_compile_arch`)::
+
+        python -m sonic.kernels.grouped_gemm_sm100
+    """
+    import sys
+    import time
+    import traceback
+
+    out = out or sys.stdout
+    runtime.set_compile_arch(arch)
+    failures = 0
+    for v in SM100_VARIANTS:
+        start = time.perf_counter()
+        try:
+            ptx = v.compile_fake().artifacts.PTX or ""
+        except Exception:  # a failing variant must not hide the others
+            traceback.print_exc()
+            failures += 1
+            print(f"{v.kernel:<18} {v.variant:<48} COMPILE FAILED", file=out)
+            continue
+        counts = {m: ptx.count(m) for m in v.ptx_markers}
+        missing = [m for m, c in counts.items() if c == 0]
+        failures += bool(missing)
+        print(f"{v.kernel:<18} {v.variant:<48} {time.perf_counter() - start:>6.2f}  "
+              + " ".join(f"{m}={c}" for m, c in counts.items())
+              + ("  ok" if not missing else "  MISSING " + ", ".join(missing)), file=out)
+    print(f"{len(SM100_VARIANTS)} variant(s), {failures} failure(s), arch {arch}", file=out)
+    return failures
+
+
+# ---- on-device self-check: the gate before a dispatcher may use a variant -------------------
+
+# Ragged counts with an empty expert, a 1-row expert and one above two m-tiles.
+_CHECK_COUNTS = (37, 0, 300, 1, 130)
+_CHECK_TOKENS, _CHECK_D, _CHECK_N = 250, 192, 128
+_CHECK_TOLERANCE = 2e-2
+_SELF_CHECKS: dict = {}
+_SELF_CHECK_LOCK = threading.Lock()
+
+
+def _check_problem(device):
+    """Fresh random inputs of the self-check (fixed seed, never zeros)."""
+    gen = torch.Generator().manual_seed(17)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) + 0.1).to(torch.bfloat16).to(device)
+
+    counts = torch.tensor(_CHECK_COUNTS)
+    offsets = torch.zeros(len(_CHECK_COUNTS) + 1, dtype=torch.int32)
+    offsets[1:] = counts.cumsum(0)
+    num_pairs = int(offsets[-1])
+    gidx = torch.randint(0, _CHECK_TOKENS, (num_pairs,), generator=gen, dtype=torch.int32)
+    return rand, offsets.to(device), gidx.to(device), offsets.tolist()
+
+
+def _ref_m(a_rows, w, off):
+    """Per-expert fp32 ``a_rows[e rows] · w[e]ᵀ`` (w ``(E, N, K)``)."""
+    return torch.cat([a_rows[off[e]:off[e + 1]].float() @ w[e].float().t()
+                      for e in range(len(off) - 1)])
+
+
+def _ref_k(a_rows, b_rows, off):
+    return torch.stack([a_rows[off[e]:off[e + 1]].float().t() @ b_rows[off[e]:off[e + 1]].float()
+                        for e in range(len(off) - 1)])
+
+
+def _silu_mul_ref(g, u):
+    g, u = g.float(), u.float()
+    return (g * torch.sigmoid(g) * u)
+
+
+def _check_varlen_m(device, gather: bool, b_n_major: bool):
+    rand, offsets, gidx, off = _check_problem(device)
+    x = rand(_CHECK_TOKENS if gather else gidx.numel(), _CHECK_D)
+    w = (rand(len(off) - 1, _CHECK_D, 2 * _CHECK_N).transpose(1, 2) if b_n_major
+         else rand(len(off) - 1, 2 * _CHECK_N, _CHECK_D))
+    out = torch.full((gidx.numel(), 2 * _CHECK_N), float("nan"), dtype=torch.bfloat16,
+                     device=device)
+    got = grouped_gemm(x, w, offsets, gather_idx=gidx if gather else None, out=out)
+    return [("out", got, _ref_m(x[gidx.long()] if gather else x, w, off))]
+
+
+def _check_swiglu(device, gate_up: str):
+    rand, offsets, gidx, off = _check_problem(device)
+    x, w1 = rand(_CHECK_TOKENS, _CHECK_D), rand(len(off) - 1, 2 * _CHECK_N, _CHECK_D)
+    h, act = grouped_gemm_swiglu(x, w1, offsets, gidx, gate_up)
+    h_ref = _ref_m(x[gidx.long()], w1, off)
+    hb = h_ref.to(torch.bfloat16)
+    gate, up = ((hb[:, :_CHECK_N], hb[:, _CHECK_N:]) if gate_up == "concat"
+                else (hb[:, 0::2], hb[:, 1::2]))
+    return [("H", h, h_ref), ("A", act, _silu_mul_ref(gate, up))]
+
+
+def _check_dswiglu(device):
+    rand, offsets, gidx, off = _check_problem(device)
+    n = _CHECK_N
+    dout, w2 = rand(_CHECK_TOKENS, _CHECK_D), rand(len(off) - 1, _CHECK_D, n)
+    h = rand(gidx.numel(), 2 * n)
+    scores = torch.rand(gidx.numel(), device=device) + 0.1
+    dh, a_scaled, ds = grouped_gemm_dswiglu(dout, w2, offsets, gidx, h, scores)
+    dap = _ref_m(dout[gidx.long()], w2.transpose(1, 2), off)
+    g, u = h[:, :n].float(), h[:, n:].float()
+    sig = torch.sigmoid(g)
+    s = scores[:, None]
+    act = g * sig * u
+    dh_ref = torch.cat([s * dap * u * sig * (1 + g * (1 - sig)), s * dap * g * sig], 1)
+    return [("dH", dh, dh_ref), ("A'", a_scaled, act * s), ("ds", ds, (dap * act).sum(1))]
+
+
+def _check_varlen_k(device, gather_a: bool, gather_b: bool):
+    rand, offsets, gidx, off = _check_problem(device)
+    rows = _CHECK_TOKENS
+    a = rand(rows if gather_a else gidx.numel(), 2 * _CHECK_N)
+    b = rand(rows if gather_b else gidx.numel(), _CHECK_D)
+    got = grouped_gemm_varlen_k(a, b, offsets, gather_idx_a=gidx if gather_a else None,
+                                gather_idx_b=gidx if gather_b else None)
+    return [("C", got, _ref_k(a[gidx.long()] if gather_a else a,
+                              b[gidx.long()] if gather_b else b, off))]
+
+
+# Variant name -> check: the six GEMMs of DESIGN §3 and both fused epilogues.
+SELF_CHECK_VARIANTS = {
+    "up_proj": lambda dev: _check_varlen_m(dev, True, False),
+    "up_proj_swiglu_concat": lambda dev: _check_swiglu(dev, "concat"),
+    "up_proj_swiglu_interleaved": lambda dev: _check_swiglu(dev, "interleaved"),
+    "down_proj": lambda dev: _check_varlen_m(dev, False, False),
+    "dx": lambda dev: _check_varlen_m(dev, False, True),
+    "dh_dswiglu": _check_dswiglu,
+    "dw1": lambda dev: _check_varlen_k(dev, False, True),
+    "dw2": lambda dev: _check_varlen_k(dev, True, False),
+}
+
+
+def self_check(variant: str, device=None) -> tuple[bool, str]:
+    """Run ``variant`` once on a small ragged problem (an empty expert, a 1-row expert, an
+    expert over two m-tiles; unwritten outputs read as NaN) against a PyTorch fp32 reference,
+    on ``device``; the result is cached per (variant, device) for the process.
+
+    A dispatcher must call this before using a variant on an sm_100 device (no sm_100 GPU
+    has run these kernels yet) and fall back, with one warning carrying the message, when it
+    fails.
+
+    Args:
+        variant: a key of :data:`SELF_CHECK_VARIANTS`.
+        device: CUDA device; ``None``: the current one.
+
+    Returns:
+        ``(ok, message)``: the worst relative error per output, or why it failed (the device
+        is not sm_100, a compile or launch error, a mismatch).
+
+    Raises:
+        KeyError: ``variant`` is unknown.
+    """
+    if variant not in SELF_CHECK_VARIANTS:
+        raise KeyError(f"unknown sm100 variant {variant!r}; known: "
+                       f"{', '.join(SELF_CHECK_VARIANTS)}")
+    ok, reason = sm100_available(device)
+    if not ok:
+        return False, reason
+    if device is None:
+        device = torch.cuda.current_device()
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (variant, dev.index)
+    with _SELF_CHECK_LOCK:
+        if key not in _SELF_CHECKS:
+            _SELF_CHECKS[key] = _run_check(variant, dev)
+        return _SELF_CHECKS[key]
+
+
+def _run_check(variant: str, device) -> tuple[bool, str]:
+    try:
+        with torch.cuda.device(device):
+            results = SELF_CHECK_VARIANTS[variant](device)
+            torch.cuda.synchronize(device)
+    except Exception as err:  # a failing kernel must become a fallback, not a crash
+        return False, f"sm100 {variant}: {type(err).__name__}: {err}"
+    report = []
+    for name, got, ref in results:
+        err = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        report.append(f"{name} rel err {err:.2e}")
+        if not err < _CHECK_TOLERANCE:  # NaN (an unwritten element) fails too
+            return False, f"sm100 {variant}: {name} mismatch: {', '.join(report)}"
+    return True, f"sm100 {variant}: " + ", ".join(report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(1 if compile_check() else 0)
