@@ -22,8 +22,8 @@ What differs from sm_90 is the mainloop and the epilogue's source of accumulator
   ``acc_empty[a]`` epilogue -> MMA warp, 4 (lane 0 of each epilogue warp, after
   ``tcgen05.wait::ld``).
 * Operand loads are the sm_90 kernel's producers, inherited unchanged: the UMMA canonical
-  K-major and MN-major 128-byte-swizzled shared-memory layouts are byte-for-byte the WGMMA ones
-  (``tests/test_sm100_compile.py`` compares the helpers' layouts), so TMA tile boxes, gathered-row boxes
+  K-major and MN-major 128-byte-swizzled shared-memory layouts are byte-for-byte the WGMMA
+  ones (``tests/test_sm100_compile.py`` compares the helpers' layouts), so TMA tile boxes, gathered-row boxes
   (one ``1 x 64`` box per row, written at its 128-byte line; TMA's own gather4 mode needs
   4-row groups and would not help the ragged expert tails) and varlen-K row boxes land where
   UMMA reads them.
@@ -75,6 +75,7 @@ def _stages(tile_n: int) -> int:
     return min(_MAX_STAGES, _SMEM_BYTES // ((TILE_M + tile_n) * TILE_K * 2))
 
 
+@functools.cache
 def _math():
     """fp32 epilogue maths shared by every architecture's epilogue (cutlass imported lazily)."""
     import cutlass
@@ -88,15 +89,10 @@ def _math():
 
     @cute.jit
     def silu_mul(g: F32, u: F32) -> F32:
-        """``silu(g)·u`` from bf16-rounded g and u (given as fp32): the standalone SwiGLU
-        kernel's formula, so the value equals the backward's recomputation bitwise."""
         return (g * sigmoid(g)) * u
 
     @cute.jit
     def dswiglu_values(dap: F32, g: F32, u: F32, s: F32):
-        """dH epilogue of one (gate, up) pair, SonicMoE App. C: from fp32 ``dA'``, the saved
-        bf16 g, u and the row score s, ``(d_gate, d_up, A' = s·A, A = silu(g)·u)`` with
-        ``dA = s·dA'``; σ is evaluated once."""
         sig = sigmoid(g)
         silu = g * sig
         da = s * dap
@@ -107,18 +103,18 @@ def _math():
 
 
 def silu_mul(g, u):
-    """Inside ``@cute.jit``: ``silu(g)·u`` (fp32 scalars holding bf16 values)."""
-    return _math_fns()[0](g, u)
+    """Inside ``@cute.jit``: ``silu(g)·u`` of fp32 scalars holding the bf16-rounded gate and
+    up values — the standalone SwiGLU kernel's formula, so A equals the backward's
+    recomputation from the stored H bitwise (SonicMoE §4.1.2)."""
+    return _math()[0](g, u)
 
 
 def dswiglu_values(dap, g, u, s):
-    """Inside ``@cute.jit``: ``(d_gate, d_up, s·A, A)`` of one pair (see :func:`_math`)."""
-    return _math_fns()[1](dap, g, u, s)
-
-
-@functools.cache
-def _math_fns():
-    return _math()
+    """Inside ``@cute.jit``: the dH epilogue of one (gate, up) pair (SonicMoE App. C) from fp32
+    ``dA'``, the bf16 g, u (as fp32) and the row score s: ``(d_gate, d_up, A' = s·A, A)`` with
+    ``dA = s·dA'`` and ``A = silu(g)·u``; σ is evaluated once. The caller adds ``dA'·A`` to ds.
+    """
+    return _math()[1](dap, g, u, s)
 
 
 @functools.cache
@@ -304,7 +300,8 @@ def _kernels():
                 self.epilogue(tidx, bidx, grid, total, tiled_mma, acc, outs, m_off, table,
                               num_experts, acc_full, acc_empty)
                 # Every tile's accumulator has been read: the MMA warp has no work left.
-                cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
+                cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER,
+                                  number_of_threads=32 * EPILOGUE_WARPS)
                 if warp == 0:
                     cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
@@ -386,7 +383,7 @@ def _kernels():
                                                                 sub))
                 self.store_tile((copy, t_acc, frag), m, e, row0, rows, nt, mt, k_tiles > 0,
                                 outs)
-                cute.arch.fence_view_async_tmem_load()
+                # Every load of the stage has completed (load_sub waits on each).
                 if lane == 0:
                     cute.arch.mbarrier_arrive(acc_empty + acc_stage)
                 acc_stage += 1
@@ -402,6 +399,9 @@ def _kernels():
             copy, t_acc, frag = t2r
             if any_rows:
                 cute.copy(copy, t_acc[None, None, j], frag)
+                # tcgen05.ld is asynchronous: its registers are defined only after
+                # tcgen05.wait::ld (which also lets the stage go back to the MMA warp).
+                cute.arch.fence_view_async_tmem_load()
                 for i in cutlass.range_constexpr(EPI_N):
                     vals[i] = frag[i]
             else:
