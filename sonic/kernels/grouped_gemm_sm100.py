@@ -180,8 +180,8 @@ def _kernels():
             a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, BF16, self.stages)
             b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, BF16, self.stages)
 
-            none = (None, None)
-            a_row, b_row = none, none
+            # varlen-K row-box atoms; varlen-M has none.
+            a_row = b_row = (None, None)
             if cutlass.const_expr(self.varlen_k):
                 tma_a, a_row = _mn_major_atoms(a, rows_a, self.dim_m, a_smem)
                 tma_b, b_row = _mn_major_atoms(b, rows_b, self.dim_n, b_smem)
