@@ -329,14 +329,12 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if rows[0] == 0:
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
-    # Only B gathered (dW1 = dHᵀ·gather(X)): compute C[e]ᵀ = B_eᵀ·A_e, the gathered rows on
-    # the 128-wide M side and store it transposed; measured faster at the ANCHORS shapes.
-    transpose_c = gb and not ga
+    arch = runtime.device_arch(device)
+    transpose_c = heuristic.transpose_gathered_b(ga, gb, arch)
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
         dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
-    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c,
-                                    arch=runtime.device_arch(device))
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
     fn = _launcher(cfg)
     work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
     addr = runtime.address
