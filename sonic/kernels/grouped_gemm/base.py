@@ -50,7 +50,7 @@ class GroupedGemmKernel(TmaProducers):
     """One static configuration of the grouped GEMM (architecture-independent part).
 
     Subclasses implement :meth:`make_tiled_mma` and :meth:`run_roles`, and may extend the
-    shared storage (:meth:`shared_storage`) and warp 0's setup (:meth:`setup_warp0`). Launch
+    shared storage (:meth:`extra_storage`) and warp 0's setup (:meth:`setup_warp0`). Launch
     arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
     dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``; then
     ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
@@ -94,22 +94,26 @@ class GroupedGemmKernel(TmaProducers):
         return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, BF16, self.cfg.stages),
                 sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, BF16, self.cfg.stages))
 
+    def extra_storage(self) -> dict:
+        """An architecture's own shared-memory fields (name -> type), placed after the ring's
+        barriers."""
+        return {}
+
     def shared_storage(self, a_smem, b_smem):
-        """The CTA's shared-memory struct: ring barriers, tile table, operand stages, the
-        epilogue's staging buffer."""
+        """The CTA's shared-memory struct: ring barriers, :meth:`extra_storage`, tile table,
+        operand stages, the epilogue's staging buffer."""
         cfg = self.cfg
-
-        @cute.struct
-        class SharedStorage:
-            full: cute.struct.MemRange[Int64, cfg.stages]
-            empty: cute.struct.MemRange[Int64, cfg.stages]
-            tile_start: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
-            sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[
-                BF16, self.epilogue.staging_elems()], 128]
-
-        return SharedStorage
+        fields = {
+            "full": cute.struct.MemRange[Int64, cfg.stages],
+            "empty": cute.struct.MemRange[Int64, cfg.stages],
+            **self.extra_storage(),
+            "tile_start": cute.struct.MemRange[Int32, MAX_EXPERTS + 1],
+            "sA": cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[
+                BF16, self.epilogue.staging_elems()], 128],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def check_contract(self, tiled_mma) -> None:
         """Trace-time check of the pipeline contract: the barrier counts the kernel initialises

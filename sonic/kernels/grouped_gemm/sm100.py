@@ -56,7 +56,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import MAX_EXPERTS, SLAB, TILE_M
+from sonic.kernels.grouped_gemm.config import SLAB, TILE_M
 from sonic.kernels.grouped_gemm.epilogue.base import BARRIER
 
 EPILOGUE_WARPS = 4
@@ -175,24 +175,11 @@ class Sm100GroupedGemm(GroupedGemmKernel):
             f"sm_100 ring barriers initialised for {self.contract}, its roles make one "
             f"arrival on full and one on empty")
 
-    def shared_storage(self, a_smem, b_smem):
-        """sm_90's storage plus the accumulator barriers and the TMEM address."""
-        cfg = self.cfg
-
-        @cute.struct
-        class SharedStorage:
-            full: cute.struct.MemRange[Int64, cfg.stages]
-            empty: cute.struct.MemRange[Int64, cfg.stages]
-            acc_full: cute.struct.MemRange[Int64, ACC_STAGES]
-            acc_empty: cute.struct.MemRange[Int64, ACC_STAGES]
-            tmem_addr: Int32
-            tile_start: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
-            sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[
-                BF16, self.epilogue.staging_elems()], 128]
-
-        return SharedStorage
+    def extra_storage(self) -> dict:
+        """The accumulator barriers and the TMEM address ``tcgen05.alloc`` writes."""
+        return {"acc_full": cute.struct.MemRange[Int64, ACC_STAGES],
+                "acc_empty": cute.struct.MemRange[Int64, ACC_STAGES],
+                "tmem_addr": Int32}
 
     @cute.jit
     def setup_warp0(self, storage):
