@@ -23,6 +23,8 @@ import sys
 KINDS = {
     "wgmma.mma_async": r"\bwgmma\.mma_async",
     "wgmma.fence/commit/wait": r"\bwgmma\.(fence|commit_group|wait_group)",
+    "tcgen05.mma": r"\btcgen05\.mma",
+    "tcgen05.ld/commit/wait": r"\btcgen05\.(ld|commit|wait)",
     "cp.async.bulk.tensor": r"\bcp\.async\.bulk\.tensor",
     "cp.async (non-bulk)": r"\bcp\.async\.(ca|cg)",
     "mbarrier": r"\bmbarrier\.",
@@ -48,11 +50,12 @@ def _name(kernel: str, variant: str) -> str:
 
 
 def dump(out_dir: pathlib.Path, kernels: list[str] | None) -> int:
-    """Compile every registered variant (of ``kernels``, or all) and write its PTX."""
-    from sonic.kernels import registry
+    """Compile every registered variant of the target architecture (``CUTE_DSL_ARCH``) (of
+    ``kernels``, or all) and write its PTX."""
+    from sonic.kernels import registry, runtime
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for v in registry.variants():
+    for v in registry.variants(runtime.compile_arch()):
         if kernels and v.kernel not in kernels:
             continue
         ptx = v.compile_fake().artifacts.PTX or ""

@@ -4,6 +4,11 @@
 where they exist, on a supported GPU, and the reference for the steps that have no kernel yet.
 ``"auto"`` picks ``"cute"`` when the kernels can run on the tensors' device, else ``"torch"``;
 :func:`explain_backend` says why.
+
+On Blackwell (sm_100a) the grouped GEMMs are compile-checked in CI but were never run by the
+authors: each grouped-GEMM variant first passes a one-time on-device self-check
+(:mod:`sonic.kernels.grouped_gemm.self_check`). Under ``"auto"`` a variant that fails it
+warns once and its op runs the PyTorch reference; under ``"cute"`` it raises.
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
 
 def explain_backend(backend: str = "auto", device: torch.device | str | None = None) -> str:
     """One line saying which backend ``backend`` resolves to on ``device`` and why — or, for
-    ``"cute"`` where the kernels cannot run, that a call would raise and why."""
+    ``"cute"`` where the kernels cannot run, that a call would raise and why. On an sm_100a
+    device it runs every grouped-GEMM self-check (once per process; cached) and names the
+    variants that passed and failed; on sm_90a it says none is needed."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     check_choice("backend", backend, BACKENDS)
@@ -65,7 +72,7 @@ def explain_backend(backend: str = "auto", device: torch.device | str | None = N
         return "torch: requested"
     ok, reason = kernel_support(device)
     if ok:
-        return "cute: kernels available"
+        return "cute: kernels available" + _self_check_summary(backend, device)
     if backend == "cute":
         return f"raises RuntimeError: backend='cute' cannot run here: {reason}"
     return f"torch: {reason}"
@@ -89,6 +96,51 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "cute" if ok else "torch"
 
 
+def _self_check_summary(backend: str, device: torch.device) -> str:
+    from sonic.kernels import runtime
+    from sonic.kernels.grouped_gemm import self_check
+
+    arch = runtime.device_arch(device)
+    if not self_check.required(device):
+        return f" ({arch}: grouped GEMMs need no self-check)"
+    outcome = {v: self_check.self_check(v, device) for v in self_check.VARIANTS}
+    passed = [v for v, (ok, _) in outcome.items() if ok]
+    failed = [f"{v} ({message})" for v, (ok, message) in outcome.items() if not ok]
+    text = f" ({arch}: grouped-GEMM self-checks passed: {', '.join(passed) or 'none'}"
+    if failed:
+        action = "raise RuntimeError" if backend == "cute" else "use the PyTorch reference"
+        text += f"; failed, so those ops {action}: {'; '.join(failed)}"
+    return text + ")"
+
+
+def _self_checked(variant: str, device: torch.device, strict: bool) -> bool:
+    """Whether grouped-GEMM ``variant`` may run on ``device``: no self-check is needed there,
+    or it passed. A failure warns once (``strict``: raises).
+
+    Raises:
+        RuntimeError: ``strict`` and the self-check failed (the message carries its report).
+    """
+    from sonic.kernels.grouped_gemm import self_check
+
+    if not self_check.required(device):
+        return True
+    ok, message = self_check.self_check(variant, device)
+    if ok:
+        return True
+    if strict:
+        raise RuntimeError(f"backend='cute' cannot run grouped-GEMM variant {variant!r} here: "
+                           f"its on-device self-check failed: {message}")
+    _warn_self_check(message)
+    return False
+
+
+@functools.cache
+def _warn_self_check(message: str) -> None:
+    # Once per variant and device (the message names both): the op then runs the reference.
+    warnings.warn(f"sonic: grouped-GEMM self-check failed ({message}); that op uses the "
+                  "PyTorch reference", RuntimeWarning, stacklevel=4)
+
+
 @functools.cache
 def _warn_fallback(reason: str) -> None:
     # Once per reason: a GPU user should learn that the kernels are not running, not every call.
@@ -100,7 +152,7 @@ def expert_ops(backend: str, device: torch.device) -> ExpertOps:
     """The :class:`ExpertOps` that ``backend`` resolves to on ``device``."""
     if resolve_backend(backend, device) == "torch":
         return TORCH_OPS
-    return _cute_ops()
+    return _cute_ops(strict=backend == "cute")
 
 
 def _cute_metadata(token_idx, expert_idx, num_tokens, num_experts, *, top_k=None):
@@ -129,7 +181,7 @@ def _epilogue_kernel_fits(h: torch.Tensor) -> bool:
     return h.dtype == torch.bfloat16 and h.is_contiguous() and h.shape[1] % 16 == 0
 
 
-def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up):
+def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, strict=False):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
@@ -137,14 +189,15 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up):
     # GEMM followed by the one-pass SwiGLU kernel (H200, 7B/OLMoE/30B, bench_grouped_gemm.py).
     n = w1.shape[1] // 2
     if (_gemm_kernel_fits(x, w1, offsets, gather_idx) and w1.is_contiguous()
-            and n % (64 if gate_up == "concat" else gemm.VEC) == 0):
+            and n % (64 if gate_up == "concat" else gemm.VEC) == 0
+            and _self_checked(f"up_proj_swiglu_{gate_up}", x.device, strict)):
         return gemm.grouped_gemm_swiglu(x, w1, offsets, gather_idx, gate_up)
-    h = _cute_grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
+    h = _cute_grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx, strict=strict)
     return h, (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
 
 
 def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
-                     overwrite_h=False):
+                     overwrite_h=False, strict=False):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
@@ -152,15 +205,16 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
     # operand ring: 497/2523/4193 us against 505/2685/4610 for the dA' GEMM followed by the
     # one-pass epilogue kernel (H100, 7B/OLMoE/30B, bench_grouped_gemm.py).
     if not _epilogue_kernel_fits(h):
-        return reference.dswiglu_epilogue(_cute_grouped_mm(dout, w2, offsets, gather_idx), h,
-                                          row_scores, gate_up)
+        return reference.dswiglu_epilogue(
+            _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict), h, row_scores,
+            gate_up)
     row_scores = row_scores.float().contiguous()
     if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
             and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
-            and h.data_ptr() % 16 == 0):
+            and h.data_ptr() % 16 == 0 and _self_checked("dh_dswiglu", dout.device, strict)):
         return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
                                          dh_out=h if overwrite_h else None)
-    da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx)
+    da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict)
     return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
 
 
@@ -178,37 +232,48 @@ def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:
             and (gather_idx is None or gather_idx.dtype == torch.int32))
 
 
-def _cute_grouped_mm(a, b, offsets, gather_idx=None):
+def _cute_grouped_mm(a, b, offsets, gather_idx=None, *, strict=False):
     from sonic.kernels import grouped_gemm as kernels
+    from sonic.kernels.grouped_gemm import self_check
 
     b_nk = b.transpose(1, 2)
-    if _gemm_kernel_fits(a, b_nk, offsets, gather_idx):
+    if _gemm_kernel_fits(a, b_nk, offsets, gather_idx) and _self_checked(
+            self_check.varlen_m_variant(gather_idx is not None, not b_nk.is_contiguous()),
+            a.device, strict):
         return kernels.grouped_gemm(a, b_nk, offsets, gather_idx=gather_idx)
     return reference.grouped_mm(a, b, offsets, gather_idx)
 
 
-def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=None):
+def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=None, *,
+                              strict=False):
     from sonic.kernels import grouped_gemm as kernels
+    from sonic.kernels.grouped_gemm import self_check
 
     operands_fit = all(
         x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
         and x.shape[1] % kernels.VEC == 0 and (idx is None or idx.dtype == torch.int32)
         for x, idx in ((a, gather_idx_a), (b, gather_idx_b)))
-    if operands_fit and offsets.numel() - 1 <= kernels.MAX_EXPERTS:
+    if (operands_fit and offsets.numel() - 1 <= kernels.MAX_EXPERTS and _self_checked(
+            self_check.varlen_k_variant(gather_idx_a is not None, gather_idx_b is not None),
+            a.device, strict)):
         return kernels.grouped_gemm_varlen_k(a, b, offsets, gather_idx_a=gather_idx_a,
                                              gather_idx_b=gather_idx_b)
     return reference.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b)
 
 
-# Each step runs its kernel where the kernel serves the call (dtype, sizes) and the reference
-# elsewhere, so "auto" never fails on a shape the reference handles.
-def _cute_ops() -> ExpertOps:
+# Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,
+# the variant passed its self-check, and the reference elsewhere, so "auto" never fails on a
+# shape the reference handles; ``strict`` (backend="cute") raises on a failed self-check.
+def _cute_ops(strict: bool = False) -> ExpertOps:
+    def checked(op):
+        return functools.partial(op, strict=strict)
+
     return ExpertOps(
         name="cute",
         metadata=_cute_metadata,
-        grouped_mm=_cute_grouped_mm,
-        grouped_mm_varlen_k=_cute_grouped_mm_varlen_k,
-        up_proj_swiglu=_cute_up_proj_swiglu,
-        dh_dswiglu=_cute_dh_dswiglu,
+        grouped_mm=checked(_cute_grouped_mm),
+        grouped_mm_varlen_k=checked(_cute_grouped_mm_varlen_k),
+        up_proj_swiglu=checked(_cute_up_proj_swiglu),
+        dh_dswiglu=checked(_cute_dh_dswiglu),
         aggregate=_cute_aggregate,
     )

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sonic.kernels.grouped_gemm import heuristic
+from sonic.kernels.grouped_gemm import config, heuristic
 from sonic.kernels.grouped_gemm.config import (CLUSTER, GroupedGemmConfig, barrier_contract)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +36,9 @@ def _m(**kw):
     (dict(epilogue="swiglu", gate_up="halves"), "gate_up must be one of"),
     (dict(epilogue="swiglu", gate_up="concat", gather_a=False), "SwiGLU epilogue serves"),
     (dict(epilogue="dswiglu"), "dSwiGLU epilogue serves"),     # K-major B
-    (dict(arch="sm_100a"), "no grouped-GEMM mainloop for arch 'sm_100a'"),
+    (dict(arch="sm_120a"), "no grouped-GEMM mainloop for arch 'sm_120a'"),
+    (dict(arch="sm_100a"), "sm_100a mainloop runs cooperative tiles on one CTA"),
+    (dict(arch="sm_100a", cluster=1, tile_n=128, pingpong=True), "sm_100a mainloop"),
 ])
 def test_config_rejects_unsupported_combinations(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -98,6 +100,19 @@ def test_plan_varlen_k_cluster_needs_even_m_tiles():
     assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER)
     assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1)
     assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
+
+
+def test_sm100_config_plan_and_contract():
+    # One epilogue warpgroup holds all 128 rows: a 128 x 72 staging block, still 4 stages.
+    cfg = heuristic.varlen_m_config(1024, 1536, True, arch="sm_100a")
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster) == (256, False, 1)
+    assert (cfg.rows_wg, cfg.staging_elems, cfg.stages) == (128, 128 * 72, 4)
+    assert barrier_contract(cfg) == config.BarrierContract(full=1, empty=1)
+    assert heuristic.varlen_m_config(1536, 256, False, arch="sm_100a").pingpong is False
+    # dW1 gathers B directly on sm_100a (its epilogue cannot stage C transposed).
+    assert heuristic.transpose_gathered_b(False, True, "sm_90a")
+    assert not heuristic.transpose_gathered_b(False, True, "sm_100a")
+    assert not heuristic.transpose_gathered_b(True, False, "sm_90a")
 
 
 def test_swiglu_concat_tile_keeps_gate_half_inside_n():

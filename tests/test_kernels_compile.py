@@ -1,5 +1,6 @@
-"""CPU checks of the CuTe-DSL kernel layer: every registered variant compiles for sm_90a and
-shows its PTX markers; the package imports without cutlass; entry points reject bad input."""
+"""CPU checks of the CuTe-DSL kernel layer: every registered variant compiles for sm_90a and for
+sm_100a (each architecture's grouped-GEMM mainloop, tcgen05 and TMEM allocation on sm_100a, and
+every CUDA-core kernel for both) and shows its PTX markers; the package imports without cutlass; entry points reject bad input."""
 
 import importlib.util
 import os
@@ -26,18 +27,24 @@ def _run(*args):
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl, the 'gpu' extra) "
                                             "is not importable")
-def test_compile_check_every_variant_sm90a():
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_compile_check_every_variant(arch):
+    # The whole sm_100a check takes ~45 s on 2 CPU cores, so CI runs all of it.
     listed = _run("-m", "sonic.kernels", "--list")
     assert listed.returncode == 0, listed.stderr
-    names = [line.split()[:2] for line in listed.stdout.splitlines() if line.strip()]
+    names = [line.split()[:2] for line in listed.stdout.splitlines()
+             if line.strip() and arch in line.split()[2].split(",")]
     kernels = {kernel for kernel, _ in names}
-    assert {"routing_metadata", "aggregation"} <= kernels
-    checked = _run("-m", "sonic.kernels", "--compile-check", "sm_90a")
+    assert {"topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu"} <= kernels
+    checked = _run("-m", "sonic.kernels", "--compile-check", arch)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{len(names)} variant(s), 0 failure(s), arch {arch}" in checked.stdout
     for kernel, variant in names:
         line = next((x for x in checked.stdout.splitlines() if x.split()[:2] == [kernel, variant]),
                     None)
         assert line is not None and line.rstrip().endswith("ok"), (kernel, variant, checked.stdout)
+        if kernel == "grouped_gemm" and arch == "sm_100a":
+            assert "tcgen05.mma=0" not in line and "tcgen05.alloc=0" not in line, line
 
 
 def test_import_does_not_import_cutlass():

@@ -1,4 +1,4 @@
-"""CuTe-DSL GPU kernels for Hopper (sm_90a).
+"""CuTe-DSL GPU kernels for Hopper (sm_90a) and Blackwell (sm_100a; compile- and self-checked).
 
 Importing this package does not import ``cutlass`` (the ``gpu`` extra): kernel modules import it
 lazily, so CPU-only installs can import ``sonic``. Check :func:`kernels_available` before
@@ -17,13 +17,13 @@ the leaf :mod:`sonic.types`. Entry points:
   with optional row gather; :func:`sonic.kernels.grouped_gemm.grouped_gemm_swiglu` — the
   gathered up-proj with the SwiGLU epilogue; :func:`sonic.kernels.grouped_gemm.grouped_gemm_dswiglu`
   — the gathered dA' GEMM with the dSwiGLU epilogue. The package is split by concern (config,
-  heuristic, tile scheduler, operand ring, TMA producers, base kernel, sm_90 WGMMA mainloop,
-  epilogues); see its docstring.
+  heuristic, tile scheduler, operand ring, TMA producers, base kernel, sm_90 WGMMA and sm_100
+  tcgen05 mainloops, epilogues, self-check); see its docstring.
 * :mod:`sonic.kernels.activation` — the fp32 silu / SwiGLU / dSwiGLU maths shared by the
   one-pass kernels and the grouped-GEMM epilogues.
 
 ``python -m sonic.kernels --list`` lists the registered variants; ``--compile-check sm_90a``
-compiles them all on the CPU.
+and ``--compile-check sm_100a`` compile each architecture's on the CPU.
 """
 
 from sonic.kernels.registry import KernelVariant, register, variants

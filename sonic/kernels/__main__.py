@@ -2,9 +2,11 @@
 
     python -m sonic.kernels --list
     python -m sonic.kernels --compile-check sm_90a
+    python -m sonic.kernels --compile-check sm_100a
 
-The compile check sets ``CUTE_DSL_ARCH`` itself, compiles every variant with placeholder
-arguments, prints kernel, variant, compile seconds and the count of each PTX marker, and exits
+The compile check sets ``CUTE_DSL_ARCH`` itself, compiles every variant of that architecture
+(the CUDA-core kernels for both, each architecture's grouped-GEMM mainloop for its own) with
+placeholder arguments, prints kernel, variant, compile seconds and the count of each PTX marker, and exits
 non-zero if a variant fails to compile or lacks a marker.
 """
 
@@ -15,13 +17,19 @@ import traceback
 
 
 def compile_check(arch: str, out=sys.stdout) -> int:
-    """Compile every registered variant for ``arch``; print a table; return the failure count."""
+    """Compile every registered variant of ``arch``; print a table; return the failure count.
+
+    Raises:
+        ValueError: ``arch`` is not a compile-check target (:data:`registry.ARCHS`).
+    """
     from sonic.kernels import registry, runtime
 
+    if arch not in registry.ARCHS:
+        raise ValueError(f"arch must be one of {registry.ARCHS}, got {arch!r}")
     runtime.set_compile_arch(arch)
     failures = 0
     rows = []
-    for v in registry.variants():
+    for v in registry.variants(arch):
         start = time.perf_counter()
         try:
             ptx = v.compile_fake().artifacts.PTX or ""
@@ -31,15 +39,15 @@ def compile_check(arch: str, out=sys.stdout) -> int:
             failures += 1
             continue
         seconds = time.perf_counter() - start
-        counts = {m: ptx.count(m) for m in v.ptx_markers}
+        counts = v.marker_counts(ptx)
         missing = [m for m, c in counts.items() if c == 0]
         failures += bool(missing)
         status = "ok" if not missing else "MISSING " + ", ".join(missing)
         rows.append((v.kernel, v.variant, seconds,
                      " ".join(f"{m}={c}" for m, c in counts.items()) + "  " + status))
-    print(f"{'kernel':<18} {'variant':<34} {'compile s':>9}  PTX markers", file=out)
+    print(f"{'kernel':<18} {'variant':<46} {'compile s':>9}  PTX markers", file=out)
     for kernel, variant, seconds, detail in rows:
-        print(f"{kernel:<18} {variant:<34} {seconds:>9.2f}  {detail}", file=out)
+        print(f"{kernel:<18} {variant:<46} {seconds:>9.2f}  {detail}", file=out)
     print(f"{len(rows)} variant(s), {failures} failure(s), arch {arch}", file=out)
     return failures
 
@@ -50,13 +58,14 @@ def main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--list", action="store_true", help="print every registered variant")
     group.add_argument("--compile-check", metavar="ARCH",
-                       help="compile every variant for ARCH (e.g. sm_90a) without a GPU")
+                       help="compile every variant of ARCH (sm_90a or sm_100a) without a GPU")
     args = parser.parse_args(argv)
     if args.list:
         from sonic.kernels import registry
 
         for v in registry.variants():
-            print(f"{v.kernel:<18} {v.variant:<34} markers: {', '.join(v.ptx_markers)}")
+            print(f"{v.kernel:<18} {v.variant:<46} {','.join(v.archs):<15} markers: "
+                  f"{', '.join(v.marker_counts(''))}")
         return 0
     return 1 if compile_check(args.compile_check) else 0
 

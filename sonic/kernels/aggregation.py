@@ -169,4 +169,7 @@ for _dtype, _d, _scored in ((torch.bfloat16, 4096, True), (torch.float32, 1536, 
         kernel="aggregation",
         variant=f"{_SHORT[_dtype]}_d{_d}_{'scored' if _scored else 'unscored'}",
         compile_fake=lambda dt=_dtype, d=_d, s=_scored: _compile(dt, d, s, keep_ptx=True),
-        ptx_markers=("ld.global.v4", "st.global.v4")))
+        # 16-byte accesses: for sm_100a the back end emits the fp32 ones as .v2.b64 instead
+        # of .v4.b32 (same width, one instruction), so either form counts.
+        ptx_markers=(("ld.global.v4", "ld.global.v2.b64"),
+                     ("st.global.v4", "st.global.v2.b64"))))

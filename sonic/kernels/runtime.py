@@ -37,8 +37,10 @@ _FAKE_ADDRESS = 1 << 20
 
 # Compute-capability major -> the CuTe DSL target the kernels are compiled for. Every kernel
 # runs on these; the grouped GEMM dispatches its mainloop by the same name
-# (sonic.kernels.grouped_gemm.config.MAINLOOPS), where an sm_100a mainloop will be registered.
-SUPPORTED_ARCHS = {9: "sm_90a"}
+# (sonic.kernels.grouped_gemm.config.MAINLOOPS). sm_100a (Blackwell, 10.x) is compile-checked
+# in CI and its grouped GEMMs self-checked on the device before "auto" uses them
+# (sonic.kernels.grouped_gemm.self_check).
+SUPPORTED_ARCHS = {9: "sm_90a", 10: "sm_100a"}
 # Target compiled for when no GPU says otherwise (the CPU compile check).
 DEFAULT_ARCH = "sm_90a"
 
@@ -51,8 +53,9 @@ def device_capability(device: torch.device | str | int | None = None) -> tuple[i
 
 
 def device_arch(device: torch.device | str | int | None = None) -> str:
-    """The CuTe DSL target of a CUDA device: ``"sm_90a"`` for compute capability 9.x, else
-    ``"sm_<major><minor>a"`` (which no kernel supports yet; :func:`kernels_available` says so)."""
+    """The CuTe DSL target of a CUDA device: ``"sm_90a"`` for compute capability 9.x,
+    ``"sm_100a"`` for 10.x, else ``"sm_<major><minor>a"`` (which no kernel supports;
+    :func:`kernels_available` says so)."""
     major, minor = device_capability(device)
     return SUPPORTED_ARCHS.get(major, f"sm_{major}{minor}a")
 
@@ -66,8 +69,10 @@ def kernels_available(device: torch.device | str | int | None = None) -> tuple[b
     """Whether the CuTe-DSL kernels can run on ``device``.
 
     True only for a CUDA device whose architecture is in :data:`SUPPORTED_ARCHS` (compute
-    capability 9.x: Hopper, sm_90a) when the CuTe DSL (``nvidia-cutlass-dsl``, the ``gpu``
-    extra) is importable.
+    capability 9.x: Hopper, sm_90a; 10.x: Blackwell, sm_100a) when the CuTe DSL
+    (``nvidia-cutlass-dsl``, the ``gpu`` extra) is importable. On sm_100a the grouped GEMMs
+    are further gated per variant by an on-device self-check
+    (:mod:`sonic.kernels.grouped_gemm.self_check`, applied by :mod:`sonic.backend`).
 
     Args:
         device: a CUDA device (``torch.device``, string or index); ``None`` means the current
@@ -90,7 +95,8 @@ def kernels_available(device: torch.device | str | int | None = None) -> tuple[b
     if major not in SUPPORTED_ARCHS:
         name = torch.cuda.get_device_name(device)
         return False, (f"{name} has compute capability {major}.{minor}; the CuTe-DSL kernels are "
-                       "built for Hopper (sm_90a, compute capability 9.x)")
+                       "built for Hopper (sm_90a, compute capability 9.x) and Blackwell "
+                       "(sm_100a, 10.x)")
     try:
         import cutlass  # noqa: F401
         import cutlass.cute  # noqa: F401

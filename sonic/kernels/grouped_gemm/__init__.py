@@ -17,6 +17,9 @@ Layout of the package, one concern per module (only the modules marked *kernel* 
 * :mod:`.load` (kernel) — TMA producers: contiguous tiles, gathered rows, multicast.
 * :mod:`.base` (kernel) — warp roles, shared storage, launch, the pipeline contract.
 * :mod:`.sm90` (kernel) — the Hopper WGMMA mainloop and its accumulator view.
+* :mod:`.sm100` (kernel) — the Blackwell tcgen05 UMMA mainloop, TMEM accumulator and its view
+  (compile-checked, self-checked on the device, never benchmarked).
+* :mod:`.self_check` — the on-device check a variant passes before "auto" uses it on sm_100a.
 * :mod:`.epilogue` (kernel) — store, SwiGLU, dSwiGLU + ds + A', all fed fp32 accumulator
   sub-tiles through one hook.
 """

@@ -1,13 +1,16 @@
 """The grouped-GEMM kernel skeleton: warp roles, shared storage, launch; the mainloop is a hook.
 
 DESIGN §4; SonicMoE (arXiv 2512.14080) §4.1–4.2. One persistent, warp-specialised launch per
-GEMM; the architecture's subclass (:mod:`.sm90`) supplies the tiled MMA, the operand
-shared-memory layouts and the consumer mainloop, and hands finished tiles to the epilogue
-(:mod:`.epilogue`).
+GEMM; the architecture's subclass (:mod:`.sm90`, :mod:`.sm100`) supplies the tiled MMA, its
+warp roles (:meth:`GroupedGemmKernel.run_roles`) and the mainloop, and hands finished tiles to
+the epilogue (:mod:`.epilogue`). The operand shared-memory layouts are common: the UMMA
+canonical 128-byte-swizzled K- and MN-major layouts are byte for byte the WGMMA ones, so one
+set of TMA producers (:mod:`.load`) feeds both mainloops.
 
 Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contract`):
 
-* Warp roles. Warpgroup 0 (``PRODUCER_THREADS``) produces: the TMA loads of A and B
+* Warp roles (sm_90; sm_100's are in :mod:`.sm100`). Warpgroup 0 (``PRODUCER_THREADS``)
+  produces: the TMA loads of A and B
   (:mod:`.load`) and an epilogue's own loads (dSwiGLU's H). Warpgroups 1..2 consume: the
   MMA mainloop over a tile's k-tiles, then the epilogue — cooperatively on one
   ``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x 128`` tile.
@@ -27,13 +30,15 @@ Imports ``cutlass``: only the kernel modules import this one.
 """
 
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from sonic.kernels import runtime
-from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, PRODUCER_THREADS, THREADS,
+from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, TILE_K, TILE_M,
                                                GroupedGemmConfig, barrier_contract)
 from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 from sonic.kernels.grouped_gemm.load import FULL_ARRIVALS, TmaProducers
@@ -44,8 +49,9 @@ from sonic.kernels.grouped_gemm.tile_scheduler import make_scheduler
 class GroupedGemmKernel(TmaProducers):
     """One static configuration of the grouped GEMM (architecture-independent part).
 
-    Subclasses implement :meth:`make_tiled_mma`, :meth:`make_smem_layouts` and
-    :meth:`consume`. Launch arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
+    Subclasses implement :meth:`make_tiled_mma` and :meth:`run_roles`, and may extend the
+    shared storage (:meth:`extra_storage`) and warp 0's setup (:meth:`setup_warp0`). Launch
+    arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
     dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``; then
     ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
     ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
@@ -58,20 +64,56 @@ class GroupedGemmKernel(TmaProducers):
         self.scheduler = make_scheduler(cfg)
         self.epilogue = make_epilogue(cfg, self.ring)
         self.contract = barrier_contract(cfg)
+        self.threads = THREADS
+        # Operand majorness: varlen-M reads K-major A rows, varlen-K MN-major rows; varlen-M B
+        # is K-major or (b_n_major) N-major.
+        self.a_layout = LayoutEnum.COL_MAJOR if cfg.varlen_k else LayoutEnum.ROW_MAJOR
+        self.b_layout = (LayoutEnum.COL_MAJOR if cfg.varlen_k or cfg.b_n_major
+                         else LayoutEnum.ROW_MAJOR)
 
     # Architecture hooks.
     def make_tiled_mma(self):
-        """The tiled MMA of the consumer warpgroups."""
+        """The tiled MMA of the mainloop."""
         raise NotImplementedError
+
+    def run_roles(self, tidx, warp, first, step, total, tiled_mma, storage, tma_a, tma_b,
+                  tma_epi, a_smem, b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b, rows_a,
+                  rows_b, m_off, table, num_experts, full, empty):
+        """Every thread after setup: its warp's role (producer, MMA, epilogue) over the CTA's
+        work items ``first, first + step, ... < total``."""
+        raise NotImplementedError
+
+    def setup_warp0(self, storage):
+        """Warp 0, after the ring's barriers and the tile table: an architecture's own setup
+        (barriers, tensor memory); made visible by the CTA barrier that follows."""
 
     def make_smem_layouts(self):
-        """``(a_smem, b_smem)``: staged, swizzled operand layouts of the ring."""
-        raise NotImplementedError
+        """``(a_smem, b_smem)``: staged, 128-byte-swizzled operand layouts of the ring (the
+        WGMMA helpers' layouts, which UMMA reads unchanged)."""
+        tile_mnk = (TILE_M, self.cfg.tile_n, TILE_K)
+        return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, BF16, self.cfg.stages),
+                sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, BF16, self.cfg.stages))
 
-    def consume(self, ctid, first, stride, total, tiled_mma, s_a, s_b, s_c, outs, m_off, table,
-                num_experts, full, empty, stage_mem):
-        """Consumer warpgroups: the mainloop of each tile, then :meth:`Epilogue.visit`."""
-        raise NotImplementedError
+    def extra_storage(self) -> dict:
+        """An architecture's own shared-memory fields (name -> type), placed after the ring's
+        barriers."""
+        return {}
+
+    def shared_storage(self, a_smem, b_smem):
+        """The CTA's shared-memory struct: ring barriers, :meth:`extra_storage`, tile table,
+        operand stages, the epilogue's staging buffer."""
+        cfg = self.cfg
+        fields = {
+            "full": cute.struct.MemRange[Int64, cfg.stages],
+            "empty": cute.struct.MemRange[Int64, cfg.stages],
+            **self.extra_storage(),
+            "tile_start": cute.struct.MemRange[Int32, MAX_EXPERTS + 1],
+            "sA": cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[
+                BF16, self.epilogue.staging_elems()], 128],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def check_contract(self, tiled_mma) -> None:
         """Trace-time check of the pipeline contract: the barrier counts the kernel initialises
@@ -111,22 +153,11 @@ class GroupedGemmKernel(TmaProducers):
         tma = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
         # dSwiGLU reads H (P, 2n) with P passed as rows_b.
         tma["epi"] = self.epilogue.make_tma(h, rows_b, a_smem)
-
-        @cute.struct
-        class SharedStorage:
-            full: cute.struct.MemRange[Int64, cfg.stages]
-            empty: cute.struct.MemRange[Int64, cfg.stages]
-            tile_start: cute.struct.MemRange[Int32, MAX_EXPERTS + 1]
-            sA: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[
-                BF16, self.epilogue.staging_elems()], 128]
-
-        self.shared_storage = SharedStorage
+        self.storage_type = self.shared_storage(a_smem, b_smem)
         self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
                     *tma["b_mc"], *tma["b_mc_row"], *tma["epi"], a_smem, b_smem, c, act,
                     scores, ds, gidx_a, gidx_b, offsets, rows_a, rows_b, num_experts).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cfg.cluster, 1, 1],
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[cfg.cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -137,14 +168,14 @@ class GroupedGemmKernel(TmaProducers):
                act: cute.Pointer, scores: cute.Pointer, ds: cute.Pointer, gidx_a: cute.Pointer,
                gidx_b: cute.Pointer, offsets: cute.Pointer,
                rows_a: Int32, rows_b: Int32, num_experts: Int32):
-        """Role dispatch: barrier init and tile table, then producer or consumer warpgroup."""
+        """Setup (barrier init, tile table, :meth:`setup_warp0`), then :meth:`run_roles`."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        storage = smem.allocate(self.storage_type)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
         table = storage.tile_start.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
@@ -169,6 +200,7 @@ class GroupedGemmKernel(TmaProducers):
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(not cfg.varlen_k):
                 self.scheduler.prepare(m_off, table, num_experts)
+            self.setup_warp0(storage)
         self.ring.sync_cluster()
 
         # Work items: tiles, or on a cluster pairs of m-tiles (one per CTA) of an n-tile.
@@ -177,18 +209,12 @@ class GroupedGemmKernel(TmaProducers):
             first, step = bidx // cfg.cluster, grid // cfg.cluster
         total = self.scheduler.total(table, num_experts)
 
-        if tidx < PRODUCER_THREADS:
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            self.produce(warp, first, step, total, (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
-                         (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
-                          tma_atom_b_mc_row, tma_b_mc_row), (tma_atom_epi, tma_epi), a_smem,
-                         b_smem, s_a, s_b, stage_mem, gidx_a, gidx_b, rows_a, rows_b, m_off,
-                         table, num_experts, full, empty)
-        else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
-                         storage.sC.data_ptr(), (c, act, scores, ds), m_off, table,
-                         num_experts, full, empty, stage_mem)
+        self.run_roles(tidx, warp, first, step, total, tiled_mma, storage,
+                       (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
+                       (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
+                        tma_atom_b_mc_row, tma_b_mc_row), (tma_atom_epi, tma_epi), a_smem,
+                       b_smem, s_a, s_b, stage_mem, (c, act, scores, ds), gidx_a, gidx_b,
+                       rows_a, rows_b, m_off, table, num_experts, full, empty)
         # On a cluster no CTA may exit while the other can still arrive on its barriers.
         if cutlass.const_expr(cfg.cluster > 1):
             self.ring.sync_cluster()

@@ -33,9 +33,12 @@ MAX_STAGES = 8
 
 EPILOGUES = ("store", "swiglu", "dswiglu")
 # The kernel class of each architecture, "module:class", imported lazily by the dispatcher
-# (interface.kernel_class). The one place to register another mainloop, e.g.
-# "sm_100a": "sonic.kernels.grouped_gemm.sm100:Sm100GroupedGemm".
-MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90:Sm90GroupedGemm"}
+# (interface.kernel_class): the one place a mainloop is registered.
+MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90:Sm90GroupedGemm",
+             "sm_100a": "sonic.kernels.grouped_gemm.sm100:Sm100GroupedGemm"}
+# Warpgroups running the epilogue: sm_90's two consumer warpgroups; sm_100's four epilogue
+# warps (one TMEM lane quarter each) form one warpgroup holding all TILE_M rows of a tile.
+EPILOGUE_WARPGROUPS = {"sm_90a": CONSUMER_WARPGROUPS, "sm_100a": 1}
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class GroupedGemmConfig:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if (self.epilogue == "swiglu") != (self.gate_up is not None):
             raise ValueError("gate_up is given exactly with the 'swiglu' epilogue")
+        if self.arch == "sm_100a" and (self.pingpong or self.cluster > 1 or self.transpose_c):
+            raise ValueError("the sm_100a mainloop runs cooperative tiles on one CTA (no "
+                             "ping-pong, no 2-CTA cluster, no transposed C)")
         if self.gate_up is not None and self.gate_up not in GATE_UP_LAYOUTS:
             raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {self.gate_up!r}")
         if self.epilogue == "swiglu" and (self.varlen_k or not self.gather_a or self.b_n_major
@@ -126,8 +132,10 @@ class GroupedGemmConfig:
 
     @property
     def rows_wg(self) -> int:
-        """Tile rows of one consumer warpgroup's accumulator."""
-        return TILE_M if self.pingpong else TILE_M // CONSUMER_WARPGROUPS
+        """Tile rows of one epilogue warpgroup's accumulator."""
+        if self.pingpong:
+            return TILE_M
+        return TILE_M // EPILOGUE_WARPGROUPS[self.arch]
 
     @property
     def stages(self) -> int:
@@ -138,8 +146,8 @@ class GroupedGemmConfig:
     @property
     def staging_elems(self) -> int:
         """bf16 elements of the epilogue staging buffer (one ``rows_wg x SLAB`` block, padded,
-        per consumer warpgroup)."""
-        return CONSUMER_WARPGROUPS * self.rows_wg * (SLAB + PAD)
+        per epilogue warpgroup)."""
+        return EPILOGUE_WARPGROUPS[self.arch] * self.rows_wg * (SLAB + PAD)
 
     @property
     def tma_bytes(self) -> int:
@@ -191,14 +199,18 @@ def barrier_contract(cfg: GroupedGemmConfig) -> BarrierContract:
 
     * full[s]: producer -> consumers. One elected producer thread arrives with expect-tx for
       the stage's bytes (one arrival), whatever the number of producer warps issuing copies.
-    * empty[s]: consumers -> producers. Every consumer warp reading the stage arrives once
-      when done: 4 warps of one warpgroup (ping-pong: one warpgroup reads a stage) or of both
-      (cooperative), and on a cluster on the barrier of every CTA, because every CTA's
-      producer writes (multicasts) into the stage of both.
+    * empty[s]: consumers -> producers. sm_90: every consumer warp reading the stage arrives
+      once when done: 4 warps of one warpgroup (ping-pong: one warpgroup reads a stage) or of
+      both (cooperative), and on a cluster on the barrier of every CTA, because every CTA's
+      producer writes (multicasts) into the stage of both. sm_100: one arrival, the MMA
+      warp's ``tcgen05.commit`` (or, for a dSwiGLU H stage, one epilogue thread after the
+      epilogue warps' named barrier).
 
     The base kernel initialises its barriers with these counts and asserts, while tracing,
     that they equal what the consumer and producer code paths issue, so a wrong count fails
     compilation instead of hanging the GPU.
     """
+    if cfg.arch == "sm_100a":
+        return BarrierContract(full=1, empty=1)
     readers_per_cta = 1 if cfg.pingpong else CONSUMER_WARPGROUPS
     return BarrierContract(full=1, empty=4 * readers_per_cta * cfg.cluster)

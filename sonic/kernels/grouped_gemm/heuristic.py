@@ -12,7 +12,7 @@ from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
 
 
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
-         dim_m: int = 0) -> tuple[int, bool, int]:
+         dim_m: int = 0, arch: str = "sm_90a") -> tuple[int, bool, int]:
     """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
 
     * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
@@ -26,8 +26,12 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     * Contiguous A with K ≤ 512 (the 7B down-proj and dX̃): ping-pong ``128 x 128``, one
       warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2), because the
       mainloop is short — H100 7B down 456 vs 444 on a cluster.
+    * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
+      has (no 2-CTA UMMA yet); untuned, no sm_100 measurement exists.
     """
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
+    if arch == "sm_100a":
+        return tile_n, False, 1
     if varlen_k:
         return tile_n, False, CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
     if not gathered and dim_k <= 512:
@@ -46,7 +50,7 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tile_n, pingpong, cluster = plan(False, dim_n, gathered, dim_k)
+    tile_n, pingpong, cluster = plan(False, dim_n, gathered, dim_k, arch=arch)
     if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128
     return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
@@ -61,7 +65,16 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tile_n, pingpong, cluster = plan(True, dim_n, dim_m=dim_m)
+    tile_n, pingpong, cluster = plan(True, dim_n, dim_m=dim_m, arch=arch)
     return GroupedGemmConfig(varlen_k=True, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
                              dim_m=dim_m, dim_n=dim_n, dim_k=0, gather_a=gather_a,
                              gather_b=gather_b, transpose_c=transpose_c, arch=arch)
+
+
+def transpose_gathered_b(gather_a: bool, gather_b: bool, arch: str) -> bool:
+    """Whether varlen-K with only B gathered (dW1 = dHᵀ·gather(X)) computes ``C[e]ᵀ = B_eᵀ·A_e``
+    instead, the gathered rows on the 128-wide M side, and stores it transposed: measured
+    faster at the ANCHORS shapes on sm_90. Not on sm_100a: its one epilogue warpgroup holds
+    all TILE_M rows of a tile, more than the transposed staging block (SLAB rows) takes, so
+    its producers gather B directly."""
+    return gather_b and not gather_a and arch == "sm_90a"

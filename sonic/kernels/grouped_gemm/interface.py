@@ -329,14 +329,12 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if rows[0] == 0:
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
-    # Only B gathered (dW1 = dHᵀ·gather(X)): compute C[e]ᵀ = B_eᵀ·A_e, the gathered rows on
-    # the 128-wide M side and store it transposed; measured faster at the ANCHORS shapes.
-    transpose_c = gb and not ga
+    arch = runtime.device_arch(device)
+    transpose_c = heuristic.transpose_gathered_b(ga, gb, arch)
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
         dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
-    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c,
-                                    arch=runtime.device_arch(device))
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
     fn = _launcher(cfg)
     work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
     addr = runtime.address
@@ -350,16 +348,20 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     return out
 
 
-_MARKERS_TMA = ("wgmma.mma_async", "cp.async.bulk.tensor")
+# What each mainloop must show: its MMA (and on sm_100 tensor-memory allocation and loads)
+# and TMA operand loads.
+_MARKERS = {"sm_90a": ("wgmma.mma_async", "cp.async.bulk.tensor"),
+            "sm_100a": ("tcgen05.mma", "tcgen05.alloc", "tcgen05.ld", "cp.async.bulk.tensor")}
 
 
-def _register(variant: str, make_config) -> None:
-    """Register a compile-check variant; ``make_config(arch)`` plans its configuration for the
-    architecture being compiled for (``CUTE_DSL_ARCH``)."""
-    register(KernelVariant(
-        kernel="grouped_gemm", variant=variant,
-        compile_fake=lambda: compile_config(make_config(runtime.compile_arch()), keep_ptx=True),
-        ptx_markers=_MARKERS_TMA))
+def _register(variant: str, make_config, archs=tuple(MAINLOOPS)) -> None:
+    """Register a compile-check variant per architecture; ``make_config(arch)`` plans its
+    configuration for that architecture."""
+    for arch in archs:
+        register(KernelVariant(
+            kernel="grouped_gemm", variant=variant,
+            compile_fake=lambda arch=arch: compile_config(make_config(arch), keep_ptx=True),
+            ptx_markers=_MARKERS[arch], archs=(arch,)))
 
 
 # The forward's up-proj and down-proj, and the backward's dA' (gathered dO · N-major W2).
@@ -369,6 +371,10 @@ for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, F
               f"{'_bn' if _n_major else ''}",
               lambda arch, n=_n, k=_k, g=_gather, nm=_n_major: heuristic.varlen_m_config(
                   n, k, g, nm, arch=arch))
+# The backward's dX̃ = dH·W1 (contiguous dH, N-major W1); sm_90's list predates it.
+_register("varlen_m_n1536_k512_contig_bn",
+          lambda arch: heuristic.varlen_m_config(1536, 512, False, True, arch=arch),
+          archs=("sm_100a",))
 # The forward's up-proj with the SwiGLU epilogue, both gate/up layouts.
 for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
     _register(f"varlen_m_n{_n}_k1536_gather_swiglu_{_gate_up}",
@@ -380,9 +386,13 @@ for _n in (1024, 192):
     _register(f"varlen_m_n{_n}_k4096_gather_bn_dswiglu",
               lambda arch, n=_n: heuristic.varlen_m_config(n, 4096, True, True,
                                                            epilogue="dswiglu", arch=arch))
-# The backward's dW2 (gathered dO on the M side) and dW1 (gathered X, C stored transposed).
-for _m, _n, _transpose in ((1536, 256, False), (1536, 512, True)):
-    _register(f"varlen_k_m{_m}_n{_n}_gather_a{'_ct' if _transpose else ''}",
-              lambda arch, m=_m, n=_n, tr=_transpose: heuristic.varlen_k_config(
-                  m, n, True, False, tr, arch=arch))
-
+# The backward's dW2 (gathered dO on the M side) and dW1: gathered X, on sm_90 as C stored
+# transposed, on sm_100 gathered on the B side (heuristic.transpose_gathered_b).
+_register("varlen_k_m1536_n256_gather_a",
+          lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch))
+_register("varlen_k_m1536_n512_gather_a_ct",
+          lambda arch: heuristic.varlen_k_config(1536, 512, True, False, True, arch=arch),
+          archs=("sm_90a",))
+_register("varlen_k_m512_n1536_gather_b",
+          lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch),
+          archs=("sm_100a",))

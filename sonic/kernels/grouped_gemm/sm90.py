@@ -14,11 +14,10 @@ import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, SLAB, TILE_K, TILE_M,
-                                               GroupedGemmConfig)
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, PRODUCER_THREADS,
+                                               SLAB, TILE_M)
 
 
 class ColumnPair(NamedTuple):
@@ -86,17 +85,18 @@ class WgmmaAccumulator:
         m, _ = self.coords[((0, i % 2, 0), i // 2, 0)]
         return m
 
+    def reduce_row(self, x):
+        """Sum of ``x`` over the quad of threads holding the same rows (of each column pair)."""
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+        return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+    def writes_row_total(self, lane):
+        """Whether this thread stores a row's reduced value: the quad's first lane."""
+        return lane % 4 == 0
+
 
 class Sm90GroupedGemm(GroupedGemmKernel):
     """Grouped GEMM with the WGMMA mainloop (cooperative or ping-pong consumers)."""
-
-    def __init__(self, cfg: GroupedGemmConfig):
-        super().__init__(cfg)
-        # Operand majorness: varlen-M reads K-major A rows, varlen-K MN-major rows; varlen-M B
-        # is K-major or (b_n_major) N-major.
-        self.a_layout = LayoutEnum.COL_MAJOR if cfg.varlen_k else LayoutEnum.ROW_MAJOR
-        self.b_layout = (LayoutEnum.COL_MAJOR if cfg.varlen_k or cfg.b_n_major
-                         else LayoutEnum.ROW_MAJOR)
 
     def make_tiled_mma(self):
         cfg = self.cfg
@@ -105,10 +105,27 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             self.b_layout.sm90_mma_major_mode(), F32,
             (1 if cfg.pingpong else CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, cfg.tile_n))
 
-    def make_smem_layouts(self):
-        tile_mnk = (TILE_M, self.cfg.tile_n, TILE_K)
-        return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, BF16, self.cfg.stages),
-                sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, BF16, self.cfg.stages))
+    @cute.jit
+    def run_roles(self, tidx: Int32, warp: Int32, first: Int32, step: Int32, total: Int32,
+                  tiled_mma: cute.TiledMma, storage, tma_a: tuple, tma_b: tuple,
+                  tma_epi: tuple, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+                  s_a: cute.Tensor, s_b: cute.Tensor, stage_mem: tuple, outs: tuple,
+                  gidx_a: cute.Pointer, gidx_b: cute.Pointer, rows_a: Int32, rows_b: Int32,
+                  m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                  full: cute.Pointer, empty: cute.Pointer):
+        """Warpgroup 0 produces (registers handed to the consumers), warpgroups 1..2 run the
+        WGMMA mainloop and the epilogue."""
+        cfg = self.cfg
+        if tidx < PRODUCER_THREADS:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            self.produce(warp, first, step, total, tma_a, tma_b, tma_epi, a_smem, b_smem, s_a,
+                         s_b, stage_mem, gidx_a, gidx_b, rows_a, rows_b, m_off, table,
+                         num_experts, full, empty)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
+                         storage.sC.data_ptr(), outs, m_off, table, num_experts, full, empty,
+                         stage_mem)
 
     @cute.jit
     def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,

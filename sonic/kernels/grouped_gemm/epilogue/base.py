@@ -30,6 +30,8 @@ class Epilogue:
     """
 
     has_producer_loads = False
+    # Ring stages the producer queues per tile through producer_loads.
+    producer_stages = 0
 
     def __init__(self, cfg: GroupedGemmConfig, ring: OperandRing):
         self.cfg = cfg
@@ -53,9 +55,14 @@ class Epilogue:
         """The one hook: store this warpgroup's part of a finished tile.
 
         Args:
-            acc: fp32 accumulator view (``pairs``, ``coord``, ``value``, ``row_coord``).
+            acc: fp32 accumulator view (``pairs``, ``coord``, ``value``, ``row_coord``,
+                ``rows_per_thread``, ``pairs_per_slab``, ``reduce_row``,
+                ``writes_row_total``): sm_90's WGMMA registers or sm_100's TMEM loads.
             stage_c: this warpgroup's staging buffer; ``wg_tid`` the thread in the
-                warpgroup, ``wg`` the warpgroup, ``wg_row0`` its first tile row, ``lane``.
+                warpgroup, ``wg`` the warpgroup, ``wg_row0`` its first tile row; ``lane``
+                releases ring stages (:meth:`OperandRing.release` arrives where it is 0:
+                the lane on sm_90, one per warp; sm_100 passes the epilogue thread index,
+                one arrival per stage).
             outs: the global pointers ``(c, act, scores, ds)``.
             e, row0, rows, nt, mt: the scheduler's tile coordinates.
             stage_mem, stage, phase, full, empty: the operand ring.

@@ -33,6 +33,11 @@ class DswigluEpilogue(Epilogue):
 
     has_producer_loads = True
 
+    @property
+    def producer_stages(self) -> int:
+        """Ring stages :meth:`producer_loads` queues per tile: one per SLAB of columns."""
+        return self.cfg.tile_n // SLAB
+
     def make_tma(self, h, rows, a_smem) -> tuple:
         """H ``(P, 2n)`` (``P`` = ``rows``): ``TILE_M x SLAB`` boxes, 128-byte swizzled like A
         (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8 rows hit
@@ -127,11 +132,9 @@ class DswigluEpilogue(Epilogue):
                 cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
         n_tiles = self.cfg.n_tiles
         for i in cutlass.range_constexpr(row_count):
-            total = partial[i]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = acc.reduce_row(partial[i])
             m = acc.row_coord(i)
-            if lane % 4 == 0:
+            if acc.writes_row_total(lane):
                 if m < rows:
                     cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
                                      cute.make_layout(1))[0] = total
