@@ -244,3 +244,27 @@ def test_chunk_count_errors(chunked):
         assert "EP ranks disagree on num_chunks" in errors["disagree"], (rank, errors)
         assert f"num_chunks must be in [1, {MAX_CHUNKS}]" in errors["too_many"]
         assert "num_chunks must be in [1, 16], got 0" in errors["layer_zero"]
+
+
+# --- the weak-scaling benchmark, smoke-tested on CPU ranks --------------------------------------
+
+def _bench_smoke(rank, world):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_ep.py"
+    spec = importlib.util.spec_from_file_location("bench_ep", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,3"]), torch.device("cpu"))
+
+
+def test_benchmark_smoke(tmp_path):
+    """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement is there, the
+    EP layer matches one process for each chunk count, and the ranks agree on the summary."""
+    r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=60)
+    assert r0 == r1
+    assert r0["ok"] and r0["max_rel_error"] < 1e-5
+    assert set(r0["ms"]) == {"1gpu", "ep1", "compute1", "ep3", "compute3", "a2a"}
+    assert all(t > 0 for m in r0["ms"].values() for t in m.values())
+    assert set(r0["hidden"]) == {f"C={c} {p}" for c in (1, 3) for p in ("fwd", "step")}
