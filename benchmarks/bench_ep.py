@@ -175,7 +175,8 @@ def _check(layer, full, x, dout, x_full, dout_full, mine, rank) -> dict:
     gate_grad = layer.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)
     local = slice(rank * layer.num_local_experts, (rank + 1) * layer.num_local_experts)
-    return {"out": _rel(out.detach(), out_ref.detach()[mine]), "dx": _rel(xe.grad, x_ref.grad[mine]),
+    return {"out": _rel(out.detach(), out_ref.detach()[mine]),
+            "dx": _rel(xe.grad, x_ref.grad[mine]),
             "dgate": _rel(gate_grad, full.gate.weight.grad),
             "dw1": _rel(layer.w1.grad, full.w1.grad[local]),
             "dw2": _rel(layer.w2.grad, full.w2.grad[local])}
@@ -303,7 +304,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=args.nccl_priority == "high")
+        options = dist.ProcessGroupNCCL.Options(
+            is_high_priority_stream=args.nccl_priority == "high")
         dist.init_process_group("nccl", device_id=device, pg_options=options)
     try:
         summary = run(args, device)

@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 import sonic
-from sonic.distributed import (ExpertParallelMoE, Placement, ep_moe_experts, plan_placement,
-                               reduce_replica_grads)
-from sonic.distributed.experts import MAX_CHUNKS
+from sonic.distributed import (MAX_CHUNKS, ExpertParallelMoE, Placement, ep_moe_experts,
+                               plan_placement, reduce_replica_grads)
 from test_distributed import D, N, _catch, _pairs, _pairs_problem, _rel, _spawn
 
 TOL = 1e-12

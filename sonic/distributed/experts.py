@@ -22,6 +22,10 @@ replicas (:meth:`Placement.pair_slots`). A layer call:
 Backward mirrors it: dO rows go to the ranks that hold the token's experts (combine's backward),
 the local expert backward runs there, and the dX partials and score gradients come back
 (dispatch's backward), dX summed per token. Expert weight gradients stay on their rank.
+
+With ``num_chunks = C > 1`` steps 1–2 stay one per call (per (rank, chunk) counts in the one
+exchange) and steps 3–5 run per chunk of consecutive tokens, pipelined so that one chunk's
+all-to-alls overlap another's local experts (:mod:`sonic.distributed.overlap`).
 """
 
 from __future__ import annotations
@@ -339,6 +343,14 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         placement: a :class:`~sonic.distributed.Placement` for ``ep`` ranks and ``E`` experts
             (the same on every rank), or ``None`` for the contiguous placement; with it
             ``w1_local``/``w2_local`` hold ``slots_per_rank`` experts.
+        num_chunks: ``C`` in ``[1, MAX_CHUNKS = 16]``, the same on every rank. ``C > 1`` splits
+            this rank's tokens into ``C`` chunks of ``ceil(T/C)`` consecutive tokens and
+            pipelines them (:mod:`sonic.distributed.overlap`): the all-to-alls of one chunk
+            run on a communication stream while the local experts of another run, forward
+            and backward. Routing, the plan, its count exchange and its host read stay one per
+            call; a pair goes to the same expert (replica) for every ``C``, so the result
+            equals ``C = 1`` up to the order in which the weight gradients of the chunks are
+            summed. ``C = 1`` (default): the unchunked path.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -354,9 +366,12 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         * the :class:`DispatchPlan`: ``O(S + P + P_recv + T)`` int indices and the host split
           sizes, so backward needs no count exchange and no host synchronisation.
         Not kept: x, the sent rows, the partial outputs, Y.
+        With ``C > 1`` the same, per chunk: chunk ``c``'s received rows ``(R_c, d)``, its
+        ``H``, scores and metadata, with ``Σ_c R_c = R`` — the same total — plus each chunk's
+        small autograd graph of the local experts (its output edge, not the output).
 
-    Synchronisation: one device→host read per call (the split sizes); every collective waits at
-    most the process group's timeout.
+    Synchronisation: one device→host read per call (the split sizes, of all chunks); every
+    collective waits at most the process group's timeout.
 
     Raises:
         TypeError: a wrong type or dtype (as :func:`sonic.moe_experts`).
@@ -364,16 +379,17 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             size, ``w1_local`` not holding ``E/ep`` experts, unknown ``gate_up``/``backend``;
             raised on this rank before any collective, so other ranks wait until the process
             group's timeout. Out-of-range indices on any rank, or ranks disagreeing on ``d``,
-            ``n``, ``E``, the dtype or grad mode and which inputs require grad (backward's
-            collectives depend on them): raised on *every*
-            rank after the count exchange. With a ``placement``: one for other than ``ep`` ranks
+            ``n``, ``E``, ``num_chunks``, the dtype or grad mode and which inputs require grad
+            (backward's collectives depend on them): raised on *every* rank after the count
+            exchange. With a ``placement``: one for other than ``ep`` ranks
             or ``E`` experts, or ``w1_local`` not holding ``slots_per_rank`` experts (this
             rank); ranks holding different placements (every rank).
         TypeError: ``placement`` not a :class:`~sonic.distributed.Placement` or ``None``.
         RuntimeError: ``torch.distributed`` not initialised, or a collective timed out.
 
     Sources: MetaShuffling (PyTorch blog, 2025) for the on-device counts with one host sync;
-    SonicMoE (arXiv 2512.14080) for the local expert computation.
+    SonicMoE (arXiv 2512.14080) for the local expert computation; Comet (arXiv 2502.19811)
+    for overlapping the all-to-alls with it, here at chunk granularity.
     """
     check_float("x", x, ndim=2)
     check_float("w1_local", w1_local, ndim=3)
