@@ -183,6 +183,8 @@ class ChunkedExperts(torch.autograd.Function):
                                         (w2_leaf, need_w2)) if need]
             grads = torch.autograd.grad([ctx.edges[c]], inputs, [grad_y], retain_graph=keep,
                                         create_graph=create, allow_unused=True)
+            if not keep:    # the chunk's received rows need not outlive its backward
+                ctx.leaves[c] = ctx.edges[c] = None
             # A gradient the chunk's graph does not produce (nothing of it reached the input)
             # is zero; the all-to-alls below still need its rows.
             grads = iter([torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)])
