@@ -115,6 +115,14 @@ def test_ep_equals_data_parallel_with_the_aux_loss():
     assert_same_run(distributed(2, 2), distributed(2, 1))
 
 
+def test_ep_chunks_equal_unchunked():
+    """--ep-chunks 3 pipelines every EP layer in 3 chunks: the same run up to the order of the
+    expert weight-gradient sums."""
+    result = distributed(2, 2, "--ep-chunks", "3")
+    assert result["config"]["ep_chunks"] == 3
+    assert_same_run(result, distributed(2, 2))
+
+
 def test_ep_resume_continues_exactly(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     first = only_json(torchrun(2, *TINY, "--batch-size", str(B), "--ep", "2",
@@ -140,6 +148,8 @@ def test_ep_not_dividing_the_world_is_an_error():
     (["--ep", "2"], "--ep 2 must divide the world size 1 (run under torchrun"),
     (["--ep", "2", "--router", "token_rounding"], "not supported with --ep > 1 yet"),
     (["--ep", "0"], "--ep"),
+    (["--ep-chunks", "0"], "--ep-chunks"),
+    (["--ep-chunks", "17"], "ep_chunks: expected at most 16"),
 ])
 def test_ep_errors_without_torchrun(args, message):
     proc = single(*TINY, "--batch-size", str(B), *args)

@@ -41,10 +41,18 @@ def comm_device(group, fallback: torch.device) -> torch.device:
     return fallback
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:j]) : ...]`` go to group rank ``j``; returns the
-    ``sum(out_splits)`` rows received, grouped by source rank (``out_splits[j]`` from rank j).
-    Not differentiable by itself: the autograd functions around it send gradients back."""
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    ``sum(out_splits)`` rows received, grouped by source rank (``out_splits[j]`` from rank j),
+    in ``out`` when given (contiguous, e.g. a row block of a larger buffer).
+
+    On NCCL it is queued behind the work of the current CUDA stream and that stream waits for
+    it (``all_to_all_single``'s work is waited on the stream, not on the host), so under
+    ``torch.cuda.stream(s)`` it overlaps with the kernels of other streams. On gloo the host
+    waits. Not differentiable by itself: the autograd functions around it send gradients back.
+    """
+    if out is None:
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out

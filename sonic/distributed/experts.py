@@ -22,6 +22,10 @@ replicas (:meth:`Placement.pair_slots`). A layer call:
 Backward mirrors it: dO rows go to the ranks that hold the token's experts (combine's backward),
 the local expert backward runs there, and the dX partials and score gradients come back
 (dispatch's backward), dX summed per token. Expert weight gradients stay on their rank.
+
+With ``num_chunks = C > 1`` steps 1–2 stay one per call (per (rank, chunk) counts in the one
+exchange) and steps 3–5 run per chunk of consecutive tokens, pipelined so that one chunk's
+all-to-alls overlap another's local experts (:mod:`sonic.distributed.overlap`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from sonic.autograd.moe_experts import moe_experts
 from sonic.backend import expert_ops
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.distributed.eplb import Placement
+from sonic.distributed.overlap import ChunkedExperts
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
@@ -45,49 +50,71 @@ from sonic.routing.types import Routing
 _AGREED = ("d (x.shape[1])", "n (w2_local.shape[2])", "num_experts", "dtype of x",
            "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
-           "placement (its fingerprint; 0 for the contiguous default)")
+           "placement (its fingerprint; 0 for the contiguous default)", "num_chunks")
+# The most chunks a layer call may pipeline (the count message has room for this many).
+MAX_CHUNKS = 16
 
 
 @dataclass(frozen=True)
-class DispatchPlan:
-    """Where rows and pairs go in one expert-parallel layer call; all indices on the device.
+class DispatchChunk:
+    """One chunk of a :class:`DispatchPlan`: the send rows ``rows`` (a slice of
+    :attr:`DispatchPlan.send_tokens`) and pairs ``pairs`` (a slice of
+    :attr:`DispatchPlan.pair_order`) of the chunk's tokens.
 
-    Send side (this rank's ``T`` tokens and ``P`` pairs):
-        send_tokens: ``(S,)`` int64 — source token of each send row; rows grouped by
-            destination rank, tokens ascending within a rank.
-        token_rows: ``(S,)`` int32 — send rows grouped by token (the combine's gather-sum
-            index, as :attr:`RoutingMetadata.token_rows`).
-        token_offsets: ``(T+1,)`` int32 — exclusive prefix sum of send rows per token.
-        pair_order: ``(P,)`` int64 — pairs grouped by destination rank (stable).
-    Receive side:
-        recv_tokens: ``(P_recv,)`` int32 — received row of each received pair.
-        recv_experts: ``(P_recv,)`` int32 — its local expert (slot), in ``[0, E/ep)`` or
-            ``[0, slots_per_rank)`` with a placement.
-    Host split sizes (one per group rank): ``send_rows``, ``recv_rows``, ``send_pairs``,
-    ``recv_pairs``.
+    Receive side: ``recv_tokens (P_recv,)`` int32 — the row of the chunk's received rows that
+    each received pair reads; ``recv_experts (P_recv,)`` int32 — its local expert (slot), in
+    ``[0, E/ep)`` or ``[0, slots_per_rank)`` with a placement. Host split sizes, one per group
+    rank: ``send_rows``, ``recv_rows``, ``send_pairs``, ``recv_pairs``.
     """
 
-    send_tokens: torch.Tensor
-    token_rows: torch.Tensor
-    token_offsets: torch.Tensor
-    pair_order: torch.Tensor
+    rows: slice
+    pairs: slice
     recv_tokens: torch.Tensor
     recv_experts: torch.Tensor
     send_rows: list[int]
     recv_rows: list[int]
     send_pairs: list[int]
     recv_pairs: list[int]
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where rows and pairs go in one expert-parallel layer call; all indices on the device.
+
+    This rank's ``T`` tokens are split into ``C`` chunks of ``L = ceil(T / C)`` consecutive
+    tokens (chunk ``c``: tokens ``[c·L, min((c+1)·L, T))``, possibly empty; ``C = 1``: one chunk
+    of all of them), one dispatch and one combine all-to-all each.
+
+    Send side (this rank's ``T`` tokens and ``P`` pairs):
+        send_tokens: ``(S,)`` int64 — source token of each send row; rows grouped by chunk,
+            then by destination rank, tokens ascending within a rank.
+        token_rows: ``(S,)`` int32 — send rows grouped by token (the combine's gather-sum
+            index, as :attr:`RoutingMetadata.token_rows`).
+        token_offsets: ``(T+1,)`` int32 — exclusive prefix sum of send rows per token.
+        pair_order: ``(P,)`` int64 — pairs grouped by chunk, then by destination rank (stable).
+    chunks: the ``C`` :class:`DispatchChunk` s, with the receive side and the host sizes.
+    """
+
+    send_tokens: torch.Tensor
+    token_rows: torch.Tensor
+    token_offsets: torch.Tensor
+    pair_order: torch.Tensor
+    chunks: tuple[DispatchChunk, ...]
     num_tokens: int
     group: object
 
 
 def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
                   num_experts: int, agreed: list[int], group,
-                  placement: Placement | None = None) -> DispatchPlan:
-    """Build the :class:`DispatchPlan` with one count all-to-all and one host read.
+                  placement: Placement | None = None, num_chunks: int = 1) -> DispatchPlan:
+    """Build the :class:`DispatchPlan` with one count all-to-all and one host read, for
+    ``num_chunks`` chunks of ``ceil(T / num_chunks)`` consecutive tokens (the last ones
+    shorter or empty).
 
     ``agreed`` holds this rank's values of :data:`_AGREED`. ``placement``: where experts live
     (``None``: contiguous, expert ``e`` at local index ``e % (E/ep)`` of rank ``e // (E/ep)``).
+    A pair's destination does not depend on the chunking (a replica is chosen from the token's
+    index among all ``T``), so every chunk count sends every pair to the same expert.
 
     Raises:
         ValueError: on every rank, if any rank's indices are out of range or ranks disagree on
@@ -100,43 +127,70 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     # Out-of-range indices are reported collectively after the exchange; clamping keeps the
     # scatters below in bounds until then.
     bad = ((tokens < 0) | (tokens >= num_tokens) | (experts < 0) | (experts >= num_experts)).any()
-    width = max(num_tokens, 1)
-    tokens, experts = tokens.clamp(0, width - 1), experts.clamp(0, num_experts - 1)
+    chunk_len = max(1, -(-num_tokens // num_chunks))
+    width = num_chunks * chunk_len                             # >= T, padded to whole chunks
+    tokens = tokens.clamp(0, max(num_tokens, 1) - 1)
+    experts = experts.clamp(0, num_experts - 1)
     # The slot of each pair: its expert (contiguous) or one of the expert's replicas.
     slots = experts if placement is None else placement.pair_slots(tokens, experts, ep_rank)
     dst = slots // num_local
+    chunk = tokens // chunk_len
     cell = dst * width + tokens                                # (rank, token), rank-major
     mark = torch.zeros(ep_size * width, dtype=torch.int64, device=device).scatter_(0, cell, 1)
-    row_of_cell = torch.cumsum(mark, 0) - 1
-    rows_per_rank = mark.view(ep_size, width).sum(1)
-    pairs_per_rank = torch.zeros(ep_size, dtype=torch.int64, device=device).scatter_add_(
-        0, dst, torch.ones_like(dst))
+    # Send rows in (chunk, rank, token) order, so that each chunk's rows are one contiguous
+    # block, grouped by destination rank as its all-to-all wants them.
+    blocks = mark.view(ep_size, num_chunks, chunk_len)
+    row_of_cell = (torch.cumsum(blocks.transpose(0, 1).flatten(), 0) - 1).view(
+        num_chunks, ep_size, chunk_len).transpose(0, 1).flatten()
+    rows = blocks.sum(2)                                       # (ep, C)
+    bucket = dst * num_chunks + chunk                          # (rank, chunk), rank-major
+    pairs = torch.zeros(ep_size * num_chunks, dtype=torch.int64, device=device).scatter_add_(
+        0, bucket, torch.ones_like(bucket)).view(ep_size, num_chunks)
     send_row = row_of_cell[cell]
-    rank_start = torch.cumsum(rows_per_rank, 0) - rows_per_rank
-    # One int per pair for the receiver: its row within the block sent to that rank, and its
-    # local expert.
-    info = (send_row - rank_start[dst]) * num_local + (slots - dst * num_local)
+    by_chunk = rows.t().flatten()
+    block_start = (torch.cumsum(by_chunk, 0) - by_chunk).view(num_chunks, ep_size).t()
+    # One int per pair for the receiver: its row within the block of its chunk sent to that
+    # rank, and its local expert.
+    info = (send_row - block_start[dst, chunk]) * num_local + (slots - dst * num_local)
 
-    counts = torch.cat([rows_per_rank[:, None], pairs_per_rank[:, None],
+    # Padded to MAX_CHUNKS chunks, so the message has the same size on every rank even when
+    # ranks disagree on num_chunks (which the agreement check then reports).
+    pad = (0, MAX_CHUNKS - num_chunks)
+    counts = torch.cat([torch.nn.functional.pad(rows, pad), torch.nn.functional.pad(pairs, pad),
                         bad.to(torch.int64).expand(ep_size, 1),
                         torch.tensor(agreed, dtype=torch.int64, device=device).expand(ep_size, -1)],
                        dim=1)
     recv = all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
-    host = torch.cat([counts[:, :2].flatten(), recv.flatten()]).tolist()     # the one sync
-    sent, table = host[:2 * ep_size], host[2 * ep_size:]
-    table = [table[i * counts.shape[1]:(i + 1) * counts.shape[1]] for i in range(ep_size)]
+    host = torch.cat([counts[:, :2 * MAX_CHUNKS].flatten(), recv.flatten()]).tolist()  # one sync
+    sent = [host[j * 2 * MAX_CHUNKS:(j + 1) * 2 * MAX_CHUNKS] for j in range(ep_size)]
+    table = host[ep_size * 2 * MAX_CHUNKS:]
+    table = [table[j * counts.shape[1]:(j + 1) * counts.shape[1]] for j in range(ep_size)]
     _check_agreement(table, agreed, ep_rank, num_tokens, num_experts)
-    send_rows, send_pairs = sent[0::2], sent[1::2]
-    recv_rows, recv_pairs = [row[0] for row in table], [row[1] for row in table]
+    # [c][j]: chunk c, group rank j.
+    send_rows = [[sent[j][c] for j in range(ep_size)] for c in range(num_chunks)]
+    send_pairs = [[sent[j][MAX_CHUNKS + c] for j in range(ep_size)] for c in range(num_chunks)]
+    recv_rows = [[table[j][c] for j in range(ep_size)] for c in range(num_chunks)]
+    recv_pairs = [[table[j][MAX_CHUNKS + c] for j in range(ep_size)] for c in range(num_chunks)]
 
-    pair_order = torch.argsort(dst, stable=True)
-    recv_info = all_to_all(info.index_select(0, pair_order), recv_pairs, send_pairs, group)
-    recv_row_start = torch.cumsum(recv[:, 0], 0) - recv[:, 0]
-    source = torch.repeat_interleave(torch.arange(ep_size, device=device), recv[:, 1],
-                                     output_size=sum(recv_pairs))
-    recv_tokens = recv_row_start[source] + recv_info // num_local
+    # One exchange of the pair info for all chunks: it travels rank-major, (rank, chunk).
+    info_order = torch.argsort(bucket, stable=True)
+    recv_info = all_to_all(info.index_select(0, info_order), [sum(p) for p in zip(*recv_pairs)],
+                           [sum(p) for p in zip(*send_pairs)], group)
+    num_recv = recv_info.numel()
+    recv_rows_dev = recv[:, :num_chunks]                       # (source rank, chunk)
+    recv_row_start = torch.cumsum(recv_rows_dev, 0) - recv_rows_dev
+    source_chunk = torch.repeat_interleave(
+        torch.arange(ep_size * num_chunks, device=device),
+        recv[:, MAX_CHUNKS:MAX_CHUNKS + num_chunks].flatten(), output_size=num_recv)
+    source, recv_chunk = source_chunk // num_chunks, source_chunk % num_chunks
+    recv_tokens = (recv_row_start[source, recv_chunk] + recv_info // num_local).to(torch.int32)
+    recv_experts = (recv_info % num_local).to(torch.int32)
+    if num_chunks > 1:
+        # Chunk-major, source rank next: each chunk's pairs in the order of its row blocks.
+        order = torch.argsort(recv_chunk, stable=True)
+        recv_tokens, recv_experts = recv_tokens[order], recv_experts[order]
 
-    num_send = sum(send_rows)
+    num_send = sum(map(sum, send_rows))
     # Pairs of one (rank, token) cell share a row, so duplicate scatter indices write equal
     # values: the result is deterministic.
     send_tokens = torch.zeros(num_send, dtype=torch.int64, device=device).scatter_(
@@ -147,11 +201,21 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
         0, token_major_row.flatten()[cell], send_row.to(torch.int32))
     token_offsets = torch.zeros(num_tokens + 1, dtype=torch.int32, device=device)
     torch.cumsum(token_major.sum(1)[:num_tokens], 0, dtype=torch.int32, out=token_offsets[1:])
+
+    chunks, row, pair, recv_pair = [], 0, 0, 0
+    for c in range(num_chunks):
+        num_rows, num_pairs, num_recv_pairs = sum(send_rows[c]), sum(send_pairs[c]), \
+            sum(recv_pairs[c])
+        received = slice(recv_pair, recv_pair + num_recv_pairs)
+        chunks.append(DispatchChunk(
+            rows=slice(row, row + num_rows), pairs=slice(pair, pair + num_pairs),
+            recv_tokens=recv_tokens[received], recv_experts=recv_experts[received],
+            send_rows=send_rows[c], recv_rows=recv_rows[c], send_pairs=send_pairs[c],
+            recv_pairs=recv_pairs[c]))
+        row, pair, recv_pair = row + num_rows, pair + num_pairs, recv_pair + num_recv_pairs
     return DispatchPlan(
         send_tokens=send_tokens, token_rows=token_rows, token_offsets=token_offsets,
-        pair_order=pair_order, recv_tokens=recv_tokens.to(torch.int32),
-        recv_experts=(recv_info % num_local).to(torch.int32),
-        send_rows=send_rows, recv_rows=recv_rows, send_pairs=send_pairs, recv_pairs=recv_pairs,
+        pair_order=torch.argsort(chunk * ep_size + dst, stable=True), chunks=tuple(chunks),
         num_tokens=num_tokens, group=group)
 
 
@@ -171,13 +235,16 @@ def check_placement(placement, num_experts: int, ep_size: int) -> None:
 
 def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, num_tokens: int,
                      num_experts: int) -> None:
+    """``table[j]``: what group rank ``j`` sent — ``2·MAX_CHUNKS`` counts, its out-of-range
+    flag, then its values of :data:`_AGREED`."""
+    num_counts = 2 * MAX_CHUNKS
     for source, row in enumerate(table):
-        if row[2]:
+        if row[num_counts]:
             where = "this rank" if source == ep_rank else f"EP rank {source}"
             raise ValueError(f"token_idx/expert_idx out of range on {where}: token_idx must be "
                              f"in [0, T) and expert_idx in [0, num_experts={num_experts}) on "
                              f"every rank (this rank has T={num_tokens})")
-        for name, mine, theirs in zip(_AGREED, agreed, row[3:]):
+        for name, mine, theirs in zip(_AGREED, agreed, row[num_counts + 1:]):
             if mine != theirs:
                 if name == "dtype of x":
                     mine, theirs = DTYPE_CODES[mine], DTYPE_CODES[theirs]
@@ -186,7 +253,8 @@ def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, nu
 
 
 class Dispatch(torch.autograd.Function):
-    """``(x (T, d), scores (P,))`` → ``(x_recv (R, d), scores_recv (P_recv,))``.
+    """``(x (T, d), scores (P,))`` → ``(x_recv (R, d), scores_recv (P_recv,))`` for a plan of one
+    chunk (the unchunked path; :mod:`sonic.distributed.overlap` pipelines several).
 
     Backward: the dX partials and score gradients go back to the token's rank; dX is summed
     per token by the aggregation (deterministic). Keeps only the plan (indices, no activations).
@@ -194,30 +262,33 @@ class Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scores, plan: DispatchPlan, aggregate):
+        (chunk,) = plan.chunks
         x_send = x.index_select(0, plan.send_tokens)
-        x_recv = all_to_all(x_send, plan.recv_rows, plan.send_rows, plan.group)
+        x_recv = all_to_all(x_send, chunk.recv_rows, chunk.send_rows, plan.group)
         del x_send
         s_send = scores.index_select(0, plan.pair_order)
-        s_recv = all_to_all(s_send, plan.recv_pairs, plan.send_pairs, plan.group)
+        s_recv = all_to_all(s_send, chunk.recv_pairs, chunk.send_pairs, plan.group)
         ctx.plan, ctx.aggregate = plan, aggregate
         return x_recv, s_recv
 
     @staticmethod
     def backward(ctx, grad_x_recv, grad_s_recv):
         plan = ctx.plan
+        (chunk,) = plan.chunks
         grad_x = grad_scores = None
         # Every rank takes the same branches: _AGREED includes the requires_grad flags.
         if ctx.needs_input_grad[0]:
-            rows = all_to_all(grad_x_recv, plan.send_rows, plan.recv_rows, plan.group)
+            rows = all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows, plan.group)
             grad_x = ctx.aggregate(rows, plan.token_rows, plan.token_offsets, None)
         if ctx.needs_input_grad[1]:
-            g = all_to_all(grad_s_recv, plan.send_pairs, plan.recv_pairs, plan.group)
+            g = all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group)
             grad_scores = torch.empty_like(g).index_copy_(0, plan.pair_order, g)
         return grad_x, grad_scores, None, None
 
 
 class Combine(torch.autograd.Function):
-    """Partial outputs ``(R, d)`` of the received rows → ``(T, d)`` summed per token.
+    """Partial outputs ``(R, d)`` of the received rows → ``(T, d)`` summed per token, for a
+    plan of one chunk.
 
     Backward: dO rows of each send row's token go to the rank that computed the row. Keeps only
     the plan.
@@ -225,21 +296,24 @@ class Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_recv, plan: DispatchPlan, aggregate):
-        rows = all_to_all(y_recv, plan.send_rows, plan.recv_rows, plan.group)
+        (chunk,) = plan.chunks
+        rows = all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group)
         ctx.plan = plan
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
 
     @staticmethod
     def backward(ctx, grad_out):
         plan = ctx.plan
+        (chunk,) = plan.chunks
         rows = grad_out.index_select(0, plan.send_tokens)
-        return all_to_all(rows, plan.recv_rows, plan.send_rows, plan.group), None, None
+        return all_to_all(rows, chunk.recv_rows, chunk.send_rows, plan.group), None, None
 
 
 def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tensor,
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
                    group, num_experts: int, gate_up: str = "concat",
-                   backend: str = "auto", placement: Placement | None = None) -> torch.Tensor:
+                   backend: str = "auto", placement: Placement | None = None,
+                   num_chunks: int = 1) -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -269,6 +343,14 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         placement: a :class:`~sonic.distributed.Placement` for ``ep`` ranks and ``E`` experts
             (the same on every rank), or ``None`` for the contiguous placement; with it
             ``w1_local``/``w2_local`` hold ``slots_per_rank`` experts.
+        num_chunks: ``C`` in ``[1, MAX_CHUNKS = 16]``, the same on every rank. ``C > 1`` splits
+            this rank's tokens into ``C`` chunks of ``ceil(T/C)`` consecutive tokens and
+            pipelines them (:mod:`sonic.distributed.overlap`): the all-to-alls of one chunk
+            run on a communication stream while the local experts of another run, forward
+            and backward. Routing, the plan, its count exchange and its host read stay one per
+            call; a pair goes to the same expert (replica) for every ``C``, so the result
+            equals ``C = 1`` up to the order in which the weight gradients of the chunks are
+            summed. ``C = 1`` (default): the unchunked path.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -284,9 +366,12 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         * the :class:`DispatchPlan`: ``O(S + P + P_recv + T)`` int indices and the host split
           sizes, so backward needs no count exchange and no host synchronisation.
         Not kept: x, the sent rows, the partial outputs, Y.
+        With ``C > 1`` the same, per chunk: chunk ``c``'s received rows ``(R_c, d)``, its
+        ``H``, scores and metadata, with ``Σ_c R_c = R`` — the same total — plus each chunk's
+        small autograd graph of the local experts (its output edge, not the output).
 
-    Synchronisation: one device→host read per call (the split sizes); every collective waits at
-    most the process group's timeout.
+    Synchronisation: one device→host read per call (the split sizes, of all chunks); every
+    collective waits at most the process group's timeout.
 
     Raises:
         TypeError: a wrong type or dtype (as :func:`sonic.moe_experts`).
@@ -294,16 +379,17 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             size, ``w1_local`` not holding ``E/ep`` experts, unknown ``gate_up``/``backend``;
             raised on this rank before any collective, so other ranks wait until the process
             group's timeout. Out-of-range indices on any rank, or ranks disagreeing on ``d``,
-            ``n``, ``E``, the dtype or grad mode and which inputs require grad (backward's
-            collectives depend on them): raised on *every*
-            rank after the count exchange. With a ``placement``: one for other than ``ep`` ranks
+            ``n``, ``E``, ``num_chunks``, the dtype or grad mode and which inputs require grad
+            (backward's collectives depend on them): raised on *every* rank after the count
+            exchange. With a ``placement``: one for other than ``ep`` ranks
             or ``E`` experts, or ``w1_local`` not holding ``slots_per_rank`` experts (this
             rank); ranks holding different placements (every rank).
         TypeError: ``placement`` not a :class:`~sonic.distributed.Placement` or ``None``.
         RuntimeError: ``torch.distributed`` not initialised, or a collective timed out.
 
     Sources: MetaShuffling (PyTorch blog, 2025) for the on-device counts with one host sync;
-    SonicMoE (arXiv 2512.14080) for the local expert computation.
+    SonicMoE (arXiv 2512.14080) for the local expert computation; Comet (arXiv 2502.19811)
+    for overlapping the all-to-alls with it, here at chunk granularity.
     """
     check_float("x", x, ndim=2)
     check_float("w1_local", w1_local, ndim=3)
@@ -312,6 +398,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_index("token_idx", token_idx)
     check_index("expert_idx", expert_idx)
     check_int("num_experts", num_experts, low=1)
+    check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
     check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
                       token_idx=token_idx, expert_idx=expert_idx)
@@ -342,14 +429,18 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     ops = expert_ops(backend, x.device)
     agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
               *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
-              0 if placement is None else placement.fingerprint()]
+              0 if placement is None else placement.fingerprint(), num_chunks]
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
-                         placement)
+                         placement, num_chunks)
+    if num_chunks > 1:
+        return ChunkedExperts.apply(x, scores, w1_local, w2_local, plan, num_local, gate_up,
+                                    backend, ops.aggregate)
+    (chunk,) = plan.chunks
     x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)
     # The pairs were built here from range-checked indices: no second check (a host read).
-    local = Routing(plan.recv_tokens, plan.recv_experts, scores_recv, sum(plan.recv_rows),
+    local = Routing(chunk.recv_tokens, chunk.recv_experts, scores_recv, sum(chunk.recv_rows),
                     num_local, validated=True)
-    y_recv = moe_experts(x_recv, w1_local, w2_local, scores_recv, plan.recv_tokens,
-                         plan.recv_experts, gate_up=gate_up, backend=backend,
+    y_recv = moe_experts(x_recv, w1_local, w2_local, scores_recv, chunk.recv_tokens,
+                         chunk.recv_experts, gate_up=gate_up, backend=backend,
                          metadata=routing_metadata(local, backend=backend))
     return Combine.apply(y_recv, plan, ops.aggregate)

@@ -10,7 +10,8 @@ from torch import nn
 
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
-from sonic.distributed.experts import check_placement, ep_moe_experts
+from sonic._validation import check_int
+from sonic.distributed.experts import MAX_CHUNKS, check_placement, ep_moe_experts
 from sonic.distributed.token_rounding import ep_token_rounding_routing
 from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
@@ -45,6 +46,10 @@ class ExpertParallelMoE(MoE):
         placement: an EPLB :class:`~sonic.distributed.Placement` (from
             :func:`~sonic.distributed.plan_placement`) for ``ep`` ranks and ``E`` experts, the
             same on every rank; ``None`` (default): the contiguous placement above.
+        num_chunks: ``C`` in ``[1, 16]``, the same on every rank: split this rank's tokens
+            into ``C`` chunks whose all-to-alls overlap the expert computation of the
+            neighbouring chunks (:mod:`sonic.distributed.overlap`); ``1`` (default): no
+            chunking. The attribute :attr:`num_chunks` may be changed between calls.
 
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
     ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``; with a placement
@@ -82,7 +87,7 @@ class ExpertParallelMoE(MoE):
                  tile: int = 128, rounding: str = "nearest",
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
                  backend: str = "auto", device=None, dtype=None,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, num_chunks: int = 1):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
@@ -94,8 +99,10 @@ class ExpertParallelMoE(MoE):
         elif num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
                              f"{self.ep_size} (the size of group)")
+        check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
         self.group = group
         self.placement = placement
+        self.num_chunks = num_chunks
         self.expert_load: ExpertLoad | None = None
         self.num_local_experts = (num_experts // self.ep_size if placement is None
                                   else placement.slots_per_rank)
@@ -154,11 +161,12 @@ class ExpertParallelMoE(MoE):
             reduce_replica_grads([self.w1, self.w2], self.placement, self.group)
 
     @classmethod
-    def from_moe(cls, moe: MoE, *, group=None,
-                 placement: Placement | None = None) -> "ExpertParallelMoE":
+    def from_moe(cls, moe: MoE, *, group=None, placement: Placement | None = None,
+                 num_chunks: int = 1) -> "ExpertParallelMoE":
         """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
         its router and experts ``ep_rank·E/ep …`` copied — or, with a ``placement``, the
-        experts of this rank's slots. Collective, like the constructor.
+        experts of this rank's slots. Collective, like the constructor; ``num_chunks`` as
+        there.
 
         Raises:
             ValueError: as the constructor.
@@ -167,7 +175,8 @@ class ExpertParallelMoE(MoE):
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
                     tile=moe.tile, rounding=moe.rounding,
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
-                    device=moe.w1.device, dtype=moe.w1.dtype, placement=placement)
+                    device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
+                    num_chunks=num_chunks)
         if placement is None:
             experts = slice(layer.ep_rank * layer.num_local_experts,
                             (layer.ep_rank + 1) * layer.num_local_experts)
@@ -197,13 +206,15 @@ class ExpertParallelMoE(MoE):
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
                               routing.token_idx, routing.expert_idx, group=self.group,
                               num_experts=self.num_experts, gate_up=self.gate_up,
-                              backend=self.backend, placement=self.placement)
+                              backend=self.backend, placement=self.placement,
+                              num_chunks=self.num_chunks)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
                 f"local_experts={self.num_local_experts}"
-                + ("" if self.placement is None else ", placement=EPLB"))
+                + ("" if self.placement is None else ", placement=EPLB")
+                + ("" if self.num_chunks == 1 else f", num_chunks={self.num_chunks}"))
 
 
 def _decode(name: str, code: int):

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "experts, data parallel over the W/N groups; N must divide W and "
                         "--experts. --batch-size is per rank. Under torchrun with --ep 1: "
                         "data parallel only")
+    p.add_argument("--ep-chunks", type=_positive_int, default=d.ep_chunks, metavar="C",
+                   help="with --ep > 1: split every MoE layer's tokens into C chunks whose "
+                        "all-to-alls overlap the expert computation of the other chunks "
+                        "(forward and backward; at most 16). 1 = no chunking, the default "
+                        "until GPU measurements (benchmarks/bench_ep.py) pick a better one")
     p.add_argument("--save", metavar="PATH", default=None,
                    help="write a checkpoint (model, optimizer, step, config, sampler state; "
                         "torch.save) at the end, after --stop-after and every --save-every "

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
+from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
 from sonic.train.model import ByteMoELM
@@ -39,7 +40,9 @@ class TrainConfig:
     every `sonic.MoE` layer. ``steps`` is the length of the whole run (the learning-rate
     schedule spans it), also when it is resumed from a checkpoint. ``ep`` is the expert-parallel
     size under ``torchrun`` (see :mod:`sonic.train.parallel`): ``batch_size`` is then per rank,
-    the global batch ``WORLD_SIZE·batch_size`` windows.
+    the global batch ``WORLD_SIZE·batch_size`` windows; ``ep_chunks`` the ``num_chunks`` of
+    every `sonic.distributed.ExpertParallelMoE` (all-to-alls overlapped with the experts of
+    other chunks; no effect with ``ep = 1``).
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -69,10 +72,11 @@ class TrainConfig:
     backend: str = "auto"
     seed: int = 0
     ep: int = 1
+    ep_chunks: int = 1
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "experts",
-                    "top_k", "d_expert", "tile", "eval_batches", "ep")
+                    "top_k", "d_expert", "tile", "eval_batches", "ep", "ep_chunks")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -86,6 +90,8 @@ class TrainConfig:
             raise ValueError(f"router: {self.router!r} is not supported with --ep > 1 yet "
                              f"(token rounding across EP ranks is not implemented); use "
                              f"--router topk")
+        if self.ep_chunks > MAX_CHUNKS:
+            raise ValueError(f"ep_chunks: expected at most {MAX_CHUNKS}, got {self.ep_chunks}")
         if self.d_model % self.heads:
             raise ValueError(f"d_model: expected a multiple of heads={self.heads}, "
                              f"got {self.d_model}")
@@ -161,7 +167,8 @@ def _activation_mib(model: ByteMoELM, inputs: torch.Tensor) -> float:
 
 CHECKPOINT_VERSION = 1
 # Fields a resumed run may change; every other one must match the checkpoint's.
-_RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device")
+# ep_chunks only reorders the sums of expert weight gradients: a run may resume with another.
+_RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunks")
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
@@ -292,7 +299,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                       aux_loss_coef=config.aux_loss_coef, backend=config.backend,
                       device=device, dtype=dtype)
     if par.ep > 1:
-        model.shard_experts(par.ep_group)
+        model.shard_experts(par.ep_group, num_chunks=config.ep_chunks)
     parallel.broadcast_replicated(model, par)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)

@@ -99,15 +99,16 @@ class ByteMoELM(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * num_layers) ** 0.5)
 
-    def shard_experts(self, group) -> None:
+    def shard_experts(self, group, num_chunks: int = 1) -> None:
         """Expert parallelism: replace every block's `sonic.MoE` by its share on this rank of
         ``group``, a `sonic.distributed.ExpertParallelMoE` (router and experts
-        ``ep_rank·E/ep …`` copied). Collective over ``group``; the model must be the same on
-        every rank of it (same seed)."""
+        ``ep_rank·E/ep …`` copied) with ``num_chunks`` pipelined chunks. Collective over
+        ``group``; the model must be the same on every rank of it (same seed)."""
         from sonic.distributed import ExpertParallelMoE
 
         for block in self.blocks:
-            block.moe = ExpertParallelMoE.from_moe(block.moe, group=group)
+            block.moe = ExpertParallelMoE.from_moe(block.moe, group=group,
+                                                   num_chunks=num_chunks)
 
     @property
     def moe_layers(self) -> list[MoE]:

@@ -1,0 +1,269 @@
+"""Chunked expert parallelism (``num_chunks=C``) on CPU: gloo groups of 2 and 4 spawned ranks.
+
+Every case runs the same fp64 problem with ``C = 1`` (the unchunked path) and ``C = 2, 3, 4``
+(the pipelined path, sequential on the CPU) and compares the outputs and every gradient: the
+chunking only reorders the sums of the weight gradients over chunks, so they agree within
+1e-12. The ``C = 1`` results themselves are compared with single-process sonic by
+``tests/test_distributed.py``; here one case per kind is also compared with it directly.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sonic
+from sonic.distributed import (MAX_CHUNKS, ExpertParallelMoE, Placement, ep_moe_experts,
+                               plan_placement, reduce_replica_grads)
+from test_distributed import D, N, _catch, _pairs, _pairs_problem, _rel, _spawn
+
+TOL = 1e-12
+CHUNKS = (2, 3, 4)
+
+
+def _layer_run(full, x_local, grad_local, num_chunks, placement=None):
+    """Output and gradients (x, router summed over ranks, w1, w2) of this rank's share of
+    ``full`` with ``num_chunks`` chunks."""
+    layer = ExpertParallelMoE.from_moe(full, placement=placement, num_chunks=num_chunks)
+    x = x_local.clone().requires_grad_()
+    out = layer(x)
+    (out * grad_local).sum().backward()
+    if placement is not None:
+        layer.reduce_replica_grads()
+    gate = layer.gate.weight.grad.clone()
+    dist.all_reduce(gate)
+    return [out.detach(), x.grad, gate, layer.w1.grad, layer.w2.grad]
+
+
+def _compare(runs):
+    """Worst relative difference of each chunked run from the C = 1 run."""
+    base = runs[1]
+    return max(_rel(a, b) for c in CHUNKS for a, b in zip(runs[c], base))
+
+
+# name: (tokens on rank r, E, K, router, what the routing is forced to)
+LAYER_CASES = {
+    "topk_ragged": (lambda r: 7 + 5 * r, 8, 2, "topk", None),
+    "topk_tokens_1": (lambda r: 1, 8, 2, "topk", None),        # C > T: empty chunks
+    "topk_empty_expert": (lambda r: 9 + r, 8, 2, "topk", "empty_expert"),
+    "topk_rank_gets_nothing": (lambda r: 10, 8, 3, "topk", "last_rank"),
+    "topk_rank_without_tokens": (lambda r: 0 if r == 1 else 11, 8, 2, "topk", None),
+    "token_rounding": (lambda r: 12 + 3 * r, 8, 2, "token_rounding", None),
+    "token_rounding_rank_without_tokens": (lambda r: 0 if r == 0 else 13, 8, 2,
+                                           "token_rounding", None),
+}
+
+
+def _layer_problem(world, name, seed):
+    tokens_of, num_experts, top_k, router, forced = LAYER_CASES[name]
+    torch.manual_seed(seed)
+    full = sonic.MoE(D, N, num_experts, top_k, router=router, tile=4, backend="torch",
+                     dtype=torch.float64)
+    counts = [tokens_of(r) for r in range(world)]
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    if forced is not None:
+        # Feature 0 is positive for every token; a large negative router weight on it keeps
+        # the avoided experts out of every token's top K.
+        x_full[:, 0] = x_full[:, 0].abs() + 1
+        local = num_experts // world
+        avoided = [1] if forced == "empty_expert" else list(range(num_experts - local,
+                                                                   num_experts))
+        with torch.no_grad():
+            full.gate.weight[avoided, 0] = -10.0
+    return full, counts, x_full, grad_full
+
+
+def _layer_case(rank, world, name, seed):
+    full, counts, x_full, grad_full = _layer_problem(world, name, seed)
+    lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    runs = {c: _layer_run(full, x_full[lo:hi], grad_full[lo:hi], c) for c in (1, *CHUNKS)}
+    result = {"vs_unchunked": _compare(runs)}
+    # C = 4 against single-process sonic on the concatenated batch.
+    x_ref = x_full.clone().requires_grad_()
+    (full(x_ref) * grad_full).sum().backward()
+    out, dx, gate, _, _ = runs[4]
+    result["vs_single_process"] = max(_rel(out, full(x_full).detach()[lo:hi]),
+                                      _rel(dx, x_ref.grad[lo:hi]),
+                                      _rel(gate, full.gate.weight.grad))
+    return result
+
+
+def _eplb_case(rank, world, seed):
+    """The layer with a planned replicated-expert placement (hot experts 0 and 1)."""
+    num_experts, top_k = 8, 2
+    torch.manual_seed(seed)
+    full = sonic.MoE(D, N, num_experts, top_k, backend="torch", dtype=torch.float64)
+    counts = [9 + 2 * r for r in range(world)]
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    grad_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
+    x_full[:, 0] = x_full[:, 0].abs() + 1
+    with torch.no_grad():
+        full.gate.weight[0, 0], full.gate.weight[1, 0] = 3.0, 1.0
+    load = torch.bincount(full.route(full.gate(x_full)).expert_idx.long(),
+                          minlength=num_experts)
+    placement = plan_placement(load, world, num_experts // world + 1)
+    lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    runs = {c: _layer_run(full, x_full[lo:hi], grad_full[lo:hi], c, placement)
+            for c in (1, *CHUNKS)}
+    return {"vs_unchunked": _compare(runs),
+            "replicas": int(placement.replica_counts().max())}
+
+
+def _pairs_case(rank, world, seed, placement_kind):
+    """``ep_moe_experts`` on hand-built ragged pairs (tokens with 0..E experts), with the
+    contiguous placement or a hand placement holding extra replicas of expert 0."""
+    num_experts = 8
+    local = num_experts // world
+    placement = None
+    if placement_kind == "replicated":
+        slot_expert = torch.cat([torch.cat([torch.arange(r * local, (r + 1) * local),
+                                            torch.tensor([0])]) for r in range(world)])
+        placement = Placement(slot_expert, world, local + 1, num_experts)
+    g = torch.Generator().manual_seed(seed)
+    counts = [6 + 3 * r for r in range(world)]
+    per_rank = [_pairs(g, c, torch.arange(num_experts)) for c in counts]
+    (x_full, w1, w2, scores_full, grad_full, tok_full, exp_full,
+     lo, p_lo, tok, exp) = _pairs_problem(g, counts, per_rank, num_experts, rank)
+    mine = (slice(rank * local, (rank + 1) * local) if placement is None
+            else placement.rank_experts(rank))
+    runs = {}
+    for c in (1, *CHUNKS):
+        x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+        s = scores_full[p_lo:p_lo + len(tok)].clone().requires_grad_()
+        w1_local = w1[mine].clone().requires_grad_()
+        w2_local = w2[mine].clone().requires_grad_()
+        out = ep_moe_experts(x, w1_local, w2_local, s, tok, exp, group=None,
+                             num_experts=num_experts, backend="torch", placement=placement,
+                             num_chunks=c)
+        (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+        if placement is not None:
+            reduce_replica_grads([w1_local, w2_local], placement)
+        runs[c] = [out.detach(), x.grad, s.grad, w1_local.grad, w2_local.grad]
+    ref_in = [t.clone().requires_grad_() for t in (x_full, w1, w2, scores_full)]
+    out_ref = sonic.moe_experts(*ref_in, tok_full, exp_full, backend="torch")
+    (out_ref * grad_full).sum().backward()
+    out, dx, ds, dw1, dw2 = runs[3]
+    return {"vs_unchunked": _compare(runs),
+            "vs_single_process": max(_rel(out, out_ref.detach()[lo:lo + counts[rank]]),
+                                     _rel(dx, ref_in[0].grad[lo:lo + counts[rank]]),
+                                     _rel(ds, ref_in[3].grad[p_lo:p_lo + len(tok)]),
+                                     _rel(dw1, ref_in[1].grad[mine]),
+                                     _rel(dw2, ref_in[2].grad[mine]))}
+
+
+def _partial_grads_case(rank, world, seed):
+    """Only some inputs require grad (x and w2; scores and w1 frozen), a second backward of a
+    retained graph, and a call under no_grad."""
+    num_experts = 8
+    local = num_experts // world
+    g = torch.Generator().manual_seed(seed)
+    counts = [8 + r for r in range(world)]
+    per_rank = [_pairs(g, c, torch.arange(num_experts)) for c in counts]
+    (x_full, w1, w2, scores_full, grad_full, _, _, lo, p_lo, tok, exp) = _pairs_problem(
+        g, counts, per_rank, num_experts, rank)
+    mine = slice(rank * local, (rank + 1) * local)
+    runs = {}
+    for c in (1, *CHUNKS):
+        x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
+        w2_local = w2[mine].clone().requires_grad_()
+        out = ep_moe_experts(x, w1[mine], w2_local, scores_full[p_lo:p_lo + len(tok)], tok,
+                             exp, group=None, num_experts=num_experts, backend="torch",
+                             num_chunks=c)
+        loss = (out * grad_full[lo:lo + counts[rank]]).sum()
+        loss.backward(retain_graph=True)
+        first = [x.grad.clone(), w2_local.grad.clone()]
+        loss.backward()                      # the retained graph again: gradients double
+        with torch.no_grad():
+            plain = ep_moe_experts(x, w1[mine], w2_local, scores_full[p_lo:p_lo + len(tok)],
+                                   tok, exp, group=None, num_experts=num_experts,
+                                   backend="torch", num_chunks=c)
+        runs[c] = [out.detach(), plain, *first, x.grad / 2, w2_local.grad / 2]
+    return {"vs_unchunked": _compare(runs),
+            "retained_twice": max(_rel(a, b) for a, b in zip(runs[4][2:4], runs[4][4:6])),
+            "no_grad_equal": _rel(runs[4][1], runs[4][0])}
+
+
+def _error_case(rank, world):
+    x = torch.randn(3, D, dtype=torch.float64)
+    tok, exp = torch.tensor([0, 1, 2]), torch.tensor([0, 3, 1])
+    s = torch.rand(3, dtype=torch.float64)
+    w1 = torch.randn(4 // world, 2 * N, D, dtype=torch.float64)
+    w2 = torch.randn(4 // world, D, N, dtype=torch.float64)
+
+    def call(num_chunks):
+        return ep_moe_experts(x, w1, w2, s, tok, exp, group=None, num_experts=4,
+                              backend="torch", num_chunks=num_chunks)
+
+    return {"disagree": _catch(lambda: call(2 + rank)),
+            "too_many": _catch(lambda: call(MAX_CHUNKS + 1)),
+            "layer_zero": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, num_chunks=0))}
+
+
+def _all_cases(rank, world):
+    results = {}
+    for seed, name in enumerate(LAYER_CASES):
+        results[name] = _layer_case(rank, world, name, 300 + seed)
+    results["eplb_layer"] = _eplb_case(rank, world, 320)
+    results["pairs"] = _pairs_case(rank, world, 330, "contiguous")
+    results["pairs_replicated"] = _pairs_case(rank, world, 331, "replicated")
+    results["partial_grads"] = _partial_grads_case(rank, world, 340)
+    results["errors"] = _error_case(rank, world)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"ep{w}")
+def chunked(request, tmp_path_factory):
+    world = request.param
+    return world, _spawn(world, _all_cases, tmp_path_factory.mktemp(f"chunks{world}"),
+                         timeout=240)
+
+
+CASES = [*LAYER_CASES, "eplb_layer", "pairs", "pairs_replicated", "partial_grads"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_equals_unchunked(chunked, case):
+    """Output and gradients with C = 2, 3, 4 equal C = 1 (and single-process sonic)."""
+    world, results = chunked
+    for rank, result in enumerate(results):
+        r = result[case]
+        assert r["vs_unchunked"] <= TOL, (rank, r)
+        for key in ("vs_single_process", "retained_twice", "no_grad_equal"):
+            assert r.get(key, 0.0) <= 1e-10, (rank, key, r)
+        if case == "eplb_layer":
+            assert r["replicas"] >= 2
+
+
+def test_chunk_count_errors(chunked):
+    world, results = chunked
+    for rank, result in enumerate(results):
+        errors = result["errors"]
+        assert "EP ranks disagree on num_chunks" in errors["disagree"], (rank, errors)
+        assert f"num_chunks must be in [1, {MAX_CHUNKS}]" in errors["too_many"]
+        assert "num_chunks must be in [1, 16], got 0" in errors["layer_zero"]
+
+
+# --- the weak-scaling benchmark, smoke-tested on CPU ranks --------------------------------------
+
+def _bench_smoke(rank, world):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_ep.py"
+    spec = importlib.util.spec_from_file_location("bench_ep", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,3"]), torch.device("cpu"))
+
+
+def test_benchmark_smoke(tmp_path):
+    """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement is there, the
+    EP layer matches one process for each chunk count, and the ranks agree on the summary."""
+    r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=60)
+    assert r0 == r1
+    assert r0["ok"] and r0["max_rel_error"] < 1e-5
+    assert set(r0["ms"]) == {"1gpu", "ep1", "compute1", "ep3", "compute3", "a2a"}
+    assert all(t > 0 for m in r0["ms"].values() for t in m.values())
+    assert set(r0["hidden"]) == {f"C={c} {p}" for c in (1, 3) for p in ("fwd", "step")}
