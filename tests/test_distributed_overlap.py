@@ -288,15 +288,24 @@ def _bench_smoke(rank, world):
     spec = importlib.util.spec_from_file_location("bench_ep", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,3"]), torch.device("cpu"))
+    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2"]), torch.device("cpu"))
 
 
 def test_benchmark_smoke(tmp_path):
     """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement is there, the
-    EP layer matches one process for each chunk count, and the ranks agree on the summary."""
-    r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=60)
+    EP layer matches one process for each chunk count, the ranks agree on the summary, and
+    rank 0's phase timelines name every phase of both paths."""
+    r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=120)
     assert r0 == r1
     assert r0["ok"] and r0["max_rel_error"] < 1e-5
-    assert set(r0["ms"]) == {"1gpu", "ep1", "compute1", "ep3", "compute3", "a2a"}
+    runs = ["C=1", "C=2", "C=2 m=8", "C=2 m=16"]
+    assert set(r0["ms"]) == {"1gpu", "a2a", *(f"{k} {r}" for k in ("ep", "compute") for r in runs)}
     assert all(t > 0 for m in r0["ms"].values() for t in m.values())
-    assert set(r0["hidden"]) == {f"C={c} {p}" for c in (1, 3) for p in ("fwd", "step")}
+    assert set(r0["hidden"]) == {f"{r} {p}" for r in runs for p in ("fwd", "step")}
+    phases = {c: {row[0] for row in rows} for c, rows in r0["phases_rank0"].items()}
+    assert set(phases) == {1, 2}
+    common = {"plan exchanges (counts, pairs)", "dispatch a2a", "local experts fwd",
+              "combine a2a", "per-token sum", "dO a2a (combine bwd)",
+              "dX/ds a2a (dispatch bwd)", "forward", "backward"}
+    assert phases[1] == common, phases[1]
+    assert phases[2] == common | {"activation grads (dH, dX, ds)", "weight grads (dW1, dW2)"}

@@ -206,24 +206,12 @@ class ChunkedExperts(torch.autograd.Function):
                 streams.wait(arrived)
                 if c + 1 < len(plan.chunks):
                     arrived = send_grad_out(c + 1)
-                m, pairs = metadata[c], pairs_at[c]
-                row_scores = s_recv[pairs].index_select(0, m.sorted_pairs).to(
-                    _acc(x_recv.dtype))
-                dh, _, ds_rows = _dh_dswiglu(
-                    grad_y[rows_at[c]], w2, m.expert_offsets, m.gather_idx, h[pairs],
-                    row_scores, ctx.gate_up, backend, overwrite_h=not keep,
-                    a_out=a_scaled[pairs] if need_w2 else None)
-                if need_w1 and dh.data_ptr() != dh_all[pairs].data_ptr():
-                    dh_all[pairs].copy_(dh)      # the reference, or a kept graph
-                grad_s_recv = ds_rows.index_select(0, m.pair_rows).to(s_recv.dtype) \
-                    if need_s else None
-                grad_x_recv = None
-                if need_x:
-                    dx_rows = torch.ops.sonic.grouped_mm(dh, w1, m.expert_offsets, None, backend)
-                    grad_x_recv = torch.ops.sonic.aggregate(dx_rows, m.token_rows,
-                                                            m.token_offsets, None, backend)
-                    del dx_rows
-                del dh, ds_rows
+                pairs = pairs_at[c]
+                grad_x_recv, grad_s_recv = _activation_grads(
+                    grad_y[rows_at[c]], w1, w2, h[pairs], s_recv[pairs], metadata[c],
+                    ctx.gate_up, backend, need_x, need_s, overwrite_h=not keep,
+                    a_out=a_scaled[pairs] if need_w2 else None,
+                    dh_out=dh_all[pairs] if need_w1 else None)
                 # Every rank takes the same branches: the requires_grad flags are agreed.
                 touched = [t for t in (grad_x_recv, grad_s_recv, grad_rows, grad_s_sent)
                            if t is not None]
@@ -235,16 +223,9 @@ class ChunkedExperts(torch.autograd.Function):
                         all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group,
                                    out=grad_s_sent[chunk.pairs])
                 del grad_x_recv, grad_s_recv, touched
-            grad_w1 = grad_w2 = None
-            if need_w2:
-                grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(
-                    grad_y, a_scaled, weights.expert_offsets, weights.row_idx,
-                    weights.chunk_pos, backend)
-            del a_scaled, grad_y
-            if need_w1:
-                grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(
-                    dh_all, x_recv, weights.expert_offsets, weights.chunk_pos,
-                    weights.row_idx, backend)
+            grad_w1, grad_w2 = _weight_grads(grad_y, a_scaled, dh_all, x_recv, weights,
+                                             backend)
+            del a_scaled, grad_y, dh_all
         streams.wait(streams.event())
         grad_x = grad_scores = None
         if need_x:
@@ -253,6 +234,41 @@ class ChunkedExperts(torch.autograd.Function):
             grad_scores = torch.empty_like(grad_s_sent).index_copy_(0, plan.pair_order,
                                                                     grad_s_sent)
         return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None, None
+
+
+def _activation_grads(grad_y, w1, w2, h, scores, m, gate_up, backend, need_x, need_s, *,
+                      overwrite_h, a_out, dh_out):
+    """One chunk's expert backward without the weight gradients: the dH kernel (dH into
+    ``dh_out`` when given, A' into ``a_out``), then ``(dX of the received rows or None, score
+    gradients or None)``. The steps of sonic's expert backward (:mod:`sonic.ops`)."""
+    row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(grad_y.dtype))
+    dh, _, ds_rows = _dh_dswiglu(grad_y, w2, m.expert_offsets, m.gather_idx, h, row_scores,
+                                 gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
+    if dh_out is not None and dh.data_ptr() != dh_out.data_ptr():
+        dh_out.copy_(dh)            # the reference, or a kept graph: dH not written over H
+    grad_s = ds_rows.index_select(0, m.pair_rows).to(scores.dtype) if need_s else None
+    grad_x = None
+    if need_x:
+        dx_rows = torch.ops.sonic.grouped_mm(dh, w1, m.expert_offsets, None, backend)
+        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None,
+                                           backend)
+    return grad_x, grad_s
+
+
+def _weight_grads(grad_y, a_scaled, dh, x_recv, weights, backend):
+    """``(dW1 or None, dW2 or None)`` over the received pairs of all chunks: one varlen-K GEMM
+    per weight, its operands gathered by ``weights`` (:class:`_WeightGradIndex`); ``a_scaled``
+    / ``dh`` None when that gradient is not needed."""
+    grad_w1 = grad_w2 = None
+    if a_scaled is not None:
+        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_y, a_scaled, weights.expert_offsets,
+                                                      weights.row_idx, weights.chunk_pos,
+                                                      backend)
+    if dh is not None:
+        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x_recv, weights.expert_offsets,
+                                                      weights.chunk_pos, weights.row_idx,
+                                                      backend)
+    return grad_w1, grad_w2
 
 
 def _received_slices(plan: DispatchPlan) -> tuple[list[slice], list[slice]]:
