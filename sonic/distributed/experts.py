@@ -349,8 +349,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             run on a communication stream while the local experts of another run, forward
             and backward. Routing, the plan, its count exchange and its host read stay one per
             call; a pair goes to the same expert (replica) for every ``C``, so the result
-            equals ``C = 1`` up to the order in which the weight gradients of the chunks are
-            summed. ``C = 1`` (default): the unchunked path. With ``C > 1`` each chunk's
+            equals ``C = 1`` up to the order in which the weight gradients accumulate rows. ``C = 1`` (default): the unchunked path. With ``C > 1`` each chunk's
             backward computes only activation gradients; dW1 and dW2 are computed once over
             all chunks' rows.
         comm_sm_margin: SMs that the grouped GEMMs of the chunked pipeline (``C > 1``) leave
@@ -372,9 +371,9 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         * the :class:`DispatchPlan`: ``O(S + P + P_recv + T)`` int indices and the host split
           sizes, so backward needs no count exchange and no host synchronisation.
         Not kept: x, the sent rows, the partial outputs, Y.
-        With ``C > 1`` the same, per chunk: chunk ``c``'s received rows ``(R_c, d)``, its
-        ``H``, scores and metadata, with ``Σ_c R_c = R`` — the same total — plus each chunk's
-        small autograd graph of the local experts (its output edge, not the output).
+        With ``C > 1`` the same totals, in one buffer each (chunk ``c``'s ``R_c`` rows and
+        its pairs at their offsets), with per-chunk metadata; backward adds A' ``(P_recv, n)``
+        of all chunks until the weight gradients.
 
     Synchronisation: one device→host read per call (the split sizes, of all chunks); every
     collective waits at most the process group's timeout.
