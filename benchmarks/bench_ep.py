@@ -17,17 +17,35 @@ experts over all ranks. Every rank builds the same single-process :class:`sonic.
 1. ``1gpu``: the single-process layer (all ``E`` experts) on this rank's ``T`` tokens — the
    same tokens per GPU — timed on every rank at once, independently.
 2. ``ep C=c``: the EP layer with ``num_chunks=c`` for each ``--chunks`` value.
-3. ``compute-only C=c``: the same EP step with every data all-to-all (rows, scores, their
-   gradients) replaced by a local copy of the same size; the count and pair-index exchanges of
-   the plan stay real. ``exposed = t_ep − t_compute_only`` is the communication left on the
-   critical path.
+3. ``compute-only C=c``: the same EP step with no data movement at all: every data
+   all-to-all (rows, scores, their gradients) is skipped. A call that allocates its receive
+   buffer gets a preallocated one of the right size holding the rows of a one-time real
+   exchange (recorded per ``C``); a call that receives into a caller's buffer (``out=``) leaves
+   it as it is — the caching allocator hands the same blocks every step, so it holds an earlier
+   step's rows; the kernels' time does not depend on the values. The count and pair-index
+   exchanges of the plan stay real (they are not what the pipeline hides).
+   ``exposed = t_ep − t_compute_only`` is the communication time left on the critical path.
+   ``--sm-margins`` (default 0,8,16) repeats ``ep`` and ``compute-only`` for ``C = 2`` with
+   the grouped GEMMs leaving that many SMs free (``comm_sm_margin``).
 4. ``a2a alone``: the data all-to-alls of one unchunked step (the sizes recorded from a real
    step: rows and scores out, partial outputs back; in backward dO rows out, dX rows and score
    gradients back), back to back, no compute; bus bandwidth = bytes sent per rank ×
    (ep−1)/ep / time (nccl-tests' all-to-all convention).
 
 Derived: weak-scaling efficiency ``t_1gpu / t_ep`` and hidden fraction
-``1 − exposed / t_a2a_alone``, for the forward and for the step (forward + backward).
+``hidden = 1 − exposed / t_a2a_alone``: 0 when the step takes compute plus all the
+communication, 1 when the communication costs nothing on top of the compute (negative: the
+chunked schedule costs more than it hides), for the forward and the step (forward + backward).
+It is meaningful because compute-only moves no data (a local copy of every message, the
+previous definition, costs about as much as the NVLink all-to-all itself).
+
+5. ``phases``: on rank 0, one EP step for ``C = 1`` and for the fastest ``C > 1``, timed per
+   phase with CUDA events on the stream each phase runs on (comm or compute): the plan's
+   exchanges, dispatch, local experts, combine, the per-token sum; in backward the dO rows
+   (combine's backward), the chunked path's per-chunk activation gradients and its one
+   weight-gradient step, the dX rows and score gradients (dispatch's backward). Printed as a
+   timeline (start and duration from the step's start) and summed per phase; for ``C = 1``
+   the expert backward is the gap between the dO and the dX all-to-alls.
 
 Timing: a step is one forward + backward with a fixed random dO, all gradients set to None
 before it; before every repetition the L2 is flushed and the ranks meet at a barrier; then
@@ -45,6 +63,7 @@ Rank 0 prints a table and one JSON line. Importable without a GPU (nothing runs 
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -71,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", default=None,
                         help=f"T (per rank),d,n,E,K (default {THIRTY_B}; --smoke: {SMOKE})")
     parser.add_argument("--chunks", default="1,2,4", help="num_chunks values (default %(default)s)")
+    parser.add_argument("--sm-margins", default="0,8,16",
+                        help="comm_sm_margin values timed at C=2 (default %(default)s)")
     parser.add_argument("--reps", type=int, default=None,
                         help="timed repetitions per measurement (default 20; --smoke: 2)")
     parser.add_argument("--warmup", type=int, default=None,
@@ -84,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.reps = args.reps or (2 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.chunks = [int(c) for c in args.chunks.split(",")]
+    args.sm_margins = [int(m) for m in args.sm_margins.split(",")]
     return args
 
 
@@ -133,12 +155,18 @@ def _drop_grads(params) -> None:
 
 
 @contextlib.contextmanager
-def _local_copies(record: list | None = None):
-    """Inside: every all-to-all of floating-point data (rows, scores, their gradients) is a
-    local copy of the same size, the integer ones of the plan stay real; with ``record``, the
-    real calls go through and each data call's (bytes sent, send buffer, receive buffer,
-    splits) is appended instead."""
+def _data_all_to_alls(record: list | None = None, replay: list | None = None):
+    """Inside, the floating-point (data) all-to-alls are changed, the integer ones of the plan
+    stay real. ``record``: each real data call appends its (bytes sent, send buffer, receive
+    buffer, splits). ``replay`` (a ``record`` of the same configuration): no data moves; a
+    call without ``out`` returns the recorded receive buffer of its splits, width and dtype, a
+    call with ``out`` leaves it untouched (module docstring, item 3)."""
     real = experts.all_to_all
+
+    def key(x, out_splits, in_splits):
+        return tuple(out_splits), tuple(in_splits), tuple(x.shape[1:]), x.dtype
+
+    received = {key(send, o, i): recv for _, send, recv, o, i in (replay or [])}
 
     def substitute(x, out_splits, in_splits, group, out=None):
         if not x.is_floating_point():
@@ -148,19 +176,99 @@ def _local_copies(record: list | None = None):
             record.append((x.numel() * x.element_size(), x.detach().clone(), out.detach().clone(),
                            list(out_splits), list(in_splits)))
             return out
-        rows = sum(out_splits)
-        if out is None:
-            out = x.new_empty((rows,) + tuple(x.shape[1:]))
-        m = min(rows, x.shape[0])
-        out[:m].copy_(x[:m])
-        out[m:].zero_()
-        return out
+        return received[key(x, out_splits, in_splits)] if out is None else out
 
     experts.all_to_all = overlap.all_to_all = substitute
     try:
         yield
     finally:
         experts.all_to_all = overlap.all_to_all = real
+
+
+def _run_name(chunks: int, margin: int) -> str:
+    return f"C={chunks}" + (f" m={margin}" if margin else "")
+
+
+# Phase of an all-to-all, by the function that calls it.
+_A2A_PHASES = {
+    "plan_dispatch": "plan exchanges (counts, pairs)",
+    "Dispatch.forward": "dispatch a2a",
+    "ChunkedExperts.forward.<locals>.dispatch": "dispatch a2a",
+    "Combine.forward": "combine a2a",
+    "ChunkedExperts.forward": "combine a2a",
+    "Combine.backward": "dO a2a (combine bwd)",
+    "ChunkedExperts.backward.<locals>.send_grad_out": "dO a2a (combine bwd)",
+    "Dispatch.backward": "dX/ds a2a (dispatch bwd)",
+    "ChunkedExperts.backward": "dX/ds a2a (dispatch bwd)",
+}
+
+
+def _phase_timeline(layer, x, dout, params, device) -> list:
+    """One EP step with every phase timed on the stream it runs on (module docstring, item
+    5): ``[(phase, stream, start ms, duration ms)]`` from the step's start, in issue order,
+    and the ``forward``/``backward`` totals on the compute stream."""
+    cuda = device.type == "cuda"
+    compute = torch.cuda.current_stream(device) if cuda else None
+    marks = []
+
+    def now():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def timed(fn, label=None):
+        def wrapper(*args, **kwargs):
+            phase = label or _A2A_PHASES.get(sys._getframe(1).f_code.co_qualname, "other a2a")
+            stream = "comm" if cuda and torch.cuda.current_stream(device) != compute \
+                else "compute"
+            start = now()
+            result = fn(*args, **kwargs)
+            marks.append((phase, stream, start, now()))
+            return result
+        return wrapper
+
+    real_ops = experts.expert_ops
+
+    def expert_ops(*args):
+        ops = real_ops(*args)
+        return dataclasses.replace(ops, aggregate=timed(ops.aggregate, "per-token sum"))
+
+    patches = [(experts, "all_to_all", timed(experts.all_to_all)),
+               (overlap, "all_to_all", timed(overlap.all_to_all)),
+               (experts, "moe_experts", timed(experts.moe_experts, "local experts fwd")),
+               (overlap, "experts_forward", timed(overlap.experts_forward,
+                                                  "local experts fwd")),
+               (overlap, "_activation_grads", timed(overlap._activation_grads,
+                                                    "activation grads (dH, dX, ds)")),
+               (overlap, "_weight_grads", timed(overlap._weight_grads, "weight grads (dW1, dW2)")),
+               (experts, "expert_ops", expert_ops)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    _drop_grads(params)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    try:
+        for module, name, fn in patches:
+            setattr(module, name, fn)
+        start = now()
+        out = layer(x)
+        middle = now()
+        out.backward(dout)
+        end = now()
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+    if cuda:
+        torch.cuda.synchronize()
+
+    def since(mark):
+        return start.elapsed_time(mark) if cuda else (mark - start) * 1e3
+
+    rows = [(phase, stream, since(a), since(b) - since(a)) for phase, stream, a, b in marks]
+    return rows + [("forward", "compute", 0.0, since(middle)),
+                   ("backward", "compute", since(middle), since(end) - since(middle))]
 
 
 def _check(layer, full, x, dout, x_full, dout_full, mine, rank) -> dict:
@@ -212,34 +320,50 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     ep_params = [*layer.parameters(), x]
     ms = {"1gpu": {"fwd": timer(lambda: full(x), single_params),
                    "step": timer(lambda: full(x).backward(dout), single_params)}}
-    for c in args.chunks:
-        layer.num_chunks = c
-        ms[f"ep{c}"] = {"fwd": timer(lambda: layer(x), ep_params),
-                        "step": timer(lambda: layer(x).backward(dout), ep_params)}
-        with _local_copies():
-            ms[f"compute{c}"] = {"fwd": timer(lambda: layer(x), ep_params),
-                                 "step": timer(lambda: layer(x).backward(dout), ep_params)}
+    runs = [(c, 0) for c in args.chunks] + [(2, m) for m in args.sm_margins if m and 2 in args.chunks]
+    calls = {}
+    for c, margin in runs:
+        layer.num_chunks, layer.comm_sm_margin = c, margin
+        if c not in calls:      # one real step of this C: the messages compute-only replays
+            calls[c] = {"fwd": [], "bwd": []}
+            with _data_all_to_alls(record=calls[c]["fwd"]):
+                out = layer(x)
+            with _data_all_to_alls(record=calls[c]["bwd"]):
+                out.backward(dout)
+            del out
+        name = _run_name(c, margin)
+        ms[f"ep {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
+                            "step": timer(lambda: layer(x).backward(dout), ep_params)}
+        with _data_all_to_alls(replay=calls[c]["fwd"] + calls[c]["bwd"]):
+            ms[f"compute {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
+                                     "step": timer(lambda: layer(x).backward(dout), ep_params)}
 
     # The data all-to-alls of one unchunked step, replayed back to back.
-    layer.num_chunks = 1
-    calls = {"fwd": [], "bwd": []}
-    with _local_copies(calls["fwd"]):
-        out = layer(x)
-    with _local_copies(calls["bwd"]):
-        out.backward(dout)
-    del out
+    first = args.chunks[0]
 
     def replay(phases):
         for phase in phases:
-            for _, send, recv, out_splits, in_splits in calls[phase]:
+            for _, send, recv, out_splits, in_splits in calls[first][phase]:
                 dist.all_to_all_single(recv, send, out_splits, in_splits)
 
     ms["a2a"] = {"fwd": timer(lambda: replay(["fwd"]), []),
                  "step": timer(lambda: replay(["fwd", "bwd"]), [])}
-    sent = {"fwd": sum(c[0] for c in calls["fwd"])}
-    sent["step"] = sent["fwd"] + sum(c[0] for c in calls["bwd"])
+    sent = {"fwd": sum(c[0] for c in calls[first]["fwd"])}
+    sent["step"] = sent["fwd"] + sum(c[0] for c in calls[first]["bwd"])
+    del calls
 
-    mine_result = {"ms": ms, "sent_bytes": sent, "errors": errors}
+    # Per-phase timelines of one step: C = 1 and the fastest C > 1 (the same on every rank:
+    # the slowest rank's medians decide).
+    step_ms = torch.tensor([ms[f"ep {_run_name(c, 0)}"]["step"] for c in args.chunks],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)
+    chunked = [(t, c) for t, c in zip(step_ms.tolist(), args.chunks) if c > 1]
+    phases = {}
+    for c in sorted({args.chunks[0], *([min(chunked)[1]] if chunked else [])}):
+        layer.num_chunks, layer.comm_sm_margin = c, 0
+        phases[c] = _phase_timeline(layer, x, dout, ep_params, device)
+
+    mine_result = {"ms": ms, "sent_bytes": sent, "errors": errors, "phases": phases}
     gathered = [None] * world
     dist.all_gather_object(gathered, mine_result)
     summary = _summarise(gathered, args, world)
@@ -261,13 +385,14 @@ def _summarise(per_rank: list[dict], args, world: int) -> dict:
     for p in ("fwd", "step"):
         sent = max(r["sent_bytes"][p] for r in per_rank)
         result["a2a_busbw_GBps"][p] = sent * (world - 1) / world / (ms["a2a"][p] * 1e-3) / 1e9
-    for c in args.chunks:
+    for name in (k[3:] for k in names if k.startswith("ep ")):
         for p in ("fwd", "step"):
-            key = f"C={c} {p}"
-            exposed = ms[f"ep{c}"][p] - ms[f"compute{c}"][p]
-            result["efficiency"][key] = ms["1gpu"][p] / ms[f"ep{c}"][p]
+            key = f"{name} {p}"
+            exposed = ms[f"ep {name}"][p] - ms[f"compute {name}"][p]
+            result["efficiency"][key] = ms["1gpu"][p] / ms[f"ep {name}"][p]
             result["exposed_ms"][key] = exposed
             result["hidden"][key] = 1 - exposed / ms["a2a"][p]
+    result["phases_rank0"] = per_rank[0]["phases"]
     return result
 
 
@@ -285,12 +410,22 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
           f"{s['a2a_busbw_GBps']['fwd']:.0f} / {s['a2a_busbw_GBps']['step']:.0f} GB/s")
     print(f"{'':22s} {'ms':>9s} {'compute-only':>13s} {'exposed':>8s} {'hidden':>7s} "
           f"{'efficiency':>11s}")
-    for c in args.chunks:
+    for name in (k[3:] for k in ms if k.startswith("ep ")):
         for p in ("fwd", "step"):
-            key = f"C={c} {p}"
-            print(f"{f'EP={world} C={c} {p}':22s} {ms[f'ep{c}'][p]:9.3f} "
-                  f"{ms[f'compute{c}'][p]:13.3f} {s['exposed_ms'][key]:8.3f} "
+            key = f"{name} {p}"
+            print(f"{f'EP={world} {key}':22s} {ms[f'ep {name}'][p]:9.3f} "
+                  f"{ms[f'compute {name}'][p]:13.3f} {s['exposed_ms'][key]:8.3f} "
                   f"{s['hidden'][key]:7.1%} {s['efficiency'][key]:11.1%}")
+    print("exposed = ep - compute-only (no data moved); hidden = 1 - exposed / a2a alone")
+    for c, rows in s["phases_rank0"].items():
+        print(f"phases of one step, rank 0, C={c} (ms from the step's start, per stream):")
+        for phase, stream, start, dur in rows:
+            print(f"  {phase:32s} {stream:8s} {start:9.3f} {dur:9.3f}")
+        totals = {}
+        for phase, stream, _, dur in rows:
+            totals[(phase, stream)] = totals.get((phase, stream), 0.0) + dur
+        print("  summed: " + "; ".join(f"{phase} [{stream}] {t:.3f}"
+                                       for (phase, stream), t in totals.items()))
     print(json.dumps(s))
 
 

@@ -13,6 +13,7 @@ warns once and its op runs the PyTorch reference; under ``"cute"`` it raises.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -148,6 +149,21 @@ def _warn_fallback(reason: str) -> None:
                   "backend", RuntimeWarning, stacklevel=3)
 
 
+@contextlib.contextmanager
+def sm_margin(num_sms: int):
+    """Context in which the CuTe grouped GEMMs launched by this thread leave ``num_sms`` SMs
+    free for kernels of other streams (communication); no effect on the PyTorch reference.
+    Results are bitwise unchanged. See :func:`sonic.kernels.grouped_gemm.interface.sm_margin`.
+
+    Raises:
+        ValueError: ``num_sms`` negative or not an int.
+    """
+    from sonic.kernels.grouped_gemm.interface import sm_margin as kernel_sm_margin
+
+    with kernel_sm_margin(num_sms):
+        yield
+
+
 def expert_ops(backend: str, device: torch.device) -> ExpertOps:
     """The :class:`ExpertOps` that ``backend`` resolves to on ``device``."""
     if resolve_backend(backend, device) == "torch":
@@ -181,7 +197,7 @@ def _epilogue_kernel_fits(h: torch.Tensor) -> bool:
     return h.dtype == torch.bfloat16 and h.is_contiguous() and h.shape[1] % 16 == 0
 
 
-def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, strict=False):
+def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, h_out=None, strict=False):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
@@ -191,13 +207,14 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, strict=False):
     if (_gemm_kernel_fits(x, w1, offsets, gather_idx) and w1.is_contiguous()
             and n % (64 if gate_up == "concat" else gemm.VEC) == 0
             and _self_checked(f"up_proj_swiglu_{gate_up}", x.device, strict)):
-        return gemm.grouped_gemm_swiglu(x, w1, offsets, gather_idx, gate_up)
+        return gemm.grouped_gemm_swiglu(x, w1, offsets, gather_idx, gate_up, h_out=h_out)
     h = _cute_grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx, strict=strict)
-    return h, (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
+    act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
+    return reference.copy_into(h_out, h), act
 
 
 def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
-                     overwrite_h=False, strict=False):
+                     overwrite_h=False, a_out=None, strict=False):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
@@ -205,17 +222,19 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
     # operand ring: 497/2523/4193 us against 505/2685/4610 for the dA' GEMM followed by the
     # one-pass epilogue kernel (H100, 7B/OLMoE/30B, bench_grouped_gemm.py).
     if not _epilogue_kernel_fits(h):
-        return reference.dswiglu_epilogue(
+        dh, a_scaled, ds = reference.dswiglu_epilogue(
             _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict), h, row_scores,
             gate_up)
+        return dh, reference.copy_into(a_out, a_scaled), ds
     row_scores = row_scores.float().contiguous()
     if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
             and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
             and h.data_ptr() % 16 == 0 and _self_checked("dh_dswiglu", dout.device, strict)):
         return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
-                                         dh_out=h if overwrite_h else None)
+                                         dh_out=h if overwrite_h else None, a_out=a_out)
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict)
-    return kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
+    dh, a_scaled, ds = kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
+    return dh, reference.copy_into(a_out, a_scaled), ds
 
 
 def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:

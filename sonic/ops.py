@@ -247,11 +247,11 @@ def _(x, w1, offsets, gather_idx, gate_up, backend):
 
 
 def _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend, *,
-                overwrite_h=False):
+                overwrite_h=False, a_out=None):
     with _no_autocast(dout.device):
         return _impl(backend, dout.device).dh_dswiglu(dout, w2, offsets, gather_idx, h,
                                                       row_scores, gate_up,
-                                                      overwrite_h=overwrite_h)
+                                                      overwrite_h=overwrite_h, a_out=a_out)
 
 
 @torch.library.custom_op("sonic::dh_dswiglu", mutates_args=())
@@ -288,12 +288,20 @@ def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
                     meta: torch.Tensor, top_k: int, gate_up: str,
                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
+    return experts_forward(x, w1, w2, scores, m, gate_up, backend)
+
+
+def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend: str, *,
+                    h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of ``sonic::moe_experts`` on unpacked metadata: ``(out (T, d), H (P, 2n))``,
+    H written into ``h_out`` when given (the chunked EP path keeps the H of all its chunks
+    in one buffer). Not an op: no autograd, no fake; the caller has validated the inputs."""
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
     with _no_autocast(x.device):
         # The CuTe up-proj gathers X's rows while loading them (the reference: a transient
         # copy) and its epilogue stores both H (kept) and A (transient).
-        h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up)
+        h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
         y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
         del act
         row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))

@@ -204,10 +204,11 @@ def _recording_dh(calls):
     """A dh_dswiglu that, like the CuTe dH kernel, writes dH over H when offered."""
     from sonic.reference import ops as reference
 
-    def dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *, overwrite_h=False):
+    def dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *, overwrite_h=False,
+                   a_out=None):
         calls.append(overwrite_h)
         dh, a_scaled, ds = reference.dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
-                                                gate_up)
+                                                gate_up, a_out=a_out)
         if overwrite_h:
             h.copy_(dh)
             dh = h

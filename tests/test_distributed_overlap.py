@@ -185,6 +185,34 @@ def _partial_grads_case(rank, world, seed):
             "no_grad_equal": _rel(runs[4][1], runs[4][0])}
 
 
+def _w1_only_case(rank, world, seed):
+    """Only w1 requires grad (no A' buffer, dH kept for dW1 alone), with an SM margin (no
+    effect on the reference: results must still be equal); create_graph=True is refused."""
+    num_experts = 8
+    local = num_experts // world
+    g = torch.Generator().manual_seed(seed)
+    counts = [5 + 2 * r for r in range(world)]
+    per_rank = [_pairs(g, c, torch.arange(num_experts)) for c in counts]
+    (x_full, w1, w2, scores_full, grad_full, _, _, lo, p_lo, tok, exp) = _pairs_problem(
+        g, counts, per_rank, num_experts, rank)
+    mine = slice(rank * local, (rank + 1) * local)
+    runs = {}
+    for c in (1, *CHUNKS):
+        w1_local = w1[mine].clone().requires_grad_()
+        out = ep_moe_experts(x_full[lo:lo + counts[rank]], w1_local, w2[mine],
+                             scores_full[p_lo:p_lo + len(tok)], tok, exp, group=None,
+                             num_experts=num_experts, backend="torch", num_chunks=c,
+                             comm_sm_margin=16)
+        (out * grad_full[lo:lo + counts[rank]]).sum().backward()
+        runs[c] = [out.detach(), w1_local.grad]
+    w1_local = w1[mine].clone().requires_grad_()
+    out = ep_moe_experts(x_full[lo:lo + counts[rank]], w1_local, w2[mine],
+                         scores_full[p_lo:p_lo + len(tok)], tok, exp, group=None,
+                         num_experts=num_experts, backend="torch", num_chunks=2)
+    refused = _catch(lambda: torch.autograd.grad(out.sum(), w1_local, create_graph=True))
+    return {"vs_unchunked": _compare(runs), "create_graph": refused}
+
+
 def _error_case(rank, world):
     x = torch.randn(3, D, dtype=torch.float64)
     tok, exp = torch.tensor([0, 1, 2]), torch.tensor([0, 3, 1])
@@ -198,7 +226,8 @@ def _error_case(rank, world):
 
     return {"disagree": _catch(lambda: call(2 + rank)),
             "too_many": _catch(lambda: call(MAX_CHUNKS + 1)),
-            "layer_zero": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, num_chunks=0))}
+            "layer_zero": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, num_chunks=0)),
+            "margin": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, comm_sm_margin=-1))}
 
 
 def _all_cases(rank, world):
@@ -209,6 +238,7 @@ def _all_cases(rank, world):
     results["pairs"] = _pairs_case(rank, world, 330, "contiguous")
     results["pairs_replicated"] = _pairs_case(rank, world, 331, "replicated")
     results["partial_grads"] = _partial_grads_case(rank, world, 340)
+    results["w1_only"] = _w1_only_case(rank, world, 350)
     results["errors"] = _error_case(rank, world)
     return results
 
@@ -220,7 +250,7 @@ def chunked(request, tmp_path_factory):
                          timeout=240)
 
 
-CASES = [*LAYER_CASES, "eplb_layer", "pairs", "pairs_replicated", "partial_grads"]
+CASES = [*LAYER_CASES, "eplb_layer", "pairs", "pairs_replicated", "partial_grads", "w1_only"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -234,6 +264,8 @@ def test_chunked_equals_unchunked(chunked, case):
             assert r.get(key, 0.0) <= 1e-10, (rank, key, r)
         if case == "eplb_layer":
             assert r["replicas"] >= 2
+        if case == "w1_only":
+            assert "not twice differentiable" in r["create_graph"], (rank, r)
 
 
 def test_chunk_count_errors(chunked):
@@ -243,6 +275,7 @@ def test_chunk_count_errors(chunked):
         assert "EP ranks disagree on num_chunks" in errors["disagree"], (rank, errors)
         assert f"num_chunks must be in [1, {MAX_CHUNKS}]" in errors["too_many"]
         assert "num_chunks must be in [1, 16], got 0" in errors["layer_zero"]
+        assert "comm_sm_margin" in errors["margin"], (rank, errors)
 
 
 # --- the weak-scaling benchmark, smoke-tested on CPU ranks --------------------------------------
@@ -255,15 +288,24 @@ def _bench_smoke(rank, world):
     spec = importlib.util.spec_from_file_location("bench_ep", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,3"]), torch.device("cpu"))
+    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2"]), torch.device("cpu"))
 
 
 def test_benchmark_smoke(tmp_path):
     """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement is there, the
-    EP layer matches one process for each chunk count, and the ranks agree on the summary."""
-    r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=60)
+    EP layer matches one process for each chunk count, the ranks agree on the summary, and
+    rank 0's phase timelines name every phase of both paths."""
+    r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=120)
     assert r0 == r1
     assert r0["ok"] and r0["max_rel_error"] < 1e-5
-    assert set(r0["ms"]) == {"1gpu", "ep1", "compute1", "ep3", "compute3", "a2a"}
+    runs = ["C=1", "C=2", "C=2 m=8", "C=2 m=16"]
+    assert set(r0["ms"]) == {"1gpu", "a2a", *(f"{k} {r}" for k in ("ep", "compute") for r in runs)}
     assert all(t > 0 for m in r0["ms"].values() for t in m.values())
-    assert set(r0["hidden"]) == {f"C={c} {p}" for c in (1, 3) for p in ("fwd", "step")}
+    assert set(r0["hidden"]) == {f"{r} {p}" for r in runs for p in ("fwd", "step")}
+    phases = {c: {row[0] for row in rows} for c, rows in r0["phases_rank0"].items()}
+    assert set(phases) == {1, 2}
+    common = {"plan exchanges (counts, pairs)", "dispatch a2a", "local experts fwd",
+              "combine a2a", "per-token sum", "dO a2a (combine bwd)",
+              "dX/ds a2a (dispatch bwd)", "forward", "backward"}
+    assert phases[1] == common, phases[1]
+    assert phases[2] == common | {"activation grads (dH, dX, ds)", "weight grads (dW1, dW2)"}

@@ -154,3 +154,29 @@ sys.exit(1)
                          cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "empty barrier initialised for 8 arrivals" in out.stdout, out.stdout
+
+
+def test_sm_margin_shrinks_the_persistent_grid(monkeypatch):
+    """The grid leaves sm_margin SMs (whole clusters) free, keeps at least one CTA (cluster),
+    never exceeds the work items, and is restored when the context ends."""
+    import torch
+
+    from sonic.backend import sm_margin
+    from sonic.kernels.grouped_gemm import interface
+
+    # 132 SMs; 66 resident 2-CTA clusters. No GPU is touched: the device index is given.
+    monkeypatch.setattr(interface, "_resident", lambda index, cluster: 132 // cluster)
+    device = torch.device("cuda", 0)
+    assert interface._num_ctas(device, 1000) == 132
+    with sm_margin(16):
+        assert interface._num_ctas(device, 1000) == 116
+        assert interface._num_ctas(device, 1000, cluster=2) == 2 * 58
+        assert interface._num_ctas(device, 10) == 10
+        with sm_margin(15):
+            assert interface._num_ctas(device, 1000, cluster=2) == 2 * 58   # ceil(15 / 2)
+        with sm_margin(500):
+            assert interface._num_ctas(device, 1000, cluster=2) == 2
+    assert interface._num_ctas(device, 1000) == 132
+    with pytest.raises(ValueError, match="num_sms"):
+        with sm_margin(-1):
+            pass

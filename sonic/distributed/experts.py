@@ -36,7 +36,7 @@ import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
-from sonic.autograd.moe_experts import moe_experts
+from sonic.autograd.moe_experts import autocast_experts, moe_experts
 from sonic.backend import expert_ops
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.distributed.eplb import Placement
@@ -313,7 +313,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
                    group, num_experts: int, gate_up: str = "concat",
                    backend: str = "auto", placement: Placement | None = None,
-                   num_chunks: int = 1) -> torch.Tensor:
+                   num_chunks: int = 1, comm_sm_margin: int = 0) -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -349,8 +349,13 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             run on a communication stream while the local experts of another run, forward
             and backward. Routing, the plan, its count exchange and its host read stay one per
             call; a pair goes to the same expert (replica) for every ``C``, so the result
-            equals ``C = 1`` up to the order in which the weight gradients of the chunks are
-            summed. ``C = 1`` (default): the unchunked path.
+            equals ``C = 1`` up to the order in which the weight gradients accumulate rows. ``C = 1`` (default): the unchunked path. With ``C > 1`` each chunk's
+            backward computes only activation gradients; dW1 and dW2 are computed once over
+            all chunks' rows.
+        comm_sm_margin: SMs that the grouped GEMMs of the chunked pipeline (``C > 1``) leave
+            free for the all-to-all kernels running beside them (:func:`sonic.backend.sm_margin`;
+            results unchanged); ``0`` (default): every SM. Ignored with ``C = 1``, where no
+            communication overlaps the experts. May differ between ranks.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -366,9 +371,9 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         * the :class:`DispatchPlan`: ``O(S + P + P_recv + T)`` int indices and the host split
           sizes, so backward needs no count exchange and no host synchronisation.
         Not kept: x, the sent rows, the partial outputs, Y.
-        With ``C > 1`` the same, per chunk: chunk ``c``'s received rows ``(R_c, d)``, its
-        ``H``, scores and metadata, with ``Σ_c R_c = R`` — the same total — plus each chunk's
-        small autograd graph of the local experts (its output edge, not the output).
+        With ``C > 1`` the same totals, in one buffer each (chunk ``c``'s ``R_c`` rows and
+        its pairs at their offsets), with per-chunk metadata; backward adds A' ``(P_recv, n)``
+        of all chunks until the weight gradients.
 
     Synchronisation: one device→host read per call (the split sizes, of all chunks); every
     collective waits at most the process group's timeout.
@@ -399,6 +404,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_index("expert_idx", expert_idx)
     check_int("num_experts", num_experts, low=1)
     check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
+    check_int("comm_sm_margin", comm_sm_margin, low=0)
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
     check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
                       token_idx=token_idx, expert_idx=expert_idx)
@@ -426,6 +432,13 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     if ep_size == 1 and placement is None:
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
                            gate_up=gate_up, backend=backend)
+    # Autocast before the dispatch, as moe_experts does on one process: the rows travel in
+    # the autocast dtype, and a dtype error is raised here, before any collective.
+    x, w1_local, w2_local = autocast_experts(x, w1_local, w2_local)
+    for name, w in (("w1_local", w1_local), ("w2_local", w2_local)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype} (outside "
+                            "torch.autocast the experts do not cast)")
     ops = expert_ops(backend, x.device)
     agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
               *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
@@ -434,7 +447,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                          placement, num_chunks)
     if num_chunks > 1:
         return ChunkedExperts.apply(x, scores, w1_local, w2_local, plan, num_local, gate_up,
-                                    backend, ops.aggregate)
+                                    backend, ops.aggregate, comm_sm_margin)
     (chunk,) = plan.chunks
     x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)
     # The pairs were built here from range-checked indices: no second check (a host read).

@@ -50,6 +50,9 @@ class ExpertParallelMoE(MoE):
             into ``C`` chunks whose all-to-alls overlap the expert computation of the
             neighbouring chunks (:mod:`sonic.distributed.overlap`); ``1`` (default): no
             chunking. The attribute :attr:`num_chunks` may be changed between calls.
+        comm_sm_margin: SMs the grouped GEMMs of the chunked pipeline leave free for the
+            all-to-alls overlapping them (see :func:`ep_moe_experts`); ``0`` (default): all.
+            The attribute :attr:`comm_sm_margin` may be changed between calls.
 
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
     ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``; with a placement
@@ -87,7 +90,8 @@ class ExpertParallelMoE(MoE):
                  tile: int = 128, rounding: str = "nearest",
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
                  backend: str = "auto", device=None, dtype=None,
-                 placement: Placement | None = None, num_chunks: int = 1):
+                 placement: Placement | None = None, num_chunks: int = 1,
+                 comm_sm_margin: int = 0):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
@@ -100,6 +104,8 @@ class ExpertParallelMoE(MoE):
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
                              f"{self.ep_size} (the size of group)")
         check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
+        check_int("comm_sm_margin", comm_sm_margin, low=0)
+        self.comm_sm_margin = comm_sm_margin
         self.group = group
         self.placement = placement
         self.num_chunks = num_chunks
@@ -162,11 +168,11 @@ class ExpertParallelMoE(MoE):
 
     @classmethod
     def from_moe(cls, moe: MoE, *, group=None, placement: Placement | None = None,
-                 num_chunks: int = 1) -> "ExpertParallelMoE":
+                 num_chunks: int = 1, comm_sm_margin: int = 0) -> "ExpertParallelMoE":
         """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
         its router and experts ``ep_rank·E/ep …`` copied — or, with a ``placement``, the
-        experts of this rank's slots. Collective, like the constructor; ``num_chunks`` as
-        there.
+        experts of this rank's slots. Collective, like the constructor; ``num_chunks`` and
+        ``comm_sm_margin`` as there.
 
         Raises:
             ValueError: as the constructor.
@@ -176,7 +182,7 @@ class ExpertParallelMoE(MoE):
                     tile=moe.tile, rounding=moe.rounding,
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
                     device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
-                    num_chunks=num_chunks)
+                    num_chunks=num_chunks, comm_sm_margin=comm_sm_margin)
         if placement is None:
             experts = slice(layer.ep_rank * layer.num_local_experts,
                             (layer.ep_rank + 1) * layer.num_local_experts)
@@ -207,7 +213,7 @@ class ExpertParallelMoE(MoE):
                               routing.token_idx, routing.expert_idx, group=self.group,
                               num_experts=self.num_experts, gate_up=self.gate_up,
                               backend=self.backend, placement=self.placement,
-                              num_chunks=self.num_chunks)
+                              num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

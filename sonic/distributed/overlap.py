@@ -14,7 +14,21 @@ its combine (the partial outputs back). ``D_{c+1}`` is queued before ``E_c`` sta
 ``C_c`` right after it, so while ``E_c`` runs the link carries ``C_{c-1}`` and ``D_{c+1}``:
 only ``D_0``, ``C_{C-1}`` and the final per-token sum stay exposed. Backward runs the same
 pipeline with dO rows in (combine's backward) and dX rows and score gradients out (dispatch's
-backward).
+backward), per chunk only the activation gradients (dH, dX, ds); the weight gradients dW1 and
+dW2 are computed once, over the received rows of all chunks, after the last chunk — one
+varlen-K GEMM per weight, as unchunked, while the last chunk's gradients are on the link::
+
+    comm stream:     G0 G1 ·· X0 G2 ·· X1 ·· X2 ··········
+    compute stream:  ·· B0 ········ B1 ····· B2 dW2 dW1 ··
+
+For that the chunks' received rows (X, dO), H (then dH, written over it) and A' live in one
+buffer each, chunk ``c`` at its own offset; the varlen-K GEMMs read them through two gather
+indices over all received pairs sorted by expert: one into the rows, one into the chunks'
+sorted pair positions (a chunk's pairs are sorted by expert within the chunk only).
+
+SM margin: a persistent grouped GEMM holds every SM until it ends, so the all-to-all kernels
+of the comm stream would wait for it; with ``sm_margin > 0`` the GEMMs launched here leave
+that many SMs free (:func:`sonic.backend.sm_margin`; results unchanged).
 
 Streams: on CUDA the all-to-alls and the row gathers that feed them run on a second stream,
 ordered against the compute stream by events (the comm stream first waits for the compute
@@ -27,14 +41,17 @@ the CPU (gloo) there is one thread: the same schedule runs sequentially.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+import itertools
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from sonic.autograd.moe_experts import _graph_kept, moe_experts
+from sonic.autograd.moe_experts import _graph_kept
+from sonic.backend import sm_margin
 from sonic.distributed.comm import all_to_all
-from sonic.ops import routing_metadata_op
+from sonic.ops import (_acc, _dh_dswiglu, _first_order_error, experts_forward,
+                       routing_metadata_op)
 
 if TYPE_CHECKING:
     from sonic.distributed.experts import DispatchPlan
@@ -88,126 +105,127 @@ class ChunkedExperts(torch.autograd.Function):
     """``(x (T, d), scores (P,), w1_local, w2_local)`` → ``(T, d)``: dispatch, local experts
     and combine of a plan of ``C ≥ 2`` chunks, pipelined (module docstring).
 
-    Forward builds, per chunk, a small autograd graph of the local experts
-    (:func:`sonic.moe_experts` on the received rows and scores, with ``w1_local``/``w2_local``
-    as leaves); backward differentiates each chunk's graph in turn between its dO all-to-all
-    and its dX / score-gradient all-to-alls, and sums the chunks' weight gradients.
+    ``x``, ``w1_local`` and ``w2_local`` share one dtype (the caller applies autocast). Forward
+    runs the expert forward of each chunk (:func:`sonic.ops.experts_forward`, what
+    :func:`sonic.moe_experts` runs) on the rows it received; backward runs, per chunk, the dH
+    kernel and dX, then the two weight-gradient GEMMs once over all chunks.
 
-    Kept for backward, per chunk ``c``: the received rows ``x_recv_c (R_c, d)`` and scores, and
-    what :func:`sonic.moe_experts` keeps (``H (P_recv_c, 2n)``, the routing metadata) — in total
-    what the unchunked path keeps — plus the plan. Not kept: x, the sent rows, the partial
-    outputs (only their graph edge), Y.
+    Kept for backward: the received rows ``x_recv (R, d)`` and scores ``(P_recv,)``, ``H
+    (P_recv, 2n)`` (one buffer each, chunks at their offsets), the per-chunk routing metadata
+    and the plan — what the unchunked path keeps. Backward adds, beside the unchunked path's
+    buffers, A' ``(P_recv, n)`` of all chunks until dW2 (unchunked: of the one chunk) and the dO
+    rows ``(R, d)`` of all chunks (unchunked: the same), and writes dH over H (when the graph
+    is not kept; otherwise a second ``(P_recv, 2n)`` buffer).
     """
 
     @staticmethod
-    def forward(ctx, x, scores, w1_local, w2_local, plan: DispatchPlan, num_local: int,
-                gate_up: str, backend: str, aggregate):
+    def forward(ctx, x, scores, w1, w2, plan: DispatchPlan, num_local: int, gate_up: str,
+                backend: str, aggregate, margin: int):
         streams = _Streams(x.device)
-        need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        w1_leaf = w1_local.detach().requires_grad_(need_w1)
-        w2_leaf = w2_local.detach().requires_grad_(need_w2)
+        rows_at, pairs_at = _received_slices(plan)
         # The local routing of every chunk, while the first dispatch is on the link. Its pairs
         # were built from range-checked indices: no second check (a host read).
         metadata = [routing_metadata_op(chunk.recv_tokens, chunk.recv_experts,
                                         sum(chunk.recv_rows), num_local, None, backend)
                     for chunk in plan.chunks]
+        x_recv = x.new_empty((rows_at[-1].stop, x.shape[1]))
+        s_recv = scores.new_empty(pairs_at[-1].stop)
+        h = x.new_empty((pairs_at[-1].stop, w1.shape[1]))
 
-        def dispatch(chunk):
-            with streams.on_comm(x, scores):
-                x_recv = all_to_all(x.index_select(0, plan.send_tokens[chunk.rows]),
-                                    chunk.recv_rows, chunk.send_rows, plan.group)
-                s_recv = all_to_all(scores.index_select(0, plan.pair_order[chunk.pairs]),
-                                    chunk.recv_pairs, chunk.send_pairs, plan.group)
-            return x_recv, s_recv, streams.event()
+        def dispatch(c):
+            chunk = plan.chunks[c]
+            with streams.on_comm(x, scores, x_recv, s_recv):
+                all_to_all(x.index_select(0, plan.send_tokens[chunk.rows]), chunk.recv_rows,
+                           chunk.send_rows, plan.group, out=x_recv[rows_at[c]])
+                all_to_all(scores.index_select(0, plan.pair_order[chunk.pairs]),
+                           chunk.recv_pairs, chunk.send_pairs, plan.group,
+                           out=s_recv[pairs_at[c]])
+            return streams.event()
 
-        rows = None           # the partial outputs of all chunks, in send-row order
-        edges, leaves = [], []
-        pending = dispatch(plan.chunks[0])
-        for c, chunk in enumerate(plan.chunks):
-            x_recv, s_recv, arrived = pending
-            if c + 1 < len(plan.chunks):
-                pending = dispatch(plan.chunks[c + 1])
-            streams.wait(arrived, x_recv, s_recv)
-            with torch.enable_grad():
-                x_recv.requires_grad_(need_x)
-                s_recv.requires_grad_(need_s)
-                y_recv = moe_experts(x_recv, w1_leaf, w2_leaf, s_recv, chunk.recv_tokens,
-                                     chunk.recv_experts, gate_up=gate_up, backend=backend,
-                                     metadata=metadata[c])
-            if y_recv.requires_grad:
-                edges.append(get_gradient_edge(y_recv))
-            leaves.append((x_recv, s_recv))
-            if rows is None:
-                rows = y_recv.new_empty((plan.send_tokens.numel(), y_recv.shape[1]))
-            with streams.on_comm(y_recv, rows):
-                all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group,
-                           out=rows[chunk.rows])
-            del y_recv
+        rows = x.new_empty((plan.send_tokens.numel(), x.shape[1]))  # partial outputs, send order
+        arrived = dispatch(0)
+        with sm_margin(margin):
+            for c, chunk in enumerate(plan.chunks):
+                streams.wait(arrived)
+                if c + 1 < len(plan.chunks):
+                    arrived = dispatch(c + 1)
+                y_recv, _ = experts_forward(x_recv[rows_at[c]], w1, w2, s_recv[pairs_at[c]],
+                                            metadata[c], gate_up, backend, h_out=h[pairs_at[c]])
+                with streams.on_comm(y_recv, rows):
+                    all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group,
+                               out=rows[chunk.rows])
+                del y_recv
         # The comm stream runs in issue order: its end is the end of the last combine.
         streams.wait(streams.event())
-        ctx.plan, ctx.edges, ctx.leaves = plan, edges, leaves
-        ctx.weight_leaves, ctx.aggregate = (w1_leaf, w2_leaf), aggregate
+        ctx.save_for_backward(w1, w2)
+        ctx.plan, ctx.chunk_metadata, ctx.received = plan, metadata, (x_recv, s_recv, h)
+        ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
+        ctx.aggregate, ctx.margin = aggregate, margin
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
 
     @staticmethod
     def backward(ctx, grad_out):
-        plan = ctx.plan
+        # Grad mode is on here exactly under create_graph=True: the hand-written expert
+        # backward is not twice differentiable, so it refuses, as it does outside EP.
+        if torch.is_grad_enabled():
+            raise _first_order_error()
+        plan, metadata, backend = ctx.plan, ctx.chunk_metadata, ctx.backend
+        w1, w2 = ctx.saved_tensors
+        x_recv, s_recv, h = ctx.received
+        if x_recv is None:
+            raise RuntimeError("ChunkedExperts: backward through the graph a second time; "
+                               "pass retain_graph=True to the first backward")
+        keep = _graph_kept()
+        if not keep:     # dH is written over H: nothing may read H again
+            ctx.received = (None, None, None)
         streams = _Streams(grad_out.device)
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        w1_leaf, w2_leaf = ctx.weight_leaves
-        grad_out = grad_out.contiguous()
-        # Backward of the inner graphs keeps them when this one is kept (retain_graph), and
-        # records a graph exactly when the caller asked for one (create_graph): sonic's expert
-        # backward then refuses, as it does outside EP.
-        keep, create = _graph_kept(), torch.is_grad_enabled()
+        rows_at, pairs_at = _received_slices(plan)
+        grad_out = grad_out.contiguous().to(x_recv.dtype)
+        grad_y = torch.empty_like(x_recv)           # dO rows of all chunks, kept for dW2
+        a_scaled = h.new_empty((h.shape[0], w2.shape[2])) if need_w2 else None
+        dh_all = (h if not keep else torch.empty_like(h)) if need_w1 else None
+        grad_rows = grad_out.new_empty((plan.send_tokens.numel(), grad_out.shape[1])) \
+            if need_x else None
+        grad_s_sent = s_recv.new_empty(plan.pair_order.numel()) if need_s else None
 
-        def send_grad_out(chunk):
-            with streams.on_comm(grad_out):
-                grad_y = all_to_all(grad_out.index_select(0, plan.send_tokens[chunk.rows]),
-                                    chunk.recv_rows, chunk.send_rows, plan.group)
-            return grad_y, streams.event()
+        def send_grad_out(c):
+            chunk = plan.chunks[c]
+            with streams.on_comm(grad_out, grad_y):
+                all_to_all(grad_out.index_select(0, plan.send_tokens[chunk.rows]),
+                           chunk.recv_rows, chunk.send_rows, plan.group, out=grad_y[rows_at[c]])
+            return streams.event()
 
-        x_recv0, s_recv0 = ctx.leaves[0]
-        num_rows = plan.send_tokens.numel()
-        grad_rows = x_recv0.new_empty((num_rows, x_recv0.shape[1])) if need_x else None
-        grad_s_sent = s_recv0.new_empty(plan.pair_order.numel()) if need_s else None
-        grad_w1 = grad_w2 = None
-        pending = send_grad_out(plan.chunks[0])
-        for c, chunk in enumerate(plan.chunks):
-            grad_y, arrived = pending
-            if c + 1 < len(plan.chunks):
-                pending = send_grad_out(plan.chunks[c + 1])
-            streams.wait(arrived, grad_y)
-            x_recv, s_recv = ctx.leaves[c]
-            inputs = [t for t, need in ((x_recv, need_x), (s_recv, need_s), (w1_leaf, need_w1),
-                                        (w2_leaf, need_w2)) if need]
-            grads = torch.autograd.grad([ctx.edges[c]], inputs, [grad_y], retain_graph=keep,
-                                        create_graph=create, allow_unused=True)
-            if not keep:    # the chunk's received rows need not outlive its backward
-                ctx.leaves[c] = ctx.edges[c] = None
-            # A gradient the chunk's graph does not produce (nothing of it reached the input)
-            # is zero; the all-to-alls below still need its rows.
-            grads = iter([torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)])
-            del grad_y
-            grad_x_recv = next(grads) if need_x else None
-            grad_s_recv = next(grads) if need_s else None
-            if need_w1:
-                g = next(grads)
-                grad_w1 = g if grad_w1 is None else grad_w1.add_(g)
-            if need_w2:
-                g = next(grads)
-                grad_w2 = g if grad_w2 is None else grad_w2.add_(g)
-            # Every rank takes the same branches: the requires_grad flags are agreed.
-            touched = [t for t in (grad_x_recv, grad_s_recv, grad_rows, grad_s_sent)
-                       if t is not None]
-            with streams.on_comm(*touched):
-                if need_x:
-                    all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows, plan.group,
-                               out=grad_rows[chunk.rows])
-                if need_s:
-                    all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group,
-                               out=grad_s_sent[chunk.pairs])
-            del grad_x_recv, grad_s_recv, touched
+        arrived = send_grad_out(0)
+        with sm_margin(ctx.margin):
+            # All received pairs sorted by expert, for the weight gradients (off the link's
+            # critical path: the first dO rows are in flight).
+            weights = _weight_grad_index(plan, metadata, rows_at, pairs_at, ctx.num_local,
+                                         backend) if need_w1 or need_w2 else None
+            for c, chunk in enumerate(plan.chunks):
+                streams.wait(arrived)
+                if c + 1 < len(plan.chunks):
+                    arrived = send_grad_out(c + 1)
+                pairs = pairs_at[c]
+                grad_x_recv, grad_s_recv = _activation_grads(
+                    grad_y[rows_at[c]], w1, w2, h[pairs], s_recv[pairs], metadata[c],
+                    ctx.gate_up, backend, need_x, need_s, overwrite_h=not keep,
+                    a_out=a_scaled[pairs] if need_w2 else None,
+                    dh_out=dh_all[pairs] if need_w1 else None)
+                # Every rank takes the same branches: the requires_grad flags are agreed.
+                touched = [t for t in (grad_x_recv, grad_s_recv, grad_rows, grad_s_sent)
+                           if t is not None]
+                with streams.on_comm(*touched):
+                    if need_x:
+                        all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows, plan.group,
+                                   out=grad_rows[chunk.rows])
+                    if need_s:
+                        all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group,
+                                   out=grad_s_sent[chunk.pairs])
+                del grad_x_recv, grad_s_recv, touched
+            grad_w1, grad_w2 = _weight_grads(grad_y, a_scaled, dh_all, x_recv, weights,
+                                             backend)
+            del a_scaled, grad_y, dh_all
         streams.wait(streams.event())
         grad_x = grad_scores = None
         if need_x:
@@ -215,4 +233,75 @@ class ChunkedExperts(torch.autograd.Function):
         if need_s:
             grad_scores = torch.empty_like(grad_s_sent).index_copy_(0, plan.pair_order,
                                                                     grad_s_sent)
-        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None
+        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None, None
+
+
+def _activation_grads(grad_y, w1, w2, h, scores, m, gate_up, backend, need_x, need_s, *,
+                      overwrite_h, a_out, dh_out):
+    """One chunk's expert backward without the weight gradients: the dH kernel (dH into
+    ``dh_out`` when given, A' into ``a_out``), then ``(dX of the received rows or None, score
+    gradients or None)``. The steps of sonic's expert backward (:mod:`sonic.ops`)."""
+    row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(grad_y.dtype))
+    dh, _, ds_rows = _dh_dswiglu(grad_y, w2, m.expert_offsets, m.gather_idx, h, row_scores,
+                                 gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
+    if dh_out is not None and dh.data_ptr() != dh_out.data_ptr():
+        dh_out.copy_(dh)            # the reference, or a kept graph: dH not written over H
+    grad_s = ds_rows.index_select(0, m.pair_rows).to(scores.dtype) if need_s else None
+    grad_x = None
+    if need_x:
+        dx_rows = torch.ops.sonic.grouped_mm(dh, w1, m.expert_offsets, None, backend)
+        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None,
+                                           backend)
+    return grad_x, grad_s
+
+
+def _weight_grads(grad_y, a_scaled, dh, x_recv, weights, backend):
+    """``(dW1 or None, dW2 or None)`` over the received pairs of all chunks: one varlen-K GEMM
+    per weight, its operands gathered by ``weights`` (:class:`_WeightGradIndex`); ``a_scaled``
+    / ``dh`` None when that gradient is not needed."""
+    grad_w1 = grad_w2 = None
+    if a_scaled is not None:
+        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_y, a_scaled, weights.expert_offsets,
+                                                      weights.row_idx, weights.chunk_pos,
+                                                      backend)
+    if dh is not None:
+        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x_recv, weights.expert_offsets,
+                                                      weights.chunk_pos, weights.row_idx,
+                                                      backend)
+    return grad_w1, grad_w2
+
+
+def _received_slices(plan: DispatchPlan) -> tuple[list[slice], list[slice]]:
+    """Per chunk, its received rows' and received pairs' ranges in the buffers holding those
+    of all chunks (chunk-major)."""
+    def ranges(sizes):
+        ends = list(itertools.accumulate(sizes))
+        return [slice(end - size, end) for size, end in zip(sizes, ends)]
+
+    return (ranges([sum(chunk.recv_rows) for chunk in plan.chunks]),
+            ranges([sum(chunk.recv_pairs) for chunk in plan.chunks]))
+
+
+class _WeightGradIndex(NamedTuple):
+    """All received pairs sorted by local expert: ``expert_offsets (E_local+1,)`` int32;
+    ``row_idx (P_recv,)`` int32, the received row of each (into the rows of all chunks);
+    ``chunk_pos (P_recv,)`` int32, its row in the buffers of per-chunk expert-sorted pairs
+    (dH, A')."""
+
+    expert_offsets: torch.Tensor
+    row_idx: torch.Tensor
+    chunk_pos: torch.Tensor
+
+
+def _weight_grad_index(plan, metadata, rows_at, pairs_at, num_local, backend):
+    tokens = torch.cat([chunk.recv_tokens + rows.start
+                        for chunk, rows in zip(plan.chunks, rows_at)])
+    experts = torch.cat([chunk.recv_experts for chunk in plan.chunks])
+    everything = routing_metadata_op(tokens, experts, rows_at[-1].stop, num_local, None,
+                                     backend)
+    # A pair's row in its chunk's expert-sorted order, offset by the chunk's first pair.
+    sorted_in_chunk = torch.cat([m.pair_rows + pairs.start
+                                 for m, pairs in zip(metadata, pairs_at)])
+    chunk_pos = sorted_in_chunk.index_select(0, everything.sorted_pairs.long())
+    return _WeightGradIndex(everything.expert_offsets, everything.gather_idx,
+                            chunk_pos.to(torch.int32))

@@ -126,11 +126,19 @@ def merge_gate_up(gate: torch.Tensor, up: torch.Tensor, gate_up: str) -> torch.T
 
 
 def up_proj_swiglu(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor,
-                   gather_idx: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   gather_idx: torch.Tensor, gate_up: str, *,
+                   h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward up-proj and its epilogue: ``H = gather(X)·W1ᵀ`` ``(P, 2n)`` and
-    ``A = SwiGLU(H)`` ``(P, n)`` (:func:`grouped_mm` then :func:`swiglu`)."""
+    ``A = SwiGLU(H)`` ``(P, n)`` (:func:`grouped_mm` then :func:`swiglu`). With ``h_out``
+    ``(P, 2n)``, H is written there and returned (the kernels store it in place; here a copy).
+    """
     h = grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
-    return h, swiglu(h, gate_up)
+    return copy_into(h_out, h), swiglu(h, gate_up)
+
+
+def copy_into(out: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """``t``, or ``out`` holding a copy of it."""
+    return t if out is None else out.copy_(t)
 
 
 def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
@@ -145,14 +153,17 @@ def swiglu(h: torch.Tensor, gate_up: str) -> torch.Tensor:
 
 def dh_dswiglu(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
-               gate_up: str, *, overwrite_h: bool = False
+               gate_up: str, *, overwrite_h: bool = False, a_out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward dH step: ``dA' = gather(dO)·W2`` ``(P, n)`` and its epilogue
     (:func:`grouped_mm` then :func:`dswiglu_epilogue`): ``(dH, A', ds)``.
 
     ``overwrite_h=True`` allows an implementation to write dH into ``h``'s buffer (``h`` is
-    then dead); this one always allocates dH, the CuTe dH kernel takes the offer."""
-    return dswiglu_epilogue(grouped_mm(dout, w2, offsets, gather_idx), h, row_scores, gate_up)
+    then dead); this one always allocates dH, the CuTe dH kernel takes the offer. With
+    ``a_out`` ``(P, n)``, A' is written there and returned."""
+    dh, a_scaled, ds = dswiglu_epilogue(grouped_mm(dout, w2, offsets, gather_idx), h,
+                                        row_scores, gate_up)
+    return dh, copy_into(a_out, a_scaled), ds
 
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,

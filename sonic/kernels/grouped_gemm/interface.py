@@ -8,6 +8,8 @@ This module imports no ``cutlass``: the kernel class of a configuration's archit
 (:data:`sonic.kernels.grouped_gemm.config.MAINLOOPS`) is imported on first compile.
 """
 
+import contextlib
+import contextvars
 import functools
 import importlib
 
@@ -60,10 +62,40 @@ def _resident(index: int, cluster: int) -> int:
         return HardwareInfo(index).get_max_active_clusters(cluster)
 
 
+# SMs the grouped GEMMs leave free (see sm_margin); a context variable, so it is per thread.
+_SM_MARGIN = contextvars.ContextVar("sonic_grouped_gemm_sm_margin", default=0)
+
+
+@contextlib.contextmanager
+def sm_margin(num_sms: int):
+    """Context in which every grouped GEMM launched by this thread sizes its persistent grid
+    for ``num_sms`` fewer SMs (clusters: ``ceil(num_sms / cluster)`` fewer clusters), at least
+    one CTA (cluster).
+
+    Why: a persistent grid of one CTA per SM holds every SM until its last tile, so a
+    communication kernel queued on another stream (NCCL's all-to-all) gets no SM until the
+    GEMM ends; left free SMs let it run alongside. Results are bitwise unchanged: the static
+    scheduler (``tile_scheduler``) hands whole work items to CTAs, each computed with the same
+    k-loop whatever the grid size; only which CTA computes a tile, and when, changes.
+
+    Raises:
+        ValueError: ``num_sms`` negative or not an int.
+    """
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 0:
+        raise ValueError(f"num_sms must be a non-negative int, got {num_sms!r}")
+    token = _SM_MARGIN.set(num_sms)
+    try:
+        yield
+    finally:
+        _SM_MARGIN.reset(token)
+
+
 def _num_ctas(device: torch.device, work_items: int, cluster: int = 1) -> int:
-    """Persistent grid size: one CTA (cluster) per resident slot, at most one per work item."""
+    """Persistent grid size: one CTA (cluster) per resident slot less the :func:`sm_margin`,
+    at most one per work item."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return cluster * max(1, min(_resident(index, cluster), work_items))
+    resident = _resident(index, cluster) - -(-_SM_MARGIN.get() // cluster)
+    return cluster * max(1, min(resident, work_items))
 
 
 def _check_offsets(expert_offsets, device) -> int:
@@ -117,8 +149,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
 
 
 def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
-                        gather_idx: torch.Tensor,
-                        gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        gather_idx: torch.Tensor, gate_up: str, *,
+                        h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``, ``A = SwiGLU(H)``, one launch.
 
     DESIGN §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
@@ -132,9 +164,11 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
         expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
         gather_idx: ``(P,)`` int32, values in ``[0, T)``.
         gate_up: ``"concat"`` or ``"interleaved"``.
+        h_out: ``(P, 2n)`` bf16, contiguous: where H is written (e.g. a chunk's rows of a
+            buffer holding the H of several calls), allocated if None.
 
     Returns:
-        ``(H, A)``: ``(P, 2n)`` and ``(P, n)`` bf16.
+        ``(H, A)``: ``(P, 2n)`` and ``(P, n)`` bf16; H is ``h_out`` when given.
 
     Raises:
         TypeError / ValueError: as :func:`grouped_gemm`; also an unknown ``gate_up``, or ``n``
@@ -149,12 +183,13 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
     if n <= 0 or n % (64 if gate_up == "concat" else VEC) or w1.shape[1] % 2:
         raise ValueError(f"w1 must have 2n rows per expert with n a multiple of "
                          f"{64 if gate_up == 'concat' else VEC}, got shape {tuple(w1.shape)}")
-    return _varlen_m(x, w1, expert_offsets, gather_idx, None, gate_up)
+    return _varlen_m(x, w1, expert_offsets, gather_idx, h_out, gate_up)
 
 
 def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
                          gather_idx: torch.Tensor, h: torch.Tensor,
-                         row_scores: torch.Tensor, *, dh_out: torch.Tensor | None = None
+                         row_scores: torch.Tensor, *, dh_out: torch.Tensor | None = None,
+                         a_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
 
@@ -177,9 +212,11 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
             ``h`` itself: dH then overwrites H in place, which is safe because every tile
             reads its H slabs into shared memory before it stores their dH, and no two tiles
             touch the same element (the backward thus needs no second ``P x 2n`` buffer).
+        a_out: ``(P, n)`` bf16, contiguous: where A' is written, allocated if None.
 
     Returns:
-        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` when given.
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` and A' is
+        ``a_out`` when given.
 
     Raises:
         TypeError / ValueError: as :func:`grouped_gemm`; also ``h``, ``row_scores`` or
@@ -203,7 +240,7 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
         raise ValueError("dh_out must be h itself or a buffer that does not overlap h: a "
                          "shifted overlap would overwrite H rows another tile still reads")
     return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
-                     (h, row_scores))
+                     (h, row_scores), a_out)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -212,10 +249,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
+def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_out=None):
     """:func:`grouped_gemm` (``swiglu`` and ``dswiglu`` None): ``(out, None)``;
     :func:`grouped_gemm_swiglu`: ``(H, A)``; :func:`grouped_gemm_dswiglu` (``dswiglu`` =
-    ``(h, row_scores)``, validated by the caller; ``out`` receives dH): ``(dH, A', ds)``."""
+    ``(h, row_scores)``, validated by the caller; ``out`` receives dH, ``act_out`` A'):
+    ``(dH, A', ds)``."""
     runtime.check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2)
     device = a.device
     b_n_major = b.ndim == 3 and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
@@ -256,7 +294,15 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None):
         gate_up=swiglu, arch=runtime.device_arch(device))
     ds_parts = None
     if dswiglu is not None:
-        act = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+        if act_out is None:
+            act = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+        else:
+            runtime.check_tensor("a_out", act_out, dtypes=(torch.bfloat16,), ndim=2,
+                                 device=device)
+            if tuple(act_out.shape) != (num_pairs, dim_n):
+                raise ValueError(f"a_out must have shape ({num_pairs}, {dim_n}), got "
+                                 f"{tuple(act_out.shape)}")
+            act = act_out
         ds_parts = torch.zeros(num_pairs, cfg.n_tiles, dtype=torch.float32, device=device)
     if num_pairs == 0 or a.shape[0] == 0:
         return (out, act) if dswiglu is None else (out.zero_(), act.zero_(), ds_parts.sum(1))
