@@ -64,6 +64,11 @@ def test_fp8_plan(gathered, dim_k):
     assert cfg.gather_a == gathered and cfg.dim_k == dim_k
 
 
+def test_fp8_plan_on_sm100_names_the_missing_mainloop():
+    with pytest.raises(ValueError, match="no FP8 grouped-GEMM mainloop for arch 'sm_100a'"):
+        heuristic.varlen_m_config(2048, 2048, True, ab_dtype="e4m3", arch="sm_100a")
+
+
 def _args(num_rows=16, dim_k=256, dim_n=128, experts=2):
     a_q = torch.zeros(num_rows, dim_k, dtype=torch.float8_e4m3fn)
     a_s = torch.ones(dim_k // 128, num_rows)

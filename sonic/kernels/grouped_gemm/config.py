@@ -98,6 +98,11 @@ class GroupedGemmConfig:
         if self.arch not in MAINLOOPS:
             raise ValueError(f"no grouped-GEMM mainloop for arch {self.arch!r}; registered: "
                              f"{sorted(MAINLOOPS)}")
+        # FP8 first: its limits name the FP8 mainloop, not a bf16 schedule it never runs.
+        if self.ab_dtype not in AB_DTYPES:
+            raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
+        if self.fp8:
+            self._check_fp8()
         if self.tile_n not in (128, 256):
             raise ValueError(f"tile_n must be 128 or 256, got {self.tile_n}")
         if self.pingpong and self.tile_n != 128:
@@ -127,10 +132,6 @@ class GroupedGemmConfig:
                                            or self.tile_n < TILE_M):
             raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
                              "(cooperative, tile_n >= 128)")
-        if self.ab_dtype not in AB_DTYPES:
-            raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
-        if self.fp8:
-            self._check_fp8()
 
     def _check_fp8(self):
         if self.arch not in FP8_MAINLOOPS:
