@@ -23,6 +23,12 @@ the speedup and the kernel's relative error against torch:
   ``_grouped_mm`` of ``dHᵀ`` and the gathered rows;
 * ``dW2``: varlen-K, ``gather(dO)ᵀ·A'`` (M = d, N = n) — torch: ``index_select`` +
   ``_grouped_mm``.
+
+``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
+OLMoE and 30B shapes: ``up`` (gathered) and ``down`` (contiguous) on e4m3 operands quantized
+once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the same
+unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
+≈4%).
 """
 
 import argparse
@@ -37,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, device_name  # noqa: E402
 
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
-                                        grouped_gemm_swiglu, grouped_gemm_varlen_k)
+                                        grouped_gemm_fp8, grouped_gemm_swiglu,
+                                        grouped_gemm_varlen_k)
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
 from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
@@ -78,16 +85,76 @@ def _row(shape, gemm, flops, kernel, torch_fn):
 
 
 GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "dW1", "dW2")
+FP8_SHAPES = ("OLMoE", "30B")
+
+
+def _quantize_rows(x):
+    """``(M, K)`` -> e4m3 ``(M, K)`` and fp32 scales ``(K/128, M)`` (one per row and 128
+    columns, amax / 448). A stand-in, run once outside the timing, for
+    ``sonic.reference.fp8.quantize_rows`` (written in parallel; switch at merge)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 128, 128)
+    amax = blocks.abs().amax(-1)
+    scales = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    q = (blocks / scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(m, k), scales.t().contiguous()
+
+
+def _quantize_blocks(w):
+    """``(E, N, K)`` -> e4m3 and fp32 scales ``(E, N/128, K/128)`` (one per 128 x 128 block);
+    stand-in for ``sonic.reference.fp8.quantize_blocks``."""
+    e, n, k = w.shape
+    blocks = w.float().view(e, n // 128, 128, k // 128, 128)
+    amax = blocks.abs().amax(dim=(2, 4))
+    scales = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    q = (blocks / scales[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(e, n, k), scales
+
+
+def fp8_rows(name, t, d, n, e, k):
+    """FP8 ``up`` and ``down`` beside sonic bf16 and torch bf16 at one shape."""
+    gather_idx, offsets = _routing(t, e, k)
+    p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
+    act = torch.randn(p, n, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
+    for gemm, a, w, idx, flops in (("up", x, w1, gather_idx, 2 * p * 2 * n * d),
+                                   ("down", act, w2, None, 2 * p * d * n)):
+        a_q, a_s = _quantize_rows(a)
+        b_q, b_s = _quantize_blocks(w)
+
+        def torch_fn(a=a, w=w, idx=idx):
+            rows = a.index_select(0, gidx_long) if idx is not None else a
+            return torch._grouped_mm(rows, w.transpose(1, 2), offs=ends)
+
+        _row(name, gemm, flops, lambda a=a, w=w, idx=idx: grouped_gemm(a, w, offsets,
+                                                                        gather_idx=idx),
+             torch_fn)
+        _row(name, gemm + "/fp8", flops,
+             lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, idx=idx: grouped_gemm_fp8(
+                 a_q, a_s, b_q, b_s, offsets, gather_idx=idx), torch_fn)
+        del a_q, a_s, b_q, b_s
+    del x, w1, act, w2
+    torch.cuda.empty_cache()
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gemm", choices=GEMMS, action="append",
                         help="time only these GEMMs (repeatable; default: all)")
-    only = set(parser.parse_args(argv).gemm or GEMMS)
+    parser.add_argument("--fp8", action="store_true",
+                        help="time the block-scaled FP8 up/down GEMMs beside bf16 instead")
+    args = parser.parse_args(argv)
+    only = set(args.gemm or GEMMS)
     print(f"device: {device_name()}")
     print(f"{'shape':<6} {'gemm':<7} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
           f"{'kern TF':>7} {'speedup':>7} {'rel err':>8}")
+    if args.fp8:
+        for shape in SHAPES:
+            if shape[0] in FP8_SHAPES:
+                fp8_rows(*shape)
+        return
     for name, t, d, n, e, k in SHAPES:
         def row(gemm, *args, name=name):
             if gemm in only:

@@ -3,7 +3,8 @@
 DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1. Public entry points (torch tensors in and out):
 :func:`grouped_gemm` (varlen-M, optional row gather), :func:`grouped_gemm_swiglu` (gathered
 up-proj with the SwiGLU epilogue), :func:`grouped_gemm_dswiglu` (gathered dA' GEMM with the
-dSwiGLU + ds + A' epilogue) and :func:`grouped_gemm_varlen_k` (weight gradients).
+dSwiGLU + ds + A' epilogue), :func:`grouped_gemm_varlen_k` (weight gradients) and
+:func:`grouped_gemm_fp8` (block-scaled e4m3 varlen-M, Hopper).
 
 Layout of the package, one concern per module (only the modules marked *kernel* import
 ``cutlass``; importing this package does not):
@@ -17,6 +18,7 @@ Layout of the package, one concern per module (only the modules marked *kernel* 
 * :mod:`.load` (kernel) — TMA producers: contiguous tiles, gathered rows, multicast.
 * :mod:`.base` (kernel) — warp roles, shared storage, launch, the pipeline contract.
 * :mod:`.sm90` (kernel) — the Hopper WGMMA mainloop and its accumulator view.
+* :mod:`.sm90_fp8` (kernel) — the Hopper block-scaled FP8 mainloop (per-k-tile promotion).
 * :mod:`.sm100` (kernel) — the Blackwell tcgen05 UMMA mainloop, TMEM accumulator and its view
   (compile-checked, self-checked on the device, never benchmarked).
 * :mod:`.self_check` — the on-device check a variant passes before "auto" uses it on sm_100a.
@@ -26,8 +28,9 @@ Layout of the package, one concern per module (only the modules marked *kernel* 
 
 from sonic.kernels.grouped_gemm.config import MAX_EXPERTS, VEC, GroupedGemmConfig
 from sonic.kernels.grouped_gemm.interface import (grouped_gemm, grouped_gemm_dswiglu,
-                                                  grouped_gemm_swiglu, grouped_gemm_varlen_k)
+                                                  grouped_gemm_fp8, grouped_gemm_swiglu,
+                                                  grouped_gemm_varlen_k)
 
 # MAX_EXPERTS (largest E) and VEC (K, N multiples) are the limits the backend checks.
 __all__ = ["MAX_EXPERTS", "VEC", "GroupedGemmConfig", "grouped_gemm", "grouped_gemm_dswiglu",
-           "grouped_gemm_swiglu", "grouped_gemm_varlen_k"]
+           "grouped_gemm_fp8", "grouped_gemm_swiglu", "grouped_gemm_varlen_k"]

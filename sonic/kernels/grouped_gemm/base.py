@@ -32,13 +32,13 @@ Imports ``cutlass``: only the kernel modules import this one.
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cuda.bindings import driver as cuda
-from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
+from cutlass import BFloat16 as BF16, Float8E4M3FN, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from sonic.kernels import runtime
-from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, TILE_K, TILE_M,
+from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, TILE_M,
                                                GroupedGemmConfig, barrier_contract)
 from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 from sonic.kernels.grouped_gemm.load import FULL_ARRIVALS, TmaProducers
@@ -55,7 +55,9 @@ class GroupedGemmKernel(TmaProducers):
     dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``; then
     ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
     ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
-    be any value.
+    be any value. The FP8 configurations (``cfg.fp8``: e4m3 A and B) pass their fp32 block
+    scales in the fp32 slots their store epilogue leaves free: A's in ``scores``, B's in
+    ``ds``.
     """
 
     def __init__(self, cfg: GroupedGemmConfig):
@@ -65,6 +67,7 @@ class GroupedGemmKernel(TmaProducers):
         self.epilogue = make_epilogue(cfg, self.ring)
         self.contract = barrier_contract(cfg)
         self.threads = THREADS
+        self.ab_type = Float8E4M3FN if cfg.fp8 else BF16
         # Operand majorness: varlen-M reads K-major A rows, varlen-K MN-major rows; varlen-M B
         # is K-major or (b_n_major) N-major.
         self.a_layout = LayoutEnum.COL_MAJOR if cfg.varlen_k else LayoutEnum.ROW_MAJOR
@@ -90,9 +93,10 @@ class GroupedGemmKernel(TmaProducers):
     def make_smem_layouts(self):
         """``(a_smem, b_smem)``: staged, 128-byte-swizzled operand layouts of the ring (the
         WGMMA helpers' layouts, which UMMA reads unchanged)."""
-        tile_mnk = (TILE_M, self.cfg.tile_n, TILE_K)
-        return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, BF16, self.cfg.stages),
-                sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, BF16, self.cfg.stages))
+        cfg = self.cfg
+        tile_mnk = (TILE_M, cfg.tile_n, cfg.tile_k)
+        return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, self.ab_type, cfg.stages),
+                sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, self.ab_type, cfg.stages))
 
     def extra_storage(self) -> dict:
         """An architecture's own shared-memory fields (name -> type), placed after the ring's
@@ -108,8 +112,10 @@ class GroupedGemmKernel(TmaProducers):
             "empty": cute.struct.MemRange[Int64, cfg.stages],
             **self.extra_storage(),
             "tile_start": cute.struct.MemRange[Int32, MAX_EXPERTS + 1],
-            "sA": cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(a_smem)], 1024],
-            "sB": cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(b_smem)], 1024],
+            "sA": cute.struct.Align[cute.struct.MemRange[self.ab_type, cute.cosize(a_smem)],
+                                    1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[self.ab_type, cute.cosize(b_smem)],
+                                    1024],
             "sC": cute.struct.Align[cute.struct.MemRange[
                 BF16, self.epilogue.staging_elems()], 128],
         }
@@ -142,7 +148,8 @@ class GroupedGemmKernel(TmaProducers):
                  stream: cuda.CUstream):
         cfg = self.cfg
         gmem = runtime.gmem_ptr
-        a, b, c = gmem(BF16, a_addr, 16), gmem(BF16, b_addr, 16), gmem(BF16, c_addr, 16)
+        a, b = gmem(self.ab_type, a_addr, 16), gmem(self.ab_type, b_addr, 16)
+        c = gmem(BF16, c_addr, 16)
         act = gmem(BF16, act_addr, 16)
         h, scores, ds = gmem(BF16, h_addr, 16), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
         gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)

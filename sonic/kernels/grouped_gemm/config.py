@@ -13,6 +13,11 @@ from sonic.types import GATE_UP_LAYOUTS
 
 TILE_M = 128
 TILE_K = 64
+# FP8 k-tile: one 128-wide scale block per k-tile, so the mainloop promotes every k-tile; 128
+# e4m3 values are one 128-byte swizzle line, the bytes of a bf16 TILE_K row.
+TILE_K_FP8 = 128
+# Operand element types: bf16, or e4m3 with DeepSeek-V3 block scales (1x128 A, 128x128 B).
+AB_DTYPES = ("bf16", "e4m3")
 # Elements per 16-byte bf16 vector (epilogue stores, width checks).
 VEC = 8
 # Largest E: the varlen-M tile table lives in shared memory (4 bytes per expert).
@@ -33,9 +38,11 @@ MAX_STAGES = 8
 
 EPILOGUES = ("store", "swiglu", "dswiglu")
 # The kernel class of each architecture, "module:class", imported lazily by the dispatcher
-# (interface.kernel_class): the one place a mainloop is registered.
+# (interface.kernel_class): with FP8_MAINLOOPS, the one place a mainloop is registered.
 MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90:Sm90GroupedGemm",
              "sm_100a": "sonic.kernels.grouped_gemm.sm100:Sm100GroupedGemm"}
+# The block-scaled e4m3 mainloops, same form.
+FP8_MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90_fp8:Sm90Fp8GroupedGemm"}
 # Warpgroups running the epilogue: sm_90's two consumer warpgroups; sm_100's four epilogue
 # warps (one TMEM lane quarter each) form one warpgroup holding all TILE_M rows of a tile.
 EPILOGUE_WARPGROUPS = {"sm_90a": CONSUMER_WARPGROUPS, "sm_100a": 1}
@@ -47,7 +54,8 @@ class GroupedGemmConfig:
 
     Attributes:
         varlen_k: varlen-K (``C[e] = A_eᵀ·B_e``, weight gradients) instead of varlen-M.
-        tile_n: N tile (128 or 256); the M tile is :data:`TILE_M`, the K tile :data:`TILE_K`.
+        tile_n: N tile (128 or 256); the M tile is :data:`TILE_M`, the K tile
+            :attr:`tile_k`.
         pingpong: ping-pong schedule (each consumer warpgroup owns a ``128 x 128`` tile)
             instead of cooperative (both share one ``128 x tile_n`` tile, 64 rows each).
         cluster: CTAs per cluster, 1 or :data:`CLUSTER` (B tile multicast).
@@ -63,6 +71,8 @@ class GroupedGemmConfig:
         gate_up: gate/up layout of the ``"swiglu"`` epilogue (``"concat"`` or
             ``"interleaved"``), else None.
         arch: target architecture, a key of :data:`MAINLOOPS`.
+        ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8, varlen-M with the
+            store epilogue on sm_90a: :data:`FP8_MAINLOOPS`).
 
     Raises:
         ValueError: a combination no kernel implements (the message names it).
@@ -82,11 +92,17 @@ class GroupedGemmConfig:
     epilogue: str = "store"
     gate_up: str | None = None
     arch: str = "sm_90a"
+    ab_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.arch not in MAINLOOPS:
             raise ValueError(f"no grouped-GEMM mainloop for arch {self.arch!r}; registered: "
                              f"{sorted(MAINLOOPS)}")
+        # FP8 first: its limits name the FP8 mainloop, not a bf16 schedule it never runs.
+        if self.ab_dtype not in AB_DTYPES:
+            raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
+        if self.fp8:
+            self._check_fp8()
         if self.tile_n not in (128, 256):
             raise ValueError(f"tile_n must be 128 or 256, got {self.tile_n}")
         if self.pingpong and self.tile_n != 128:
@@ -117,7 +133,41 @@ class GroupedGemmConfig:
             raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
                              "(cooperative, tile_n >= 128)")
 
+    def _check_fp8(self):
+        if self.arch not in FP8_MAINLOOPS:
+            raise ValueError(f"no FP8 grouped-GEMM mainloop for arch {self.arch!r}; registered: "
+                             f"{sorted(FP8_MAINLOOPS)}")
+        if self.varlen_k or self.epilogue != "store" or self.b_n_major:
+            raise ValueError("the FP8 mainloop serves varlen-M with K-major B (FP8 WGMMA reads "
+                             "both operands K-major) and the store epilogue")
+        # The promoted and the per-k-tile accumulator of a 64 x 256 warpgroup tile would take
+        # 256 registers per thread.
+        if self.pingpong or self.tile_n != 128:
+            raise ValueError("the FP8 mainloop runs cooperative 128 x 128 tiles")
+        if self.dim_k % TILE_K_FP8 or self.dim_n % TILE_K_FP8:
+            raise ValueError(f"the FP8 mainloop needs K and N multiples of {TILE_K_FP8} (one "
+                             f"scale block per k-tile and n-tile), got K={self.dim_k}, "
+                             f"N={self.dim_n}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.ab_dtype == "e4m3"
+
+    @property
+    def mainloop(self) -> str:
+        """``"module:class"`` of this configuration's kernel."""
+        return (FP8_MAINLOOPS if self.fp8 else MAINLOOPS)[self.arch]
+
     # Tiles and the operand ring.
+    @property
+    def tile_k(self) -> int:
+        return TILE_K_FP8 if self.fp8 else TILE_K
+
+    @property
+    def ab_bytes(self) -> int:
+        """Bytes per operand element."""
+        return 1 if self.fp8 else 2
+
     @property
     def n_tiles(self) -> int:
         return (self.dim_n + self.tile_n - 1) // self.tile_n
@@ -128,7 +178,7 @@ class GroupedGemmConfig:
 
     @property
     def k_tiles(self) -> int:
-        return (self.dim_k + TILE_K - 1) // TILE_K
+        return (self.dim_k + self.tile_k - 1) // self.tile_k
 
     @property
     def rows_wg(self) -> int:
@@ -140,8 +190,7 @@ class GroupedGemmConfig:
     @property
     def stages(self) -> int:
         """Ring stages: as many ``A + B`` k-tiles as fit beside the epilogue's staging buffer."""
-        stage_bytes = (TILE_M + self.tile_n) * TILE_K * 2
-        return min(MAX_STAGES, (SMEM_BYTES - self.staging_elems * 2) // stage_bytes)
+        return min(MAX_STAGES, (SMEM_BYTES - self.staging_elems * 2) // self.tma_bytes)
 
     @property
     def staging_elems(self) -> int:
@@ -153,7 +202,7 @@ class GroupedGemmConfig:
     def tma_bytes(self) -> int:
         """Bytes of one operand stage: every operand arrives by TMA (out-of-bounds boxes are
         zero-filled and counted), so a stage is complete at one expect-tx and these bytes."""
-        return (self.tile_n + TILE_M) * TILE_K * 2
+        return (self.tile_n + TILE_M) * self.tile_k * self.ab_bytes
 
     @property
     def b_halves(self) -> bool:

@@ -12,7 +12,8 @@ from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
 
 
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
-         dim_m: int = 0, arch: str = "sm_90a") -> tuple[int, bool, int]:
+         dim_m: int = 0, arch: str = "sm_90a",
+         ab_dtype: str = "bf16") -> tuple[int, bool, int]:
     """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
 
     * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
@@ -28,7 +29,12 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       mainloop is short — H100 7B down 456 vs 444 on a cluster.
     * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
       has (no 2-CTA UMMA yet); untuned, no sm_100 measurement exists.
+    * FP8 (``ab_dtype="e4m3"``, varlen-M): cooperative ``128 x 128`` tiles, the only shape
+      whose promoted and partial fp32 accumulators fit the registers (:mod:`.sm90_fp8`), on
+      2-CTA clusters multicasting B as for bf16; not yet measured against one CTA.
     """
+    if ab_dtype == "e4m3":
+        return 128, False, CLUSTER
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
     if arch == "sm_100a":
         return tile_n, False, 1
@@ -41,7 +47,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
 
 def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,
                     epilogue: str = "store", gate_up: str | None = None,
-                    arch: str = "sm_90a") -> GroupedGemmConfig:
+                    arch: str = "sm_90a", ab_dtype: str = "bf16") -> GroupedGemmConfig:
     """The planned varlen-M configuration (:func:`plan`, then the epilogue's constraints).
 
     With the SwiGLU "concat" epilogue a tile's gate half must not run past ``n = N/2``: when
@@ -50,12 +56,14 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tile_n, pingpong, cluster = plan(False, dim_n, gathered, dim_k, arch=arch)
+    tile_n, pingpong, cluster = plan(False, dim_n, gathered, dim_k, arch=arch,
+                                     ab_dtype=ab_dtype)
     if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128
     return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
                              dim_m=0, dim_n=dim_n, dim_k=dim_k, gather_a=gathered,
-                             b_n_major=b_n_major, epilogue=epilogue, gate_up=gate_up, arch=arch)
+                             b_n_major=b_n_major, epilogue=epilogue, gate_up=gate_up, arch=arch,
+                             ab_dtype=ab_dtype)
 
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,

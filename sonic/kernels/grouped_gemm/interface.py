@@ -17,21 +17,16 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm import heuristic
-from sonic.kernels.grouped_gemm.config import (MAINLOOPS, MAX_EXPERTS, TILE_M, VEC,
-                                               GroupedGemmConfig)
+from sonic.kernels.grouped_gemm.config import (MAINLOOPS, MAX_EXPERTS, TILE_K_FP8, TILE_M,
+                                               VEC, GroupedGemmConfig)
 from sonic.kernels.registry import KernelVariant, register
 from sonic.types import GATE_UP_LAYOUTS
 
 
-def kernel_class(arch: str):
-    """The kernel class of ``arch`` (imports its module, hence ``cutlass``).
-
-    Raises:
-        ValueError: no grouped-GEMM mainloop is registered for ``arch``.
-    """
-    if arch not in MAINLOOPS:
-        raise ValueError(f"no grouped-GEMM mainloop for {arch}; registered: {sorted(MAINLOOPS)}")
-    module, name = MAINLOOPS[arch].split(":")
+def kernel_class(cfg: GroupedGemmConfig):
+    """The kernel class of ``cfg`` (its :attr:`GroupedGemmConfig.mainloop`; imports its module,
+    hence ``cutlass``)."""
+    module, name = cfg.mainloop.split(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -40,7 +35,7 @@ def compile_config(cfg: GroupedGemmConfig, keep_ptx: bool = False):
     GPU at first launch): a :class:`sonic.kernels.runtime.Launcher`."""
     import cutlass
 
-    kernel = kernel_class(cfg.arch)(cfg)
+    kernel = kernel_class(cfg)(cfg)
     addresses = [runtime.fake_address() for _ in range(10)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
@@ -306,10 +301,6 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
         ds_parts = torch.zeros(num_pairs, cfg.n_tiles, dtype=torch.float32, device=device)
     if num_pairs == 0 or a.shape[0] == 0:
         return (out, act) if dswiglu is None else (out.zero_(), act.zero_(), ds_parts.sum(1))
-    fn = _launcher(cfg)
-    # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
-    m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
-    work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # Without gather the index addresses are never read; expert_offsets' stands in for them.
@@ -319,13 +310,120 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
     h_addr, scores_addr, ds_addr = (
         (addr(dswiglu[0], 16), addr(dswiglu[1], 4), addr(ds_parts, 4)) if dswiglu is not None
         else (out_addr,) * 3)
-    fn(addr(a, 16), addr(b, 16), out_addr, addr(act, 16) if act is not None else out_addr,
-       h_addr, scores_addr, ds_addr, idx, idx, offsets_addr, a.shape[0],
-       num_pairs if dswiglu is not None else 0, num_experts,
-       _num_ctas(device, work_items, cfg.cluster))
+    _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a, 16), addr(b, 16), out_addr,
+                     addr(act, 16) if act is not None else out_addr, h_addr, scores_addr,
+                     ds_addr, idx, idx, offsets_addr, a.shape[0],
+                     num_pairs if dswiglu is not None else 0)
     if dswiglu is not None:
         return out, act, ds_parts.sum(1)
     return out, act
+
+
+def _launch_varlen_m(cfg: GroupedGemmConfig, device, num_pairs: int, num_experts: int,
+                     *args) -> None:
+    """Launch varlen-M ``cfg`` over ``num_pairs`` rows on a persistent grid; ``args``: the
+    ten addresses and ``rows_a``, ``rows_b`` of :class:`.base.GroupedGemmKernel`."""
+    # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
+    m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
+    work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
+    _launcher(cfg)(*args, num_experts, _num_ctas(device, work_items, cfg.cluster))
+
+
+def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
+                     b_scales: torch.Tensor, expert_offsets: torch.Tensor, *,
+                     gather_idx: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled FP8 varlen-M grouped GEMM: ``out[r] = dequant(A)[r] · dequant(b[e])ᵀ``.
+
+    Issue 18; DeepSeek-V3 (arXiv 2412.19437) §3.3 fine-grained quantization: e4m3 operands,
+    A scaled per ``1 x 128`` (row, k-block), B per ``128 x 128`` (n-block, k-block), the
+    WGMMA partial sums promoted into fp32 every k-block of 128
+    (:mod:`sonic.kernels.grouped_gemm.sm90_fp8`). Computes, per expert ``e`` and row ``r``,
+    ``sum_kb (a_q[r, kb]·b_q[e, :, kb]ᵀ) · a_scales[kb, r] · b_scales[e, n // 128, kb]`` in
+    fp32, rounded once to bf16. One persistent launch, bitwise deterministic, no host
+    synchronisation. Hopper (sm_90a) only.
+
+    Args:
+        a_q: float8_e4m3fn, contiguous, CUDA, 16-byte aligned: ``(P, K)`` rows sorted by
+            expert, or with ``gather_idx`` the ``(T, K)`` source rows (``A[r] =
+            a_q[gather_idx[r]]``, gathered while loading).
+        a_scales: ``(K/128, rows of a_q)`` fp32, contiguous: block ``kb`` of source row ``s``
+            is scaled by ``a_scales[kb, s]`` (gathered rows take their source row's scales).
+        b_q: ``(E, N, K)`` float8_e4m3fn, contiguous (K-major: FP8 WGMMA reads both operands
+            K-major, so an N-major weight needs a transposed FP8 copy).
+        b_scales: ``(E, N/128, K/128)`` fp32, contiguous.
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``, or None.
+        out: ``(P, N)`` bf16, contiguous, written in place and returned; allocated if None.
+
+    Returns:
+        ``(P, N)`` bf16.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: ``K`` or ``N`` is not a positive multiple of 128, a scale tensor has the
+            wrong shape, a tensor is not a contiguous CUDA tensor of the right rank, devices
+            differ, shapes disagree, ``E`` exceeds 1024, or the device is not sm_90a (no FP8
+            mainloop for it).
+    """
+    fp8, f32 = torch.float8_e4m3fn, torch.float32
+    # Shapes first (device-independent), then contiguity and device.
+    for name, t, dtype, ndim in (("a_q", a_q, fp8, 2), ("a_scales", a_scales, f32, 2),
+                                 ("b_q", b_q, fp8, 3), ("b_scales", b_scales, f32, 3)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    num_experts, dim_n, dim_k = b_q.shape
+    block = TILE_K_FP8
+    for name, size in (("K (columns of a_q, last dim of b_q)", dim_k),
+                       ("N (rows of b_q per expert)", dim_n)):
+        if size <= 0 or size % block:
+            raise ValueError(f"{name} must be a positive multiple of {block} (one FP8 scale "
+                             f"block per 128), got {size}")
+    if a_q.shape[1] != dim_k:
+        raise ValueError(f"a_q must have K = {dim_k} columns (b_q is (E, N, K)), got shape "
+                         f"{tuple(a_q.shape)}")
+    if tuple(a_scales.shape) != (dim_k // block, a_q.shape[0]):
+        raise ValueError(f"a_scales must have shape (K/128, rows of a_q) = "
+                         f"{(dim_k // block, a_q.shape[0])}, got {tuple(a_scales.shape)}")
+    if tuple(b_scales.shape) != (num_experts, dim_n // block, dim_k // block):
+        raise ValueError(f"b_scales must have shape (E, N/128, K/128) = "
+                         f"{(num_experts, dim_n // block, dim_k // block)}, got "
+                         f"{tuple(b_scales.shape)}")
+    runtime.check_tensor("a_q", a_q, dtypes=(fp8,), ndim=2)
+    device = a_q.device
+    for name, t, dtype, ndim in (("a_scales", a_scales, f32, 2), ("b_q", b_q, fp8, 3),
+                                 ("b_scales", b_scales, f32, 3)):
+        runtime.check_tensor(name, t, dtypes=(dtype,), ndim=ndim, device=device)
+    if _check_offsets(expert_offsets, device) != num_experts:
+        raise ValueError(f"b_q must have E = {expert_offsets.numel() - 1} experts "
+                         f"(expert_offsets has E+1 entries), got shape {tuple(b_q.shape)}")
+    if gather_idx is not None:
+        runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                             device=device)
+    num_pairs = gather_idx.numel() if gather_idx is not None else a_q.shape[0]
+    if out is None:
+        out = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
+    else:
+        runtime.check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=device)
+        if tuple(out.shape) != (num_pairs, dim_n):
+            raise ValueError(f"out must have shape ({num_pairs}, {dim_n}), got "
+                             f"{tuple(out.shape)}")
+    cfg = heuristic.varlen_m_config(dim_n, dim_k, gather_idx is not None, ab_dtype="e4m3",
+                                    arch=runtime.device_arch(device))
+    if num_pairs == 0 or a_q.shape[0] == 0:
+        return out
+    addr = runtime.address
+    offsets_addr = addr(expert_offsets, 4)
+    idx = addr(gather_idx, 4) if gather_idx is not None else offsets_addr
+    out_addr = addr(out, 16)
+    # The scales ride in the fp32 slots the store epilogue leaves free (scores, ds).
+    _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a_q, 16), addr(b_q, 16),
+                     out_addr, out_addr, out_addr, addr(a_scales, 4), addr(b_scales, 4), idx,
+                     idx, offsets_addr, a_q.shape[0], 0)
+    return out
 
 
 def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
@@ -398,16 +496,19 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
 # and TMA operand loads.
 _MARKERS = {"sm_90a": ("wgmma.mma_async", "cp.async.bulk.tensor"),
             "sm_100a": ("tcgen05.mma", "tcgen05.alloc", "tcgen05.ld", "cp.async.bulk.tensor")}
+# The FP8 mainloop must issue the dense e4m3 x e4m3 -> f32 WGMMA of its 64 x 128 warpgroup tile.
+_FP8_MARKERS = ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+                "cp.async.bulk.tensor")
 
 
-def _register(variant: str, make_config, archs=tuple(MAINLOOPS)) -> None:
+def _register(variant: str, make_config, archs=tuple(MAINLOOPS), markers=None) -> None:
     """Register a compile-check variant per architecture; ``make_config(arch)`` plans its
-    configuration for that architecture."""
+    configuration for that architecture; ``markers``: its PTX markers if not the arch's."""
     for arch in archs:
         register(KernelVariant(
             kernel="grouped_gemm", variant=variant,
             compile_fake=lambda arch=arch: compile_config(make_config(arch), keep_ptx=True),
-            ptx_markers=_MARKERS[arch], archs=(arch,)))
+            ptx_markers=markers or _MARKERS[arch], archs=(arch,)))
 
 
 # The forward's up-proj and down-proj, and the backward's dA' (gathered dO · N-major W2).
@@ -442,3 +543,8 @@ _register("varlen_k_m1536_n512_gather_a_ct",
 _register("varlen_k_m512_n1536_gather_b",
           lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch),
           archs=("sm_100a",))
+# Block-scaled FP8 (issue 18): the gathered up-proj and the contiguous down-proj / dX̃.
+for _n, _k, _gather in ((512, 1536, True), (1536, 256, False)):
+    _register(f"varlen_m_fp8_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
+              lambda arch, n=_n, k=_k, g=_gather: heuristic.varlen_m_config(
+                  n, k, g, ab_dtype="e4m3", arch=arch), archs=("sm_90a",), markers=_FP8_MARKERS)

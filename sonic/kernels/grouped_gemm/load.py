@@ -4,7 +4,7 @@ Every operand arrives by TMA, so a ring stage is complete when its one expect-tx
 all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
 
 * varlen-M: B and contiguous A as tiles (rows past the expert's end belong to the next expert or
-  are TMA's zero fill; they only reach masked output rows); gathered A as one ``1 x TILE_K`` box
+  are TMA's zero fill; they only reach masked output rows); gathered A as one ``1 x tile_k`` box
   per tile row, written at that row's 128-byte line of the stage — the hardware applies the
   128-byte swizzle by shared-memory address, so the rows land exactly where the MMA expects
   them. This replaced 16-byte ``cp.async`` gathers, which were capped near 10 GB/s per SM by the
@@ -70,18 +70,18 @@ class TmaProducers:
         m_a = cute.make_tensor(a, cute.make_layout((rows_a, cfg.dim_k), stride=(cfg.dim_k, 1)))
         # Gathered: a box of one row, written at the row's 128-byte line of the stage (the
         # 128-byte swizzle of a TMA write follows the shared-memory address).
-        a_box = ((1, TILE_K) if cfg.gather_a else (TILE_M, TILE_K))
+        a_box = ((1, cfg.tile_k) if cfg.gather_a else (TILE_M, cfg.tile_k))
         a_box_smem = (cute.make_composed_layout(
-            a_smem.inner, 0, cute.make_layout(a_box, stride=(TILE_K, 1)))
+            a_smem.inner, 0, cute.make_layout(a_box, stride=(cfg.tile_k, 1)))
             if cfg.gather_a else cute.slice_(a_smem, (None, None, 0)))
         tma["a"] = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box)
         b_stride = ((1, cfg.dim_n) if cfg.b_n_major else (cfg.dim_k, 1))
         m_b = cute.make_tensor(b, cute.make_layout(
             (cfg.dim_n, cfg.dim_k, num_experts), stride=(*b_stride, cfg.dim_n * cfg.dim_k)))
-        b_box = (cfg.tile_n // 2 if cfg.b_halves else cfg.tile_n, TILE_K)
+        b_box = (cfg.tile_n // 2 if cfg.b_halves else cfg.tile_n, cfg.tile_k)
         b_box_smem = (cute.make_composed_layout(
-            b_smem.inner, 0, cute.make_layout(b_box, stride=(TILE_K, 1)))
+            b_smem.inner, 0, cute.make_layout(b_box, stride=(cfg.tile_k, 1)))
             if cfg.b_halves else cute.slice_(b_smem, (None, None, 0)))
         tma["b"] = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
@@ -134,8 +134,8 @@ class TmaProducers:
         t = first
         while t < total:
             e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
-            g_a = cute.local_tile(cute.domain_offset((row0, 0), tma_a), (TILE_M, TILE_K),
-                                  (0, None))
+            g_a = cute.local_tile(cute.domain_offset((row0, 0), tma_a),
+                                  (TILE_M, self.cfg.tile_k), (0, None))
             t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
                                                cute.group_modes(s_a, 0, 2),
                                                cute.group_modes(g_a, 0, 2))
@@ -168,8 +168,9 @@ class TmaProducers:
         on H200 at the ANCHORS shapes). After a tile's k-tiles the epilogue may queue its own
         loads into the ring (:meth:`Epilogue.producer_loads`).
         """
-        g_a = cute.group_modes(cute.local_tile(tma_a, (1, TILE_K), (None, None)), 0, 2)
-        row_layout = cute.make_layout((1, TILE_K), stride=(TILE_K, 1))
+        tile_k = self.cfg.tile_k
+        g_a = cute.group_modes(cute.local_tile(tma_a, (1, tile_k), (None, None)), 0, 2)
+        row_layout = cute.make_layout((1, tile_k), stride=(tile_k, 1))
         lane = cute.arch.lane_idx()
         stage = Int32(0)
         phase = Int32(1)
@@ -190,7 +191,7 @@ class TmaProducers:
                 for i in cutlass.range_constexpr(32):
                     src = cute.arch.shuffle_sync(src_row, i)
                     dst = cute.make_tensor(cute.recast_ptr(
-                        s_a_base + (stage * TILE_M + warp * 32 + i) * TILE_K,
+                        s_a_base + (stage * TILE_M + warp * 32 + i) * tile_k,
                         a_smem.inner), row_layout)
                     t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
                                                        cute.group_modes(dst, 0, 2), g_a)
@@ -241,7 +242,8 @@ class TmaProducers:
         """B tile as one box into this CTA, or (``multicast``) this CTA's ``rank`` share of
         it into both CTAs of the cluster."""
         g_b = cute.group_modes(
-            cute.local_tile(tensor, (self.cfg.tile_n, TILE_K), (None, None, None)), 0, 2)
+            cute.local_tile(tensor, (self.cfg.tile_n, self.cfg.tile_k), (None, None, None)),
+            0, 2)
         t_s, t_g = cpasync.tma_partition(
             atom, rank, cute.make_layout(self.cfg.cluster if multicast else 1),
             cute.group_modes(s_b, 0, 2), g_b)
@@ -254,12 +256,13 @@ class TmaProducers:
         of the second half) of B n-tile ``nt``, to this CTA or (``multicast``) to both CTAs of
         the cluster."""
         half = self.cfg.tile_n // 2
-        g_b = cute.group_modes(cute.local_tile(tensor, (half, TILE_K), (None, None, None)),
+        tile_k = self.cfg.tile_k
+        g_b = cute.group_modes(cute.local_tile(tensor, (half, tile_k), (None, None, None)),
                                0, 2)
         s_b_base, swizzle = s_b_raw
         dst = cute.make_tensor(cute.recast_ptr(
-            s_b_base + (stage * self.cfg.tile_n + h * half) * TILE_K, swizzle),
-            cute.make_layout((half, TILE_K), stride=(TILE_K, 1)))
+            s_b_base + (stage * self.cfg.tile_n + h * half) * tile_k, swizzle),
+            cute.make_layout((half, tile_k), stride=(tile_k, 1)))
         t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                          cute.group_modes(dst, 0, 2), g_b)
         self.tma_copy(atom, t_g[None, h * (self.cfg.dim_n // 2 // half) + nt, kt, e], t_s, bar,

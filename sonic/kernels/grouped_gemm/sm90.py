@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16 as BF16, Float32 as F32, Int32, cute
+from cutlass import Float32 as F32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
@@ -72,6 +72,11 @@ class WgmmaAccumulator:
     def _mode(self, p: ColumnPair, v0: int, sl: int):
         return ((v0, p.v1, sl * (SLAB // 8) + p.j), p.mm, 0)
 
+    def mode(self, p: ColumnPair, v0: int):
+        """Fragment coordinate of value ``v0`` of pair ``p`` (for a mainloop that updates the
+        accumulator in place, e.g. the FP8 promotion)."""
+        return self._mode(p, v0, p.sl)
+
     def coord(self, p: ColumnPair, v0: int = 0):
         """``(m, n)``: tile row and column of value ``v0`` of pair ``p``."""
         return self.coords[self._mode(p, v0, p.sl)]
@@ -101,7 +106,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
     def make_tiled_mma(self):
         cfg = self.cfg
         return sm90_utils.make_trivial_tiled_mma(
-            BF16, BF16, self.a_layout.sm90_mma_major_mode(),
+            self.ab_type, self.ab_type, self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(), F32,
             (1 if cfg.pingpong else CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, cfg.tile_n))
 

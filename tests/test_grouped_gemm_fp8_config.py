@@ -1,0 +1,119 @@
+"""CPU tests of the block-scaled FP8 grouped GEMM (issue 18): its configuration (validation,
+derived sizes, the bf16 configurations' cache keys left alone), its tile plan, the argument
+validation of ``grouped_gemm_fp8`` (errors name the argument), and its compile-check variants.
+The numerics run on the GPU (tests/gpu/test_grouped_gemm_fp8.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sonic.kernels.grouped_gemm import config, heuristic
+from sonic.kernels.grouped_gemm.config import CLUSTER, GroupedGemmConfig
+
+
+def _fp8(**kw):
+    base = dict(varlen_k=False, tile_n=128, pingpong=False, cluster=CLUSTER, dim_m=0,
+                dim_n=1024, dim_k=1536, gather_a=True, ab_dtype="e4m3")
+    return GroupedGemmConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(ab_dtype="e5m2"), "ab_dtype must be one of"),
+    (dict(arch="sm_100a", cluster=1), "no FP8 grouped-GEMM mainloop for arch 'sm_100a'"),
+    (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False), "serves varlen-M"),
+    (dict(b_n_major=True), "K-major B"),
+    (dict(gather_a=True, epilogue="swiglu", gate_up="concat"), "store epilogue"),
+    (dict(tile_n=256), "cooperative 128 x 128 tiles"),
+    (dict(pingpong=True, cluster=1), "cooperative 128 x 128 tiles"),
+    (dict(dim_k=1600), "K and N multiples of 128"),
+    (dict(dim_n=200), "K and N multiples of 128"),
+])
+def test_fp8_config_rejects_unsupported_combinations(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _fp8(**kw)
+
+
+def test_fp8_config_derived_sizes():
+    cfg = _fp8()
+    assert cfg.fp8 and cfg.tile_k == config.TILE_K_FP8 == 128 and cfg.ab_bytes == 1
+    assert cfg.k_tiles == 1536 // 128
+    # 128 e4m3 values per row are the bytes of 64 bf16: a stage is as large as a bf16 one.
+    bf16 = dataclasses.replace(cfg, ab_dtype="bf16")
+    assert cfg.tma_bytes == bf16.tma_bytes == (128 + 128) * 128
+    assert cfg.stages == bf16.stages
+    assert cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"]
+    assert bf16.mainloop == config.MAINLOOPS["sm_90a"]
+    assert config.barrier_contract(cfg) == config.barrier_contract(bf16)
+
+
+def test_bf16_configs_keep_their_cache_key():
+    """The new field defaults to bf16, so every existing configuration (built without it) is
+    the same key; the FP8 one is a different key."""
+    planned = heuristic.varlen_m_config(512, 1536, True)
+    assert planned.ab_dtype == "bf16" and planned.tile_k == config.TILE_K
+    assert planned.cache_key == dataclasses.replace(planned, ab_dtype="bf16").cache_key
+    fp8 = heuristic.varlen_m_config(512, 1536, True, ab_dtype="e4m3")
+    assert fp8.cache_key != heuristic.varlen_m_config(512, 1536, True, ab_dtype="bf16").cache_key
+
+
+@pytest.mark.parametrize("gathered,dim_k", [(True, 2048), (False, 768), (False, 256)])
+def test_fp8_plan(gathered, dim_k):
+    cfg = heuristic.varlen_m_config(2048, dim_k, gathered, ab_dtype="e4m3")
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster) == (128, False, CLUSTER)
+    assert cfg.gather_a == gathered and cfg.dim_k == dim_k
+
+
+def test_fp8_plan_on_sm100_names_the_missing_mainloop():
+    with pytest.raises(ValueError, match="no FP8 grouped-GEMM mainloop for arch 'sm_100a'"):
+        heuristic.varlen_m_config(2048, 2048, True, ab_dtype="e4m3", arch="sm_100a")
+
+
+def _args(num_rows=16, dim_k=256, dim_n=128, experts=2):
+    a_q = torch.zeros(num_rows, dim_k, dtype=torch.float8_e4m3fn)
+    a_s = torch.ones(dim_k // 128, num_rows)
+    b_q = torch.zeros(experts, dim_n, dim_k, dtype=torch.float8_e4m3fn)
+    b_s = torch.ones(experts, dim_n // 128, dim_k // 128)
+    off = torch.tensor([0, 8, 16], dtype=torch.int32)
+    return [a_q, a_s, b_q, b_s, off]
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a.__setitem__(0, a[0].to(torch.bfloat16)), TypeError,
+     "a_q must be a torch.float8_e4m3fn tensor"),
+    (lambda a: a.__setitem__(1, a[1].double()), TypeError,
+     "a_scales must be a torch.float32 tensor"),
+    (lambda a: a.__setitem__(2, a[2].float()), TypeError,
+     "b_q must be a torch.float8_e4m3fn tensor"),
+    (lambda a: a.__setitem__(3, a[3][0]), ValueError, "b_scales must have 3 dimensions"),
+    (lambda a: a.__setitem__(2, a[2][:, :, :200]), ValueError,
+     r"K \(columns of a_q, last dim of b_q\) must be a positive multiple of 128"),
+    (lambda a: a.__setitem__(2, a[2][:, :64]), ValueError,
+     r"N \(rows of b_q per expert\) must be a positive multiple of 128"),
+    (lambda a: a.__setitem__(0, a[0][:, :128]), ValueError, "a_q must have K = 256 columns"),
+    (lambda a: a.__setitem__(1, a[1].t()), ValueError,
+     r"a_scales must have shape \(K/128, rows of a_q\) = \(2, 16\)"),
+    (lambda a: a.__setitem__(3, a[3][:, :, :1]), ValueError,
+     r"b_scales must have shape \(E, N/128, K/128\) = \(2, 1, 2\)"),
+    (lambda a: None, ValueError, "a_q must be on a CUDA device"),
+])
+def test_fp8_validation(change, error, match):
+    from sonic.kernels.grouped_gemm import grouped_gemm_fp8
+
+    args = _args()
+    change(args)
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8(*args)
+
+
+def test_fp8_variants_registered_for_sm90_only():
+    from sonic.kernels import registry
+    from sonic.kernels.grouped_gemm import interface
+
+    fp8 = [v for v in registry.variants() if v.kernel == "grouped_gemm" and "fp8" in v.variant]
+    assert {v.variant for v in fp8} == {"varlen_m_fp8_n512_k1536_gather",
+                                         "varlen_m_fp8_n1536_k256_contig"}
+    for v in fp8:
+        assert v.archs == ("sm_90a",)
+        assert v.ptx_markers == interface._FP8_MARKERS
+        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in v.ptx_markers
