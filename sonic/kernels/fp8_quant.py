@@ -5,7 +5,7 @@ Issue 18 recipe (DeepSeek-V3 arXiv 2412.19437 §3.3; DeepGEMM), bitwise equal to
 IEEE fp32 division ``x / scale`` and round-to-nearest-even e4m3. The reference's clamp to
 ±448 is the conversion's saturation here (``cvt.rn.satfinite.e4m3x2.f32`` saturates finite
 values beyond 448 to ±448 and keeps NaN), and the block maximum uses the NaN-propagating
-``max`` so a NaN reaches the scale as it does in ``torch.amax``. Both kernels are one read of
+``max`` so a block holding a NaN gets the reference's scale (1.0) too. Both kernels are one read of
 bf16 and one write of fp8 plus 4 bytes of scale per block: bandwidth-bound.
 
 ``quantize_rows``: a CTA covers 32 rows × one 128-column k-block; 16 lanes (half a warp) own one
