@@ -1,0 +1,65 @@
+"""FP8 quantization kernels vs the PyTorch reference, same run, same inputs.
+
+    python benchmarks/bench_fp8_quant.py
+
+Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales) and
+``quantize_blocks`` (128×128 weight scales) against the PyTorch implementation in
+``sonic.reference.fp8`` (fp32 temporaries, several passes) at the ANCHORS.md shapes: ``X (T, d)``
+and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for the blocks. Prints the
+median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on bytes read + written
+(``2·numel`` bf16 read, ``numel`` fp8 and ``numel / 32`` bytes of fp32 scales written), its
+percentage of the same-run device copy bandwidth, the speedup, and whether the outputs are
+bitwise equal (the tests hold that on harder inputs).
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import bench, copy_bandwidth, device_name  # noqa: E402
+
+from sonic.kernels import fp8_quant  # noqa: E402
+from sonic.reference import fp8 as ref  # noqa: E402
+
+# (name, T, d, n, E, K) from ANCHORS.md.
+SHAPES = [("7B", 24576, 1536, 256, 128, 8), ("OLMoE", 32768, 2048, 1024, 64, 8),
+          ("30B", 32768, 4096, 1024, 128, 8)]
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                           y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+               for x, y in zip(a, b))
+
+
+def main():
+    copy = copy_bandwidth()
+    print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
+    print(f"{'shape':<6} {'kernel':<15} {'operand shape':<20} | {'torch us':>9} {'kernel us':>9} "
+          f"{'GB/s':>6} {'% copy':>6} {'speedup':>7} {'bitwise':>7}")
+    for name, t, d, n, e, k in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        cases = (("quantize_rows", "X", (t, d)), ("quantize_rows", "A", (t * k, n)),
+                 ("quantize_blocks", "W1", (e, 2 * n, d)), ("quantize_blocks", "W2", (e, d, n)))
+        for kernel, operand, shape in cases:
+            x = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+            kernel_fn = getattr(fp8_quant, kernel)
+            torch_fn = getattr(ref, kernel)
+            same = _equal(kernel_fn(x), torch_fn(x))
+            torch_us = bench(lambda: torch_fn(x))
+            kern_us = bench(lambda: kernel_fn(x))
+            nbytes = 3 * x.numel() + x.numel() // 32
+            gbs = nbytes / (kern_us * 1e-6) / 1e9
+            print(f"{name:<6} {kernel:<15} {operand + ' ' + str(shape):<20} | {torch_us:>9.1f} "
+                  f"{kern_us:>9.1f} {gbs:>6.0f} {100 * gbs / copy:>5.1f}% "
+                  f"{torch_us / kern_us:>6.2f}x {str(same):>7}")
+            del x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

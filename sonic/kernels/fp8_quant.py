@@ -1,0 +1,283 @@
+"""Block-scaled FP8 (e4m3) quantization on the GPU: activations per 1×128, weights per 128×128.
+
+Issue 18 recipe (DeepSeek-V3 arXiv 2412.19437 §3.3; DeepGEMM), bitwise equal to the reference
+:mod:`sonic.reference.fp8` — same ``amax``, ``scale = amax / 448`` (1.0 for an all-zero block),
+IEEE fp32 division ``x / scale`` and round-to-nearest-even e4m3. The reference's clamp to
+±448 is the conversion's saturation here (``cvt.rn.satfinite.e4m3x2.f32`` saturates finite
+values beyond 448 to ±448 and keeps NaN), and the block maximum uses the NaN-propagating
+``max`` so a block holding a NaN gets the reference's scale (1.0) too. Both kernels are one read of
+bf16 and one write of fp8 plus 4 bytes of scale per block: bandwidth-bound.
+
+``quantize_rows``: a CTA covers 32 rows × one 128-column k-block; 16 lanes (half a warp) own one
+row's 128 columns, 8 bf16 each (one 16-byte load, one 8-byte store), and reduce ``amax`` by a
+4-step butterfly inside the half-warp. Each lane quantizes two rows (``r`` and ``r + 16``), both
+loads issued before any arithmetic, to keep more bytes in flight per thread. Rows past ``M`` load
+row ``M − 1`` instead (so every lane takes part in the shuffles) and store nothing. The scale
+writes of one CTA are 32 consecutive fp32 of the ``(K/128, M)`` scale matrix.
+
+Gathered rows are deliberately not supported: the FP8 path quantizes ``X`` once per layer and the
+up-projection GEMM gathers rows of ``q`` with their scales (one scale per row per k-block, the
+same index), which costs less than re-quantizing each of the ``K`` copies of a token.
+
+``quantize_blocks``: one CTA (256 threads) per 128×128 block of ``(E, N, K)``; lane ``t`` owns
+columns ``8·(t mod 16) ..`` of rows ``t // 16 + 16·i`` (i < 8), so each row of the block is
+read by 16 neighbouring lanes in two full 128-byte lines. ``amax``: per thread, then a warp
+butterfly, then the 8 warps' maxima through shared memory. A partial last row block (``N`` not a
+multiple of 128) re-reads its last row in place of the missing ones — that leaves ``amax``
+unchanged — and stores only its rows.
+
+``K`` must be a multiple of 128 for both (the FP8 GEMMs need it too): a ``ValueError`` names
+the argument otherwise.
+"""
+
+import functools
+
+import torch
+
+from sonic.kernels import runtime
+from sonic.kernels.registry import KernelVariant, register
+
+# Side of the recipe's blocks: 1×BLOCK activation slices, BLOCK×BLOCK weight blocks.
+BLOCK = 128
+# Elements per lane and vector: one 16-byte bf16 load, one 8-byte fp8 store.
+VEC = 8
+# Lanes per 128-column slice of one row.
+LANES_PER_SLICE = BLOCK // VEC
+THREADS = 256
+# quantize_rows: rows per lane (issued together) and rows per CTA.
+ROWS_PER_LANE = 2
+ROWS_PER_CTA = THREADS // LANES_PER_SLICE * ROWS_PER_LANE
+FP8_MAX = 448.0
+
+
+@functools.cache
+def _kernels():
+    """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
+    import cutlass
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, cute
+    from cuda.bindings import driver as cuda
+
+    def slice_amax(frag):
+        """NaN-propagating max of ``|x|`` over an 8-element fp32 register fragment."""
+        amax = Float32(0.0)
+        for j in range(VEC):
+            amax = cute.arch.fmax(amax, cute.math.absf(frag[j]), nan=True)
+        return amax
+
+    def butterfly_max(amax, lanes: int):
+        """Max over ``lanes`` consecutive lanes (a power of two ≤ 32) by butterfly shuffles."""
+        offset = lanes // 2
+        while offset:
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+            offset //= 2
+        return amax
+
+    def scale_of(amax):
+        """``amax / 448``; 1.0 for an all-zero block (and, as in the reference, a NaN one)."""
+        return Float32(cutlass.select_(amax > Float32(0.0), amax / Float32(FP8_MAX), Float32(1.0)))
+
+    def quantize_store(frag, scale, dst):
+        """``round_e4m3(frag / scale)`` (IEEE division, saturating conversion) into the
+        8-element fp8 global tensor ``dst``."""
+        frag.store(frag.load() / scale)
+        out = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
+        out.store(frag.load().to(Float8E4M3FN))
+        cute.autovec_copy(out, dst)
+
+    class QuantizeRowsKernel:
+        """``(M, K)`` bf16 → ``q (M, K)`` e4m3 and ``scales (K/128, M)`` fp32; ``K`` static."""
+
+        def __init__(self, k: int):
+            self.k = k
+
+        @cute.jit
+        def __call__(self, x: Int64, q: Int64, scales: Int64, num_rows: Int32,
+                     stream: cuda.CUstream):
+            gmem = runtime.gmem_ptr
+            self.kernel(gmem(BFloat16, x, 16), gmem(Float8E4M3FN, q, 16),
+                        gmem(Float32, scales, 4), num_rows).launch(
+                grid=[(num_rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, self.k // BLOCK, 1],
+                block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, x: cute.Pointer, q: cute.Pointer, scales: cute.Pointer,
+                   num_rows: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            tile, kb, _ = cute.arch.block_idx()
+            lane = tidx % LANES_PER_SLICE
+            col = kb * BLOCK + lane * VEC
+            first = tile * ROWS_PER_CTA + tidx // LANES_PER_SLICE
+            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(ROWS_PER_LANE)]
+            for i in cutlass.range_constexpr(ROWS_PER_LANE):
+                # 64-bit offsets: M·K passes 2**31 elements at large M.
+                row = Int64(cutlass.min(first + i * (THREADS // LANES_PER_SLICE), num_rows - 1))
+                cute.autovec_copy(cute.make_tensor(x + (row * self.k + col), cute.make_layout(VEC)),
+                                  frags[i])
+            for i in cutlass.range_constexpr(ROWS_PER_LANE):
+                row = first + i * (THREADS // LANES_PER_SLICE)
+                vals = cute.make_rmem_tensor((VEC,), Float32)
+                vals.store(frags[i].load().to(Float32))
+                scale = scale_of(butterfly_max(slice_amax(vals), LANES_PER_SLICE))
+                if row < num_rows:
+                    dst = q + (Int64(row) * self.k + col)
+                    quantize_store(vals, scale, cute.make_tensor(dst, cute.make_layout(VEC)))
+                    if lane == 0:
+                        cute.make_tensor(scales + Int64(kb) * num_rows.to(Int64),
+                                         cute.make_layout(num_rows))[row] = scale
+
+    class QuantizeBlocksKernel:
+        """``(E, N, K)`` bf16 → ``q`` e4m3 and ``scales (E, ceil(N/128), K/128)`` fp32;
+        ``K`` static."""
+
+        def __init__(self, k: int):
+            self.k = k
+            self.kb = k // BLOCK
+
+        @cute.jit
+        def __call__(self, w: Int64, q: Int64, scales: Int64, num_experts: Int32, n: Int32,
+                     stream: cuda.CUstream):
+            gmem = runtime.gmem_ptr
+            self.kernel(gmem(BFloat16, w, 16), gmem(Float8E4M3FN, q, 16),
+                        gmem(Float32, scales, 4), n).launch(
+                grid=[(n + BLOCK - 1) // BLOCK, self.kb, num_experts], block=[THREADS, 1, 1],
+                stream=stream)
+
+        @cute.kernel
+        def kernel(self, w: cute.Pointer, q: cute.Pointer, scales: cute.Pointer, n: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            nb, kb, expert = cute.arch.block_idx()
+            warps = THREADS // 32
+            row_step = THREADS // LANES_PER_SLICE
+            per_lane = BLOCK // row_step
+            col = kb * BLOCK + (tidx % LANES_PER_SLICE) * VEC
+            first = nb * BLOCK + tidx // LANES_PER_SLICE
+            base = Int64(expert) * n.to(Int64) * self.k
+            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(per_lane)]
+            for i in cutlass.range_constexpr(per_lane):
+                row = Int64(cutlass.min(first + i * row_step, n - 1))
+                src = w + (base + row * self.k + col)
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), frags[i])
+            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(per_lane)]
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(per_lane):
+                vals[i].store(frags[i].load().to(Float32))
+                amax = cute.arch.fmax(amax, slice_amax(vals[i]), nan=True)
+            amax = butterfly_max(amax, 32)
+            smem = cutlass.utils.SmemAllocator()
+            warp_max = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
+            if tidx % 32 == 0:
+                warp_max[tidx // 32] = amax
+            cute.arch.barrier()
+            # Every thread folds the 8 warp maxima in the same order: one broadcast read each.
+            amax = warp_max[0]
+            for j in cutlass.range_constexpr(1, warps):
+                amax = cute.arch.fmax(amax, warp_max[j], nan=True)
+            scale = scale_of(amax)
+            for i in cutlass.range_constexpr(per_lane):
+                row = first + i * row_step
+                if row < n:
+                    dst = q + (base + Int64(row) * self.k + col)
+                    quantize_store(vals[i], scale, cute.make_tensor(dst, cute.make_layout(VEC)))
+            if tidx == 0:
+                num_nb = (n + BLOCK - 1) // BLOCK
+                flat = (Int64(expert) * num_nb + nb) * self.kb + kb
+                cute.make_tensor(scales + flat, cute.make_layout(1))[0] = scale
+
+    return QuantizeRowsKernel, QuantizeBlocksKernel
+
+
+def _compile(kind: str, k: int, keep_ptx: bool = False):
+    """Compile one static configuration (``kind`` ``"rows"`` or ``"blocks"``, ``K``) with
+    placeholder arguments."""
+    import cutlass
+
+    rows_cls, blocks_cls = _kernels()
+    addresses = [runtime.fake_address() for _ in range(3)]
+    if kind == "rows":
+        return runtime.compile_launcher(rows_cls(k), *addresses, cutlass.Int32(1),
+                                        keep_ptx=keep_ptx)
+    return runtime.compile_launcher(blocks_cls(k), *addresses, cutlass.Int32(1),
+                                    cutlass.Int32(1), keep_ptx=keep_ptx)
+
+
+def _check_k(name: str, k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"{name}'s last dimension K must be a multiple of {BLOCK} for the FP8 "
+                         f"kernels, got K = {k} (the reference sonic.reference.fp8 takes any K)")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to e4m3 per 1×128 slice of each row (DeepSeek-V3 §3.3).
+
+    Bitwise equal to :func:`sonic.reference.fp8.quantize_rows` (see the module notes).
+
+    Args:
+        x: ``(M, K)`` bf16, contiguous, CUDA, 16-byte aligned; ``K`` a multiple of 128.
+
+    Returns:
+        ``(q, scales)``: ``q (M, K)`` float8_e4m3fn and ``scales (K/128, M)`` fp32, contiguous
+        (k-block-major: one k-block's scales of consecutive rows are contiguous). ``M = 0`` or
+        ``K = 0`` returns empty tensors without a launch.
+
+    Raises:
+        TypeError: ``x`` is not a bf16 tensor.
+        ValueError: ``x`` is not a contiguous 2-D CUDA tensor, ``K`` is not a multiple of 128,
+            or ``x`` is not 16-byte aligned.
+    """
+    runtime.check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
+    m, k = x.shape
+    _check_k("x", k)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scales
+    fn = runtime.compiled(("fp8_quantize_rows", k), lambda: _compile("rows", k))
+    fn(runtime.address(x, 16), runtime.address(q, 16), runtime.address(scales, 4), m)
+    return q, scales
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize per-expert weights to e4m3 per 128×128 block (DeepSeek-V3 §3.3).
+
+    Bitwise equal to :func:`sonic.reference.fp8.quantize_blocks`; meant to run once per
+    optimizer step on the bf16 master weights.
+
+    Args:
+        w: ``(E, N, K)`` or ``(N, K)`` bf16, contiguous, CUDA, 16-byte aligned; ``K`` a
+            multiple of 128, any ``N`` (a partial last row block is scaled over its rows).
+
+    Returns:
+        ``(q, scales)``: ``q`` float8_e4m3fn of ``w``'s shape and ``scales`` fp32 contiguous of
+        shape ``(E, ceil(N/128), K/128)`` (without ``E`` for a 2-D ``w``). Empty ``w`` returns
+        empty tensors without a launch.
+
+    Raises:
+        TypeError: ``w`` is not a bf16 tensor.
+        ValueError: ``w`` is not a contiguous 2-D or 3-D CUDA tensor, ``K`` is not a multiple
+            of 128, or ``w`` is not 16-byte aligned.
+    """
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        q, scales = quantize_blocks(w[None])
+        return q[0], scales[0]
+    runtime.check_tensor("w", w, dtypes=(torch.bfloat16,), ndim=3)
+    e, n, k = w.shape
+    _check_k("w", k)
+    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(e, -(-n // BLOCK), k // BLOCK, dtype=torch.float32, device=w.device)
+    if q.numel() == 0:
+        return q, scales
+    fn = runtime.compiled(("fp8_quantize_blocks", k), lambda: _compile("blocks", k))
+    fn(runtime.address(w, 16), runtime.address(q, 16), runtime.address(scales, 4), e, n)
+    return q, scales
+
+
+# e4m3 conversion with saturation, IEEE division, 16-byte bf16 loads, 8-byte fp8 stores.
+_MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "ld.global.v4",
+            ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64"))
+for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 7168)):
+    register(KernelVariant(
+        kernel="fp8_quant",
+        variant=f"quantize_{_kind}_k{_k}",
+        compile_fake=lambda kind=_kind, k=_k: _compile(kind, k, keep_ptx=True),
+        ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _kind == "rows" else
+                                ("shfl.sync.bfly", "bar.sync"))))
