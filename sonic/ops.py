@@ -339,6 +339,14 @@ def _traced(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or type(t) is not torch.Tensor
 
 
+def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dtype) -> torch.Tensor:
+    """Per-pair score gradients from the dH kernel's per-row ``ds``: zero for the rows past
+    ``expert_offsets[E]`` (a padded routing's padding, :attr:`sonic.Routing.num_valid`), which
+    no GEMM writes, so their ``ds`` is whatever that memory held (NaN included)."""
+    real = torch.arange(ds_rows.shape[0], device=ds_rows.device) < m.expert_offsets[-1]
+    return torch.where(real, ds_rows, 0).index_select(0, m.pair_rows).to(dtype)
+
+
 def _experts_backward(ctx, grad_out, _grad_h):
     # Grad mode is on inside backward exactly when the caller asked for create_graph=True. The
     # saved H and metadata carry no graph, so a recorded backward would miss terms: refuse.
@@ -372,7 +380,7 @@ def _experts_backward(ctx, grad_out, _grad_h):
         dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx,
                                                            h, row_scores, gate_up, backend)
     del h
-    grad_scores = ds_rows.index_select(0, m.pair_rows).to(scores.dtype) if need_s else None
+    grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
     grad_w2 = grad_w1 = grad_x = None
     if need_w2:
         grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,

@@ -150,3 +150,29 @@ def test_padded_routing_is_built_by_routers_only():
         sonic.Routing(idx, idx, torch.zeros(3), 2, 2, validated=True, num_valid=torch.ones(1, dtype=torch.int64))
     with pytest.raises(TypeError, match="padded"):
         sonic.token_rounding_routing(torch.zeros(3, 2), 1, padded=1)
+
+
+def test_padding_rows_with_nan_give_no_nan_gradient(monkeypatch):
+    """No GEMM writes a padded routing's padding rows (past ``expert_offsets[E]``), so they hold
+    whatever memory held: poisoned with NaN here, the step stays finite under anomaly
+    detection (the score gradients of padding rows are zeroed, not propagated)."""
+    from sonic.reference import ops as reference
+
+    plain = reference.grouped_mm
+
+    def poisoned(a, b, offsets, gather_idx=None):
+        out = plain(a, b, offsets, gather_idx)
+        out[int(offsets[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(reference, "grouped_mm", poisoned)
+    torch.manual_seed(0)
+    layer = sonic.MoE(16, 8, 6, 2, router="token_rounding", tile=8, rounding="up",
+                      dtype=torch.float64)
+    x = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True):
+        out = layer(x)
+        assert layer.last_routing.num_pairs > int(layer.last_routing.num_valid)  # padded
+        out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(t).all() for t in [x.grad, *(p.grad for p in layer.parameters())])

@@ -51,7 +51,7 @@ from sonic.autograd.moe_experts import _graph_kept
 from sonic.backend import sm_margin
 from sonic.distributed.comm import all_to_all
 from sonic.ops import (_acc, _dh_dswiglu, _first_order_error, experts_forward,
-                       routing_metadata_op)
+                       pair_score_grads, routing_metadata_op)
 
 if TYPE_CHECKING:
     from sonic.distributed.experts import DispatchPlan
@@ -246,7 +246,7 @@ def _activation_grads(grad_y, w1, w2, h, scores, m, gate_up, backend, need_x, ne
                                  gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
     if dh_out is not None and dh.data_ptr() != dh_out.data_ptr():
         dh_out.copy_(dh)            # the reference, or a kept graph: dH not written over H
-    grad_s = ds_rows.index_select(0, m.pair_rows).to(scores.dtype) if need_s else None
+    grad_s = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
     grad_x = None
     if need_x:
         dx_rows = torch.ops.sonic.grouped_mm(dh, w1, m.expert_offsets, None, backend)
