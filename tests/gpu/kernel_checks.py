@@ -21,3 +21,25 @@ def poison_allocator(nbytes: int = 256 << 20) -> None:
     """
     torch.full((nbytes,), -1, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
+
+
+def expert_counts(mode: str, num_experts: int, num_pairs: int, gen) -> torch.Tensor:
+    """Rows per expert, ``(E,)`` int64 summing to ``num_pairs``: ``"one"`` gives every row to
+    one expert, ``"empty"`` leaves about half the experts without rows, anything else draws
+    ragged counts."""
+    if mode == "one":
+        counts = torch.zeros(num_experts, dtype=torch.long)
+        counts[num_experts // 2] = num_pairs
+        return counts
+    weights = torch.rand(num_experts, generator=gen) + 0.05
+    if mode == "empty":
+        weights[torch.randperm(num_experts, generator=gen)[: (num_experts + 1) // 2]] = 0
+    choice = torch.multinomial(weights, num_pairs, replacement=True, generator=gen)
+    return torch.bincount(choice, minlength=num_experts)
+
+
+def expert_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """``(E+1,)`` int32 prefix sums of ``counts`` on the GPU."""
+    off = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    off[1:] = counts.cumsum(0)
+    return off.cuda()

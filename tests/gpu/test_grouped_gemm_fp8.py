@@ -24,7 +24,8 @@ all-zero block; A scales ``(K/128, M)``, B scales ``(E, N/128, K/128)``).
 import pytest
 import torch
 
-from kernel_checks import poison_allocator, require_kernels
+from kernel_checks import (expert_counts as _counts, expert_offsets as _offsets,
+                           poison_allocator, require_kernels)
 
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
 
@@ -40,24 +41,6 @@ def _needs_kernels(monkeypatch):
         pytest.skip("the FP8 grouped GEMM runs on sm_90a only")
     # The reference's k-block products are exact in fp32 only without TF32.
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
-def _counts(mode, num_experts, num_pairs, gen):
-    if mode == "one":
-        counts = torch.zeros(num_experts, dtype=torch.long)
-        counts[num_experts // 2] = num_pairs
-        return counts
-    weights = torch.rand(num_experts, generator=gen) + 0.05
-    if mode == "empty":
-        weights[torch.randperm(num_experts, generator=gen)[: (num_experts + 1) // 2]] = 0
-    choice = torch.multinomial(weights, num_pairs, replacement=True, generator=gen)
-    return torch.bincount(choice, minlength=num_experts)
-
-
-def _offsets(counts):
-    off = torch.zeros(counts.numel() + 1, dtype=torch.int32)
-    off[1:] = counts.cumsum(0)
-    return off.cuda()
 
 
 def _rand(*shape, gen):
