@@ -11,11 +11,13 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 python3 -m pytest -m gpu -q -rf ${1:+-k "$1"} > "$out/tests.log" 2>&1
 tail -n 25 "$out/tests.log"
-for b in topk routing_metadata aggregation swiglu grouped_gemm; do
+for b in topk routing_metadata aggregation swiglu fp8_quant grouped_gemm; do
   [ -f "benchmarks/bench_$b.py" ] || continue
   echo "== bench_$b"
   python3 "benchmarks/bench_$b.py"
 done
+echo "== bench_grouped_gemm --fp8 (block-scaled FP8 beside bf16)"
+python3 benchmarks/bench_grouped_gemm.py --fp8
 echo "== bench_moe (with the per-kernel breakdown of sonic's forward+backward)"
 python3 benchmarks/bench_moe.py --profile
 echo "== bench_moe, sparse configs (E=256, K=8, n=1024): top-K and token rounding on the same data"
