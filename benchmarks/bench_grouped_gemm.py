@@ -47,6 +47,7 @@ from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # n
                                         grouped_gemm_varlen_k)
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
+from sonic.reference.fp8 import quantize_blocks, quantize_rows  # noqa: E402
 from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 
 # (name, T, d, n, E, K) from ANCHORS.md.
@@ -88,29 +89,6 @@ GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "d
 FP8_SHAPES = ("OLMoE", "30B")
 
 
-def _quantize_rows(x):
-    """``(M, K)`` -> e4m3 ``(M, K)`` and fp32 scales ``(K/128, M)`` (one per row and 128
-    columns, amax / 448). A stand-in, run once outside the timing, for
-    ``sonic.reference.fp8.quantize_rows`` (written in parallel; switch at merge)."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // 128, 128)
-    amax = blocks.abs().amax(-1)
-    scales = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-    q = (blocks / scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(m, k), scales.t().contiguous()
-
-
-def _quantize_blocks(w):
-    """``(E, N, K)`` -> e4m3 and fp32 scales ``(E, N/128, K/128)`` (one per 128 x 128 block);
-    stand-in for ``sonic.reference.fp8.quantize_blocks``."""
-    e, n, k = w.shape
-    blocks = w.float().view(e, n // 128, 128, k // 128, 128)
-    amax = blocks.abs().amax(dim=(2, 4))
-    scales = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-    q = (blocks / scales[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(e, n, k), scales
-
-
 def fp8_rows(name, t, d, n, e, k):
     """FP8 ``up`` and ``down`` beside sonic bf16 and torch bf16 at one shape."""
     gather_idx, offsets = _routing(t, e, k)
@@ -121,8 +99,8 @@ def fp8_rows(name, t, d, n, e, k):
     w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
     for gemm, a, w, idx, flops in (("up", x, w1, gather_idx, 2 * p * 2 * n * d),
                                    ("down", act, w2, None, 2 * p * d * n)):
-        a_q, a_s = _quantize_rows(a)
-        b_q, b_s = _quantize_blocks(w)
+        a_q, a_s = quantize_rows(a)        # the reference recipe, outside the timing
+        b_q, b_s = quantize_blocks(w)
 
         def torch_fn(a=a, w=w, idx=idx):
             rows = a.index_select(0, gidx_long) if idx is not None else a
