@@ -93,7 +93,11 @@ def _check_scales(name: str, scales, shape: tuple[int, ...], of: str) -> None:
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scales of fp32 block maxima: ``amax / 448``, 1.0 for an all-zero block."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor, not the Python float: CUDA PyTorch divides by a scalar as a multiply by
+    # its reciprocal, which differs from IEEE division in the last bit for some amax, so the
+    # reference would not be the same function on CPU and GPU (nor equal to the kernels).
+    divisor = torch.full_like(amax, FP8_MAX)
+    return torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
