@@ -21,19 +21,26 @@ D, N = 8, 4
 TOL = 1e-10
 
 
-def _entry(rank, world, tmp, target, pg_timeout):
+def _entry(rank, world, tmp, target, pg_timeout, synced_exit):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
     result = target(rank, world)
-    dist.destroy_process_group()
     torch.save(result, f"{tmp}/rank{rank}.pt")
+    # A rank that tears its gloo pairs down while a peer still uses them can die in gloo's
+    # worker threads (std::terminate, SIGABRT; seen once in CI): leave together. A target
+    # that breaks the group on purpose (a peer that never joins) cannot meet at a barrier.
+    if synced_exit:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
-def _spawn(world, target, tmp_path, *, pg_timeout=30, timeout=120):
+def _spawn(world, target, tmp_path, *, pg_timeout=30, timeout=120, synced_exit=True):
     """Run ``target(rank, world)`` on ``world`` gloo ranks; their results, by rank. Never
-    hangs: past ``timeout`` the ranks are killed and the test fails."""
-    ctx = mp.start_processes(_entry, args=(world, str(tmp_path), target, pg_timeout),
+    hangs: past ``timeout`` the ranks are killed and the test fails. ``synced_exit=False``
+    for targets that leave the process group unusable on purpose."""
+    ctx = mp.start_processes(_entry, args=(world, str(tmp_path), target, pg_timeout,
+                                           synced_exit),
                              nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
@@ -389,7 +396,8 @@ def _error_cases(rank, world):
 
 
 def test_errors_are_raised_on_every_rank(tmp_path):
-    r0, r1 = _spawn(2, _error_cases, tmp_path, pg_timeout=3, timeout=90)
+    r0, r1 = _spawn(2, _error_cases, tmp_path, pg_timeout=3, timeout=90,
+                    synced_exit=False)
     for r in (r0, r1):
         assert "num_experts=3 must be divisible by the EP size 2" in r["indivisible"]
         assert "w1_local must have shape (E/ep=4" in r["wrong_local_experts"]
