@@ -117,3 +117,19 @@ def test_fp8_variants_registered_for_sm90_only():
         assert v.archs == ("sm_90a",)
         assert v.ptx_markers == interface._FP8_MARKERS
         assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in v.ptx_markers
+
+
+@pytest.mark.parametrize("ab_dtype", ["bf16", "e4m3"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_register_split_fits_the_launch_allocation(ab_dtype, gathered):
+    """setmaxnreg only moves registers within the CTA's launch allocation (168 per thread of
+    384): a split beyond it makes the consumers' increase wait forever (a hang, not an error).
+    The overlapped FP8 promotion needs 232 per consumer for its three accumulators."""
+    cfg = heuristic.varlen_m_config(2048, 4096, gathered, ab_dtype=ab_dtype)
+    consumers = config.THREADS - config.PRODUCER_THREADS
+    assert (config.PRODUCER_THREADS * cfg.producer_regs + consumers * cfg.consumer_regs
+            <= config.THREADS * 168)
+    assert cfg.producer_regs % 8 == 0 and cfg.consumer_regs % 8 == 0
+    assert cfg.overlapped_promotion == (cfg.fp8 and not gathered)
+    if cfg.overlapped_promotion:
+        assert cfg.consumer_regs == 232

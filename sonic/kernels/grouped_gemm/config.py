@@ -217,7 +217,18 @@ class GroupedGemmConfig:
         return self.varlen_k or self.gather_a
 
     @property
+    def overlapped_promotion(self) -> bool:
+        """FP8: promote each k-tile while the next one's WGMMAs run (two partial
+        accumulators, :mod:`.sm90_fp8`). Not with gathered rows: the third accumulator needs
+        the 232 registers per consumer thread that the row-copy producers' 56 leave short
+        (224 spills; producers cut to 40 starve the row copies: slower either way)."""
+        return self.fp8 and not self.row_copies
+
+    @property
     def producer_regs(self) -> int:
+        # setmaxnreg moves registers within the CTA's launch allocation (168 per thread of
+        # 384): 128 x producer + 256 x consumer must fit, or the consumers' increase waits
+        # forever.
         return 56 if self.row_copies else 40
 
     @property

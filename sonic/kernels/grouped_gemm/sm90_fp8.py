@@ -18,10 +18,16 @@ i.e. the LSU ``cp.async`` path the gathered operand loads left for being slow) a
 contiguous ones a TMA box at an arbitrary 4-byte row offset; the scales are ``1/128`` of
 A's bytes and L2-resident, so the direct load costs nothing measurable against that.
 
-Schedule: cooperative, ``128 x 128`` tiles only — the promoted and the partial accumulator of
-a ``64 x 256`` warpgroup tile would take 256 registers per thread. Each k-tile waits for its
-WGMMAs before promoting (the partial is reused), so a warpgroup's tensor-core issue pauses
-for the 64 FMAs per thread of a promotion; the other warpgroup's WGMMAs fill the gap.
+Schedule: cooperative, ``128 x 128`` tiles only — a ``64 x 256`` warpgroup tile's promoted
+and partial accumulators would take 256 registers per thread. With contiguous A
+(:attr:`GroupedGemmConfig.overlapped_promotion`) two partial accumulators alternate over
+the k-tiles: the WGMMAs of k-tile ``kt`` are queued into one before the thread waits for
+those of ``kt - 1`` (``wait_group(1)``) and promotes the other, so the tensor cores have work
+while a warpgroup runs its 64 promotion FMAs per thread. That k-loop is unrolled (K is a
+compile-time size): in a rolled loop ptxas cannot tell which group a wait retires and
+serialises every WGMMA (its C7514 warning). Gathered A keeps one partial accumulator and
+waits for each k-tile's WGMMAs before promoting it (the other warpgroup's WGMMAs fill the
+gap): its row-copy producers need registers the third accumulator would take.
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 
@@ -81,20 +87,23 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         acc_shape = thr_mma.partition_shape_C((TILE_M, cfg.tile_n))
         acc = cute.make_rmem_tensor(acc_shape, F32)
-        partial = cute.make_rmem_tensor(acc_shape, F32)
-        k_blocks = cute.size(t_ca, mode=[2])
+        # With overlapped promotion, two partial accumulators: the WGMMAs of k-tile kt run
+        # into one while the thread promotes k-tile kt-1 from the other.
+        parts = [cute.make_rmem_tensor(acc_shape, F32), cute.make_rmem_tensor(acc_shape, F32)]
         coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
         n_rows = 2 * cute.size(acc, mode=[1])
         a_scales, b_scales = outs[2], outs[3]
-        # Source row of each of this thread's accumulator rows (WgmmaAccumulator.row_coord),
-        # and its k-block's A scale.
+        # Source row of each of this thread's accumulator rows (WgmmaAccumulator.row_coord);
+        # the A and B scales of the k-tile in flight in each partial.
         src = cute.make_rmem_tensor((n_rows,), Int32)
-        a_sc = cute.make_rmem_tensor((n_rows,), F32)
+        a_sc = cute.make_rmem_tensor((2 * n_rows,), F32)
+        b_sc = cute.make_rmem_tensor((2,), F32)
         row_scale = cute.make_rmem_tensor((n_rows,), F32)
         n_blocks, k_tiles = cfg.dim_n // TILE_K_FP8, cfg.k_tiles
         lane = cute.arch.lane_idx()
         stage = Int32(0)
         phase = Int32(0)
+        prev = Int32(0)
         t = first
         while t < total:
             e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
@@ -109,30 +118,75 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 src[i] = r
             b_row = b_scales + (e * n_blocks + nt) * k_tiles
             acc.fill(0.0)
-            for kt in cutlass.range(k_tiles, unroll=1):
-                for i in cutlass.range_constexpr(n_rows):
-                    a_sc[i] = cute.make_tensor(a_scales + (Int64(kt) * rows_a + src[i]),
-                                               cute.make_layout(1))[0]
-                b_sc = cute.make_tensor(b_row + kt, cute.make_layout(1))[0]
-                cute.arch.mbarrier_wait(full + stage, phase)
-                # The promotion below read the partial: order it before the WGMMAs rewrite it.
-                warpgroup.fence()
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, partial, t_ca[None, None, kb, stage],
-                              t_cb[None, None, kb, stage], partial)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                self.ring.release(empty + stage, lane)
-                stage, phase = self.ring.next_stage(stage, phase)
-                for i in cutlass.range_constexpr(n_rows):
-                    row_scale[i] = a_sc[i] * b_sc
-                self.promote(acc, partial, row_scale, coords)
+            if cutlass.const_expr(cfg.overlapped_promotion):
+                # Unrolled, so that ptxas sees which WGMMA group each wait_group retires:
+                # k-tile kt-1's promotion waits only for its own WGMMAs while kt's run.
+                for kt in cutlass.range_constexpr(k_tiles):
+                    h = kt % 2
+                    tiled_mma = self.issue(tiled_mma, parts[h], t_ca, t_cb, a_sc, b_sc, h, kt,
+                                           src, a_scales, b_row, rows_a, full, stage, phase)
+                    if cutlass.const_expr(kt > 0):
+                        self.retire(acc, parts[1 - h], a_sc, b_sc, 1 - h, row_scale, coords, 1,
+                                    empty + prev, lane)
+                    prev = stage
+                    stage, phase = self.ring.next_stage(stage, phase)
+                last = (k_tiles - 1) % 2
+                self.retire(acc, parts[last], a_sc, b_sc, last, row_scale, coords, 0,
+                            empty + prev, lane)
+            else:
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    tiled_mma = self.issue(tiled_mma, parts[0], t_ca, t_cb, a_sc, b_sc, 0, kt,
+                                           src, a_scales, b_row, rows_a, full, stage, phase)
+                    self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, coords, 0,
+                                empty + stage, lane)
+                    stage, phase = self.ring.next_stage(stage, phase)
             stage, phase = self.epilogue.visit(
                 WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0, rows, nt, mt,
                 stage_mem, stage, phase, full, empty)
             t += step
+
+    @cute.jit
+    def issue(self, tiled_mma: cute.TiledMma, partial: cute.Tensor, t_ca: cute.Tensor,
+              t_cb: cute.Tensor, a_sc: cute.Tensor, b_sc: cute.Tensor, h: cutlass.Constexpr,
+              kt: Int32, src: cute.Tensor, a_scales: cute.Pointer,
+              b_row: cute.Pointer, rows_a: Int32, full: cute.Pointer, stage: Int32,
+              phase: Int32):
+        """Load k-tile ``kt``'s scales into slot ``h`` (first used at its promotion, one
+        k-tile later, so the L2 latency hides behind the MMAs), wait for its operands and
+        queue its WGMMAs into ``partial`` as one group. Returns ``tiled_mma``, whose
+        accumulate field this sets: the caller rebinds it, so the DSL's tracer carries the
+        new state across the loops (an attribute set only inside a helper escapes them)."""
+        n_rows = cute.size(src)
+        for i in cutlass.range_constexpr(n_rows):
+            a_sc[h * n_rows + i] = cute.make_tensor(a_scales + (Int64(kt) * rows_a + src[i]),
+                                                    cute.make_layout(1))[0]
+        b_sc[h] = cute.make_tensor(b_row + kt, cute.make_layout(1))[0]
+        cute.arch.mbarrier_wait(full + stage, phase)
+        # The promotion two k-tiles back read this partial: order it before the WGMMAs
+        # rewrite it.
+        warpgroup.fence()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(t_ca, mode=[2])):
+            cute.gemm(tiled_mma, partial, t_ca[None, None, kb, stage], t_cb[None, None, kb, stage],
+                      partial)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        return tiled_mma
+
+    @cute.jit
+    def retire(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
+               b_sc: cute.Tensor, h: cutlass.Constexpr, row_scale: cute.Tensor,
+               coords: cute.Tensor, pending: cutlass.Constexpr, empty_stage: cute.Pointer,
+               lane: Int32):
+        """Wait until at most ``pending`` WGMMA groups remain (the oldest, ``partial``'s, is
+        done), hand its operand stage back to the producers and promote ``partial`` with the
+        scales of slot ``h``."""
+        warpgroup.wait_group(pending)
+        self.ring.release(empty_stage, lane)
+        n_rows = cute.size(row_scale)
+        for i in cutlass.range_constexpr(n_rows):
+            row_scale[i] = a_sc[h * n_rows + i] * b_sc[h]
+        self.promote(acc, partial, row_scale, coords)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, row_scale: cute.Tensor,
