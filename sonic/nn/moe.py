@@ -265,6 +265,12 @@ class MoE(nn.Module):
                            precision=self.precision,
                            fp8_weights=self._fp8_weights(w1, w2))
 
+    def weight_copies(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this layer derived from its weights and keeps across forwards: the
+        cached FP8 copies (empty when none). :func:`sonic.profile_activation_memory` counts
+        them as the layer's state, not as activation memory."""
+        return () if self._fp8_cache is None else tuple(self._fp8_cache[1])
+
     def _fp8_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights | None:
         """FP8 copies of ``w1``, ``w2`` (this forward's, possibly autocast, weights), reused
         while the parameters are unchanged: keyed on each parameter's data pointer, version
