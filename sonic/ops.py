@@ -25,6 +25,15 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   not kept, the backward may write dH over it; a caller of the raw op must not read H after
   backward.
 
+* FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
+  ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend)
+  -> (out, H)`` with ``fp8_weights = [w1_q, w1_scales, w2_q, w2_scales]`` (saved by reference,
+  like w1 and w2); its backward runs ``sonic::quantize_rows``, ``sonic::dh_dswiglu_fp8``,
+  ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight gradients) and
+  ``aggregate``; ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
+  a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
+  in an op schema, and the bf16 op's callers stay unchanged.
+
 Token rounding's routing is not an op. Its exact form reads the data-dependent ``P`` back to
 the host (a graph break under ``torch.compile``, or fullgraph with
 ``torch._dynamo.config.capture_scalar_outputs = True``); its padded form
