@@ -180,10 +180,10 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
           f"precision={precision}")
-    print(f"  {'impl':10s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
+    print(f"  {'impl':14s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
           f"{'saved MiB':>9s} {'peak MiB':>8s} {'SM MHz':>6s} {'W':>4s} {'J/step':>6s}")
     for impl, r in rows.items():
-        print(f"  {impl:10s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
+        print(f"  {impl:14s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
               f"{r['fwd_TFLOPS']:7.1f} {r['fwd_bwd_TFLOPS']:7.1f} {r['saved_MiB']:9.1f} "
               f"{r['peak_MiB']:8.1f} {_fmt(r['sm_mhz'], 6, 0)} {_fmt(r['watts'], 4, 0)} "
               f"{_fmt(r['J_per_step'], 6, 3)}")
