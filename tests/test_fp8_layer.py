@@ -383,3 +383,26 @@ def test_fp8_layer_compiles_fullgraph_and_matches_eager():
         results.append([out.detach()] + [t.grad for t in leaves])
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+def test_fp8_padded_token_rounding_equals_its_exact_pairs():
+    # The padded routing's rows past expert_offsets[E] are computed by no GEMM: the layer's
+    # output and gradients are those of the trimmed (exact) pairs.
+    torch.manual_seed(0)
+    layer = sonic.MoE(128, 128, 4, 2, router="token_rounding", tile=8, precision="fp8",
+                      backend="torch", dtype=BF16)
+    x = torch.randn(30, 128, dtype=BF16, requires_grad=True)
+    dout = torch.randn(30, 128, dtype=BF16)
+    out = layer(x)
+    out.backward(dout)
+    r = layer.last_routing
+    assert r.num_valid is not None
+    exact = r.trim()
+    leaves = [t.detach().clone().requires_grad_() for t in (layer.w1, layer.w2)]
+    want = sonic.moe_experts(x.detach(), *leaves, exact.scores, exact.token_idx,
+                             exact.expert_idx, backend="torch", precision="fp8")
+    want.backward(dout)
+    assert torch.equal(out.detach(), want.detach())
+    # (x's gradient also flows through the router here, so only the weights' compare.)
+    for got, ref in zip((layer.w1.grad, layer.w2.grad), (t.grad for t in leaves)):
+        torch.testing.assert_close(got, ref, rtol=2 ** -7, atol=1e-6)
