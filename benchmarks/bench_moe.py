@@ -17,6 +17,10 @@ ratios.
 * ``--router token_rounding`` runs sonic with token rounding (paper §5.2) on the same data (the
   FLOP count then uses its own ``P``); ``--router both`` runs top-K and token rounding and
   prints their time ratio.
+* ``--precision fp8`` times sonic with block-scaled FP8 expert GEMMs (issue 18; the weights'
+  FP8 copies made once, outside the timing, as ``sonic.MoE`` makes them once per optimizer
+  step; their time is printed apart); ``--precision both`` runs bf16 and FP8 in the same
+  process and prints fp8/bf16 ratios of forward and forward+backward time, saved and peak MiB.
 * ``--vs-sonicmoe FILE`` reads the JSON lines of ``shared/device/sonicmoe_bench.py`` (SonicMoE
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
   same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm: the two torch-gmm
@@ -47,15 +51,19 @@ from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
 MiB = float(1 << 20)
 
 
-def _sonic_layer(router: str, tile: int):
-    def layer(x, router_weight, w1, w2, k):
+def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=None):
+    """sonic's layer; with ``precision="fp8"``, ``fp8_weights`` are the weights' FP8 copies,
+    made once outside the timing, as :class:`sonic.MoE` makes them once per optimizer step."""
+    def layer(x, router_weight, w1, w2, k, fp8_weights=fp8_weights):
         logits = x @ router_weight.t()
         r = _route(router, tile, logits, k)
         # Token rounding's P stays on the device (a 0-d tensor), read after the timing.
         layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid
         return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
-                                 metadata=sonic.routing_metadata(r))
+                                 metadata=sonic.routing_metadata(r), precision=precision,
+                                 fp8_weights=fp8_weights)
     layer.pairs = 0
+    layer.fp8_weights = fp8_weights
     return layer
 
 
@@ -112,7 +120,8 @@ def _steps(layer, x, params, k, grad):
     return fwd, fwd_bwd
 
 
-def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
+def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
+            precision="bf16"):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -124,7 +133,15 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
     params = (router_weight, w1, w2)
     rows, steps = {}, {}
     routers = ("topk", "token_rounding") if router == "both" else (router,)
-    impls = {_impl_name(r, router): _sonic_layer(r, tile) for r in routers}
+    precisions = ("bf16", "fp8") if precision == "both" else (precision,)
+    fp8_weights = None
+    if "fp8" in precisions:
+        quantize = lambda: sonic.quantize_expert_weights(w1, w2)  # noqa: E731
+        fp8_weights = quantize()
+        print(f"  FP8 weight copies (once per optimizer step): {bench(quantize):.1f} us")
+    impls = {_impl_name(r, router, p): _sonic_layer(r, tile, p, fp8_weights if p == "fp8"
+                                                    else None)
+             for p in precisions for r in routers}
     first = next(iter(impls))   # the sonic row the ratios and the profile use
     impls["torch-gmm"] = torch_gmm_moe
     leaves = (x, *params)
@@ -143,7 +160,10 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
                 f"{r['idle_us']:.0f} us" for r in idle))
         pairs = T * K if impl == "torch-gmm" else int(layer.pairs)
         flops = 6 * pairs * d * n
-        saved = sonic.profile_activation_memory(layer, x, *params, K).activation_bytes / MiB
+        # The FP8 weight copies are passed in, so they count as the caller's, not as saved.
+        extra = {"fp8_weights": layer.fp8_weights} if getattr(layer, "fp8_weights", None) else {}
+        saved = sonic.profile_activation_memory(layer, x, *params, K,
+                                                **extra).activation_bytes / MiB
         for t in leaves:
             t.grad = None
         rows[impl] = {
@@ -158,11 +178,12 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
         for t in leaves:
             t.grad = None
     s, t = rows[first], rows["torch-gmm"]
-    print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
-    print(f"  {'impl':10s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
+    print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
+          f"precision={precision}")
+    print(f"  {'impl':14s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
           f"{'saved MiB':>9s} {'peak MiB':>8s} {'SM MHz':>6s} {'W':>4s} {'J/step':>6s}")
     for impl, r in rows.items():
-        print(f"  {impl:10s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
+        print(f"  {impl:14s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
               f"{r['fwd_TFLOPS']:7.1f} {r['fwd_bwd_TFLOPS']:7.1f} {r['saved_MiB']:9.1f} "
               f"{r['peak_MiB']:8.1f} {_fmt(r['sm_mhz'], 6, 0)} {_fmt(r['watts'], 4, 0)} "
               f"{_fmt(r['J_per_step'], 6, 3)}")
@@ -170,17 +191,28 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
     fwd_ratio = t["fwd_us"] / s["fwd_us"]
     print(f"  sonic / torch-gmm: fwd {fwd_ratio:.3f}x, fwd+bwd {ratio:.3f}x (time), "
           f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x, peak {s['peak_MiB'] / t['peak_MiB']:.2f}x")
-    result = {"config": name, "router": router, "sonic": s, "torch_gmm": t,
-              "fwd_bwd_speedup": ratio, "fwd_speedup": fwd_ratio}
+    result = {"config": name, "router": router, "precision": precision, "sonic": s,
+              "torch_gmm": t, "fwd_bwd_speedup": ratio, "fwd_speedup": fwd_ratio}
+    if precision == "both":
+        bf, f8 = rows[_impl_name(routers[0], router, "bf16")], rows[_impl_name(routers[0],
+                                                                                 router, "fp8")]
+        result["sonic_fp8"] = f8
+        result["fp8_over_bf16"] = {key: f8[key] / bf[key] for key in
+                                   ("fwd_us", "fwd_bwd_us", "saved_MiB", "peak_MiB")}
+        r8 = result["fp8_over_bf16"]
+        print(f"  fp8 / bf16 ({routers[0]}): fwd {r8['fwd_us']:.3f}x time ({1 / r8['fwd_us']:.2f}x "
+              f"faster), fwd+bwd {r8['fwd_bwd_us']:.3f}x time ({1 / r8['fwd_bwd_us']:.2f}x "
+              f"faster), saved {r8['saved_MiB']:.2f}x, peak {r8['peak_MiB']:.2f}x")
     if router == "both":
-        tr = rows["sonic-TR"]
+        topk_name, tr_name = (_impl_name(r, router, precisions[0]) for r in routers)
+        tr = rows[tr_name]
         result["sonic_token_rounding"] = tr
         result["token_rounding_speedup"] = s["fwd_bwd_us"] / tr["fwd_bwd_us"]
         print(f"  token rounding / top-K, fwd+bwd (time): {result['token_rounding_speedup']:.3f}x "
               f"faster (P = {tr['P']} vs {s['P']})")
         # The routing phase (selection + metadata) of each router, and its share of the step.
         logits = (x @ router_weight.t()).detach()
-        for r, impl in (("topk", "sonic-topK"), ("token_rounding", "sonic-TR")):
+        for r, impl in (("topk", topk_name), ("token_rounding", tr_name)):
             route = _routing_phase(r, tile, logits, K)
             route()
             route_us = bench(route)
@@ -231,10 +263,9 @@ def compare_with_sonicmoe(results, path: str) -> None:
               f"{r['sonic']['saved_MiB']:12.1f} {moe['saved_MiB']:9.1f}")
 
 
-def _impl_name(router: str, requested: str) -> str:
-    if requested != "both":
-        return "sonic"
-    return "sonic-topK" if router == "topk" else "sonic-TR"
+def _impl_name(router: str, requested: str, precision: str = "bf16") -> str:
+    name = "sonic" if requested != "both" else ("sonic-topK" if router == "topk" else "sonic-TR")
+    return name if precision == "bf16" else f"{name}-fp8"
 
 
 def main(argv=None):
@@ -243,6 +274,10 @@ def main(argv=None):
                         help="7B, OLMoE, 30B or T,d,n,E,K (repeatable; default: the three)")
     parser.add_argument("--router", choices=("topk", "token_rounding", "both"), default="topk")
     parser.add_argument("--tile", type=int, default=128, help="token-rounding tile")
+    parser.add_argument("--precision", choices=("bf16", "fp8", "both"), default="bf16",
+                        help="sonic's expert GEMMs: bf16, block-scaled FP8 (Hopper; weight "
+                             "copies made once outside the timing), or both in this process "
+                             "with their fp8/bf16 ratios")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true",
                         help="also print sonic's forward+backward time per GPU kernel")
@@ -257,7 +292,8 @@ def main(argv=None):
           f"{sonic.explain_backend('auto', 'cuda')}")
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
-    results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace)
+    results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
+                       args.precision)
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, args.vs_sonicmoe)

@@ -7,7 +7,7 @@ tile-aware token rounding routers; a PyTorch reference backend that runs everywh
 
 from sonic import distributed
 from sonic import ops  # noqa: F401  (registers torch.ops.sonic.*)
-from sonic.autograd import moe_experts
+from sonic.autograd import Fp8ExpertWeights, moe_experts, quantize_expert_weights
 from sonic.backend import explain_backend
 from sonic.memory import ActivationMemoryReport, profile_activation_memory
 from sonic.nn import MoE, collect_aux_losses, load_balancing_loss
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationMemoryReport",
+    "Fp8ExpertWeights",
     "MoE",
     "Routing",
     "RoutingMetadata",
@@ -27,6 +28,7 @@ __all__ = [
     "load_balancing_loss",
     "moe_experts",
     "profile_activation_memory",
+    "quantize_expert_weights",
     "routing_metadata",
     "token_rounding_routing",
     "topk_routing",

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from sonic._validation import check_choice
+from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
 from sonic.reference.metadata import pairs_metadata
 
@@ -40,6 +41,13 @@ class ExpertOps:
     up_proj_swiglu: Callable
     dh_dswiglu: Callable
     aggregate: Callable
+    # FP8 steps (precision="fp8", issue 18): signatures as in sonic.reference.fp8
+    # (quantize_rows, quantize_blocks) and sonic.reference.ops (the rest).
+    quantize_rows: Callable
+    quantize_blocks: Callable
+    grouped_mm_fp8: Callable
+    up_proj_swiglu_fp8: Callable
+    dh_dswiglu_fp8: Callable
 
 
 TORCH_OPS = ExpertOps(
@@ -50,6 +58,11 @@ TORCH_OPS = ExpertOps(
     up_proj_swiglu=reference.up_proj_swiglu,
     dh_dswiglu=reference.dh_dswiglu,
     aggregate=reference.aggregate,
+    quantize_rows=fp8_reference.quantize_rows,
+    quantize_blocks=fp8_reference.quantize_blocks,
+    grouped_mm_fp8=reference.grouped_mm_fp8,
+    up_proj_swiglu_fp8=reference.up_proj_swiglu_fp8,
+    dh_dswiglu_fp8=reference.dh_dswiglu_fp8,
 )
 
 
@@ -280,6 +293,97 @@ def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=Non
     return reference.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b)
 
 
+# ------------------------------------------------------------------------------ FP8 (issue 18)
+
+FP8_ARCH = "sm_90a"
+
+
+def check_fp8_backend(backend: str, device: torch.device) -> None:
+    """Raise unless ``precision="fp8"`` can run with ``backend`` on ``device``.
+
+    The FP8 grouped GEMM has a Hopper mainloop only, so on a CUDA device other than sm_90a
+    ``"cute"`` and ``"auto"`` refuse rather than run the (slow) PyTorch emulation unasked;
+    ``"torch"`` emulates the same quantized math anywhere, and off CUDA ``"auto"`` does too.
+
+    Raises:
+        RuntimeError: ``backend`` is ``"cute"`` or ``"auto"``, ``device`` is a CUDA device and
+            not sm_90a (or, for ``"cute"``, the kernels cannot run there at all).
+    """
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return
+    arch = None
+    if device.type == "cuda":
+        from sonic.kernels.runtime import device_arch
+        arch = device_arch(device)
+    if arch != FP8_ARCH:
+        where = f"a {arch} GPU" if arch else f"device {device}"
+        raise RuntimeError(
+            f"precision='fp8' with backend={backend!r} needs a Hopper GPU ({FP8_ARCH}: the "
+            f"block-scaled FP8 grouped GEMM has no other mainloop), got {where}; use "
+            "precision='bf16', or backend='torch' for the (slow) PyTorch emulation of the "
+            "same FP8 math on any device")
+    resolve_backend(backend, device)
+
+
+def _cute_quantize_rows(x):
+    from sonic.kernels import fp8_quant as kernels
+
+    if (x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and x.shape[1] % kernels.BLOCK == 0):
+        return kernels.quantize_rows(x)
+    return fp8_reference.quantize_rows(x)
+
+
+def _cute_quantize_blocks(w):
+    from sonic.kernels import fp8_quant as kernels
+
+    if (w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and w.shape[-1] % kernels.BLOCK == 0):
+        return kernels.quantize_blocks(w)
+    return fp8_reference.quantize_blocks(w)
+
+
+def _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx) -> bool:
+    # The kernel's own limits (K, N multiples of 128 are the layer's precondition).
+    from sonic.kernels import grouped_gemm as kernels
+
+    return (all(t.is_contiguous() for t in (a_q, a_scales, b_q, b_scales))
+            and a_q.data_ptr() % 16 == 0 and b_q.data_ptr() % 16 == 0
+            and b_q.shape[1] % 128 == 0 and b_q.shape[2] % 128 == 0
+            and offsets.numel() - 1 <= kernels.MAX_EXPERTS
+            and (gather_idx is None or gather_idx.dtype == torch.int32))
+
+
+def _cute_grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx=None, *, out=None):
+    from sonic.kernels import grouped_gemm as kernels
+
+    if _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx):
+        return kernels.grouped_gemm_fp8(a_q, a_scales, b_q, b_scales, offsets,
+                                        gather_idx=gather_idx, out=out)
+    return reference.grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx, out=out)
+
+
+def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, gate_up, *,
+                             h_out=None):
+    from sonic.kernels import swiglu as kernels
+
+    # For now the FP8 GEMM with its store epilogue, then the one-pass SwiGLU kernel; a fused
+    # FP8 SwiGLU epilogue replaces both here.
+    h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
+    act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
+    return h, act
+
+
+def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
+                         gate_up):
+    from sonic.kernels import swiglu as kernels
+
+    da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
+    if not _epilogue_kernel_fits(h):
+        return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+    return kernels.dswiglu_epilogue(da_prime, h, row_scores.float().contiguous(), gate_up)
+
+
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,
 # the variant passed its self-check, and the reference elsewhere, so "auto" never fails on a
 # shape the reference handles; ``strict`` (backend="cute") raises on a failed self-check.
@@ -295,4 +399,9 @@ def _cute_ops(strict: bool = False) -> ExpertOps:
         up_proj_swiglu=checked(_cute_up_proj_swiglu),
         dh_dswiglu=checked(_cute_dh_dswiglu),
         aggregate=_cute_aggregate,
+        quantize_rows=_cute_quantize_rows,
+        quantize_blocks=_cute_quantize_blocks,
+        grouped_mm_fp8=_cute_grouped_mm_fp8,
+        up_proj_swiglu_fp8=_cute_up_proj_swiglu_fp8,
+        dh_dswiglu_fp8=_cute_dh_dswiglu_fp8,
     )

@@ -25,6 +25,15 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   not kept, the backward may write dH over it; a caller of the raw op must not read H after
   backward.
 
+* FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
+  ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend)
+  -> (out, H)`` with ``fp8_weights = [w1_q, w1_scales, w2_q, w2_scales]`` (saved by reference,
+  like w1 and w2); its backward runs ``sonic::quantize_rows``, ``sonic::dh_dswiglu_fp8``,
+  ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight gradients) and
+  ``aggregate``; ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
+  a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
+  in an op schema, and the bf16 op's callers stay unchanged.
+
 Token rounding's routing is not an op. Its exact form reads the data-dependent ``P`` back to
 the host (a graph break under ``torch.compile``, or fullgraph with
 ``torch._dynamo.config.capture_scalar_outputs = True``); its padded form
@@ -292,10 +301,16 @@ def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
 
 
 def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend: str, *,
-                    h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The body of ``sonic::moe_experts`` on unpacked metadata: ``(out (T, d), H (P, 2n))``,
-    H written into ``h_out`` when given (the chunked EP path keeps the H of all its chunks
-    in one buffer). Not an op: no autograd, no fake; the caller has validated the inputs."""
+                    h_out: torch.Tensor | None = None, precision: str = "bf16",
+                    fp8_weights: list[torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of ``sonic::moe_experts`` (and, with ``precision="fp8"``, of
+    ``sonic::moe_experts_fp8``, ``fp8_weights`` then ``[w1_q, w1_scales, w2_q, w2_scales]``)
+    on unpacked metadata: ``(out (T, d), H (P, 2n))``, H written into ``h_out`` when given (the
+    chunked EP path keeps the H of all its chunks in one buffer). Not an op: no autograd, no
+    fake; the caller has validated the inputs."""
+    if precision == "fp8":
+        return _experts_forward_fp8(x, fp8_weights, scores, m, gate_up, backend, h_out=h_out)
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
     with _no_autocast(x.device):
@@ -397,3 +412,167 @@ def _experts_backward(ctx, grad_out, _grad_h):
 
 torch.library.register_autograd("sonic::moe_experts", _experts_backward,
                                 setup_context=_experts_setup)
+
+
+# ------------------------------------------------------------------------------ FP8 (issue 18)
+# precision="fp8": the dataflow is documented in sonic.autograd.moe_experts. The steps are ops
+# so the hand-written backward traces under torch.compile like the bf16 one.
+
+
+def _fp8_scales_shape(rows: int, cols: int) -> tuple[int, int]:
+    return -(-cols // 128), rows
+
+
+@torch.library.custom_op("sonic::quantize_rows", mutates_args=())
+def _quantize_rows_op(x: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(backend, x.device).quantize_rows(x)
+
+
+@_quantize_rows_op.register_fake
+def _(x, backend):
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(_fp8_scales_shape(*x.shape), dtype=torch.float32))
+
+
+@torch.library.custom_op("sonic::quantize_blocks", mutates_args=())
+def _quantize_blocks_op(w: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(backend, w.device).quantize_blocks(w)
+
+
+@_quantize_blocks_op.register_fake
+def _(w, backend):
+    e, n, k = w.shape
+    return (w.new_empty(w.shape, dtype=torch.float8_e4m3fn),
+            w.new_empty(e, -(-n // 128), -(-k // 128), dtype=torch.float32))
+
+
+@torch.library.custom_op("sonic::grouped_mm_fp8", mutates_args=())
+def _grouped_mm_fp8_op(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
+                       b_scales: torch.Tensor, offsets: torch.Tensor,
+                       gather_idx: torch.Tensor | None, backend: str) -> torch.Tensor:
+    return _impl(backend, a_q.device).grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets,
+                                                     gather_idx)
+
+
+@_grouped_mm_fp8_op.register_fake
+def _(a_q, a_scales, b_q, b_scales, offsets, gather_idx, backend):
+    rows = a_q.shape[0] if gather_idx is None else gather_idx.shape[0]
+    return a_q.new_empty(rows, b_q.shape[1], dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("sonic::dh_dswiglu_fp8", mutates_args=())
+def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
+                       w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
+                       h: torch.Tensor, row_scores: torch.Tensor, gate_up: str,
+                       backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _no_autocast(h.device):
+        return _impl(backend, h.device).dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales,
+                                                       offsets, gather_idx, h, row_scores,
+                                                       gate_up)
+
+
+@_dh_dswiglu_fp8_op.register_fake
+def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, gate_up, backend):
+    p, two_n = h.shape
+    return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
+
+
+def transpose_fp8_blocks(q: torch.Tensor, scales: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 copy of ``Wᵀ`` from that of ``W``: ``q (E, N, K)`` → ``(E, K, N)`` and block
+    scales ``(E, N/128, K/128)`` → ``(E, K/128, N/128)``, both contiguous. Exactly
+    ``quantize_blocks(Wᵀ)``: a 128×128 block holds the same values either way, so its amax,
+    scale and every rounding are unchanged (tests/test_fp8_layer.py checks it)."""
+    return q.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous()
+
+
+def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str,
+                         *, h_out=None):
+    w1_q, w1_scales, w2_q, w2_scales = fp8_weights
+    ops = _impl(backend, x.device)
+    offsets = m.expert_offsets
+    with _no_autocast(x.device):
+        # X quantized once per token; the up-proj gathers rows of x_q and their scales.
+        x_q, x_scales = ops.quantize_rows(x)
+        h, act = ops.up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, m.gather_idx,
+                                        gate_up, h_out=h_out)
+        del x_q, x_scales
+        a_q, a_scales = ops.quantize_rows(act)
+        del act
+        y = ops.grouped_mm_fp8(a_q, a_scales, w2_q, w2_scales, offsets)
+        del a_q, a_scales
+        row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
+        out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
+    return out, h
+
+
+@torch.library.custom_op("sonic::moe_experts_fp8", mutates_args=())
+def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                        scores: torch.Tensor, meta: torch.Tensor,
+                        fp8_weights: list[torch.Tensor], top_k: int, gate_up: str,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
+    return experts_forward(x, w1, w2, scores, m, gate_up, backend, precision="fp8",
+                           fp8_weights=list(fp8_weights))
+
+
+@_moe_experts_fp8_op.register_fake
+def _(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend):
+    return x.new_empty(x.shape), x.new_empty(scores.shape[0], w1.shape[1])
+
+
+def _experts_setup_fp8(ctx, inputs, output):
+    x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend = inputs
+    _out, h = output
+    # The FP8 weight copies are the caller's (a per-step cache or made per call from w1, w2):
+    # saved by reference, like w1 and w2; the backward transposes them.
+    ctx.save_for_backward(x, w1, w2, h, scores, meta, *fp8_weights)
+    ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
+
+
+def _experts_backward_fp8(ctx, grad_out, _grad_h):
+    if torch.is_grad_enabled() and not _traced(grad_out):
+        raise _first_order_error()
+    x, w1, w2, h, scores, meta, w1_q, w1_scales, w2_q, w2_scales = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 5 + ([None] * 4, None, None, None)
+    m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
+    backend, gate_up = ctx.backend, ctx.gate_up
+    need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
+    offsets = m.expert_offsets
+    grad_out = grad_out.contiguous().to(x.dtype)
+    row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
+
+    # dA' = gather(dO)·W2 in FP8 (dO quantized once per token, gathered with its scales),
+    # then the dSwiGLU epilogue from the saved bf16 H.
+    do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
+    w2t_q, w2t_scales = transpose_fp8_blocks(w2_q, w2_scales)
+    dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu_fp8(
+        do_q, do_scales, w2t_q, w2t_scales, offsets, m.gather_idx, h, row_scores, gate_up,
+        backend)
+    del do_q, do_scales, w2t_q, w2t_scales, h
+    grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
+    grad_w2 = grad_w1 = grad_x = None
+    # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
+    # along the other axis, so FP8 operands would need a second quantization per column.
+    if need_w2:
+        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,
+                                                      None, backend)
+    del a_scaled
+    if need_x:
+        dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
+        w1t_q, w1t_scales = transpose_fp8_blocks(w1_q, w1_scales)
+        dx_rows = torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, w1t_q, w1t_scales, offsets,
+                                                 None, backend)
+        del dh_q, dh_scales, w1t_q, w1t_scales
+        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None, backend)
+        del dx_rows
+    if need_w1:
+        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
+    return grad_x, grad_w1, grad_w2, grad_scores, None, [None] * 4, None, None, None
+
+
+torch.library.register_autograd("sonic::moe_experts_fp8", _experts_backward_fp8,
+                                setup_context=_experts_setup_fp8)

@@ -1,5 +1,5 @@
 """Memory-minimal autograd functions of the MoE layer (DESIGN §3)."""
 
-from sonic.autograd.moe_experts import moe_experts
+from sonic.autograd.moe_experts import Fp8ExpertWeights, moe_experts, quantize_expert_weights
 
-__all__ = ["moe_experts"]
+__all__ = ["Fp8ExpertWeights", "moe_experts", "quantize_expert_weights"]

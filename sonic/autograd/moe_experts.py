@@ -8,17 +8,95 @@ Forward: up-proj (gathered X · W1ᵀ) → SwiGLU → down-proj (A · W2ᵀ) →
 Saved for backward: the layer input X (by reference), H ``(P, 2n)``, the scores and the routing
 metadata — nothing of size ``P·d`` and not A. Backward recomputes A from H and never forms Y or
 dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (DESIGN §3).
+
+``precision="fp8"`` (issue 18; recipe of :mod:`sonic.reference.fp8`: e4m3, activations scaled
+per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
+``torch.ops.sonic.moe_experts_fp8``. Dataflow, and why:
+
+* Forward. X is quantized once per layer (``quantize_rows``, one scale per token and
+  k-block); the up-proj gathers rows of ``x_q`` and their scales (one index for both), which
+  costs less than quantizing each token's K copies. Up-proj = FP8 GEMM → H in bf16 → SwiGLU
+  → A in bf16 (one backend op, ``ExpertOps.up_proj_swiglu_fp8``: today the FP8 store GEMM
+  then the SwiGLU kernel; a fused FP8 SwiGLU epilogue goes there). A is quantized per row and
+  the down-proj is an FP8 GEMM → Y bf16 → aggregation as in bf16. H stays bf16 so the
+  backward recomputes exactly the A the forward used (before A's quantization).
+* Backward. dO is quantized once per token; dA' = gather(dO)·W2 is an FP8 GEMM on W2ᵀ's FP8
+  copy, followed by the dSwiGLU epilogue (dH, A', ds) on the saved bf16 H; dX = FP8 GEMM of
+  dH (quantized per row) and W1ᵀ's FP8 copy, then aggregation. The transposed copies are the
+  forward copies transposed, q and 128×128 block scales alike: a square block holds the same
+  values in both orientations, so this *is* ``quantize_blocks(Wᵀ)``, with no re-quantization.
+* Weight gradients dW1, dW2 stay bf16 varlen-K GEMMs: they reduce over tokens (rows), while
+  1×128 row scales run along the reduction's other axis; FP8 operands would need a second,
+  column-wise quantization of dO, A', dH and X. Whether that pays is not measured here.
+* Saved for backward: as in bf16 (X by reference, H bf16 ``(P, 2n)``, scores, metadata;
+  nothing ``P × d``) plus the caller's FP8 weight copies by reference.
+* Weight copies: :class:`Fp8ExpertWeights` (``quantize_expert_weights``), made once per
+  optimizer step by :class:`sonic.MoE` (cached on the weights' version), or per call by
+  :func:`moe_experts` when none are passed.
+* Inputs must be bf16 (or cast to it by ``torch.autocast(dtype=torch.bfloat16)``): the FP8
+  GEMMs write bf16, and an fp32/fp64 layer would silently lose its precision.
+* Backends: ``"cute"`` (and ``"auto"`` on CUDA) need Hopper (sm_90a); ``"torch"`` emulates
+  the same quantized math (:func:`sonic.reference.ops.grouped_mm_fp8`) on any device.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
                                check_same_device)
-from sonic.backend import BACKENDS, resolve_backend
+from sonic.backend import BACKENDS, check_fp8_backend, resolve_backend
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import RoutingMetadata
+
+PRECISIONS = ("bf16", "fp8")
+# FP8 scale blocks are 128 wide; the FP8 GEMMs need d and n to be whole blocks.
+FP8_BLOCK = 128
+
+
+class Fp8ExpertWeights(NamedTuple):
+    """Block-scaled e4m3 copies of the expert weights (:func:`quantize_expert_weights`).
+
+    Attributes:
+        w1_q: ``(E, 2n, d)`` float8_e4m3fn; w1_scales: ``(E, 2n/128, d/128)`` fp32.
+        w2_q: ``(E, d, n)`` float8_e4m3fn; w2_scales: ``(E, d/128, n/128)`` fp32.
+    """
+
+    w1_q: torch.Tensor
+    w1_scales: torch.Tensor
+    w2_q: torch.Tensor
+    w2_scales: torch.Tensor
+
+
+def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
+                            backend: str = "auto") -> Fp8ExpertWeights:
+    """FP8 copies of ``w1 (E, 2n, d)`` and ``w2 (E, d, n)``: e4m3 per 128×128 block with fp32
+    scales (DeepSeek-V3 §3.3; :func:`sonic.reference.fp8.quantize_blocks`, the CuTe kernel on
+    a supported GPU). Not differentiable (the weights are read detached); make them once per
+    optimizer step and pass them to :func:`moe_experts` as ``fp8_weights``.
+
+    Raises:
+        TypeError: a weight is not bf16; ValueError: unknown ``backend``.
+    """
+    check_choice("backend", backend, BACKENDS)
+    for name, w in (("w1", w1), ("w2", w2)):
+        check_float(name, w, ndim=3)
+        if w.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be bfloat16 for FP8 copies, got {w.dtype}")
+    with torch.no_grad():
+        w1_q, w1_s = torch.ops.sonic.quantize_blocks(w1.detach(), backend)
+        w2_q, w2_s = torch.ops.sonic.quantize_blocks(w2.detach(), backend)
+    return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s)
+
+
+def check_fp8_sizes(d: int, n: int) -> None:
+    """Raise ``ValueError`` unless ``d_model`` and ``d_expert`` are multiples of 128."""
+    for name, size in (("d_model (d)", d), ("d_expert (n)", n)):
+        if size % FP8_BLOCK:
+            raise ValueError(f"precision='fp8' needs {name} to be a multiple of {FP8_BLOCK} "
+                             f"(one FP8 scale per 128-wide block), got {size}")
 
 
 def _graph_kept() -> bool:
@@ -30,7 +108,9 @@ def _graph_kept() -> bool:
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                 token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: str = "concat",
-                backend: str = "auto", metadata: RoutingMetadata | None = None) -> torch.Tensor:
+                backend: str = "auto", metadata: RoutingMetadata | None = None,
+                precision: str = "bf16",
+                fp8_weights: Fp8ExpertWeights | None = None) -> torch.Tensor:
     """Routed SwiGLU experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·SwiGLU(W1[e]·x_t)``.
 
     Args:
@@ -52,6 +132,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             then read only the metadata, whose indices :func:`sonic.routing_metadata` has
             range-checked, so ``token_idx``/``expert_idx`` values are not read again: a call
             with metadata makes no device→host synchronisation.
+        precision: ``"bf16"`` (GEMMs in x's dtype) or ``"fp8"`` (block-scaled e4m3 GEMMs for
+            the up-proj, down-proj, dH and dX; bf16 weight gradients; see the module notes).
+            ``"fp8"`` needs bf16 x and weights (after autocast) and d, n multiples of 128.
+        fp8_weights: with ``precision="fp8"``, the :func:`quantize_expert_weights` of exactly
+            ``w1`` and ``w2`` (made once per optimizer step; not checked against them); None
+            quantizes them in this call.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; fp32 accumulation. Differentiable in x, w1, w2 and scores.
@@ -62,8 +148,11 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             weights in ``x``'s dtype).
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
-            ``gate_up``/``backend``.
-        RuntimeError: ``backend="cute"`` where the kernels cannot run; in backward, a
+            ``gate_up``/``backend``/``precision``; with ``precision="fp8"``, d or n not a
+            multiple of 128, or ``fp8_weights`` of the wrong shapes.
+        RuntimeError: ``backend="cute"`` where the kernels cannot run; ``precision="fp8"``
+            with ``backend="cute"``/``"auto"`` on a CUDA GPU that is not Hopper (sm_90a); in
+            backward, a
             ``create_graph=True`` differentiation (the backward is hand-written and not twice
             differentiable, so it refuses rather than return a wrong second derivative).
 
@@ -79,6 +168,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     check_index("expert_idx", expert_idx)
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
     check_choice("backend", backend, BACKENDS)
+    check_choice("precision", precision, PRECISIONS)
     check_same_device(x=x, w1=w1, w2=w2, scores=scores, token_idx=token_idx,
                       expert_idx=expert_idx)
     x, w1, w2 = autocast_experts(x, w1, w2)
@@ -97,8 +187,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
         if t.shape[0] != num_pairs:
             raise ValueError(f"{name} must have shape (P={num_pairs},) like scores, got {tuple(t.shape)}")
+    if precision == "fp8":
+        _check_fp8_call(x, num_experts, two_n // 2, fp8_weights)
     if not torch.compiler.is_compiling():
         resolve_backend(backend, x.device)   # backend="cute" that cannot run fails here
+        if precision == "fp8":
+            check_fp8_backend(backend, x.device)
     if metadata is None:
         check_index_ranges(token_idx=(token_idx, num_tokens), expert_idx=(expert_idx, num_experts))
         metadata = routing_metadata_op(token_idx, expert_idx, num_tokens, num_experts, None,
@@ -113,8 +207,37 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     else:   # built by hand or by a kernel function directly: pack it (a copy of O(P) ints)
         top_k = 0
         packed = pack_metadata(metadata, top_k)
+    if precision == "fp8":
+        if fp8_weights is None:
+            fp8_weights = quantize_expert_weights(w1, w2, backend)
+        out, _h = torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, packed, list(fp8_weights),
+                                                  top_k, gate_up, backend)
+        return out
     out, _h = torch.ops.sonic.moe_experts(x, w1, w2, scores, packed, top_k, gate_up, backend)
     return out
+
+
+def _check_fp8_call(x: torch.Tensor, e: int, n: int, fp8_weights: Fp8ExpertWeights | None) -> None:
+    """The FP8-specific checks of :func:`moe_experts` (x and the weights already agree)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"precision='fp8' needs bfloat16 x and weights (the FP8 GEMMs write "
+                        f"bf16), got {x.dtype}; cast them, or run under "
+                        "torch.autocast(dtype=torch.bfloat16)")
+    d = x.shape[1]
+    check_fp8_sizes(d, n)
+    if fp8_weights is None:
+        return
+    if not isinstance(fp8_weights, Fp8ExpertWeights):
+        raise TypeError(f"fp8_weights must be an Fp8ExpertWeights (quantize_expert_weights), "
+                        f"got {type(fp8_weights).__name__}")
+    expected = {"w1_q": (e, 2 * n, d), "w1_scales": (e, 2 * n // FP8_BLOCK, d // FP8_BLOCK),
+                "w2_q": (e, d, n), "w2_scales": (e, d // FP8_BLOCK, n // FP8_BLOCK)}
+    for name, shape in expected.items():
+        t = getattr(fp8_weights, name)
+        dtype = torch.float32 if name.endswith("scales") else torch.float8_e4m3fn
+        if t.dtype != dtype or tuple(t.shape) != shape or t.device != x.device:
+            raise ValueError(f"fp8_weights.{name} must be {dtype} of shape {shape} on "
+                             f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 def autocast_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor):

@@ -206,7 +206,15 @@ class ExpertParallelMoE(MoE):
                 routing: Routing) -> torch.Tensor:
         """:func:`ep_moe_experts` on this rank's tokens and experts (scores in the accumulation
         dtype, as :class:`sonic.MoE` passes them); counts the pairs into :attr:`expert_load`
-        when set."""
+        when set.
+
+        Raises:
+            NotImplementedError: ``precision`` was set to ``"fp8"`` (the expert-parallel
+                experts run bf16 GEMMs only).
+        """
+        if self.precision != "bf16":
+            raise NotImplementedError(f"ExpertParallelMoE runs bf16 experts only, got "
+                                      f"precision={self.precision!r}; set precision='bf16'")
         if self.expert_load is not None:
             self.expert_load.update(routing)
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),

@@ -108,7 +108,9 @@ def profile_activation_memory(fn_or_module: Callable[..., Any], *inputs: Any,
     Every tensor autograd saves during the call is recorded; those still referenced by the graph
     when the call returns are grouped by storage and classified as ``"input"`` (shares storage
     with a tensor in ``inputs``/``kwargs`` — searched through lists, tuples, dicts and
-    dataclasses — or with a parameter or buffer when ``fn_or_module`` is an ``nn.Module``) or
+    dataclasses — or with a parameter or buffer when ``fn_or_module`` is an ``nn.Module``, or
+    with a tensor its submodules' ``weight_copies()`` return, such as :class:`sonic.MoE`'s FP8
+    weight copies) or
     ``"activation"`` (new memory). Bytes are ``storage size`` — so a saved slice of a large
     buffer charges the whole buffer, which is what stays allocated — and work for ``meta``
     tensors. Nothing is saved unless some input or parameter requires grad and grad mode is on.
@@ -150,6 +152,12 @@ def profile_activation_memory(fn_or_module: Callable[..., Any], *inputs: Any,
         else:
             output, peak = _call_with_cuda_peak(device, fn_or_module, inputs, kwargs)
 
+    if isinstance(fn_or_module, torch.nn.Module):
+        # Copies a module derives from its weights and keeps across calls (sonic.MoE's FP8
+        # weight copies, made once per weight update) are its state, like its parameters;
+        # read after the call, which may have made them.
+        input_keys |= {_storage_key(t) for m in fn_or_module.modules()
+                       if callable(getattr(m, "weight_copies", None)) for t in m.weight_copies()}
     alive = [t for t in (ref() for ref in packed) if t is not None]
     savers = _saving_nodes(output)
     by_key: dict[int, SavedTensor] = {}

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from sonic._validation import check_bool, check_choice, check_int, check_non_negative, check_tensor
-from sonic.autograd.moe_experts import autocast_experts, moe_experts
+from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
+                                        check_fp8_sizes, moe_experts, quantize_expert_weights)
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
@@ -107,6 +108,13 @@ class MoE(nn.Module):
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
             scale); a finite number ``>= 0``, settable later (checked again then).
         backend: see :func:`moe_experts`.
+        precision: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 GEMMs, see :func:`moe_experts`;
+            needs ``d_model`` and ``d_expert`` multiples of 128, bf16 compute — a bf16 layer or
+            ``torch.autocast(dtype=torch.bfloat16)`` — and Hopper for the CuTe backend);
+            settable later. The FP8 copies of ``w1``/``w2`` are made once per weight update:
+            cached on the weights' ``(data_ptr, _version, shape, device)``, which
+            ``optimizer.step`` and ``load_state_dict`` change; the cache is not part of the
+            ``state_dict`` and is dropped by copies and pickling.
 
     Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
@@ -138,11 +146,13 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                  router: str = "topk", tile: int = 128, score: str = "softmax_topk",
                  renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
-                 aux_loss_coef: float = 0.0, backend: str = "auto", device=None, dtype=None):
+                 aux_loss_coef: float = 0.0, backend: str = "auto", precision: str = "bf16",
+                 device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
-                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend)
+                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
+                        precision=precision)
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
@@ -151,7 +161,8 @@ class MoE(nn.Module):
 
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                    router: str, tile: int, score: str, renormalize: bool, rounding: str,
-                   gate_up: str, aux_loss_coef: float, backend: str) -> None:
+                   gate_up: str, aux_loss_coef: float, backend: str,
+                   precision: str = "bf16") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -167,8 +178,11 @@ class MoE(nn.Module):
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
+        self.precision = precision
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
+        # (key, Fp8ExpertWeights) of the last FP8 forward; see _fp8_weights.
+        self._fp8_cache: tuple | None = None
 
     @property
     def router(self) -> str:
@@ -178,6 +192,17 @@ class MoE(nn.Module):
     def router(self, value: str) -> None:
         check_choice("router", value, ROUTERS)
         self._router = value
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        check_choice("precision", value, PRECISIONS)
+        if value == "fp8":
+            check_fp8_sizes(self.d_model, self.d_expert)
+        self._precision = value
 
     @property
     def aux_loss_coef(self) -> float:
@@ -200,6 +225,7 @@ class MoE(nn.Module):
     def __getstate__(self):
         # A graph cannot be deep-copied; a copy gets the deprecated aux loss's value.
         state = super().__getstate__()
+        state["_fp8_cache"] = None      # derived from the weights; rebuilt on first use
         if state.get("_aux_loss") is not None:
             state["_aux_loss"] = state["_aux_loss"].detach()
         return state
@@ -207,6 +233,8 @@ class MoE(nn.Module):
     def __setstate__(self, state):
         if "aux_loss" in state:     # pickled by an earlier development version
             state["_aux_loss"] = state.pop("aux_loss")
+        state.setdefault("_precision", "bf16")      # pickled before precision existed
+        state.setdefault("_fp8_cache", None)
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
@@ -233,7 +261,32 @@ class MoE(nn.Module):
         return moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
                            routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
                            backend=self.backend,
-                           metadata=routing_metadata(routing, backend=self.backend))
+                           metadata=routing_metadata(routing, backend=self.backend),
+                           precision=self.precision,
+                           fp8_weights=self._fp8_weights(w1, w2))
+
+    def weight_copies(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this layer derived from its weights and keeps across forwards: the
+        cached FP8 copies (empty when none). :func:`sonic.profile_activation_memory` counts
+        them as the layer's state, not as activation memory."""
+        return () if self._fp8_cache is None else tuple(self._fp8_cache[1])
+
+    def _fp8_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights | None:
+        """FP8 copies of ``w1``, ``w2`` (this forward's, possibly autocast, weights), reused
+        while the parameters are unchanged: keyed on each parameter's data pointer, version
+        counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``),
+        shape and device, and on the dtype of the weights quantized and the backend. None for bf16 layers,
+        weights that are not bf16 (``moe_experts`` then raises its TypeError) and under
+        ``torch.compile`` (quantized per call there)."""
+        if (self.precision != "fp8" or w1.dtype != torch.bfloat16
+                or w2.dtype != torch.bfloat16 or torch.compiler.is_compiling()):
+            return None
+        key = (w1.dtype, self.backend) + tuple((p.data_ptr(), p._version, tuple(p.shape), p.device)
+                                  for p in (self.w1, self.w2))
+        if self._fp8_cache is None or self._fp8_cache[0] != key:
+            self._fp8_cache = None      # drop the stale copies before making new ones
+            self._fp8_cache = (key, quantize_expert_weights(w1, w2, self.backend))
+        return self._fp8_cache[1]
 
     def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         check_tensor("x", x)
@@ -279,4 +332,5 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}")
+                f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}, "
+                f"precision={self.precision!r}")

@@ -215,3 +215,74 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
         rows = rows * row_scores.index_select(0, token_rows).to(acc).unsqueeze(-1)
     out = torch.segment_reduce(rows, "sum", offsets=token_offsets, axis=0)
     return out.to(y.dtype)
+
+
+# ------------------------------------------------------------------------------ FP8 (issue 18)
+# The FP8 steps of the layer, emulating the CuTe kernels' quantized math on any device (see
+# sonic.reference.fp8 for the recipe and its conventions).
+
+
+def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
+                   b_scales: torch.Tensor, offsets: torch.Tensor,
+                   gather_idx: torch.Tensor | None = None, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled FP8 varlen-M grouped GEMM, bf16 out: the math of
+    :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8`
+    (:func:`sonic.reference.fp8.grouped_mm_fp8_reference`), on rows grouped by expert.
+
+    Args:
+        a_q: ``(P, K)`` float8_e4m3fn, or the ``(T, K)`` source rows with ``gather_idx``.
+        a_scales: ``(ceil(K / 128), rows of a_q)`` fp32 (:func:`sonic.reference.fp8.quantize_rows`).
+        b_q: ``(E, N, K)`` float8_e4m3fn; b_scales: ``(E, ceil(N / 128), ceil(K / 128))`` fp32.
+        offsets: ``(E + 1,)`` int32 expert row offsets; rows past ``offsets[E]`` (a padded
+            routing's padding) are not computed: they hold zeros.
+        gather_idx: ``(P,)`` integer row indices into ``a_q`` (and its scales), or None.
+        out: ``(P, N)`` bf16 to write into, or None.
+
+    Returns:
+        ``(P, N)`` bf16.
+    """
+    from sonic.reference.fp8 import grouped_mm_fp8_reference
+
+    rows = a_q.shape[0] if gather_idx is None else gather_idx.shape[0]
+    valid = int(offsets[-1])
+    if gather_idx is None:
+        a_q, a_scales, gather_idx = a_q[:valid], a_scales[:, :valid], None
+    else:
+        gather_idx = gather_idx[:valid]
+    result = grouped_mm_fp8_reference(a_q, a_scales.contiguous(), b_q, b_scales, offsets,
+                                      gather_idx, out_dtype=torch.bfloat16)
+    if out is None:
+        out = result.new_zeros(rows, b_q.shape[1])
+    else:
+        out[valid:].zero_()
+    out[:valid].copy_(result)
+    return out
+
+
+def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Tensor,
+                       w1_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
+                       gate_up: str, *, h_out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 forward up-proj and its epilogue: ``H = gather(X̂)·Ŵ1ᵀ`` ``(P, 2n)`` bf16 (X̂, Ŵ1
+    the block-scaled e4m3 operands, fp32 promotion per k-block) and ``A = SwiGLU(H)`` ``(P, n)``
+    bf16, A computed from the bf16-rounded H (what the backward recomputes it from).
+
+    Args:
+        x_q, x_scales: ``(T, d)`` e4m3 and ``(d / 128, T)`` fp32, X quantized per 1×128.
+        w1_q, w1_scales: ``(E, 2n, d)`` e4m3 and ``(E, 2n / 128, d / 128)`` fp32.
+        offsets: ``(E + 1,)`` int32; gather_idx: ``(P,)`` token of each row.
+        gate_up: ``"concat"`` or ``"interleaved"``; h_out: optional ``(P, 2n)`` bf16 for H.
+    """
+    h = grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
+    return h, swiglu(h, gate_up)
+
+
+def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
+                   w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
+                   h: torch.Tensor, row_scores: torch.Tensor, gate_up: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 backward dH step: ``dA' = gather(dÔ)·Ŵ2`` ``(P, n)`` bf16 (dO quantized per 1×128,
+    ``w2t_q (E, n, d)`` the FP8 copy of W2ᵀ) then :func:`dswiglu_epilogue`: ``(dH, A', ds)``."""
+    da_prime = grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
+    return dswiglu_epilogue(da_prime, h, row_scores, gate_up)

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "torch", "cute"), default=d.backend,
                    help="sonic.MoE backend: cute = CuTe-DSL kernels on a Hopper GPU, torch = "
                         "PyTorch reference, auto = cute where it can run")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default=d.precision,
+                   help="expert GEMM precision of every sonic.MoE layer: fp8 = block-scaled "
+                        "e4m3 (1x128 activation, 128x128 weight scales; Hopper with the cute "
+                        "backend, a slow emulation with --backend torch); needs --d-model and "
+                        "--d-expert multiples of 128 and computes in bfloat16")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the initialisation and of the training windows")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         if result["world_size"] > 1:
             print(f"world size {result['world_size']}  ep {result['ep']}  (tokens/s: all ranks)")
         print(f"router {result['router']}  steps {result['steps']}  device {result['device']} "
-              f"({result['dtype']})  params {result['params']:,}")
+              f"({result['dtype']}, {result['precision']} experts)  params {result['params']:,}")
         print(f"val loss {result['val_loss_initial']:.4f} -> {result['val_loss']:.4f} nats/byte  "
               f"train loss {result['train_loss']:.4f}")
         print(f"tokens/s {result['tokens_per_s']:.0f}  activation memory per MoE layer "

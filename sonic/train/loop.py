@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
+from sonic.autograd.moe_experts import PRECISIONS
 from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
@@ -35,7 +36,9 @@ class TrainConfig:
     Sizes: ``batch_size·seq_len`` = ``T`` tokens per step and per MoE layer; ``d_model`` = ``d``,
     ``experts`` = ``E``, ``top_k`` = ``K``, ``d_expert`` = ``n``; ``tile`` = ``M_tile`` of token
     rounding. ``device=None`` picks CUDA when available, else the CPU; ``dtype="auto"`` is
-    bfloat16 on CUDA and float32 on the CPU. ``data=None`` trains on the CPython documentation
+    bfloat16 on CUDA and float32 on the CPU (bfloat16 everywhere with ``precision="fp8"``, which
+    computes in bf16). ``precision`` is every MoE layer's (``"fp8"``: block-scaled e4m3 expert
+    GEMMs; d_model and d_expert multiples of 128, no expert parallelism). ``data=None`` trains on the CPython documentation
     topics. ``eval_every=0`` evaluates only at step 0 and at the end. ``backend`` is passed to
     every `sonic.MoE` layer. ``steps`` is the length of the whole run (the learning-rate
     schedule spans it), also when it is resumed from a checkpoint. ``ep`` is the expert-parallel
@@ -70,6 +73,7 @@ class TrainConfig:
     device: str | None = None
     dtype: str = "auto"
     backend: str = "auto"
+    precision: str = "bf16"
     seed: int = 0
     ep: int = 1
     ep_chunks: int = 1
@@ -108,6 +112,19 @@ class TrainConfig:
             raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend: expected one of {_BACKENDS}, got {self.backend!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "fp8":
+            for name in ("d_model", "d_expert"):
+                if getattr(self, name) % 128:
+                    raise ValueError(f"{name}: precision 'fp8' needs a multiple of 128, got "
+                                     f"{getattr(self, name)}")
+            if self.dtype == "float32":
+                raise ValueError("dtype: precision 'fp8' computes in bfloat16; use --dtype "
+                                 "bfloat16 or auto")
+            if self.ep > 1:
+                raise ValueError("precision: 'fp8' is not supported with --ep > 1 yet (the "
+                                 "expert-parallel layer runs bf16 experts)")
 
 
 def _resolve_device(name: str | None) -> torch.device:
@@ -282,7 +299,8 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
 def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *, progress: bool,
            save: str | None, save_every: int, resume: str | None, stop_after: int | None,
            log_jsonl: str | None, tensorboard: str | None) -> dict:
-    dtype = _DTYPES[config.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = _DTYPES[config.dtype] or (torch.bfloat16 if device.type == "cuda"
+                                      or config.precision == "fp8" else torch.float32)
     corpus = ByteCorpus(load_text(config.data), val_fraction=config.val_fraction,
                         seq_len=config.seq_len)
     if par.distributed:   # one checkpoint file per rank
@@ -297,6 +315,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                       num_experts=config.experts, top_k=config.top_k,
                       d_expert=config.d_expert, router=config.router, tile=config.tile,
                       aux_loss_coef=config.aux_loss_coef, backend=config.backend,
+                      precision=config.precision,
                       device=device, dtype=dtype)
     if par.ep > 1:
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks)
@@ -447,6 +466,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "backend": explain_backend(config.backend, device),
+        "precision": config.precision,
         "seed": config.seed,
         "config": asdict(config),
         "losses": [float(v) for v in losses],

@@ -1,0 +1,118 @@
+"""precision="fp8" of the MoE layer on a Hopper GPU: the CuTe path (FP8 quantize kernels, FP8
+grouped GEMM, SwiGLU / dSwiGLU kernels) against the "torch" backend's emulation of the same
+math, and a training step without host synchronisation.
+
+Both backends quantize bitwise alike (tests/gpu/test_fp8_quant_gpu.py), so each FP8 GEMM sees
+the same e4m3 values and scales; the results differ only by the order (and, inside one FP8
+WGMMA, the ~14-bit precision, DeepSeek-V3 §3.3) of the fp32 sums and by the bf16 rounding
+those move, plus the rare e4m3 rounding of A, dO or dH that such a last-bit change flips.
+"""
+
+import pytest
+import torch
+
+import sonic
+from sonic.ops import routing_metadata_op
+from sonic.reference import fp8 as R
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _require_hopper():
+    from kernel_checks import require_kernels
+    from sonic.kernels.runtime import device_arch
+
+    require_kernels()
+    if device_arch() != "sm_90a":
+        pytest.skip("the FP8 grouped GEMM runs on Hopper (sm_90a) only")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _problem(T, d, n, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g)
+    w1 = torch.randn(E, 2 * n, d, generator=g) * d ** -0.5
+    w2 = torch.randn(E, d, n, generator=g) * n ** -0.5
+    logits = torch.randn(T, E, generator=g)
+    dout = torch.randn(T, d, generator=g)
+    return [t.cuda().to(BF16) for t in (x, w1, w2, dout)] + [logits.cuda()]
+
+
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_fp8_cute_matches_torch_emulation(gate_up, router):
+    _require_hopper()
+    T, d, n, E, K = 2000, 512, 256, 16, 4
+    x, w1, w2, dout, logits = _problem(T, d, n, E, K, seed=1)
+    if router == "topk":
+        r = sonic.topk_routing(logits, K)
+    else:   # padded: rows past expert_offsets[E] that no GEMM writes
+        r = sonic.token_rounding_routing(logits, K, tile=128, padded=True)
+    scores = r.scores.detach()
+    results = {}
+    for backend in ("cute", "torch"):
+        meta = sonic.routing_metadata(r, backend=backend)
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, scores)]
+        out = sonic.moe_experts(*leaves, r.token_idx, r.expert_idx, gate_up=gate_up,
+                                backend=backend, metadata=meta, precision="fp8")
+        out.backward(dout)
+        results[backend] = [out.detach()] + [t.grad for t in leaves]
+    # 1e-2 relative: the last-bit differences above, propagated; an FP8 error (~5e-2) or a
+    # scale / layout bug (O(1)) is far above it.
+    for name, got, want in zip(("out", "dx", "dw1", "dw2", "dscores"), results["cute"],
+                               results["torch"]):
+        assert torch.isfinite(got).all(), name
+        assert _rel(got, want) <= 1e-2, (name, _rel(got, want))
+
+
+def test_fp8_cute_up_proj_differs_from_emulation_only_by_accumulation_and_rounding():
+    # H of both backends against each other, elementwise: |ΔH| ≤ 2^-8 (|H_cute| + |H_torch|)
+    # (each output's bf16 rounding) + 2·d·2^-14 · |x̂|·|ŵ|ᵀ (fp32 sums in another order, at
+    # the ~14-bit precision of an FP8 WGMMA before each k-block's promotion).
+    _require_hopper()
+    T, d, n, E, K = 700, 512, 256, 8, 2
+    x, w1, w2, _, logits = _problem(T, d, n, E, K, seed=2)
+    r = sonic.topk_routing(logits, K)
+    meta = routing_metadata_op(r.token_idx, r.expert_idx, T, E, K, "torch")
+    fp8_w = sonic.quantize_expert_weights(w1, w2, backend="cute")
+    h = {b: torch.ops.sonic.moe_experts_fp8(x, w1, w2, r.scores.detach(), meta.packed,
+                                            list(fp8_w), K, "concat", b)[1]
+         for b in ("cute", "torch")}
+    x_hat = R.dequantize_rows(*R.quantize_rows(x)).abs()
+    w_hat = R.dequantize_blocks(fp8_w.w1_q, fp8_w.w1_scales).abs()
+    bounds = meta.expert_offsets.tolist()
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        rows = meta.gather_idx[lo:hi].long()
+        hc, ht = h["cute"][lo:hi].float(), h["torch"][lo:hi].float()
+        bound = 2 ** -8 * (hc.abs() + ht.abs()) + 2 * d * 2 ** -14 * (x_hat[rows] @ w_hat[e].t())
+        assert ((hc - ht).abs() <= bound).all(), e
+
+
+def test_fp8_training_step_makes_no_host_sync():
+    _require_hopper()
+    torch.manual_seed(0)
+    layer = sonic.MoE(256, 256, 32, 4, router="token_rounding", tile=128, precision="fp8",
+                      device="cuda", dtype=BF16)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    x = torch.randn(2048, 256, device="cuda", dtype=BF16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step():
+        layer(x).backward(grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()                                  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()                              # re-quantizes the weights after the last step
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in layer.parameters())
