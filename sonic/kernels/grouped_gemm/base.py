@@ -56,8 +56,8 @@ class GroupedGemmKernel(TmaProducers):
     ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
     ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
     be any value. The FP8 configurations (``cfg.fp8``: e4m3 A and B) pass their fp32 block
-    scales in the fp32 slots their store epilogue leaves free: A's in ``scores``, B's in
-    ``ds``.
+    scales in the fp32 slots their store or SwiGLU epilogue leaves free: A's in ``scores``,
+    B's in ``ds``.
     """
 
     def __init__(self, cfg: GroupedGemmConfig):

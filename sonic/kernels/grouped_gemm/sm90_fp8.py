@@ -22,6 +22,13 @@ Schedule: cooperative, ``128 x 128`` tiles only — the promoted and the partial
 a ``64 x 256`` warpgroup tile would take 256 registers per thread. Each k-tile waits for its
 WGMMAs before promoting (the partial is reused), so a warpgroup's tensor-core issue pauses
 for the 64 FMAs per thread of a promotion; the other warpgroup's WGMMAs fill the gap.
+Epilogues: the store epilogue (C) and the SwiGLU epilogue (H and ``A = SwiGLU(H)``) run
+unchanged on the promoted accumulator; the scales occupy the fp32 slots (scores, ds) neither
+reads. With SwiGLU "concat" the B tile is two 64-row half boxes, gate rows ``nt·64 ..`` and up
+rows ``n + nt·64 ..`` (:attr:`~.config.GroupedGemmConfig.b_halves`): each half lies inside one
+128-row scale block (n is a multiple of 64), but the two halves' blocks differ, so the
+promotion scales each column half by its own B scale. "interleaved" B rows are the weight's
+own rows, one scale block per 128-column tile.
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 
@@ -66,10 +73,11 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                          m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
                          full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple):
         """Per tile: for each k-tile, WGMMA into the partial accumulator, promote it with the
-        k-block's scales; then the store epilogue on the promoted fp32 accumulator.
+        k-block's scales; then the epilogue on the promoted fp32 accumulator.
 
         ``outs[2]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
-        ``gidx[r]`` when gathered); ``outs[3]``: B's ``(E, N/128, K/128)`` fp32.
+        ``gidx[r]`` when gathered); ``outs[3]``: B's ``(E, N/128, K/128)`` fp32, one scale
+        per k-tile for the tile, or with ``b_halves`` one per column half.
         """
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
@@ -90,7 +98,10 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         # and its k-block's A scale.
         src = cute.make_rmem_tensor((n_rows,), Int32)
         a_sc = cute.make_rmem_tensor((n_rows,), F32)
-        row_scale = cute.make_rmem_tensor((n_rows,), F32)
+        halves = 2 if cfg.b_halves else 1
+        b_sc = cute.make_rmem_tensor((halves,), F32)
+        # Scale of (row i, column half h) at i * halves + h.
+        row_scale = cute.make_rmem_tensor((n_rows * halves,), F32)
         n_blocks, k_tiles = cfg.dim_n // TILE_K_FP8, cfg.k_tiles
         lane = cute.arch.lane_idx()
         stage = Int32(0)
@@ -107,13 +118,20 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 if cutlass.const_expr(cfg.gather_a):
                     r = cute.make_tensor(gidx + r, cute.make_layout(1))[0]
                 src[i] = r
-            b_row = b_scales + (e * n_blocks + nt) * k_tiles
+            # The scale row of each column half's n-block: the tile's own block, or for B
+            # halves (rows nt·h_rows .. and n + nt·h_rows ..) the block holding each half.
+            b_rows = [b_scales + (e * n_blocks + nt) * k_tiles]
+            if cutlass.const_expr(cfg.b_halves):
+                h_rows = cfg.tile_n // 2
+                b_rows = [b_scales + (e * n_blocks + (h * (cfg.dim_n // 2) + nt * h_rows)
+                                      // TILE_K_FP8) * k_tiles for h in range(2)]
             acc.fill(0.0)
             for kt in cutlass.range(k_tiles, unroll=1):
                 for i in cutlass.range_constexpr(n_rows):
                     a_sc[i] = cute.make_tensor(a_scales + (Int64(kt) * rows_a + src[i]),
                                                cute.make_layout(1))[0]
-                b_sc = cute.make_tensor(b_row + kt, cute.make_layout(1))[0]
+                for h in cutlass.range_constexpr(halves):
+                    b_sc[h] = cute.make_tensor(b_rows[h] + kt, cute.make_layout(1))[0]
                 cute.arch.mbarrier_wait(full + stage, phase)
                 # The promotion below read the partial: order it before the WGMMAs rewrite it.
                 warpgroup.fence()
@@ -127,21 +145,26 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 self.ring.release(empty + stage, lane)
                 stage, phase = self.ring.next_stage(stage, phase)
                 for i in cutlass.range_constexpr(n_rows):
-                    row_scale[i] = a_sc[i] * b_sc
+                    for h in cutlass.range_constexpr(halves):
+                        row_scale[i * halves + h] = a_sc[i] * b_sc[h]
                 self.promote(acc, partial, row_scale, coords)
             stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0, rows, nt, mt,
-                stage_mem, stage, phase, full, empty)
+                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0,
+                rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
 
     @cute.jit
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, row_scale: cute.Tensor,
                 coords: cute.Tensor):
-        """``acc += partial · row_scale[row]`` over the thread's fragment, one fp32 FMA each
-        (``row_scale`` indexed by :attr:`ColumnPair.row`)."""
+        """``acc += partial · row_scale[row, half]`` over the thread's fragment, one fp32 FMA
+        each (``row_scale`` indexed by :attr:`ColumnPair.row` and, with ``b_halves``, the
+        sub-tile's column half)."""
         view = WgmmaAccumulator(acc, coords)
-        for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
+        slabs = self.cfg.tile_n // SLAB
+        halves = 2 if self.cfg.b_halves else 1
+        for sl in cutlass.range_constexpr(slabs):
+            h = sl // (slabs // halves)
             for p in view.pairs(sl):
                 for v0 in cutlass.range_constexpr(2):
                     mode = view.mode(p, v0)
-                    acc[mode] = acc[mode] + partial[mode] * row_scale[p.row]
+                    acc[mode] = acc[mode] + partial[mode] * row_scale[p.row * halves + h]
