@@ -23,7 +23,7 @@ def _fp8(**kw):
     (dict(arch="sm_100a", cluster=1), "no FP8 grouped-GEMM mainloop for arch 'sm_100a'"),
     (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False), "serves varlen-M"),
     (dict(b_n_major=True), "K-major B"),
-    (dict(gather_a=True, epilogue="swiglu", gate_up="concat"), "store epilogue"),
+    (dict(epilogue="dswiglu"), r"serves the epilogues \('store', 'swiglu'\)"),
     (dict(tile_n=256), "cooperative 128 x 128 tiles"),
     (dict(pingpong=True, cluster=1), "cooperative 128 x 128 tiles"),
     (dict(dim_k=1600), "K and N multiples of 128"),
@@ -112,7 +112,9 @@ def test_fp8_variants_registered_for_sm90_only():
 
     fp8 = [v for v in registry.variants() if v.kernel == "grouped_gemm" and "fp8" in v.variant]
     assert {v.variant for v in fp8} == {"varlen_m_fp8_n512_k1536_gather",
-                                         "varlen_m_fp8_n1536_k256_contig"}
+                                         "varlen_m_fp8_n1536_k256_contig",
+                                         "varlen_m_fp8_n384_k1536_gather_swiglu_concat",
+                                         "varlen_m_fp8_n1024_k1536_gather_swiglu_interleaved"}
     for v in fp8:
         assert v.archs == ("sm_90a",)
         assert v.ptx_markers == interface._FP8_MARKERS
