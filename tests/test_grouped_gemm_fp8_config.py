@@ -119,3 +119,59 @@ def test_fp8_variants_registered_for_sm90_only():
         assert v.archs == ("sm_90a",)
         assert v.ptx_markers == interface._FP8_MARKERS
         assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in v.ptx_markers
+
+
+# The FP8 up-proj with the SwiGLU epilogue (grouped_gemm_fp8_swiglu).
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_fp8_swiglu_config_and_plan(gate_up):
+    cfg = heuristic.varlen_m_config(384, 1536, True, epilogue="swiglu", gate_up=gate_up,
+                                    ab_dtype="e4m3")
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster) == (128, False, CLUSTER)
+    assert cfg.fp8 and cfg.epilogue == "swiglu" and cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"]
+    # concat loads B as gate and up halves of 64 rows (each inside one 128-row scale block).
+    assert cfg.b_halves == (gate_up == "concat")
+    keys = {cfg.cache_key, dataclasses.replace(cfg, ab_dtype="bf16").cache_key,
+            dataclasses.replace(cfg, epilogue="store", gate_up=None).cache_key,
+            dataclasses.replace(cfg, gate_up="interleaved" if gate_up == "concat"
+                                else "concat").cache_key}
+    assert len(keys) == 4
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(gather_a=False), "the SwiGLU epilogue serves the gathered up-proj"),
+    (dict(dim_n=192), "K and N multiples of 128"),
+    (dict(tile_n=256), "cooperative 128 x 128 tiles"),
+    (dict(gate_up=None), "gate_up is given exactly with the 'swiglu' epilogue"),
+])
+def test_fp8_swiglu_config_rejects(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _fp8(**{**dict(epilogue="swiglu", gate_up="concat"), **kw})
+
+
+def _swiglu_args(num_tokens=16, dim_k=256, two_n=256, experts=2):
+    x_q, x_s, w_q, w_s, off = _args(num_tokens, dim_k, two_n, experts)
+    return [x_q, x_s, w_q, w_s, off, torch.arange(num_tokens, dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("change,kw,error,match", [
+    (lambda a: None, dict(gate_up="halves"), ValueError, "gate_up must be one of"),
+    (lambda a: a.__setitem__(5, None), {}, ValueError, "gather_idx is required"),
+    (lambda a: a.__setitem__(0, a[0].to(torch.bfloat16)), {}, TypeError,
+     "x_q must be a torch.float8_e4m3fn tensor"),
+    (lambda a: a.__setitem__(3, a[3].double()), {}, TypeError,
+     "w1_scales must be a torch.float32 tensor"),
+    (lambda a: a.__setitem__(2, a[2][:, :192]), {}, ValueError,
+     r"N \(rows of w1_q per expert\) must be a positive multiple of 128"),
+    (lambda a: a.__setitem__(1, a[1][:1]), {}, ValueError,
+     r"x_scales must have shape \(K/128, rows of x_q\) = \(2, 16\)"),
+    (lambda a: a.__setitem__(3, a[3][:, :1]), {}, ValueError,
+     r"w1_scales must have shape \(E, N/128, K/128\) = \(2, 2, 2\)"),
+    (lambda a: None, {}, ValueError, "x_q must be on a CUDA device"),
+])
+def test_fp8_swiglu_validation(change, kw, error, match):
+    from sonic.kernels.grouped_gemm import grouped_gemm_fp8_swiglu
+
+    args = _swiglu_args()
+    change(args)
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_swiglu(*args, **kw)
