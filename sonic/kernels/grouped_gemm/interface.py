@@ -36,7 +36,7 @@ def compile_config(cfg: GroupedGemmConfig, keep_ptx: bool = False):
     import cutlass
 
     kernel = kernel_class(cfg)(cfg)
-    addresses = [runtime.fake_address() for _ in range(10)]
+    addresses = [runtime.fake_address() for _ in range(12)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
@@ -312,7 +312,7 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
         else (out_addr,) * 3)
     _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a, 16), addr(b, 16), out_addr,
                      addr(act, 16) if act is not None else out_addr, h_addr, scores_addr,
-                     ds_addr, idx, idx, offsets_addr, a.shape[0],
+                     ds_addr, idx, idx, offsets_addr, out_addr, out_addr, a.shape[0],
                      num_pairs if dswiglu is not None else 0)
     if dswiglu is not None:
         return out, act, ds_parts.sum(1)
@@ -322,7 +322,7 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
 def _launch_varlen_m(cfg: GroupedGemmConfig, device, num_pairs: int, num_experts: int,
                      *args) -> None:
     """Launch varlen-M ``cfg`` over ``num_pairs`` rows on a persistent grid; ``args``: the
-    ten addresses and ``rows_a``, ``rows_b`` of :class:`.base.GroupedGemmKernel`."""
+    twelve addresses and ``rows_a``, ``rows_b`` of :class:`.base.GroupedGemmKernel`."""
     # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
     m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
     work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
@@ -495,17 +495,20 @@ def _output(name: str, out, shape: tuple, device) -> torch.Tensor:
 
 
 def _launch_fp8(cfg, device, num_pairs, num_experts, a_q, a_scales, b_q, b_scales,
-                expert_offsets, gather_idx, c_addr: int, act_addr: int) -> None:
-    """Launch an FP8 varlen-M ``cfg`` writing C (store: the output, SwiGLU: H) and act."""
+                expert_offsets, gather_idx, c_addr: int, act_addr: int,
+                dswiglu_addrs: tuple | None = None) -> None:
+    """Launch an FP8 varlen-M ``cfg`` writing C (store: the output, SwiGLU: H, dSwiGLU: dH)
+    and act; ``dswiglu_addrs``: the dH kernel's ``(H, row scores, ds partials)``."""
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # Without gather the index addresses are never read; expert_offsets' stands in for them.
     idx = addr(gather_idx, 4) if gather_idx is not None else offsets_addr
-    # The scales ride in the fp32 slots (scores, ds) the store and SwiGLU epilogues leave
-    # free; H's slot is read by dSwiGLU only, C's address stands in for it.
+    # Slots an epilogue never reads: C's address stands in for them.
+    h_addr, scores_addr, ds_addr = dswiglu_addrs or (c_addr,) * 3
     _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a_q, 16), addr(b_q, 16),
-                     c_addr, act_addr, c_addr, addr(a_scales, 4), addr(b_scales, 4), idx,
-                     idx, offsets_addr, a_q.shape[0], 0)
+                     c_addr, act_addr, h_addr, scores_addr, ds_addr, idx, idx, offsets_addr,
+                     addr(a_scales, 4), addr(b_scales, 4), a_q.shape[0],
+                     num_pairs if dswiglu_addrs is not None else 0)
 
 
 def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
@@ -569,8 +572,8 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     out_addr = addr(out, 16)
     fn(addr(a, 16), addr(b, 16), out_addr, out_addr, out_addr, out_addr, out_addr,
        addr(gather_idx_a, 4) if ga else offsets_addr,
-       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
-       num_experts, _num_ctas(device, work_items, cfg.cluster))
+       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, out_addr, out_addr,
+       a.shape[0], b.shape[0], num_experts, _num_ctas(device, work_items, cfg.cluster))
     return out
 
 

@@ -22,9 +22,8 @@ Schedule: cooperative, ``128 x 128`` tiles only — the promoted and the partial
 a ``64 x 256`` warpgroup tile would take 256 registers per thread. Each k-tile waits for its
 WGMMAs before promoting (the partial is reused), so a warpgroup's tensor-core issue pauses
 for the 64 FMAs per thread of a promotion; the other warpgroup's WGMMAs fill the gap.
-Epilogues: the store epilogue (C) and the SwiGLU epilogue (H and ``A = SwiGLU(H)``) run
-unchanged on the promoted accumulator; the scales occupy the fp32 slots (scores, ds) neither
-reads. With SwiGLU "concat" the B tile is two 64-row half boxes, gate rows ``nt·64 ..`` and up
+Epilogues: the store, SwiGLU and dSwiGLU epilogues run unchanged on the promoted accumulator
+(the scales arrive as two more pointers of ``outs``, after the epilogues' own). With SwiGLU "concat" the B tile is two 64-row half boxes, gate rows ``nt·64 ..`` and up
 rows ``n + nt·64 ..`` (:attr:`~.config.GroupedGemmConfig.b_halves`): each half lies inside one
 128-row scale block (n is a multiple of 64), but the two halves' blocks differ, so the
 promotion scales each column half by its own B scale. "interleaved" B rows are the weight's
@@ -75,8 +74,8 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         """Per tile: for each k-tile, WGMMA into the partial accumulator, promote it with the
         k-block's scales; then the epilogue on the promoted fp32 accumulator.
 
-        ``outs[2]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
-        ``gidx[r]`` when gathered); ``outs[3]``: B's ``(E, N/128, K/128)`` fp32, one scale
+        ``outs[4]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
+        ``gidx[r]`` when gathered); ``outs[5]``: B's ``(E, N/128, K/128)`` fp32, one scale
         per k-tile for the tile, or with ``b_halves`` one per column half.
         """
         cfg = self.cfg
@@ -93,7 +92,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         k_blocks = cute.size(t_ca, mode=[2])
         coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
         n_rows = 2 * cute.size(acc, mode=[1])
-        a_scales, b_scales = outs[2], outs[3]
+        a_scales, b_scales = outs[4], outs[5]
         # Source row of each of this thread's accumulator rows (WgmmaAccumulator.row_coord),
         # and its k-block's A scale.
         src = cute.make_rmem_tensor((n_rows,), Int32)

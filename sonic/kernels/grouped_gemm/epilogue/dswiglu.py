@@ -98,7 +98,7 @@ class DswigluEpilogue(Epilogue):
         and A' are staged and stored in turn from fp32 dA', g, u and s; the ds partial of each
         of the thread's rows is reduced over the quad of threads holding the row and stored
         once per tile. Returns the ring position after the tile's H stages."""
-        dh, a_scaled, scores, ds = outs
+        dh, a_scaled, scores, ds = outs[:4]
         n = self.cfg.dim_n
         row_count = acc.rows_per_thread
         # Score of each of this thread's rows, zero past the expert.
