@@ -17,8 +17,8 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm import heuristic
-from sonic.kernels.grouped_gemm.config import (MAINLOOPS, MAX_EXPERTS, TILE_K_FP8, TILE_M,
-                                               VEC, GroupedGemmConfig)
+from sonic.kernels.grouped_gemm.config import (LAUNCH_ADDRESSES, MAINLOOPS, MAX_EXPERTS,
+                                               TILE_K_FP8, TILE_M, VEC, GroupedGemmConfig)
 from sonic.kernels.registry import KernelVariant, register
 from sonic.types import GATE_UP_LAYOUTS
 
@@ -36,7 +36,7 @@ def compile_config(cfg: GroupedGemmConfig, keep_ptx: bool = False):
     import cutlass
 
     kernel = kernel_class(cfg)(cfg)
-    addresses = [runtime.fake_address() for _ in range(12)]
+    addresses = [runtime.fake_address() for _ in range(LAUNCH_ADDRESSES)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
@@ -322,7 +322,8 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
 def _launch_varlen_m(cfg: GroupedGemmConfig, device, num_pairs: int, num_experts: int,
                      *args) -> None:
     """Launch varlen-M ``cfg`` over ``num_pairs`` rows on a persistent grid; ``args``: the
-    twelve addresses and ``rows_a``, ``rows_b`` of :class:`.base.GroupedGemmKernel`."""
+    :data:`~.config.LAUNCH_ADDRESSES` addresses and ``rows_a``, ``rows_b`` of
+    :class:`.base.GroupedGemmKernel`."""
     # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
     m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
     work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
