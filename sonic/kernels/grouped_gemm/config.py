@@ -46,8 +46,6 @@ MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90:Sm90GroupedGemm",
              "sm_100a": "sonic.kernels.grouped_gemm.sm100:Sm100GroupedGemm"}
 # The block-scaled e4m3 mainloops, same form.
 FP8_MAINLOOPS = {"sm_90a": "sonic.kernels.grouped_gemm.sm90_fp8:Sm90Fp8GroupedGemm"}
-# Epilogues the FP8 mainloop feeds: those leaving the scores and ds slots free for its scales.
-FP8_EPILOGUES = ("store", "swiglu")
 # Warpgroups running the epilogue: sm_90's two consumer warpgroups; sm_100's four epilogue
 # warps (one TMEM lane quarter each) form one warpgroup holding all TILE_M rows of a tile.
 EPILOGUE_WARPGROUPS = {"sm_90a": CONSUMER_WARPGROUPS, "sm_100a": 1}
@@ -77,7 +75,7 @@ class GroupedGemmConfig:
             ``"interleaved"``), else None.
         arch: target architecture, a key of :data:`MAINLOOPS`.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8, varlen-M with the
-            store or SwiGLU epilogue on sm_90a: :data:`FP8_MAINLOOPS`, :data:`FP8_EPILOGUES`).
+            store, SwiGLU or dSwiGLU epilogue on sm_90a: :data:`FP8_MAINLOOPS`).
 
     Raises:
         ValueError: a combination no kernel implements (the message names it).
@@ -132,9 +130,10 @@ class GroupedGemmConfig:
         if self.epilogue == "swiglu" and (self.varlen_k or not self.gather_a or self.b_n_major
                                           or self.pingpong):
             raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")
+        # bf16 reads W2 N-major; FP8 reads a K-major e4m3 copy of W2ᵀ (checked above).
         if self.epilogue == "dswiglu" and (self.varlen_k or not self.gather_a
-                                           or not self.b_n_major or self.pingpong
-                                           or self.tile_n < TILE_M):
+                                           or not (self.b_n_major or self.fp8)
+                                           or self.pingpong or self.tile_n < TILE_M):
             raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
                              "(cooperative, tile_n >= 128)")
 
@@ -145,10 +144,6 @@ class GroupedGemmConfig:
         if self.varlen_k or self.b_n_major:
             raise ValueError("the FP8 mainloop serves varlen-M with K-major B (FP8 WGMMA reads "
                              "both operands K-major)")
-        # Its A and B scales ride in the fp32 slots (scores, ds) that only dSwiGLU reads.
-        if self.epilogue not in FP8_EPILOGUES:
-            raise ValueError(f"the FP8 mainloop serves the epilogues {FP8_EPILOGUES}, got "
-                             f"{self.epilogue!r}")
         # The promoted and the per-k-tile accumulator of a 64 x 256 warpgroup tile would take
         # 256 registers per thread.
         if self.pingpong or self.tile_n != 128:

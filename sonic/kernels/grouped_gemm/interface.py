@@ -221,10 +221,17 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
     runtime.check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3)
     runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
                          device=w2.device)
-    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=w2.device)
+    _check_dswiglu_inputs(h, row_scores, dh_out, gather_idx.numel(), w2.shape[2], w2.device)
+    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
+                     (h, row_scores), a_out)
+
+
+def _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs: int, n: int, device) -> None:
+    """The dH kernel's H ``(P, 2n)`` bf16, row scores ``(P,)`` fp32, and ``dh_out`` either
+    ``h`` or disjoint from it."""
+    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=device)
     runtime.check_tensor("row_scores", row_scores, dtypes=(torch.float32,), ndim=1,
-                         device=w2.device)
-    num_pairs, n = gather_idx.numel(), w2.shape[2]
+                         device=device)
     if tuple(h.shape) != (num_pairs, 2 * n):
         raise ValueError(f"h must have shape (P, 2n) = {(num_pairs, 2 * n)}, got "
                          f"{tuple(h.shape)}")
@@ -234,8 +241,6 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
     if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and _overlap(dh_out, h):
         raise ValueError("dh_out must be h itself or a buffer that does not overlap h: a "
                          "shifted overlap would overwrite H rows another tile still reads")
-    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
-                     (h, row_scores), a_out)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -440,6 +445,65 @@ def grouped_gemm_fp8_swiglu(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: tor
     return h, act
 
 
+def grouped_gemm_fp8_dswiglu(dout_q: torch.Tensor, dout_scales: torch.Tensor,
+                             w2t_q: torch.Tensor, w2t_scales: torch.Tensor,
+                             expert_offsets: torch.Tensor, gather_idx: torch.Tensor,
+                             h: torch.Tensor, row_scores: torch.Tensor, *,
+                             dh_out: torch.Tensor | None = None,
+                             a_out: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one
+    launch.
+
+    Issue 18 (the backward's dH of the FP8 path); DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
+    mainloop (as :func:`grouped_gemm_fp8`), SonicMoE (arXiv 2512.14080) §4.1.3 and App. C for
+    the epilogue (as :func:`grouped_gemm_dswiglu`: from the promoted fp32 dA', the saved H
+    ("concat") and the row scores it stores ``dH = dSwiGLU(s·dA', H)``, ``A' = s·A`` and
+    ``ds = ⟨dA', A⟩``, the latter summed over n-tiles in a fixed order). Bitwise
+    deterministic, no host synchronisation. Hopper (sm_90a) only.
+
+    Args:
+        dout_q: ``(T, d)`` float8_e4m3fn, contiguous, CUDA, 16-byte aligned: the quantized
+            output gradient, rows gathered by ``gather_idx`` while loading.
+        dout_scales: ``(d/128, T)`` fp32, contiguous (:func:`sonic.reference.fp8.quantize_rows`).
+        w2t_q: ``(E, n, d)`` float8_e4m3fn, contiguous: the quantized ``W2ᵀ`` (per expert
+            ``w2[e].T``, K-major for the FP8 WGMMA, which reads both operands K-major).
+        w2t_scales: ``(E, n/128, d/128)`` fp32, contiguous: its 128 x 128 block scales
+            (:func:`sonic.reference.fp8.quantize_blocks` of ``w2.transpose(1, 2)``).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``.
+        h, row_scores, dh_out, a_out: as for :func:`grouped_gemm_dswiglu` (``dh_out`` may be
+            ``h``: dH then overwrites H in place).
+
+    Returns:
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` and A' is
+        ``a_out`` when given.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm_fp8` (``d`` and ``n`` positive
+            multiples of 128) and :func:`grouped_gemm_dswiglu`; also ``gather_idx`` None.
+    """
+    if gather_idx is None:
+        raise ValueError("gather_idx is required: the dSwiGLU epilogue serves the gathered "
+                         "dA' GEMM")
+    device, num_experts, n, dim_k, num_pairs = _check_fp8_operands(
+        ("dout_q", "dout_scales", "w2t_q", "w2t_scales"), dout_q, dout_scales, w2t_q,
+        w2t_scales, expert_offsets, gather_idx)
+    _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs, n, device)
+    dh = _output("dh_out", dh_out, (num_pairs, 2 * n), device)
+    act = _output("a_out", a_out, (num_pairs, n), device)
+    cfg = heuristic.varlen_m_config(n, dim_k, True, epilogue="dswiglu", ab_dtype="e4m3",
+                                    arch=runtime.device_arch(device))
+    ds_parts = torch.zeros(num_pairs, cfg.n_tiles, dtype=torch.float32, device=device)
+    if num_pairs == 0 or dout_q.shape[0] == 0:
+        return dh, act, ds_parts.sum(1)
+    addr = runtime.address
+    _launch_fp8(cfg, device, num_pairs, num_experts, dout_q, dout_scales, w2t_q, w2t_scales,
+                expert_offsets, gather_idx, addr(dh, 16), addr(act, 16),
+                (addr(h, 16), addr(row_scores, 4), addr(ds_parts, 4)))
+    return dh, act, ds_parts.sum(1)
+
+
 def _check_fp8_operands(names, a_q, a_scales, b_q, b_scales, expert_offsets, gather_idx):
     """Validate the operands of an FP8 varlen-M GEMM (``names``: the caller's names of A, A's
     scales, B, B's scales); ``(device, E, N, K, P)``. Shapes first (device-independent), then
@@ -634,6 +698,11 @@ for _n, _k, _gather in ((512, 1536, True), (1536, 256, False)):
     _register(f"varlen_m_fp8_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
               lambda arch, n=_n, k=_k, g=_gather: heuristic.varlen_m_config(
                   n, k, g, ab_dtype="e4m3", arch=arch), archs=("sm_90a",), markers=_FP8_MARKERS)
+# Block-scaled FP8 dH kernel (dA' with the dSwiGLU epilogue, K-major W2ᵀ copy).
+_register("varlen_m_fp8_n1024_k2048_gather_dswiglu",
+          lambda arch: heuristic.varlen_m_config(1024, 2048, True, epilogue="dswiglu",
+                                                 ab_dtype="e4m3", arch=arch),
+          archs=("sm_90a",), markers=_FP8_MARKERS)
 # Block-scaled FP8 up-proj with the SwiGLU epilogue, both gate/up layouts; at N = 2n = 384
 # (n = 192) a concat tile's up half starts in the middle of a W1 scale block.
 for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
