@@ -25,9 +25,11 @@ the speedup and the kernel's relative error against torch:
   ``_grouped_mm``.
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
-OLMoE and 30B shapes: ``up`` (gathered) and ``down`` (contiguous) on e4m3 operands quantized
-once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the same
-unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
+OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
+``grouped_gemm_fp8_swiglu``, rel err on A), ``down`` (contiguous) and ``dA'+dH`` (the dH
+kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major e4m3 ``W2ᵀ``, rel err on dH) on e4m3 operands
+quantized once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the
+same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
 ≈4%).
 """
 
@@ -43,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, device_name  # noqa: E402
 
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
-                                        grouped_gemm_fp8, grouped_gemm_swiglu,
+                                        grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
+                                        grouped_gemm_fp8_swiglu, grouped_gemm_swiglu,
                                         grouped_gemm_varlen_k)
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
@@ -90,7 +93,8 @@ FP8_SHAPES = ("OLMoE", "30B")
 
 
 def fp8_rows(name, t, d, n, e, k):
-    """FP8 ``up`` and ``down`` beside sonic bf16 and torch bf16 at one shape."""
+    """FP8 ``up``, ``up+act`` (SwiGLU epilogue, "concat"), ``down`` and ``dA'+dH`` (dSwiGLU
+    epilogue) beside sonic bf16 and torch bf16 at one shape."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -112,8 +116,29 @@ def fp8_rows(name, t, d, n, e, k):
         _row(name, gemm + "/fp8", flops,
              lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, idx=idx: grouped_gemm_fp8(
                  a_q, a_s, b_q, b_s, offsets, gather_idx=idx), torch_fn)
+        if gemm == "up":
+            torch_act = lambda fn=torch_fn: torch_swiglu(fn(), "concat")  # noqa: E731
+            _row(name, "up+act", flops,
+                 lambda: grouped_gemm_swiglu(x, w1, offsets, gather_idx, "concat")[1],
+                 torch_act)
+            _row(name, "up+act/fp8", flops,
+                 lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s: grouped_gemm_fp8_swiglu(
+                     a_q, a_s, b_q, b_s, offsets, gather_idx, gate_up="concat")[1], torch_act)
         del a_q, a_s, b_q, b_s
-    del x, w1, act, w2
+    # The dH kernel: bf16 reads W2 N-major, FP8 a K-major e4m3 copy of W2ᵀ.
+    do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
+    scores = torch.rand(p, device="cuda")
+    do_q, do_s = quantize_rows(do)
+    w2t_q, w2t_s = quantize_blocks(w2.transpose(1, 2).contiguous())
+    torch_dh = lambda: torch_dswiglu_epilogue(torch._grouped_mm(  # noqa: E731
+        do.index_select(0, gidx_long), w2, offs=ends), h, scores, "concat")[0]
+    _row(name, "dA'+dH", 2 * p * d * n,
+         lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0], torch_dh)
+    _row(name, "dA'+dH/fp8", 2 * p * d * n,
+         lambda: grouped_gemm_fp8_dswiglu(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx, h,
+                                          scores)[0], torch_dh)
+    del x, w1, act, w2, do, h, scores, do_q, do_s, w2t_q, w2t_s
     torch.cuda.empty_cache()
 
 
@@ -122,7 +147,8 @@ def main(argv=None):
     parser.add_argument("--gemm", choices=GEMMS, action="append",
                         help="time only these GEMMs (repeatable; default: all)")
     parser.add_argument("--fp8", action="store_true",
-                        help="time the block-scaled FP8 up/down GEMMs beside bf16 instead")
+                        help="time the block-scaled FP8 up, up+act, down and dA'+dH GEMMs beside "
+                             "bf16 instead")
     args = parser.parse_args(argv)
     only = set(args.gemm or GEMMS)
     print(f"device: {device_name()}")

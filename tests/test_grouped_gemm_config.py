@@ -142,7 +142,8 @@ class Miscounted(Sm90GroupedGemm):
 
 import cutlass
 try:
-    runtime.compile_launcher(Miscounted(cfg), *[runtime.fake_address() for _ in range(10)],
+    runtime.compile_launcher(Miscounted(cfg),
+                             *[runtime.fake_address() for _ in range(config.LAUNCH_ADDRESSES)],
                              *[cutlass.Int32(1) for _ in range(4)])
 except Exception as err:
     print("FAILED:", err)

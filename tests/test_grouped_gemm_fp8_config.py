@@ -23,7 +23,7 @@ def _fp8(**kw):
     (dict(arch="sm_100a", cluster=1), "no FP8 grouped-GEMM mainloop for arch 'sm_100a'"),
     (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False), "serves varlen-M"),
     (dict(b_n_major=True), "K-major B"),
-    (dict(gather_a=True, epilogue="swiglu", gate_up="concat"), "store epilogue"),
+    (dict(epilogue="dswiglu", gather_a=False), "serves the gathered dA' GEMM"),
     (dict(tile_n=256), "cooperative 128 x 128 tiles"),
     (dict(pingpong=True, cluster=1), "cooperative 128 x 128 tiles"),
     (dict(dim_k=1600), "K and N multiples of 128"),
@@ -112,7 +112,10 @@ def test_fp8_variants_registered_for_sm90_only():
 
     fp8 = [v for v in registry.variants() if v.kernel == "grouped_gemm" and "fp8" in v.variant]
     assert {v.variant for v in fp8} == {"varlen_m_fp8_n512_k1536_gather",
-                                         "varlen_m_fp8_n1536_k256_contig"}
+                                         "varlen_m_fp8_n1536_k256_contig",
+                                         "varlen_m_fp8_n384_k1536_gather_swiglu_concat",
+                                         "varlen_m_fp8_n1024_k1536_gather_swiglu_interleaved",
+                                         "varlen_m_fp8_n1024_k2048_gather_dswiglu"}
     for v in fp8:
         assert v.archs == ("sm_90a",)
         assert v.ptx_markers == interface._FP8_MARKERS
@@ -133,3 +136,97 @@ def test_register_split_fits_the_launch_allocation(ab_dtype, gathered):
     assert cfg.overlapped_promotion == (cfg.fp8 and not gathered)
     if cfg.overlapped_promotion:
         assert cfg.consumer_regs == 232
+
+# The FP8 up-proj with the SwiGLU epilogue (grouped_gemm_fp8_swiglu).
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_fp8_swiglu_config_and_plan(gate_up):
+    cfg = heuristic.varlen_m_config(384, 1536, True, epilogue="swiglu", gate_up=gate_up,
+                                    ab_dtype="e4m3")
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster) == (128, False, CLUSTER)
+    assert cfg.fp8 and cfg.epilogue == "swiglu" and cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"]
+    # concat loads B as gate and up halves of 64 rows (each inside one 128-row scale block).
+    assert cfg.b_halves == (gate_up == "concat")
+    keys = {cfg.cache_key, dataclasses.replace(cfg, ab_dtype="bf16").cache_key,
+            dataclasses.replace(cfg, epilogue="store", gate_up=None).cache_key,
+            dataclasses.replace(cfg, gate_up="interleaved" if gate_up == "concat"
+                                else "concat").cache_key}
+    assert len(keys) == 4
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(gather_a=False), "the SwiGLU epilogue serves the gathered up-proj"),
+    (dict(dim_n=192), "K and N multiples of 128"),
+    (dict(tile_n=256), "cooperative 128 x 128 tiles"),
+    (dict(gate_up=None), "gate_up is given exactly with the 'swiglu' epilogue"),
+])
+def test_fp8_swiglu_config_rejects(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _fp8(**{**dict(epilogue="swiglu", gate_up="concat"), **kw})
+
+
+def _swiglu_args(num_tokens=16, dim_k=256, two_n=256, experts=2):
+    x_q, x_s, w_q, w_s, off = _args(num_tokens, dim_k, two_n, experts)
+    return [x_q, x_s, w_q, w_s, off, torch.arange(num_tokens, dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("change,kw,error,match", [
+    (lambda a: None, dict(gate_up="halves"), ValueError, "gate_up must be one of"),
+    (lambda a: a.__setitem__(5, None), {}, ValueError, "gather_idx is required"),
+    (lambda a: a.__setitem__(0, a[0].to(torch.bfloat16)), {}, TypeError,
+     "x_q must be a torch.float8_e4m3fn tensor"),
+    (lambda a: a.__setitem__(3, a[3].double()), {}, TypeError,
+     "w1_scales must be a torch.float32 tensor"),
+    (lambda a: a.__setitem__(2, a[2][:, :192]), {}, ValueError,
+     r"N \(rows of w1_q per expert\) must be a positive multiple of 128"),
+    (lambda a: a.__setitem__(1, a[1][:1]), {}, ValueError,
+     r"x_scales must have shape \(K/128, rows of x_q\) = \(2, 16\)"),
+    (lambda a: a.__setitem__(3, a[3][:, :1]), {}, ValueError,
+     r"w1_scales must have shape \(E, N/128, K/128\) = \(2, 2, 2\)"),
+    (lambda a: None, {}, ValueError, "x_q must be on a CUDA device"),
+])
+def test_fp8_swiglu_validation(change, kw, error, match):
+    from sonic.kernels.grouped_gemm import grouped_gemm_fp8_swiglu
+
+    args = _swiglu_args()
+    change(args)
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_swiglu(*args, **kw)
+
+
+# The FP8 dH kernel (grouped_gemm_fp8_dswiglu): K-major W2ᵀ, where bf16 reads W2 N-major.
+def test_fp8_dswiglu_config():
+    cfg = heuristic.varlen_m_config(1024, 2048, True, epilogue="dswiglu", ab_dtype="e4m3")
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster, cfg.b_n_major) == (128, False, CLUSTER, False)
+    assert cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"] and cfg.n_tiles == 8
+    with pytest.raises(ValueError, match="serves the gathered dA' GEMM"):
+        dataclasses.replace(cfg, ab_dtype="bf16")   # bf16 dSwiGLU reads W2 N-major
+    with pytest.raises(ValueError, match="K-major B"):
+        dataclasses.replace(cfg, b_n_major=True)
+
+
+def _dswiglu_args(num_tokens=16, dim_k=256, n=128, experts=2, num_pairs=16):
+    x_q, x_s, w_q, w_s, off = _args(num_tokens, dim_k, n, experts)
+    idx = torch.arange(num_pairs, dtype=torch.int32)
+    h = torch.zeros(num_pairs, 2 * n, dtype=torch.bfloat16)
+    return [x_q, x_s, w_q, w_s, off, idx, h, torch.ones(num_pairs)]
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a.__setitem__(5, None), ValueError, "gather_idx is required"),
+    (lambda a: a.__setitem__(0, a[0].float()), TypeError,
+     "dout_q must be a torch.float8_e4m3fn tensor"),
+    (lambda a: a.__setitem__(2, a[2][:, :64]), ValueError,
+     r"N \(rows of w2t_q per expert\) must be a positive multiple of 128"),
+    (lambda a: a.__setitem__(3, a[3][:1]), ValueError,
+     r"w2t_scales must have shape \(E, N/128, K/128\)"),
+    (lambda a: a.__setitem__(1, a[1][:1]), ValueError,
+     r"dout_scales must have shape \(K/128, rows of dout_q\)"),
+    (lambda a: None, ValueError, "dout_q must be on a CUDA device"),
+])
+def test_fp8_dswiglu_validation(change, error, match):
+    from sonic.kernels.grouped_gemm import grouped_gemm_fp8_dswiglu
+
+    args = _dswiglu_args()
+    change(args)
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_dswiglu(*args)

@@ -43,3 +43,16 @@ def expert_offsets(counts: torch.Tensor) -> torch.Tensor:
     off = torch.zeros(counts.numel() + 1, dtype=torch.int32)
     off[1:] = counts.cumsum(0)
     return off.cuda()
+
+
+def fp8_rand(*shape, gen) -> torch.Tensor:
+    """bf16 CUDA data for the FP8 tests whose rows (and, for weights, 128-blocks) differ in
+    magnitude by up to ~50x, so that every block scale matters."""
+    x = torch.randn(*shape, generator=gen) + 0.1
+    row_gain = torch.exp(torch.randn(*shape[:-1], 1, generator=gen))
+    return (x * row_gain).to(torch.bfloat16).cuda()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error in the Frobenius norm, ``|out - ref| / |ref|``."""
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from kernel_checks import (expert_counts as _counts, expert_offsets as _offsets,
-                           poison_allocator, require_kernels)
+                           fp8_rand as _rand, poison_allocator, rel_err as _rel_err,
+                           require_kernels)
 
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
 
@@ -41,18 +42,6 @@ def _needs_kernels(monkeypatch):
         pytest.skip("the FP8 grouped GEMM runs on sm_90a only")
     # The reference's k-block products are exact in fp32 only without TF32.
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
-def _rand(*shape, gen):
-    """bf16 data whose rows (and, for weights, 128-blocks) differ in magnitude by up to ~50x,
-    so that every scale matters."""
-    x = torch.randn(*shape, generator=gen) + 0.1
-    row_gain = torch.exp(torch.randn(*shape[:-1], 1, generator=gen))
-    return (x * row_gain).to(torch.bfloat16).cuda()
-
-
-def _rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
 
 def _problem(num_pairs, num_experts, dim_n, dim_k, mode, gathered):

@@ -4,7 +4,9 @@ DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1. Public entry points (torch te
 :func:`grouped_gemm` (varlen-M, optional row gather), :func:`grouped_gemm_swiglu` (gathered
 up-proj with the SwiGLU epilogue), :func:`grouped_gemm_dswiglu` (gathered dA' GEMM with the
 dSwiGLU + ds + A' epilogue), :func:`grouped_gemm_varlen_k` (weight gradients) and
-:func:`grouped_gemm_fp8` (block-scaled e4m3 varlen-M, Hopper).
+:func:`grouped_gemm_fp8` (block-scaled e4m3 varlen-M, Hopper) and
+:func:`grouped_gemm_fp8_swiglu` / :func:`grouped_gemm_fp8_dswiglu` (its gathered up-proj
+with the SwiGLU epilogue and dH kernel with the dSwiGLU epilogue).
 
 Layout of the package, one concern per module (only the modules marked *kernel* import
 ``cutlass``; importing this package does not):
@@ -28,9 +30,12 @@ Layout of the package, one concern per module (only the modules marked *kernel* 
 
 from sonic.kernels.grouped_gemm.config import MAX_EXPERTS, VEC, GroupedGemmConfig
 from sonic.kernels.grouped_gemm.interface import (grouped_gemm, grouped_gemm_dswiglu,
-                                                  grouped_gemm_fp8, grouped_gemm_swiglu,
+                                                  grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
+                                                  grouped_gemm_fp8_swiglu, grouped_gemm_swiglu,
                                                   grouped_gemm_varlen_k)
 
 # MAX_EXPERTS (largest E) and VEC (K, N multiples) are the limits the backend checks.
 __all__ = ["MAX_EXPERTS", "VEC", "GroupedGemmConfig", "grouped_gemm", "grouped_gemm_dswiglu",
-           "grouped_gemm_fp8", "grouped_gemm_swiglu", "grouped_gemm_varlen_k"]
+           "grouped_gemm_fp8", "grouped_gemm_fp8_dswiglu", "grouped_gemm_fp8_swiglu",
+           "grouped_gemm_swiglu",
+           "grouped_gemm_varlen_k"]

@@ -52,12 +52,14 @@ class GroupedGemmKernel(TmaProducers):
     Subclasses implement :meth:`make_tiled_mma` and :meth:`run_roles`, and may extend the
     shared storage (:meth:`extra_storage`) and warp 0's setup (:meth:`setup_warp0`). Launch
     arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
-    dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``; then
+    dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``, A's and B's
+    FP8 block scales; then
     ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
     ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
-    be any value. The FP8 configurations (``cfg.fp8``: e4m3 A and B) pass their fp32 block
-    scales in the fp32 slots their store epilogue leaves free: A's in ``scores``, B's in
-    ``ds``.
+    be any value. The epilogue's global pointers reach the kernel as one tuple ``outs``:
+    ``(C, act, scores, ds)``, and for the FP8 configurations (``cfg.fp8``: e4m3 A and B) also
+    A's and B's fp32 block scales (``outs[4]``, ``outs[5]``), so every epilogue keeps its own
+    slots and the bf16 kernels' parameters stay as they are.
     """
 
     def __init__(self, cfg: GroupedGemmConfig):
@@ -143,7 +145,8 @@ class GroupedGemmKernel(TmaProducers):
     @cute.jit
     def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, act_addr: Int64,
                  h_addr: Int64, scores_addr: Int64, ds_addr: Int64,
-                 gidx_a_addr: Int64, gidx_b_addr: Int64, offsets_addr: Int64, rows_a: Int32,
+                 gidx_a_addr: Int64, gidx_b_addr: Int64, offsets_addr: Int64,
+                 a_scales_addr: Int64, b_scales_addr: Int64, rows_a: Int32,
                  rows_b: Int32, num_experts: Int32, num_ctas: Int32,
                  stream: cuda.CUstream):
         cfg = self.cfg
@@ -154,6 +157,9 @@ class GroupedGemmKernel(TmaProducers):
         h, scores, ds = gmem(BF16, h_addr, 16), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
         gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
         offsets = gmem(Int32, offsets_addr, 4)
+        outs = (c, act, scores, ds)
+        if cutlass.const_expr(cfg.fp8):
+            outs = outs + (gmem(F32, a_scales_addr, 4), gmem(F32, b_scales_addr, 4))
         tiled_mma = self.make_tiled_mma()
         self.check_contract(tiled_mma)
         a_smem, b_smem = self.make_smem_layouts()
@@ -162,8 +168,8 @@ class GroupedGemmKernel(TmaProducers):
         tma["epi"] = self.epilogue.make_tma(h, rows_b, a_smem)
         self.storage_type = self.shared_storage(a_smem, b_smem)
         self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                    *tma["b_mc"], *tma["b_mc_row"], *tma["epi"], a_smem, b_smem, c, act,
-                    scores, ds, gidx_a, gidx_b, offsets, rows_a, rows_b, num_experts).launch(
+                    *tma["b_mc"], *tma["b_mc_row"], *tma["epi"], a_smem, b_smem, outs, gidx_a,
+                    gidx_b, offsets, rows_a, rows_b, num_experts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[cfg.cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
@@ -171,9 +177,8 @@ class GroupedGemmKernel(TmaProducers):
     def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
                tma_atom_b_mc_row, tma_b_mc_row, tma_atom_epi, tma_epi,
-               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c: cute.Pointer,
-               act: cute.Pointer, scores: cute.Pointer, ds: cute.Pointer, gidx_a: cute.Pointer,
-               gidx_b: cute.Pointer, offsets: cute.Pointer,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, outs: tuple,
+               gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
                rows_a: Int32, rows_b: Int32, num_experts: Int32):
         """Setup (barrier init, tile table, :meth:`setup_warp0`), then :meth:`run_roles`."""
         cfg = self.cfg
@@ -220,7 +225,7 @@ class GroupedGemmKernel(TmaProducers):
                        (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
                        (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
                         tma_atom_b_mc_row, tma_b_mc_row), (tma_atom_epi, tma_epi), a_smem,
-                       b_smem, s_a, s_b, stage_mem, (c, act, scores, ds), gidx_a, gidx_b,
+                       b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b,
                        rows_a, rows_b, m_off, table, num_experts, full, empty)
         # On a cluster no CTA may exit while the other can still arrive on its barriers.
         if cutlass.const_expr(cfg.cluster > 1):

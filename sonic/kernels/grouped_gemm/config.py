@@ -27,6 +27,9 @@ CONSUMER_WARPGROUPS = 2
 # CTAs per cluster of the multicast kernels.
 CLUSTER = 2
 THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
+# Address arguments of a grouped-GEMM launch (:class:`.base.GroupedGemmKernel`): A, B, C, act,
+# H, scores, ds, both gather indices, expert_offsets, A's and B's FP8 scales.
+LAUNCH_ADDRESSES = 12
 # Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
 # 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
 # conflicts.
@@ -72,7 +75,7 @@ class GroupedGemmConfig:
             ``"interleaved"``), else None.
         arch: target architecture, a key of :data:`MAINLOOPS`.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8, varlen-M with the
-            store epilogue on sm_90a: :data:`FP8_MAINLOOPS`).
+            store, SwiGLU or dSwiGLU epilogue on sm_90a: :data:`FP8_MAINLOOPS`).
 
     Raises:
         ValueError: a combination no kernel implements (the message names it).
@@ -127,9 +130,10 @@ class GroupedGemmConfig:
         if self.epilogue == "swiglu" and (self.varlen_k or not self.gather_a or self.b_n_major
                                           or self.pingpong):
             raise ValueError("the SwiGLU epilogue serves the gathered up-proj (cooperative)")
+        # bf16 reads W2 N-major; FP8 reads a K-major e4m3 copy of W2ᵀ (checked above).
         if self.epilogue == "dswiglu" and (self.varlen_k or not self.gather_a
-                                           or not self.b_n_major or self.pingpong
-                                           or self.tile_n < TILE_M):
+                                           or not (self.b_n_major or self.fp8)
+                                           or self.pingpong or self.tile_n < TILE_M):
             raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
                              "(cooperative, tile_n >= 128)")
 
@@ -137,9 +141,9 @@ class GroupedGemmConfig:
         if self.arch not in FP8_MAINLOOPS:
             raise ValueError(f"no FP8 grouped-GEMM mainloop for arch {self.arch!r}; registered: "
                              f"{sorted(FP8_MAINLOOPS)}")
-        if self.varlen_k or self.epilogue != "store" or self.b_n_major:
+        if self.varlen_k or self.b_n_major:
             raise ValueError("the FP8 mainloop serves varlen-M with K-major B (FP8 WGMMA reads "
-                             "both operands K-major) and the store epilogue")
+                             "both operands K-major)")
         # The promoted and the per-k-tile accumulator of a 64 x 256 warpgroup tile would take
         # 256 registers per thread.
         if self.pingpong or self.tile_n != 128:

@@ -17,8 +17,8 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm import heuristic
-from sonic.kernels.grouped_gemm.config import (MAINLOOPS, MAX_EXPERTS, TILE_K_FP8, TILE_M,
-                                               VEC, GroupedGemmConfig)
+from sonic.kernels.grouped_gemm.config import (LAUNCH_ADDRESSES, MAINLOOPS, MAX_EXPERTS,
+                                               TILE_K_FP8, TILE_M, VEC, GroupedGemmConfig)
 from sonic.kernels.registry import KernelVariant, register
 from sonic.types import GATE_UP_LAYOUTS
 
@@ -36,7 +36,7 @@ def compile_config(cfg: GroupedGemmConfig, keep_ptx: bool = False):
     import cutlass
 
     kernel = kernel_class(cfg)(cfg)
-    addresses = [runtime.fake_address() for _ in range(10)]
+    addresses = [runtime.fake_address() for _ in range(LAUNCH_ADDRESSES)]
     sizes = [cutlass.Int32(1) for _ in range(4)]
     return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
 
@@ -221,10 +221,17 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
     runtime.check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3)
     runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
                          device=w2.device)
-    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=w2.device)
+    _check_dswiglu_inputs(h, row_scores, dh_out, gather_idx.numel(), w2.shape[2], w2.device)
+    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
+                     (h, row_scores), a_out)
+
+
+def _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs: int, n: int, device) -> None:
+    """The dH kernel's H ``(P, 2n)`` bf16, row scores ``(P,)`` fp32, and ``dh_out`` either
+    ``h`` or disjoint from it."""
+    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2, device=device)
     runtime.check_tensor("row_scores", row_scores, dtypes=(torch.float32,), ndim=1,
-                         device=w2.device)
-    num_pairs, n = gather_idx.numel(), w2.shape[2]
+                         device=device)
     if tuple(h.shape) != (num_pairs, 2 * n):
         raise ValueError(f"h must have shape (P, 2n) = {(num_pairs, 2 * n)}, got "
                          f"{tuple(h.shape)}")
@@ -234,8 +241,6 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
     if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and _overlap(dh_out, h):
         raise ValueError("dh_out must be h itself or a buffer that does not overlap h: a "
                          "shifted overlap would overwrite H rows another tile still reads")
-    return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
-                     (h, row_scores), a_out)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -312,7 +317,7 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
         else (out_addr,) * 3)
     _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a, 16), addr(b, 16), out_addr,
                      addr(act, 16) if act is not None else out_addr, h_addr, scores_addr,
-                     ds_addr, idx, idx, offsets_addr, a.shape[0],
+                     ds_addr, idx, idx, offsets_addr, out_addr, out_addr, a.shape[0],
                      num_pairs if dswiglu is not None else 0)
     if dswiglu is not None:
         return out, act, ds_parts.sum(1)
@@ -322,7 +327,8 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
 def _launch_varlen_m(cfg: GroupedGemmConfig, device, num_pairs: int, num_experts: int,
                      *args) -> None:
     """Launch varlen-M ``cfg`` over ``num_pairs`` rows on a persistent grid; ``args``: the
-    ten addresses and ``rows_a``, ``rows_b`` of :class:`.base.GroupedGemmKernel`."""
+    :data:`~.config.LAUNCH_ADDRESSES` addresses and ``rows_a``, ``rows_b`` of
+    :class:`.base.GroupedGemmKernel`."""
     # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
     m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
     work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
@@ -366,10 +372,146 @@ def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tenso
             differ, shapes disagree, ``E`` exceeds 1024, or the device is not sm_90a (no FP8
             mainloop for it).
     """
+    device, num_experts, dim_n, dim_k, num_pairs = _check_fp8_operands(
+        ("a_q", "a_scales", "b_q", "b_scales"), a_q, a_scales, b_q, b_scales, expert_offsets,
+        gather_idx)
+    out = _output("out", out, (num_pairs, dim_n), device)
+    cfg = heuristic.varlen_m_config(dim_n, dim_k, gather_idx is not None, ab_dtype="e4m3",
+                                    arch=runtime.device_arch(device))
+    if num_pairs == 0 or a_q.shape[0] == 0:
+        return out
+    out_addr = runtime.address(out, 16)
+    _launch_fp8(cfg, device, num_pairs, num_experts, a_q, a_scales, b_q, b_scales,
+                expert_offsets, gather_idx, out_addr, out_addr)
+    return out
+
+
+def grouped_gemm_fp8_swiglu(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Tensor,
+                            w1_scales: torch.Tensor, expert_offsets: torch.Tensor,
+                            gather_idx: torch.Tensor, *, gate_up: str = "concat",
+                            h_out: torch.Tensor | None = None,
+                            act_out: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``,
+    ``A = SwiGLU(H)``, one launch.
+
+    Issue 18 (the up-proj of the FP8 path); DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
+    mainloop (as :func:`grouped_gemm_fp8`: e4m3 operands, X per ``1 x 128``, W1 per
+    ``128 x 128``, fp32 promotion every k-block of 128), SonicMoE (arXiv 2512.14080) §4.1.2 for
+    the epilogue (as :func:`grouped_gemm_swiglu`: H rounded once to bf16 from the promoted
+    fp32 accumulator, A computed from H's bf16 values, so A equals
+    :func:`sonic.kernels.swiglu.swiglu` of the returned H bitwise). Bitwise deterministic, no
+    host synchronisation. Hopper (sm_90a) only.
+
+    Args:
+        x_q: ``(T, d)`` float8_e4m3fn, contiguous, CUDA, 16-byte aligned: the quantized
+            tokens, rows gathered by ``gather_idx`` while loading.
+        x_scales: ``(d/128, T)`` fp32, contiguous: block ``kb`` of token ``t`` is scaled by
+            ``x_scales[kb, t]`` (:func:`sonic.reference.fp8.quantize_rows`).
+        w1_q: ``(E, 2n, d)`` float8_e4m3fn, contiguous (K-major): rows ``[gate; up]``
+            (``"concat"``) or alternating (``"interleaved"``), quantized in that layout.
+        w1_scales: ``(E, 2n/128, d/128)`` fp32, contiguous, the blocks of ``w1_q`` as laid out
+            (:func:`sonic.reference.fp8.quantize_blocks`).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``.
+        gate_up: ``"concat"`` or ``"interleaved"``.
+        h_out: ``(P, 2n)`` bf16, contiguous: where H is written, allocated if None.
+        act_out: ``(P, n)`` bf16, contiguous: where A is written, allocated if None.
+
+    Returns:
+        ``(H, A)``: ``(P, 2n)`` and ``(P, n)`` bf16; ``h_out`` / ``act_out`` when given.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm_fp8` (``d`` and ``2n`` positive
+            multiples of 128); also ``gather_idx`` None, an unknown ``gate_up``, or ``h_out``
+            / ``act_out`` of the wrong dtype, shape or device.
+    """
+    if gate_up not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {gate_up!r}")
+    if gather_idx is None:
+        raise ValueError("gather_idx is required: the SwiGLU epilogue serves the gathered "
+                         "up-proj")
+    device, num_experts, dim_n, dim_k, num_pairs = _check_fp8_operands(
+        ("x_q", "x_scales", "w1_q", "w1_scales"), x_q, x_scales, w1_q, w1_scales,
+        expert_offsets, gather_idx)
+    h = _output("h_out", h_out, (num_pairs, dim_n), device)
+    act = _output("act_out", act_out, (num_pairs, dim_n // 2), device)
+    cfg = heuristic.varlen_m_config(dim_n, dim_k, True, epilogue="swiglu", gate_up=gate_up,
+                                    ab_dtype="e4m3", arch=runtime.device_arch(device))
+    if num_pairs == 0 or x_q.shape[0] == 0:
+        return h, act
+    _launch_fp8(cfg, device, num_pairs, num_experts, x_q, x_scales, w1_q, w1_scales,
+                expert_offsets, gather_idx, runtime.address(h, 16), runtime.address(act, 16))
+    return h, act
+
+
+def grouped_gemm_fp8_dswiglu(dout_q: torch.Tensor, dout_scales: torch.Tensor,
+                             w2t_q: torch.Tensor, w2t_scales: torch.Tensor,
+                             expert_offsets: torch.Tensor, gather_idx: torch.Tensor,
+                             h: torch.Tensor, row_scores: torch.Tensor, *,
+                             dh_out: torch.Tensor | None = None,
+                             a_out: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one
+    launch.
+
+    Issue 18 (the backward's dH of the FP8 path); DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
+    mainloop (as :func:`grouped_gemm_fp8`), SonicMoE (arXiv 2512.14080) §4.1.3 and App. C for
+    the epilogue (as :func:`grouped_gemm_dswiglu`: from the promoted fp32 dA', the saved H
+    ("concat") and the row scores it stores ``dH = dSwiGLU(s·dA', H)``, ``A' = s·A`` and
+    ``ds = ⟨dA', A⟩``, the latter summed over n-tiles in a fixed order). Bitwise
+    deterministic, no host synchronisation. Hopper (sm_90a) only.
+
+    Args:
+        dout_q: ``(T, d)`` float8_e4m3fn, contiguous, CUDA, 16-byte aligned: the quantized
+            output gradient, rows gathered by ``gather_idx`` while loading.
+        dout_scales: ``(d/128, T)`` fp32, contiguous (:func:`sonic.reference.fp8.quantize_rows`).
+        w2t_q: ``(E, n, d)`` float8_e4m3fn, contiguous: the quantized ``W2ᵀ`` (per expert
+            ``w2[e].T``, K-major for the FP8 WGMMA, which reads both operands K-major).
+        w2t_scales: ``(E, n/128, d/128)`` fp32, contiguous: its 128 x 128 block scales
+            (:func:`sonic.reference.fp8.quantize_blocks` of ``w2.transpose(1, 2)``).
+        expert_offsets: ``(E+1,)`` int32, as for :func:`grouped_gemm`.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``.
+        h, row_scores, dh_out, a_out: as for :func:`grouped_gemm_dswiglu` (``dh_out`` may be
+            ``h``: dH then overwrites H in place).
+
+    Returns:
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` and A' is
+        ``a_out`` when given.
+
+    Raises:
+        TypeError / ValueError: as :func:`grouped_gemm_fp8` (``d`` and ``n`` positive
+            multiples of 128) and :func:`grouped_gemm_dswiglu`; also ``gather_idx`` None.
+    """
+    if gather_idx is None:
+        raise ValueError("gather_idx is required: the dSwiGLU epilogue serves the gathered "
+                         "dA' GEMM")
+    device, num_experts, n, dim_k, num_pairs = _check_fp8_operands(
+        ("dout_q", "dout_scales", "w2t_q", "w2t_scales"), dout_q, dout_scales, w2t_q,
+        w2t_scales, expert_offsets, gather_idx)
+    _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs, n, device)
+    dh = _output("dh_out", dh_out, (num_pairs, 2 * n), device)
+    act = _output("a_out", a_out, (num_pairs, n), device)
+    cfg = heuristic.varlen_m_config(n, dim_k, True, epilogue="dswiglu", ab_dtype="e4m3",
+                                    arch=runtime.device_arch(device))
+    ds_parts = torch.zeros(num_pairs, cfg.n_tiles, dtype=torch.float32, device=device)
+    if num_pairs == 0 or dout_q.shape[0] == 0:
+        return dh, act, ds_parts.sum(1)
+    addr = runtime.address
+    _launch_fp8(cfg, device, num_pairs, num_experts, dout_q, dout_scales, w2t_q, w2t_scales,
+                expert_offsets, gather_idx, addr(dh, 16), addr(act, 16),
+                (addr(h, 16), addr(row_scores, 4), addr(ds_parts, 4)))
+    return dh, act, ds_parts.sum(1)
+
+
+def _check_fp8_operands(names, a_q, a_scales, b_q, b_scales, expert_offsets, gather_idx):
+    """Validate the operands of an FP8 varlen-M GEMM (``names``: the caller's names of A, A's
+    scales, B, B's scales); ``(device, E, N, K, P)``. Shapes first (device-independent), then
+    contiguity and device."""
     fp8, f32 = torch.float8_e4m3fn, torch.float32
-    # Shapes first (device-independent), then contiguity and device.
-    for name, t, dtype, ndim in (("a_q", a_q, fp8, 2), ("a_scales", a_scales, f32, 2),
-                                 ("b_q", b_q, fp8, 3), ("b_scales", b_scales, f32, 3)):
+    a_name, as_name, b_name, bs_name = names
+    for name, t, dtype, ndim in ((a_name, a_q, fp8, 2), (as_name, a_scales, f32, 2),
+                                 (b_name, b_q, fp8, 3), (bs_name, b_scales, f32, 3)):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype:
             raise TypeError(f"{name} must be a {dtype} tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
@@ -377,53 +519,61 @@ def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tenso
             raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     num_experts, dim_n, dim_k = b_q.shape
     block = TILE_K_FP8
-    for name, size in (("K (columns of a_q, last dim of b_q)", dim_k),
-                       ("N (rows of b_q per expert)", dim_n)):
+    for name, size in ((f"K (columns of {a_name}, last dim of {b_name})", dim_k),
+                       (f"N (rows of {b_name} per expert)", dim_n)):
         if size <= 0 or size % block:
             raise ValueError(f"{name} must be a positive multiple of {block} (one FP8 scale "
                              f"block per 128), got {size}")
     if a_q.shape[1] != dim_k:
-        raise ValueError(f"a_q must have K = {dim_k} columns (b_q is (E, N, K)), got shape "
-                         f"{tuple(a_q.shape)}")
+        raise ValueError(f"{a_name} must have K = {dim_k} columns ({b_name} is (E, N, K)), "
+                         f"got shape {tuple(a_q.shape)}")
     if tuple(a_scales.shape) != (dim_k // block, a_q.shape[0]):
-        raise ValueError(f"a_scales must have shape (K/128, rows of a_q) = "
+        raise ValueError(f"{as_name} must have shape (K/128, rows of {a_name}) = "
                          f"{(dim_k // block, a_q.shape[0])}, got {tuple(a_scales.shape)}")
     if tuple(b_scales.shape) != (num_experts, dim_n // block, dim_k // block):
-        raise ValueError(f"b_scales must have shape (E, N/128, K/128) = "
+        raise ValueError(f"{bs_name} must have shape (E, N/128, K/128) = "
                          f"{(num_experts, dim_n // block, dim_k // block)}, got "
                          f"{tuple(b_scales.shape)}")
-    runtime.check_tensor("a_q", a_q, dtypes=(fp8,), ndim=2)
+    runtime.check_tensor(a_name, a_q, dtypes=(fp8,), ndim=2)
     device = a_q.device
-    for name, t, dtype, ndim in (("a_scales", a_scales, f32, 2), ("b_q", b_q, fp8, 3),
-                                 ("b_scales", b_scales, f32, 3)):
+    for name, t, dtype, ndim in ((as_name, a_scales, f32, 2), (b_name, b_q, fp8, 3),
+                                 (bs_name, b_scales, f32, 3)):
         runtime.check_tensor(name, t, dtypes=(dtype,), ndim=ndim, device=device)
     if _check_offsets(expert_offsets, device) != num_experts:
-        raise ValueError(f"b_q must have E = {expert_offsets.numel() - 1} experts "
+        raise ValueError(f"{b_name} must have E = {expert_offsets.numel() - 1} experts "
                          f"(expert_offsets has E+1 entries), got shape {tuple(b_q.shape)}")
     if gather_idx is not None:
         runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
                              device=device)
     num_pairs = gather_idx.numel() if gather_idx is not None else a_q.shape[0]
+    return device, num_experts, dim_n, dim_k, num_pairs
+
+
+def _output(name: str, out, shape: tuple, device) -> torch.Tensor:
+    """bf16 output ``out`` of ``shape`` checked, or allocated if None."""
     if out is None:
-        out = torch.empty(num_pairs, dim_n, dtype=torch.bfloat16, device=device)
-    else:
-        runtime.check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=device)
-        if tuple(out.shape) != (num_pairs, dim_n):
-            raise ValueError(f"out must have shape ({num_pairs}, {dim_n}), got "
-                             f"{tuple(out.shape)}")
-    cfg = heuristic.varlen_m_config(dim_n, dim_k, gather_idx is not None, ab_dtype="e4m3",
-                                    arch=runtime.device_arch(device))
-    if num_pairs == 0 or a_q.shape[0] == 0:
-        return out
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    runtime.check_tensor(name, out, dtypes=(torch.bfloat16,), ndim=2, device=device)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
+    return out
+
+
+def _launch_fp8(cfg, device, num_pairs, num_experts, a_q, a_scales, b_q, b_scales,
+                expert_offsets, gather_idx, c_addr: int, act_addr: int,
+                dswiglu_addrs: tuple | None = None) -> None:
+    """Launch an FP8 varlen-M ``cfg`` writing C (store: the output, SwiGLU: H, dSwiGLU: dH)
+    and act; ``dswiglu_addrs``: the dH kernel's ``(H, row scores, ds partials)``."""
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
+    # Without gather the index addresses are never read; expert_offsets' stands in for them.
     idx = addr(gather_idx, 4) if gather_idx is not None else offsets_addr
-    out_addr = addr(out, 16)
-    # The scales ride in the fp32 slots the store epilogue leaves free (scores, ds).
+    # Slots an epilogue never reads: C's address stands in for them.
+    h_addr, scores_addr, ds_addr = dswiglu_addrs or (c_addr,) * 3
     _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a_q, 16), addr(b_q, 16),
-                     out_addr, out_addr, out_addr, addr(a_scales, 4), addr(b_scales, 4), idx,
-                     idx, offsets_addr, a_q.shape[0], 0)
-    return out
+                     c_addr, act_addr, h_addr, scores_addr, ds_addr, idx, idx, offsets_addr,
+                     addr(a_scales, 4), addr(b_scales, 4), a_q.shape[0],
+                     num_pairs if dswiglu_addrs is not None else 0)
 
 
 def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
@@ -487,8 +637,8 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     out_addr = addr(out, 16)
     fn(addr(a, 16), addr(b, 16), out_addr, out_addr, out_addr, out_addr, out_addr,
        addr(gather_idx_a, 4) if ga else offsets_addr,
-       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, a.shape[0], b.shape[0],
-       num_experts, _num_ctas(device, work_items, cfg.cluster))
+       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, out_addr, out_addr,
+       a.shape[0], b.shape[0], num_experts, _num_ctas(device, work_items, cfg.cluster))
     return out
 
 
@@ -548,3 +698,15 @@ for _n, _k, _gather in ((512, 1536, True), (1536, 256, False)):
     _register(f"varlen_m_fp8_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
               lambda arch, n=_n, k=_k, g=_gather: heuristic.varlen_m_config(
                   n, k, g, ab_dtype="e4m3", arch=arch), archs=("sm_90a",), markers=_FP8_MARKERS)
+# Block-scaled FP8 dH kernel (dA' with the dSwiGLU epilogue, K-major W2ᵀ copy).
+_register("varlen_m_fp8_n1024_k2048_gather_dswiglu",
+          lambda arch: heuristic.varlen_m_config(1024, 2048, True, epilogue="dswiglu",
+                                                 ab_dtype="e4m3", arch=arch),
+          archs=("sm_90a",), markers=_FP8_MARKERS)
+# Block-scaled FP8 up-proj with the SwiGLU epilogue, both gate/up layouts; at N = 2n = 384
+# (n = 192) a concat tile's up half starts in the middle of a W1 scale block.
+for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
+    _register(f"varlen_m_fp8_n{_n}_k1536_gather_swiglu_{_gate_up}",
+              lambda arch, n=_n, gu=_gate_up: heuristic.varlen_m_config(
+                  n, 1536, True, epilogue="swiglu", gate_up=gu, ab_dtype="e4m3", arch=arch),
+              archs=("sm_90a",), markers=_FP8_MARKERS)

@@ -28,6 +28,12 @@ compile-time size): in a rolled loop ptxas cannot tell which group a wait retire
 serialises every WGMMA (its C7514 warning). Gathered A keeps one partial accumulator and
 waits for each k-tile's WGMMAs before promoting it (the other warpgroup's WGMMAs fill the
 gap): its row-copy producers need registers the third accumulator would take.
+Epilogues: the store, SwiGLU and dSwiGLU epilogues run unchanged on the promoted accumulator
+(the scales arrive as two more pointers of ``outs``, after the epilogues' own). With SwiGLU "concat" the B tile is two 64-row half boxes, gate rows ``nt·64 ..`` and up
+rows ``n + nt·64 ..`` (:attr:`~.config.GroupedGemmConfig.b_halves`): each half lies inside one
+128-row scale block (n is a multiple of 64), but the two halves' blocks differ, so the
+promotion scales each column half by its own B scale. "interleaved" B rows are the weight's
+own rows, one scale block per 128-column tile.
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 
@@ -72,10 +78,13 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                          m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
                          full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple):
         """Per tile: for each k-tile, WGMMA into the partial accumulator, promote it with the
-        k-block's scales; then the store epilogue on the promoted fp32 accumulator.
+        k-block's scales (overlapped with the next k-tile's WGMMAs where
+        :attr:`~.config.GroupedGemmConfig.overlapped_promotion`); then the epilogue on the
+        promoted fp32 accumulator.
 
-        ``outs[2]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
-        ``gidx[r]`` when gathered); ``outs[3]``: B's ``(E, N/128, K/128)`` fp32.
+        ``outs[4]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
+        ``gidx[r]`` when gathered); ``outs[5]``: B's ``(E, N/128, K/128)`` fp32, one scale
+        per k-tile for the tile, or with ``b_halves`` one per column half.
         """
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
@@ -92,13 +101,16 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         parts = [cute.make_rmem_tensor(acc_shape, F32), cute.make_rmem_tensor(acc_shape, F32)]
         coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
         n_rows = 2 * cute.size(acc, mode=[1])
-        a_scales, b_scales = outs[2], outs[3]
+        a_scales, b_scales = outs[4], outs[5]
         # Source row of each of this thread's accumulator rows (WgmmaAccumulator.row_coord);
-        # the A and B scales of the k-tile in flight in each partial.
+        # the A and B scales of the k-tile in flight in each partial's slot s: A's of row i
+        # at s * n_rows + i, B's of column half h at s * halves + h.
         src = cute.make_rmem_tensor((n_rows,), Int32)
         a_sc = cute.make_rmem_tensor((2 * n_rows,), F32)
-        b_sc = cute.make_rmem_tensor((2,), F32)
-        row_scale = cute.make_rmem_tensor((n_rows,), F32)
+        halves = 2 if cfg.b_halves else 1
+        b_sc = cute.make_rmem_tensor((2 * halves,), F32)
+        # Scale of (row i, column half h) at i * halves + h.
+        row_scale = cute.make_rmem_tensor((n_rows * halves,), F32)
         n_blocks, k_tiles = cfg.dim_n // TILE_K_FP8, cfg.k_tiles
         lane = cute.arch.lane_idx()
         stage = Int32(0)
@@ -116,7 +128,13 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 if cutlass.const_expr(cfg.gather_a):
                     r = cute.make_tensor(gidx + r, cute.make_layout(1))[0]
                 src[i] = r
-            b_row = b_scales + (e * n_blocks + nt) * k_tiles
+            # The scale row of each column half's n-block: the tile's own block, or for B
+            # halves (rows nt·h_rows .. and n + nt·h_rows ..) the block holding each half.
+            b_rows = [b_scales + (e * n_blocks + nt) * k_tiles]
+            if cutlass.const_expr(cfg.b_halves):
+                h_rows = cfg.tile_n // 2
+                b_rows = [b_scales + (e * n_blocks + (h * (cfg.dim_n // 2) + nt * h_rows)
+                                      // TILE_K_FP8) * k_tiles for h in range(2)]
             acc.fill(0.0)
             if cutlass.const_expr(cfg.overlapped_promotion):
                 # Unrolled, so that ptxas sees which WGMMA group each wait_group retires:
@@ -124,7 +142,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 for kt in cutlass.range_constexpr(k_tiles):
                     h = kt % 2
                     tiled_mma = self.issue(tiled_mma, parts[h], t_ca, t_cb, a_sc, b_sc, h, kt,
-                                           src, a_scales, b_row, rows_a, full, stage, phase)
+                                           src, a_scales, b_rows, rows_a, full, stage, phase)
                     if cutlass.const_expr(kt > 0):
                         self.retire(acc, parts[1 - h], a_sc, b_sc, 1 - h, row_scale, coords, 1,
                                     empty + prev, lane)
@@ -136,20 +154,20 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
             else:
                 for kt in cutlass.range(k_tiles, unroll=1):
                     tiled_mma = self.issue(tiled_mma, parts[0], t_ca, t_cb, a_sc, b_sc, 0, kt,
-                                           src, a_scales, b_row, rows_a, full, stage, phase)
+                                           src, a_scales, b_rows, rows_a, full, stage, phase)
                     self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, coords, 0,
                                 empty + stage, lane)
                     stage, phase = self.ring.next_stage(stage, phase)
             stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0, rows, nt, mt,
-                stage_mem, stage, phase, full, empty)
+                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0,
+                rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
 
     @cute.jit
     def issue(self, tiled_mma: cute.TiledMma, partial: cute.Tensor, t_ca: cute.Tensor,
               t_cb: cute.Tensor, a_sc: cute.Tensor, b_sc: cute.Tensor, h: cutlass.Constexpr,
               kt: Int32, src: cute.Tensor, a_scales: cute.Pointer,
-              b_row: cute.Pointer, rows_a: Int32, full: cute.Pointer, stage: Int32,
+              b_rows: list, rows_a: Int32, full: cute.Pointer, stage: Int32,
               phase: Int32):
         """Load k-tile ``kt``'s scales into slot ``h`` (first used at its promotion, one
         k-tile later, so the L2 latency hides behind the MMAs), wait for its operands and
@@ -160,7 +178,9 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         for i in cutlass.range_constexpr(n_rows):
             a_sc[h * n_rows + i] = cute.make_tensor(a_scales + (Int64(kt) * rows_a + src[i]),
                                                     cute.make_layout(1))[0]
-        b_sc[h] = cute.make_tensor(b_row + kt, cute.make_layout(1))[0]
+        halves = len(b_rows)
+        for hv in cutlass.range_constexpr(halves):
+            b_sc[h * halves + hv] = cute.make_tensor(b_rows[hv] + kt, cute.make_layout(1))[0]
         cute.arch.mbarrier_wait(full + stage, phase)
         # The promotion two k-tiles back read this partial: order it before the WGMMAs
         # rewrite it.
@@ -183,19 +203,25 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         scales of slot ``h``."""
         warpgroup.wait_group(pending)
         self.ring.release(empty_stage, lane)
-        n_rows = cute.size(row_scale)
+        halves = cute.size(b_sc) // 2
+        n_rows = cute.size(row_scale) // halves
         for i in cutlass.range_constexpr(n_rows):
-            row_scale[i] = a_sc[h * n_rows + i] * b_sc[h]
+            for hv in cutlass.range_constexpr(halves):
+                row_scale[i * halves + hv] = a_sc[h * n_rows + i] * b_sc[h * halves + hv]
         self.promote(acc, partial, row_scale, coords)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, row_scale: cute.Tensor,
                 coords: cute.Tensor):
-        """``acc += partial · row_scale[row]`` over the thread's fragment, one fp32 FMA each
-        (``row_scale`` indexed by :attr:`ColumnPair.row`)."""
+        """``acc += partial · row_scale[row, half]`` over the thread's fragment, one fp32 FMA
+        each (``row_scale`` indexed by :attr:`ColumnPair.row` and, with ``b_halves``, the
+        sub-tile's column half)."""
         view = WgmmaAccumulator(acc, coords)
-        for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
+        slabs = self.cfg.tile_n // SLAB
+        halves = 2 if self.cfg.b_halves else 1
+        for sl in cutlass.range_constexpr(slabs):
+            h = sl // (slabs // halves)
             for p in view.pairs(sl):
                 for v0 in cutlass.range_constexpr(2):
                     mode = view.mode(p, v0)
-                    acc[mode] = acc[mode] + partial[mode] * row_scale[p.row]
+                    acc[mode] = acc[mode] + partial[mode] * row_scale[p.row * halves + h]

@@ -63,7 +63,8 @@ class Epilogue:
                 releases ring stages (:meth:`OperandRing.release` arrives where it is 0:
                 the lane on sm_90, one per warp; sm_100 passes the epilogue thread index,
                 one arrival per stage).
-            outs: the global pointers ``(c, act, scores, ds)``.
+            outs: the global pointers ``(c, act, scores, ds)`` (FP8 configurations: then
+                A's and B's block scales, read by the mainloop).
             e, row0, rows, nt, mt: the scheduler's tile coordinates.
             stage_mem, stage, phase, full, empty: the operand ring.
 

@@ -21,7 +21,7 @@ from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels import activation
-from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_K, TILE_M
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M
 from sonic.kernels.grouped_gemm.epilogue.base import BARRIER, Epilogue
 
 # Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
@@ -57,8 +57,16 @@ class DswigluEpilogue(Epilogue):
         """Where ring stage ``stage`` holds the gate and up ``TILE_M x SLAB`` slabs of H
         (unswizzled pointers): gate where the stage's A k-tile goes, up at the start of
         its B k-tile."""
-        return (stage_mem[0] + stage * (TILE_M * TILE_K),
-                stage_mem[1] + stage * (self.cfg.tile_n * TILE_K))
+        cfg = self.cfg
+        a_space, b_space = stage_mem[0], stage_mem[1]
+        if cutlass.const_expr(cfg.fp8):
+            # The ring's pointers count e4m3 elements, H is bf16: recast the (1024-byte
+            # aligned) bases, not the stage pointers, so 4-byte pair loads keep their alignment.
+            a_space, b_space = (cute.recast_ptr(a_space, dtype=BF16),
+                                cute.recast_ptr(b_space, dtype=BF16))
+        # bf16 elements per operand row of a stage: 128 bytes, a SLAB row of H.
+        row = cfg.tile_k * cfg.ab_bytes // 2
+        return (a_space + stage * (TILE_M * row), b_space + stage * (cfg.tile_n * row))
 
     @cute.jit
     def producer_loads(self, warp: Int32, tma_h: tuple, stage_mem: tuple, row0: Int32,
@@ -98,7 +106,7 @@ class DswigluEpilogue(Epilogue):
         and A' are staged and stored in turn from fp32 dA', g, u and s; the ds partial of each
         of the thread's rows is reduced over the quad of threads holding the row and stored
         once per tile. Returns the ring position after the tile's H stages."""
-        dh, a_scaled, scores, ds = outs
+        dh, a_scaled, scores, ds = outs[:4]
         n = self.cfg.dim_n
         row_count = acc.rows_per_thread
         # Score of each of this thread's rows, zero past the expert.
