@@ -175,8 +175,12 @@ class ExpertParallelMoE(MoE):
         ``comm_sm_margin`` as there.
 
         Raises:
-            ValueError: as the constructor.
+            ValueError: as the constructor, or ``moe.activation_cache`` is not ``"bf16"``
+                (not supported by the expert-parallel path).
         """
+        if moe.activation_cache != "bf16":
+            raise ValueError(f"ExpertParallelMoE supports activation_cache='bf16' only; this "
+                             f"MoE has activation_cache={moe.activation_cache!r}")
         layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
                     tile=moe.tile, rounding=moe.rounding,
@@ -206,7 +210,17 @@ class ExpertParallelMoE(MoE):
                 routing: Routing) -> torch.Tensor:
         """:func:`ep_moe_experts` on this rank's tokens and experts (scores in the accumulation
         dtype, as :class:`sonic.MoE` passes them); counts the pairs into :attr:`expert_load`
-        when set."""
+        when set.
+
+        Raises:
+            NotImplementedError: ``activation_cache="fp8"`` (the expert-parallel path keeps
+                H in the compute dtype).
+        """
+        if self.activation_cache != "bf16":
+            raise NotImplementedError(
+                f"ExpertParallelMoE supports activation_cache='bf16' only, got "
+                f"{self.activation_cache!r} (the chunked expert-parallel path keeps H in the "
+                "compute dtype)")
         if self.expert_load is not None:
             self.expert_load.update(routing)
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),

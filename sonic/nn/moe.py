@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sonic._validation import check_bool, check_choice, check_int, check_non_negative, check_tensor
+from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.autograd.moe_experts import autocast_experts, moe_experts
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import routing_metadata
@@ -107,6 +108,10 @@ class MoE(nn.Module):
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
             scale); a finite number ``>= 0``, settable later (checked again then).
         backend: see :func:`moe_experts`.
+        activation_cache: how H is kept for backward, ``"bf16"`` (as computed) or ``"fp8"``
+            (e4m3 + 1×128 fp32 scales, about half the bytes; needs ``d_expert`` a multiple of 64
+            and bf16/fp16 compute, i.e. bf16/fp16 parameters or ``torch.autocast``); see
+            :func:`moe_experts`. Settable later (checked again then).
 
     Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
@@ -138,11 +143,13 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                  router: str = "topk", tile: int = 128, score: str = "softmax_topk",
                  renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
-                 aux_loss_coef: float = 0.0, backend: str = "auto", device=None, dtype=None):
+                 aux_loss_coef: float = 0.0, backend: str = "auto",
+                 activation_cache: str = "bf16", device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
-                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend)
+                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
+                        activation_cache=activation_cache)
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
@@ -151,7 +158,8 @@ class MoE(nn.Module):
 
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                    router: str, tile: int, score: str, renormalize: bool, rounding: str,
-                   gate_up: str, aux_loss_coef: float, backend: str) -> None:
+                   gate_up: str, aux_loss_coef: float, backend: str,
+                   activation_cache: str = "bf16") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -167,6 +175,7 @@ class MoE(nn.Module):
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
+        self.activation_cache = activation_cache
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
 
@@ -178,6 +187,17 @@ class MoE(nn.Module):
     def router(self, value: str) -> None:
         check_choice("router", value, ROUTERS)
         self._router = value
+
+    @property
+    def activation_cache(self) -> str:
+        return self._activation_cache
+
+    @activation_cache.setter
+    def activation_cache(self, value: str) -> None:
+        check_choice("activation_cache", value, ACTIVATION_CACHES)
+        if value == "fp8":
+            check_fp8_d_expert(self.d_expert)
+        self._activation_cache = value
 
     @property
     def aux_loss_coef(self) -> float:
@@ -207,6 +227,7 @@ class MoE(nn.Module):
     def __setstate__(self, state):
         if "aux_loss" in state:     # pickled by an earlier development version
             state["_aux_loss"] = state.pop("aux_loss")
+        state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
@@ -233,7 +254,8 @@ class MoE(nn.Module):
         return moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
                            routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
                            backend=self.backend,
-                           metadata=routing_metadata(routing, backend=self.backend))
+                           metadata=routing_metadata(routing, backend=self.backend),
+                           activation_cache=self.activation_cache)
 
     def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         check_tensor("x", x)
@@ -279,4 +301,6 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}")
+                f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}"
+                + (f", activation_cache={self.activation_cache!r}"
+                   if self.activation_cache != "bf16" else ""))

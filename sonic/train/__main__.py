@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "torch", "cute"), default=d.backend,
                    help="sonic.MoE backend: cute = CuTe-DSL kernels on a Hopper GPU, torch = "
                         "PyTorch reference, auto = cute where it can run")
+    p.add_argument("--activation-cache", choices=("bf16", "fp8"), default=d.activation_cache,
+                   help="how every MoE layer keeps H for backward: bf16 (as computed) or fp8 "
+                        "(e4m3 + fp32 1x128 scales, about half the bytes; needs --dtype "
+                        "bfloat16, d-expert a multiple of 64, --ep 1)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the initialisation and of the training windows")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,

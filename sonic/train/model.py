@@ -56,8 +56,8 @@ class ByteMoELM(nn.Module):
         num_layers: transformer blocks.
         num_heads: attention heads.
         num_experts, top_k, d_expert: ``E``, ``K`` and ``n`` of every MoE layer.
-        router, tile, aux_loss_coef, backend: passed to `sonic.MoE` (``router`` is the
-            training-time router; ``eval()`` routes by top-K).
+        router, tile, aux_loss_coef, backend, activation_cache: passed to `sonic.MoE`
+            (``router`` is the training-time router; ``eval()`` routes by top-K).
         device, dtype: where and in which dtype the parameters live.
 
     Raises:
@@ -66,7 +66,8 @@ class ByteMoELM(nn.Module):
 
     def __init__(self, *, max_seq_len: int, d_model: int, num_layers: int, num_heads: int,
                  num_experts: int, top_k: int, d_expert: int, router: str, tile: int,
-                 aux_loss_coef: float, backend: str = "auto", device=None, dtype=None):
+                 aux_loss_coef: float, backend: str = "auto", activation_cache: str = "bf16",
+                 device=None, dtype=None):
         super().__init__()
         for name, value in (("max_seq_len", max_seq_len), ("d_model", d_model),
                             ("num_layers", num_layers), ("num_heads", num_heads)):
@@ -81,7 +82,8 @@ class ByteMoELM(nn.Module):
         self.blocks = nn.ModuleList(
             Block(d_model, num_heads,
                   MoE(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
-                      aux_loss_coef=aux_loss_coef, backend=backend, device=device,
+                      aux_loss_coef=aux_loss_coef, backend=backend,
+                      activation_cache=activation_cache, device=device,
                       dtype=dtype),
                   device=device, dtype=dtype)
             for _ in range(num_layers))
