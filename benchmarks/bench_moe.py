@@ -27,6 +27,9 @@ ratios.
   ``--router both`` the per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
+* ``--activation-cache fp8`` adds a sonic row whose layer keeps H for backward in e4m3 with
+  1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``, issue 18) and prints
+  its saved MiB and step time relative to sonic's bf16 cache (issue 18 asks saved ≤ 55%).
 """
 
 import argparse
@@ -47,14 +50,15 @@ from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
 MiB = float(1 << 20)
 
 
-def _sonic_layer(router: str, tile: int):
+def _sonic_layer(router: str, tile: int, activation_cache: str = "bf16"):
     def layer(x, router_weight, w1, w2, k):
         logits = x @ router_weight.t()
         r = _route(router, tile, logits, k)
         # Token rounding's P stays on the device (a 0-d tensor), read after the timing.
         layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid
         return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
-                                 metadata=sonic.routing_metadata(r))
+                                 metadata=sonic.routing_metadata(r),
+                                 activation_cache=activation_cache)
     layer.pairs = 0
     return layer
 
@@ -112,7 +116,8 @@ def _steps(layer, x, params, k, grad):
     return fwd, fwd_bwd
 
 
-def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
+def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
+            activation_cache="bf16"):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -126,6 +131,8 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
     routers = ("topk", "token_rounding") if router == "both" else (router,)
     impls = {_impl_name(r, router): _sonic_layer(r, tile) for r in routers}
     first = next(iter(impls))   # the sonic row the ratios and the profile use
+    if activation_cache == "fp8":
+        impls[f"{first}-fp8c"] = _sonic_layer(routers[0], tile, "fp8")
     impls["torch-gmm"] = torch_gmm_moe
     leaves = (x, *params)
     for impl, layer in impls.items():
@@ -159,10 +166,10 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
             t.grad = None
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router}")
-    print(f"  {'impl':10s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
+    print(f"  {'impl':15s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
           f"{'saved MiB':>9s} {'peak MiB':>8s} {'SM MHz':>6s} {'W':>4s} {'J/step':>6s}")
     for impl, r in rows.items():
-        print(f"  {impl:10s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
+        print(f"  {impl:15s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
               f"{r['fwd_TFLOPS']:7.1f} {r['fwd_bwd_TFLOPS']:7.1f} {r['saved_MiB']:9.1f} "
               f"{r['peak_MiB']:8.1f} {_fmt(r['sm_mhz'], 6, 0)} {_fmt(r['watts'], 4, 0)} "
               f"{_fmt(r['J_per_step'], 6, 3)}")
@@ -172,6 +179,13 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None):
           f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x, peak {s['peak_MiB'] / t['peak_MiB']:.2f}x")
     result = {"config": name, "router": router, "sonic": s, "torch_gmm": t,
               "fwd_bwd_speedup": ratio, "fwd_speedup": fwd_ratio}
+    if activation_cache == "fp8":
+        c = rows[f"{first}-fp8c"]
+        result["sonic_fp8_cache"] = c
+        result["fp8_cache_saved_ratio"] = c["saved_MiB"] / s["saved_MiB"]
+        print(f"  fp8 / bf16 activation cache ({first}): saved "
+              f"{result['fp8_cache_saved_ratio']:.3f}x, peak {c['peak_MiB'] / s['peak_MiB']:.3f}x, "
+              f"fwd+bwd time {c['fwd_bwd_us'] / s['fwd_bwd_us']:.3f}x")
     if router == "both":
         tr = rows["sonic-TR"]
         result["sonic_token_rounding"] = tr
@@ -249,6 +263,8 @@ def main(argv=None):
     parser.add_argument("--trace", metavar="DIR",
                         help="write Chrome traces of six consecutive steps per implementation "
                              "and print each step's GPU idle time")
+    parser.add_argument("--activation-cache", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: also run sonic with the FP8 activation cache and compare")
     parser.add_argument("--vs-sonicmoe", metavar="FILE",
                         help="JSON lines of shared/device/sonicmoe_bench.py to compare with")
     args = parser.parse_args(argv)
@@ -257,7 +273,8 @@ def main(argv=None):
           f"{sonic.explain_backend('auto', 'cuda')}")
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
-    results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace)
+    results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
+                       args.activation_cache)
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, args.vs_sonicmoe)

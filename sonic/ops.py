@@ -324,13 +324,15 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
 
 
 @_moe_experts_op.register_fake
-def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache):
+def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache="bf16"):
     return (x.new_empty(x.shape),
             *activation_cache_fake((scores.shape[0], w1.shape[1]), x.dtype, activation_cache, x))
 
 
 def _experts_setup(ctx, inputs, output):
-    x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache = inputs
+    # The dispatcher leaves out trailing arguments equal to their schema defaults.
+    x, w1, w2, scores, meta, top_k, gate_up, backend, *rest = inputs
+    activation_cache = rest[0] if rest else "bf16"
     _out, h, h_scales = output
     ctx.save_for_backward(x, w1, w2, h, h_scales if activation_cache == "fp8" else None,
                           scores, meta)
