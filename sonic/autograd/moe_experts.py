@@ -69,13 +69,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
 
     Raises:
         TypeError: a non-tensor argument or a wrong dtype (index tensors must be integer,
-            weights in ``x``'s dtype).
+            weights in ``x``'s dtype); ``activation_cache="fp8"`` with an fp32 / fp64 compute
+            dtype (such a layer keeps H exactly; see :mod:`sonic.autograd.activation_cache`).
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
             ``gate_up``/``backend``/``activation_cache``; ``activation_cache="fp8"`` with
             ``2n`` not a multiple of 128 (the message names ``d_expert``).
-        TypeError (also): ``activation_cache="fp8"`` with an fp32 / fp64 compute dtype (such a
-            layer keeps H exactly; see :mod:`sonic.autograd.activation_cache`).
         RuntimeError: ``backend="cute"`` where the kernels cannot run; in backward, a
             ``create_graph=True`` differentiation (the backward is hand-written and not twice
             differentiable, so it refuses rather than return a wrong second derivative).
