@@ -393,7 +393,10 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     # mutate its inputs.
     owned = ctx.activation_cache == "fp8"
     if owned:
-        h = activation_cache_unpack(h, h_scales, x.dtype)
+        # Traced, the dequantization stays torch ops (a kernel cannot read fake tensors;
+        # inductor fuses the two passes into one).
+        use_kernel = not _traced(h) and _impl(backend, x.device).name == "cute"
+        h = activation_cache_unpack(h, h_scales, x.dtype, use_kernel)
     del h_scales
     if not _traced(h) and (owned or not _graph_kept()):
         dh, a_scaled, ds_rows = _dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,

@@ -8,8 +8,9 @@ arXiv 2412.19437 §3.3): ``P·2n·(1 + 4/128)`` bytes, 51.6% of bf16's.
 
 The forward computes with the exact H (the up-projection writes it in the compute dtype as
 always, so the layer's output is unchanged bit for bit); only the copy kept for backward is
-rounded. Backward dequantizes it into a fresh buffer of the compute dtype and runs the
-unchanged dSwiGLU path on that, so the gradients are those of the bf16 path evaluated at
+rounded. Backward dequantizes it (one pass of a CuTe kernel on the cute backend) into a fresh
+buffer of the compute dtype and runs the unchanged dSwiGLU path on that, so the gradients are
+those of the bf16 path evaluated at
 ``dequantize(quantize(H))``: each element of H moves by at most 2^-4 of its magnitude (e4m3's
 3 mantissa bits, round to nearest) or, below 2^-6 of its slice's scale, by at most 2^-10 scale
 (half the subnormal step), plus the compute dtype's rounding of the dequantized product.
@@ -92,20 +93,27 @@ def pack_fake(h_shape: tuple[int, int], dtype: torch.dtype, activation_cache: st
             like.new_empty(two_n // BLOCK, p, dtype=torch.float32))
 
 
-def unpack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def unpack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+           use_kernel: bool) -> torch.Tensor:
     """``dequantize(q, scales)`` rounded to ``dtype``, in a new ``(P, 2n)`` buffer that the
     caller owns (the dH step may overwrite it with dH).
 
-    Equal bit for bit to ``sonic.reference.fp8.dequantize_rows(q, scales).to(dtype)``: an e4m3
-    value is exact in bf16 / fp16, and the product with the fp32 scale is formed in fp32 and
-    rounded once to ``dtype`` on the store. Two elementwise passes over one buffer (torch does
-    not promote float8 in arithmetic, so the upcast is its own pass), no fp32 temporary.
+    Equal bit for bit to ``sonic.reference.fp8.dequantize_rows(q, scales).to(dtype)``: the
+    product with the fp32 scale is formed in fp32 and rounded once to ``dtype``. With
+    ``use_kernel`` and a bf16 ``dtype`` on CUDA, one pass of the CuTe kernel
+    :func:`sonic.kernels.fp8_quant.dequantize_rows`; elsewhere (fp16, the CPU) two elementwise
+    torch passes over one buffer (torch does not promote float8 in arithmetic, so the exact
+    e4m3 → bf16/fp16 upcast is its own pass), no fp32 temporary.
 
     Args:
         q: ``(P, 2n)`` float8_e4m3fn, ``2n`` a multiple of 128.
         scales: ``(2n/128, P)`` fp32.
         dtype: bf16 or fp16.
+        use_kernel: whether the CuTe kernel may run (the resolved backend is ``"cute"``).
     """
+    if use_kernel and q.is_cuda and dtype == torch.bfloat16 and q.is_contiguous():
+        from sonic.kernels.fp8_quant import dequantize_rows
+        return dequantize_rows(q, scales.contiguous())
     p, two_n = q.shape
     h = q.to(dtype)
     slices = h.view(p, two_n // BLOCK, BLOCK)

@@ -91,3 +91,32 @@ def test_fp8_cache_training_step_makes_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (1000, 256), (4096, 2048), (33, 1536)])
+def test_dequantize_rows_kernel_is_bitwise_the_reference(m, k):
+    from sonic.kernels.fp8_quant import dequantize_rows
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    # Magnitudes over many binades, an all-zero slice and a slice of tiny values (e4m3
+    # subnormals after scaling).
+    x = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-4, 4, k, device="cuda")
+    x[0, :128] = 0
+    x[-1, -128:] *= 1e-30
+    q, scales = fp8.quantize_rows(x.bfloat16())
+    got = dequantize_rows(q, scales)
+    want = fp8.dequantize_rows(q, scales).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, k)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_dequantize_rows_kernel_errors_and_empty():
+    from sonic.kernels.fp8_quant import dequantize_rows
+    q = torch.zeros(4, 256, device="cuda", dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        dequantize_rows(q, torch.ones(4, 2, device="cuda"))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dequantize_rows(q[:, :192].contiguous(), torch.ones(2, 4, device="cuda"))
+    with pytest.raises(TypeError):
+        dequantize_rows(q.float(), torch.ones(2, 4, device="cuda"))
+    empty = dequantize_rows(q[:0], torch.ones(2, 0, device="cuda"))
+    assert empty.shape == (0, 256) and empty.dtype == torch.bfloat16
