@@ -31,6 +31,9 @@ ratios.
   ``--router both`` the per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
+* ``--activation-cache fp8`` adds a sonic row whose layer keeps H for backward in e4m3 with
+  1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``, issue 18) and prints
+  its saved MiB and step time relative to sonic's bf16 cache (issue 18 asks saved ≤ 55%).
 """
 
 import argparse
@@ -51,7 +54,8 @@ from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
 MiB = float(1 << 20)
 
 
-def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=None):
+def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=None,
+                 activation_cache: str = "bf16"):
     """sonic's layer; with ``precision="fp8"``, ``fp8_weights`` are the weights' FP8 copies,
     made once outside the timing, as :class:`sonic.MoE` makes them once per optimizer step."""
     def layer(x, router_weight, w1, w2, k, fp8_weights=fp8_weights):
@@ -61,7 +65,7 @@ def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=No
         layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid
         return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
                                  metadata=sonic.routing_metadata(r), precision=precision,
-                                 fp8_weights=fp8_weights)
+                                 fp8_weights=fp8_weights, activation_cache=activation_cache)
     layer.pairs = 0
     layer.fp8_weights = fp8_weights
     return layer
@@ -121,7 +125,7 @@ def _steps(layer, x, params, k, grad):
 
 
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
-            precision="bf16"):
+            precision="bf16", activation_cache="bf16"):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -143,6 +147,8 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
                                                     else None)
              for p in precisions for r in routers}
     first = next(iter(impls))   # the sonic row the ratios and the profile use
+    if activation_cache == "fp8":
+        impls[f"{first}-fp8c"] = _sonic_layer(routers[0], tile, activation_cache="fp8")
     impls["torch-gmm"] = torch_gmm_moe
     leaves = (x, *params)
     for impl, layer in impls.items():
@@ -180,10 +186,10 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
           f"precision={precision}")
-    print(f"  {'impl':14s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
+    print(f"  {'impl':15s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
           f"{'saved MiB':>9s} {'peak MiB':>8s} {'SM MHz':>6s} {'W':>4s} {'J/step':>6s}")
     for impl, r in rows.items():
-        print(f"  {impl:14s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
+        print(f"  {impl:15s} {r['fwd_us'] / 1e3:7.3f} {r['fwd_bwd_us'] / 1e3:7.3f} "
               f"{r['fwd_TFLOPS']:7.1f} {r['fwd_bwd_TFLOPS']:7.1f} {r['saved_MiB']:9.1f} "
               f"{r['peak_MiB']:8.1f} {_fmt(r['sm_mhz'], 6, 0)} {_fmt(r['watts'], 4, 0)} "
               f"{_fmt(r['J_per_step'], 6, 3)}")
@@ -203,6 +209,13 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         print(f"  fp8 / bf16 ({routers[0]}): fwd {r8['fwd_us']:.3f}x time ({1 / r8['fwd_us']:.2f}x "
               f"faster), fwd+bwd {r8['fwd_bwd_us']:.3f}x time ({1 / r8['fwd_bwd_us']:.2f}x "
               f"faster), saved {r8['saved_MiB']:.2f}x, peak {r8['peak_MiB']:.2f}x")
+    if activation_cache == "fp8":
+        c = rows[f"{first}-fp8c"]
+        result["sonic_fp8_cache"] = c
+        result["fp8_cache_saved_ratio"] = c["saved_MiB"] / s["saved_MiB"]
+        print(f"  fp8 / bf16 activation cache ({first}): saved "
+              f"{result['fp8_cache_saved_ratio']:.3f}x, peak {c['peak_MiB'] / s['peak_MiB']:.3f}x, "
+              f"fwd+bwd time {c['fwd_bwd_us'] / s['fwd_bwd_us']:.3f}x")
     if router == "both":
         topk_name, tr_name = (_impl_name(r, router, precisions[0]) for r in routers)
         tr = rows[tr_name]
@@ -284,6 +297,8 @@ def main(argv=None):
     parser.add_argument("--trace", metavar="DIR",
                         help="write Chrome traces of six consecutive steps per implementation "
                              "and print each step's GPU idle time")
+    parser.add_argument("--activation-cache", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: also run sonic with the FP8 activation cache and compare")
     parser.add_argument("--vs-sonicmoe", metavar="FILE",
                         help="JSON lines of shared/device/sonicmoe_bench.py to compare with")
     args = parser.parse_args(argv)
@@ -293,7 +308,7 @@ def main(argv=None):
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
-                       args.precision)
+                       args.precision, args.activation_cache)
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, args.vs_sonicmoe)

@@ -17,12 +17,14 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
 * ``sonic::up_proj_swiglu``, ``sonic::grouped_mm``, ``sonic::grouped_mm_varlen_k``,
   ``sonic::dh_dswiglu``, ``sonic::aggregate`` — the kernels of DESIGN §3, signatures as in
   :mod:`sonic.reference.ops` plus ``backend``.
-* ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend) -> (out, H)`` — the
-  expert forward; its registered backward runs ``dh_dswiglu``, ``grouped_mm_varlen_k``,
-  ``grouped_mm`` and ``aggregate`` (DESIGN §3). It saves x, w1, w2, H, scores and the packed
-  metadata, nothing else. Its ``H`` output is that saved activation, handed back only so
+* ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache)
+  -> (out, H, H_scales)`` — the expert forward; its registered backward runs ``dh_dswiglu``,
+  ``grouped_mm_varlen_k``, ``grouped_mm`` and ``aggregate`` (DESIGN §3). It saves x, w1, w2,
+  the activation cache, scores and the packed metadata, nothing else. The cache is H in the
+  form :mod:`sonic.autograd.activation_cache` keeps it: ``(H (P, 2n), empty)`` for ``"bf16"``,
+  ``(e4m3 H (P, 2n), fp32 scales (2n/128, P))`` for ``"fp8"``; it is handed back only so
   autograd can save it: :func:`sonic.moe_experts` drops it at once. Eagerly, when the graph is
-  not kept, the backward may write dH over it; a caller of the raw op must not read H after
+  not kept, the bf16 backward may write dH over H; a caller of the raw op must not read H after
   backward.
 
 * FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
@@ -47,6 +49,9 @@ import contextlib
 
 import torch
 
+from sonic.autograd.activation_cache import pack as activation_cache_pack
+from sonic.autograd.activation_cache import pack_fake as activation_cache_fake
+from sonic.autograd.activation_cache import unpack as activation_cache_unpack
 from sonic.reference import ops as reference
 from sonic.routing.metadata import RoutingMetadata
 
@@ -294,47 +299,55 @@ def _(y, token_rows, token_offsets, row_scores, backend):
 
 @torch.library.custom_op("sonic::moe_experts", mutates_args=())
 def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
-                    meta: torch.Tensor, top_k: int, gate_up: str,
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    meta: torch.Tensor, top_k: int, gate_up: str, backend: str,
+                    activation_cache: str = "bf16"
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
-    return experts_forward(x, w1, w2, scores, m, gate_up, backend)
+    return experts_forward(x, w1, w2, scores, m, gate_up, backend,
+                           activation_cache=activation_cache)
 
 
 def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend: str, *,
-                    h_out: torch.Tensor | None = None, precision: str = "bf16",
-                    fp8_weights: list[torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The body of ``sonic::moe_experts`` (and, with ``precision="fp8"``, of
-    ``sonic::moe_experts_fp8``, ``fp8_weights`` then ``[w1_q, w1_scales, w2_q, w2_scales]``)
-    on unpacked metadata: ``(out (T, d), H (P, 2n))``, H written into ``h_out`` when given (the
-    chunked EP path keeps the H of all its chunks in one buffer). Not an op: no autograd, no
-    fake; the caller has validated the inputs."""
-    if precision == "fp8":
-        return _experts_forward_fp8(x, fp8_weights, scores, m, gate_up, backend, h_out=h_out)
+                    h_out: torch.Tensor | None = None, activation_cache: str = "bf16"
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of ``sonic::moe_experts`` on unpacked metadata: ``(out (T, d), cache,
+    scales)``, the activation cache of :func:`sonic.autograd.activation_cache.pack` (H itself
+    and an empty tensor for ``"bf16"``). H is written into ``h_out`` when given (the chunked
+    EP path keeps the H of all its chunks in one buffer; bf16 cache only). Not an op: no
+    autograd, no fake; the caller has validated the inputs."""
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
     with _no_autocast(x.device):
         # The CuTe up-proj gathers X's rows while loading them (the reference: a transient
-        # copy) and its epilogue stores both H (kept) and A (transient).
+        # copy) and its epilogue stores both H and A (transient).
         h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
+        # With the fp8 cache, H is quantized and freed here, before the down-proj allocates
+        # its output: the forward's peak then never holds H and Y together.
+        cache, scales = activation_cache_pack(h, activation_cache, ops.name == "cute")
+        del h
         y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
         del act
         row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
         out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
-    return out, h
+    return out, cache, scales
 
 
 @_moe_experts_op.register_fake
-def _(x, w1, w2, scores, meta, top_k, gate_up, backend):
-    return x.new_empty(x.shape), x.new_empty(scores.shape[0], w1.shape[1])
+def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache="bf16"):
+    return (x.new_empty(x.shape),
+            *activation_cache_fake((scores.shape[0], w1.shape[1]), x.dtype, activation_cache, x))
 
 
 def _experts_setup(ctx, inputs, output):
-    x, w1, w2, scores, meta, top_k, gate_up, backend = inputs
-    _out, h = output
-    ctx.save_for_backward(x, w1, w2, h, scores, meta)
+    # The dispatcher leaves out trailing arguments equal to their schema defaults.
+    x, w1, w2, scores, meta, top_k, gate_up, backend, *rest = inputs
+    activation_cache = rest[0] if rest else "bf16"
+    _out, h, h_scales = output
+    ctx.save_for_backward(x, w1, w2, h, h_scales if activation_cache == "fp8" else None,
+                          scores, meta)
     ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
-    ctx.mark_non_differentiable(h)
+    ctx.activation_cache = activation_cache
+    ctx.mark_non_differentiable(h, h_scales)
     # H has no gradient; materialised, it would be a P x 2n buffer of zeros in every backward.
     ctx.set_materialize_grads(False)
 
@@ -362,16 +375,16 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
     return torch.where(real, ds_rows, 0).index_select(0, m.pair_rows).to(dtype)
 
 
-def _experts_backward(ctx, grad_out, _grad_h):
+def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     # Grad mode is on inside backward exactly when the caller asked for create_graph=True. The
     # saved H and metadata carry no graph, so a recorded backward would miss terms: refuse.
     if torch.is_grad_enabled() and not _traced(grad_out):
         raise _first_order_error()
     from sonic.autograd.moe_experts import _graph_kept
 
-    x, w1, w2, h, scores, meta = ctx.saved_tensors
+    x, w1, w2, h, h_scales, scores, meta = ctx.saved_tensors
     if grad_out is None:     # the output took no part in the loss (grads are not materialised)
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
     need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
@@ -382,10 +395,19 @@ def _experts_backward(ctx, grad_out, _grad_h):
     # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
     # Eagerly, when the graph is not kept, H is dead after this step (this backward holds the
     # only unpacked reference and nothing can unpack it again), so the kernel may write dH over
-    # it: the peak then holds one P x 2n buffer instead of two. Traced (torch.compile, export),
+    # it: the peak then holds one P x 2n buffer instead of two. The fp8 cache's H is dequantized
+    # into a buffer this backward owns, so it may be overwritten even when the graph is kept
+    # (the saved e4m3 H stays intact for the next backward). Traced (torch.compile, export),
     # the op never writes in place: a compiled graph may reuse H, and the op says it does not
     # mutate its inputs.
-    if not _traced(h) and not _graph_kept():
+    owned = ctx.activation_cache == "fp8"
+    if owned:
+        # Traced, the dequantization stays torch ops (a kernel cannot read fake tensors;
+        # inductor fuses the two passes into one).
+        use_kernel = not _traced(h) and _impl(backend, x.device).name == "cute"
+        h = activation_cache_unpack(h, h_scales, x.dtype, use_kernel)
+    del h_scales
+    if not _traced(h) and (owned or not _graph_kept()):
         dh, a_scaled, ds_rows = _dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
                                             gate_up, backend, overwrite_h=True)
         if dh.data_ptr() == h.data_ptr():
@@ -407,7 +429,7 @@ def _experts_backward(ctx, grad_out, _grad_h):
         del dx_rows
     if need_w1:
         grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
-    return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None
+    return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None, None
 
 
 torch.library.register_autograd("sonic::moe_experts", _experts_backward,
@@ -512,8 +534,7 @@ def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         fp8_weights: list[torch.Tensor], top_k: int, gate_up: str,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
-    return experts_forward(x, w1, w2, scores, m, gate_up, backend, precision="fp8",
-                           fp8_weights=list(fp8_weights))
+    return _experts_forward_fp8(x, list(fp8_weights), scores, m, gate_up, backend)
 
 
 @_moe_experts_fp8_op.register_fake

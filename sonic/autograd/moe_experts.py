@@ -5,8 +5,9 @@ registered backward runs the backward kernels as ops too, so ``torch.compile`` a
 ``torch.export`` trace through it.
 
 Forward: up-proj (gathered X · W1ᵀ) → SwiGLU → down-proj (A · W2ᵀ) → aggregation.
-Saved for backward: the layer input X (by reference), H ``(P, 2n)``, the scores and the routing
-metadata — nothing of size ``P·d`` and not A. Backward recomputes A from H and never forms Y or
+Saved for backward: the layer input X (by reference), H ``(P, 2n)`` (in the compute dtype, or
+in e4m3 with 1×128 scales: ``activation_cache="fp8"``, :mod:`sonic.autograd.activation_cache`),
+the scores and the routing metadata — nothing of size ``P·d`` and not A. Backward recomputes A from H and never forms Y or
 dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (DESIGN §3).
 
 ``precision="fp8"`` (issue 18; recipe of :mod:`sonic.reference.fp8`: e4m3, activations scaled
@@ -47,6 +48,7 @@ import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
                                check_same_device)
+from sonic.autograd.activation_cache import check_activation_cache
 from sonic.backend import BACKENDS, check_fp8_backend, resolve_backend
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import RoutingMetadata
@@ -109,8 +111,8 @@ def _graph_kept() -> bool:
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                 token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: str = "concat",
                 backend: str = "auto", metadata: RoutingMetadata | None = None,
-                precision: str = "bf16",
-                fp8_weights: Fp8ExpertWeights | None = None) -> torch.Tensor:
+                precision: str = "bf16", fp8_weights: Fp8ExpertWeights | None = None,
+                activation_cache: str = "bf16") -> torch.Tensor:
     """Routed SwiGLU experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·SwiGLU(W1[e]·x_t)``.
 
     Args:
@@ -138,17 +140,27 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         fp8_weights: with ``precision="fp8"``, the :func:`quantize_expert_weights` of exactly
             ``w1`` and ``w2`` (made once per optimizer step; not checked against them); None
             quantizes them in this call.
+        activation_cache: how H is kept for backward: ``"bf16"`` (as computed, in the compute
+            dtype, whatever it is) or ``"fp8"`` (e4m3 with an fp32 scale per 1×128 slice of
+            each row, 51.6% of the bf16 bytes; issue 18); with ``precision="bf16"`` only
+            (the FP8 path keeps H in bf16). The forward, hence the output, is the
+            same bit for bit; the gradients are those at ``dequantize(quantize(H))`` (see
+            :mod:`sonic.autograd.activation_cache`). ``"fp8"`` needs ``2n`` a multiple of 128
+            and a bf16 / fp16 compute dtype.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; fp32 accumulation. Differentiable in x, w1, w2 and scores.
-        Saved for backward: x (by reference), H ``(P, 2n)``, scores and the routing metadata.
+        Saved for backward: x (by reference), H ``(P, 2n)`` (or its e4m3 form and scales),
+        scores and the routing metadata.
 
     Raises:
         TypeError: a non-tensor argument or a wrong dtype (index tensors must be integer,
-            weights in ``x``'s dtype).
+            weights in ``x``'s dtype); ``activation_cache="fp8"`` with an fp32 / fp64 compute
+            dtype (such a layer keeps H exactly; see :mod:`sonic.autograd.activation_cache`).
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
-            ``gate_up``/``backend``/``precision``; with ``precision="fp8"``, d or n not a
+            ``gate_up``/``backend``/``precision``/``activation_cache``; ``activation_cache="fp8"``
+            with ``2n`` not a multiple of 128 or with ``precision="fp8"``; with ``precision="fp8"``, d or n not a
             multiple of 128, or ``fp8_weights`` of the wrong shapes.
         RuntimeError: ``backend="cute"`` where the kernels cannot run; ``precision="fp8"``
             with ``backend="cute"``/``"auto"`` on a CUDA GPU that is not Hopper (sm_90a); in
@@ -183,6 +195,10 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     if tuple(w2.shape) != (num_experts, d, two_n // 2):
         raise ValueError(f"w2 must have shape (E={num_experts}, d={d}, n={two_n // 2}), "
                          f"got {tuple(w2.shape)}")
+    check_activation_cache(activation_cache, x.dtype, two_n)
+    if precision == "fp8" and activation_cache != "bf16":
+        raise ValueError("activation_cache='fp8' is not combined with precision='fp8' yet (the "
+                         "FP8 GEMM path keeps H in bf16); choose one of them")
     num_pairs = scores.shape[0]
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
         if t.shape[0] != num_pairs:
@@ -213,7 +229,8 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         out, _h = torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, packed, list(fp8_weights),
                                                   top_k, gate_up, backend)
         return out
-    out, _h = torch.ops.sonic.moe_experts(x, w1, w2, scores, packed, top_k, gate_up, backend)
+    out, _cache, _scales = torch.ops.sonic.moe_experts(x, w1, w2, scores, packed, top_k, gate_up,
+                                                       backend, activation_cache)
     return out
 
 

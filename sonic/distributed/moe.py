@@ -175,8 +175,12 @@ class ExpertParallelMoE(MoE):
         ``comm_sm_margin`` as there.
 
         Raises:
-            ValueError: as the constructor.
+            ValueError: as the constructor, or ``moe.activation_cache`` is not ``"bf16"``
+                (not supported by the expert-parallel path).
         """
+        if moe.activation_cache != "bf16":
+            raise ValueError(f"ExpertParallelMoE supports activation_cache='bf16' only; this "
+                             f"MoE has activation_cache={moe.activation_cache!r}")
         layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
                     tile=moe.tile, rounding=moe.rounding,
@@ -210,11 +214,17 @@ class ExpertParallelMoE(MoE):
 
         Raises:
             NotImplementedError: ``precision`` was set to ``"fp8"`` (the expert-parallel
-                experts run bf16 GEMMs only).
+                experts run bf16 GEMMs only), or ``activation_cache="fp8"`` (the
+                expert-parallel path keeps H in the compute dtype).
         """
         if self.precision != "bf16":
             raise NotImplementedError(f"ExpertParallelMoE runs bf16 experts only, got "
                                       f"precision={self.precision!r}; set precision='bf16'")
+        if self.activation_cache != "bf16":
+            raise NotImplementedError(
+                f"ExpertParallelMoE supports activation_cache='bf16' only, got "
+                f"{self.activation_cache!r} (the chunked expert-parallel path keeps H in the "
+                "compute dtype)")
         if self.expert_load is not None:
             self.expert_load.update(routing)
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),

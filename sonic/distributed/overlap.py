@@ -149,8 +149,8 @@ class ChunkedExperts(torch.autograd.Function):
                 streams.wait(arrived)
                 if c + 1 < len(plan.chunks):
                     arrived = dispatch(c + 1)
-                y_recv, _ = experts_forward(x_recv[rows_at[c]], w1, w2, s_recv[pairs_at[c]],
-                                            metadata[c], gate_up, backend, h_out=h[pairs_at[c]])
+                y_recv, _, _ = experts_forward(x_recv[rows_at[c]], w1, w2, s_recv[pairs_at[c]],
+                                               metadata[c], gate_up, backend, h_out=h[pairs_at[c]])
                 with streams.on_comm(y_recv, rows):
                     all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group,
                                out=rows[chunk.rows])

@@ -19,6 +19,11 @@ Gathered rows are deliberately not supported: the FP8 path quantizes ``X`` once 
 up-projection GEMM gathers rows of ``q`` with their scales (one scale per row per k-block, the
 same index), which costs less than re-quantizing each of the ``K`` copies of a token.
 
+``dequantize_rows`` (the FP8 activation cache's backward): the thread layout of
+``quantize_rows``; each lane converts its 8 e4m3 values to fp32, multiplies by the row's scale for
+the k-block and rounds once to bf16 — one 8-byte load and one 16-byte store, so bitwise the
+reference's ``(q.float() * scale).to(bfloat16)``.
+
 ``quantize_blocks``: one CTA (256 threads) per 128×128 block of ``(E, N, K)``; lane ``t`` owns
 columns ``8·(t mod 16) ..`` of rows ``t // 16 + 16·i`` (i < 8), so each row of the block is
 read by 16 neighbouring lanes in two full 128-byte lines. ``amax``: per thread, then a warp
@@ -125,6 +130,52 @@ def _kernels():
                         cute.make_tensor(scales + Int64(kb) * num_rows.to(Int64),
                                          cute.make_layout(num_rows))[row] = scale
 
+    class DequantizeRowsKernel:
+        """``q (M, K)`` e4m3 and ``scales (K/128, M)`` fp32 → ``(M, K)`` bf16; ``K`` static.
+        The thread layout of :class:`QuantizeRowsKernel`: 16 lanes per 128-column slice of a
+        row, 8 values per lane (an 8-byte fp8 load, a 16-byte bf16 store), two rows per lane."""
+
+        def __init__(self, k: int):
+            self.k = k
+
+        @cute.jit
+        def __call__(self, q: Int64, scales: Int64, out: Int64, num_rows: Int32,
+                     stream: cuda.CUstream):
+            gmem = runtime.gmem_ptr
+            self.kernel(gmem(Float8E4M3FN, q, 16), gmem(Float32, scales, 4),
+                        gmem(BFloat16, out, 16), num_rows).launch(
+                grid=[(num_rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, self.k // BLOCK, 1],
+                block=[THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, q: cute.Pointer, scales: cute.Pointer, out: cute.Pointer,
+                   num_rows: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            tile, kb, _ = cute.arch.block_idx()
+            col = kb * BLOCK + (tidx % LANES_PER_SLICE) * VEC
+            first = tile * ROWS_PER_CTA + tidx // LANES_PER_SLICE
+            block_scales = cute.make_tensor(scales + Int64(kb) * num_rows.to(Int64),
+                                            cute.make_layout(num_rows))
+            frags = [cute.make_rmem_tensor((VEC,), Float8E4M3FN) for _ in range(ROWS_PER_LANE)]
+            row_scale = [Float32(1.0) for _ in range(ROWS_PER_LANE)]
+            for i in cutlass.range_constexpr(ROWS_PER_LANE):
+                # Loads of both rows first (rows past M re-read row M − 1, stored nowhere).
+                row = cutlass.min(first + i * (THREADS // LANES_PER_SLICE), num_rows - 1)
+                src = q + (Int64(row) * self.k + col)
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), frags[i])
+                row_scale[i] = block_scales[row]
+            for i in cutlass.range_constexpr(ROWS_PER_LANE):
+                row = first + i * (THREADS // LANES_PER_SLICE)
+                if row < num_rows:
+                    # The product in fp32, one rounding to bf16: the reference's
+                    # ``(q.float() * scale).to(bfloat16)``.
+                    vals = cute.make_rmem_tensor((VEC,), Float32)
+                    vals.store(frags[i].load().to(Float32) * row_scale[i])
+                    res = cute.make_rmem_tensor((VEC,), BFloat16)
+                    res.store(vals.load().to(BFloat16))
+                    dst = out + (Int64(row) * self.k + col)
+                    cute.autovec_copy(res, cute.make_tensor(dst, cute.make_layout(VEC)))
+
     class QuantizeBlocksKernel:
         """``(E, N, K)`` bf16 → ``q`` e4m3 and ``scales (E, ceil(N/128), K/128)`` fp32;
         ``K`` static."""
@@ -183,19 +234,20 @@ def _kernels():
                 flat = (Int64(expert) * num_nb + nb) * self.kb + kb
                 cute.make_tensor(scales + flat, cute.make_layout(1))[0] = scale
 
-    return QuantizeRowsKernel, QuantizeBlocksKernel
+    return QuantizeRowsKernel, QuantizeBlocksKernel, DequantizeRowsKernel
 
 
 def _compile(kind: str, k: int, keep_ptx: bool = False):
-    """Compile one static configuration (``kind`` ``"rows"`` or ``"blocks"``, ``K``) with
+    """Compile one static configuration (``kind`` ``"rows"``, ``"blocks"`` or
+    ``"dequant_rows"``, ``K``) with
     placeholder arguments."""
     import cutlass
 
-    rows_cls, blocks_cls = _kernels()
+    rows_cls, blocks_cls, dequant_cls = _kernels()
     addresses = [runtime.fake_address() for _ in range(3)]
-    if kind == "rows":
-        return runtime.compile_launcher(rows_cls(k), *addresses, cutlass.Int32(1),
-                                        keep_ptx=keep_ptx)
+    if kind in ("rows", "dequant_rows"):
+        cls = rows_cls if kind == "rows" else dequant_cls
+        return runtime.compile_launcher(cls(k), *addresses, cutlass.Int32(1), keep_ptx=keep_ptx)
     return runtime.compile_launcher(blocks_cls(k), *addresses, cutlass.Int32(1),
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
@@ -234,6 +286,39 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fn = runtime.compiled(("fp8_quantize_rows", k), lambda: _compile("rows", k))
     fn(runtime.address(x, 16), runtime.address(q, 16), runtime.address(scales, 4), m)
     return q, scales
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows` up to rounding, in bf16, in one pass: ``(q · scale)``
+    formed in fp32 and rounded once to bf16 — bitwise
+    ``sonic.reference.fp8.dequantize_rows(q, scales).to(torch.bfloat16)``. The FP8 activation
+    cache (issue 18) dequantizes the saved H with it in backward.
+
+    Args:
+        q: ``(M, K)`` float8_e4m3fn, contiguous, CUDA, 16-byte aligned; ``K`` a multiple of 128.
+        scales: ``(K/128, M)`` fp32, contiguous, on ``q``'s device.
+
+    Returns:
+        ``(M, K)`` bf16, contiguous, newly allocated. ``M = 0`` or ``K = 0``: without a launch.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: not contiguous 2-D CUDA tensors on one device, ``K`` not a multiple of 128,
+            ``scales`` not of shape ``(K/128, M)``, or ``q`` not 16-byte aligned.
+    """
+    runtime.check_tensor("q", q, dtypes=(torch.float8_e4m3fn,), ndim=2)
+    m, k = q.shape
+    _check_k("q", k)
+    runtime.check_tensor("scales", scales, dtypes=(torch.float32,), ndim=2, device=q.device)
+    if tuple(scales.shape) != (k // BLOCK, m):
+        raise ValueError(f"scales must have shape (K/128, M) = {(k // BLOCK, m)} for q of "
+                         f"shape {(m, k)}, got {tuple(scales.shape)}")
+    out = torch.empty(m, k, dtype=torch.bfloat16, device=q.device)
+    if m == 0 or k == 0:
+        return out
+    fn = runtime.compiled(("fp8_dequantize_rows", k), lambda: _compile("dequant_rows", k))
+    fn(runtime.address(q, 16), runtime.address(scales, 4), runtime.address(out, 16), m)
+    return out
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,3 +366,12 @@ for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 71
         compile_fake=lambda kind=_kind, k=_k: _compile(kind, k, keep_ptx=True),
         ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _kind == "rows" else
                                 ("shfl.sync.bfly", "bar.sync"))))
+# Dequantization: an 8-byte fp8 load, e4m3 -> fp32 conversion, fp32 multiply, a rounding to
+# bf16, a 16-byte store.
+for _k in (256, 2048):
+    register(KernelVariant(
+        kernel="fp8_quant",
+        variant=f"dequantize_rows_k{_k}",
+        compile_fake=lambda k=_k: _compile("dequant_rows", k, keep_ptx=True),
+        ptx_markers=(("ld.global.v2.b32", "ld.global.v2.u32", "ld.global.b64",
+                      "ld.global.u64"), "cvt.rn.bf16x2.f32", "st.global.v4")))

@@ -9,6 +9,11 @@ DESIGN §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metad
     python -m sonic.memory --config 7B
     python -m sonic.memory --config 64,32,16,8,2 --json   # last line: one JSON object
     python -m sonic.memory --config 32768,2048,2048,8,1 --plot fig1.png   # SonicMoE Fig. 1
+    python -m sonic.memory --config 30B --activation-cache fp8   # also sonic's FP8 H cache
+
+``--activation-cache fp8`` adds a third row, ``sonic-fp8c``: sonic with H kept for backward in
+e4m3 with 1×128 fp32 scales (:mod:`sonic.autograd.activation_cache`, issue 18), and its bytes
+relative to sonic's bf16 cache (issue 18 asks for at most 55%).
 
 ``--plot FILE`` (needs matplotlib, the ``plot`` extra) sweeps expert granularity at fixed FLOPs
 (SonicMoE Fig. 1): each scale ``s`` of ``--scales`` measures ``(T, d, n/s, E·s, K·s)``, so
@@ -19,6 +24,7 @@ granularity ``d/n`` grows ``s``-fold, and draws both implementations' bytes over
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -33,21 +39,24 @@ from sonic.memory.profile import ActivationMemoryReport, profile_activation_memo
 _MiB = float(1 << 20)
 
 
-def measure(sizes: tuple[int, int, int, int, int],
-            device: torch.device) -> dict[str, ActivationMemoryReport]:
+def measure(sizes: tuple[int, int, int, int, int], device: torch.device,
+            activation_cache: str = "bf16") -> dict[str, ActivationMemoryReport]:
     """Profile one bf16 MoE layer of ``sizes = (T, d, n, E, K)`` with both implementations.
 
     Both use the same router and expert weights (those of a seeded :class:`sonic.MoE`) and the
     same input ``x (T, d)`` requiring grad; top-K routing with ``softmax_topk`` scores. sonic runs
     its PyTorch reference backend except on CUDA, where its default (kernels where they can
     run) is measured. The reports' outputs are dropped so the graphs are freed.
+    ``activation_cache="fp8"`` also profiles the same layer keeping H as e4m3 + scales.
 
     Returns:
-        ``{"sonic": report, "torch-gmm": report}``.
+        ``{"sonic": report, "torch-gmm": report}``, and ``"sonic-fp8c"`` (the fp8 cache) with
+        ``activation_cache="fp8"``.
 
     Raises:
         ValueError: on ``meta``, ``d`` or ``n`` not a multiple of 8 (the only way to run there
-            is ``torch._grouped_mm``, which needs 16-byte aligned rows).
+            is ``torch._grouped_mm``, which needs 16-byte aligned rows); with
+            ``activation_cache="fp8"``, ``n`` not a multiple of 64.
     """
     T, d, n, E, K = sizes
     if device.type == "meta" and (d % 8 or n % 8):
@@ -62,6 +71,10 @@ def measure(sizes: tuple[int, int, int, int, int],
         "torch-gmm": lambda: profile_activation_memory(
             torch_gmm_moe, x, layer.gate.weight, layer.w1, layer.w2, K),
     }
+    if activation_cache == "fp8":
+        fp8_layer = copy.deepcopy(layer)
+        fp8_layer.activation_cache = "fp8"
+        runs["sonic-fp8c"] = lambda: profile_activation_memory(fp8_layer, x)
     return {name: dataclasses.replace(run(), output=None) for name, run in runs.items()}
 
 
@@ -167,9 +180,17 @@ def _table(name: str, sizes: tuple, device: torch.device,
                      f"{mib(r.peak_bytes):>13}")
     ratio = reports["torch-gmm"].activation_bytes / max(reports["sonic"].activation_bytes, 1)
     lines.append(f"  torch-gmm / sonic: {ratio:.2f}x")
+    if "sonic-fp8c" in reports:
+        lines.append(f"  sonic-fp8c / sonic (fp8 / bf16 activation cache): "
+                     f"{fp8_cache_ratio(reports):.3f}")
     for impl, r in reports.items():
         lines += ["", f"{impl}, largest saved storages:", r.format(max_rows=top)]
     return "\n".join(lines)
+
+
+def fp8_cache_ratio(reports: dict[str, ActivationMemoryReport]) -> float:
+    """Activation bytes of sonic with the fp8 cache over sonic's with the bf16 cache."""
+    return reports["sonic-fp8c"].activation_bytes / max(reports["sonic"].activation_bytes, 1)
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace, sizes: tuple,
@@ -208,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("meta", "cpu", "cuda"), default="meta",
                         help="where to run; meta (default) allocates nothing")
     parser.add_argument("--json", action="store_true",
-                        help="end with one JSON line: config, T, d, n, E, K, sonic_MiB, torch_MiB")
+                        help="end with one JSON line: config, T, d, n, E, K, sonic_MiB, "
+                             "torch_MiB (with --activation-cache fp8 also sonic_fp8_cache_MiB, "
+                             "fp8_cache_ratio)")
+    parser.add_argument("--activation-cache", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: also measure sonic keeping H as e4m3 + 1x128 scales "
+                             "(row sonic-fp8c) and its ratio to the bf16 cache")
     parser.add_argument("--top", type=int, default=6, help="saved storages listed per impl")
     parser.add_argument("--plot", metavar="FILE",
                         help="also sweep granularity at fixed FLOPs (SonicMoE Fig. 1) from "
@@ -225,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     name, sizes = args.config
     device = torch.device(args.device)
     try:
-        reports = measure(sizes, device)
+        reports = measure(sizes, device, args.activation_cache)
     except ValueError as err:
         parser.error(f"--config {name}: {err}")
     print(_table(name, sizes, device, reports, args.top))
@@ -234,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"config": name, **dict(zip("TdnEK", sizes)),
                    "sonic_MiB": round(reports["sonic"].activation_mib, 3),
                    "torch_MiB": round(reports["torch-gmm"].activation_mib, 3)}
+        if "sonic-fp8c" in reports:
+            summary["sonic_fp8_cache_MiB"] = round(reports["sonic-fp8c"].activation_mib, 3)
+            summary["fp8_cache_ratio"] = round(fp8_cache_ratio(reports), 4)
         if sweep is not None:
             summary["sweep"] = sweep
         print(json.dumps(summary))

@@ -13,6 +13,7 @@ from torch import nn
 from sonic._validation import check_bool, check_choice, check_int, check_non_negative, check_tensor
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
                                         check_fp8_sizes, moe_experts, quantize_expert_weights)
+from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
@@ -115,6 +116,10 @@ class MoE(nn.Module):
             cached on the weights' ``(data_ptr, _version, shape, device)``, which
             ``optimizer.step`` and ``load_state_dict`` change; the cache is not part of the
             ``state_dict`` and is dropped by copies and pickling.
+        activation_cache: how H is kept for backward, ``"bf16"`` (as computed) or ``"fp8"``
+            (e4m3 + 1×128 fp32 scales, about half the bytes; needs ``d_expert`` a multiple of 64
+            and bf16/fp16 compute, i.e. bf16/fp16 parameters or ``torch.autocast``); see
+            :func:`moe_experts`. Settable later (checked again then).
 
     Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
@@ -147,12 +152,12 @@ class MoE(nn.Module):
                  router: str = "topk", tile: int = 128, score: str = "softmax_topk",
                  renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
                  aux_loss_coef: float = 0.0, backend: str = "auto", precision: str = "bf16",
-                 device=None, dtype=None):
+                 activation_cache: str = "bf16", device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
-                        precision=precision)
+                        precision=precision, activation_cache=activation_cache)
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
@@ -162,7 +167,7 @@ class MoE(nn.Module):
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                    router: str, tile: int, score: str, renormalize: bool, rounding: str,
                    gate_up: str, aux_loss_coef: float, backend: str,
-                   precision: str = "bf16") -> None:
+                   precision: str = "bf16", activation_cache: str = "bf16") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -179,6 +184,7 @@ class MoE(nn.Module):
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         self.precision = precision
+        self.activation_cache = activation_cache
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         # (key, Fp8ExpertWeights) of the last FP8 forward; see _fp8_weights.
@@ -203,6 +209,17 @@ class MoE(nn.Module):
         if value == "fp8":
             check_fp8_sizes(self.d_model, self.d_expert)
         self._precision = value
+
+    @property
+    def activation_cache(self) -> str:
+        return self._activation_cache
+
+    @activation_cache.setter
+    def activation_cache(self, value: str) -> None:
+        check_choice("activation_cache", value, ACTIVATION_CACHES)
+        if value == "fp8":
+            check_fp8_d_expert(self.d_expert)
+        self._activation_cache = value
 
     @property
     def aux_loss_coef(self) -> float:
@@ -235,6 +252,7 @@ class MoE(nn.Module):
             state["_aux_loss"] = state.pop("aux_loss")
         state.setdefault("_precision", "bf16")      # pickled before precision existed
         state.setdefault("_fp8_cache", None)
+        state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
@@ -262,7 +280,7 @@ class MoE(nn.Module):
                            routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
                            backend=self.backend,
                            metadata=routing_metadata(routing, backend=self.backend),
-                           precision=self.precision,
+                           precision=self.precision, activation_cache=self.activation_cache,
                            fp8_weights=self._fp8_weights(w1, w2))
 
     def weight_copies(self) -> tuple[torch.Tensor, ...]:
@@ -333,4 +351,6 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}, "
-                f"precision={self.precision!r}")
+                f"precision={self.precision!r}"
+                + (f", activation_cache={self.activation_cache!r}"
+                   if self.activation_cache != "bf16" else ""))

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "e4m3 (1x128 activation, 128x128 weight scales; Hopper with the cute "
                         "backend, a slow emulation with --backend torch); needs --d-model and "
                         "--d-expert multiples of 128 and computes in bfloat16")
+    p.add_argument("--activation-cache", choices=("bf16", "fp8"), default=d.activation_cache,
+                   help="how every MoE layer keeps H for backward: bf16 (as computed) or fp8 "
+                        "(e4m3 + fp32 1x128 scales, about half the bytes; needs --dtype "
+                        "bfloat16, d-expert a multiple of 64, --ep 1)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the initialisation and of the training windows")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
 from sonic.autograd.moe_experts import PRECISIONS
+from sonic.autograd.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
@@ -45,7 +46,9 @@ class TrainConfig:
     size under ``torchrun`` (see :mod:`sonic.train.parallel`): ``batch_size`` is then per rank,
     the global batch ``WORLD_SIZE·batch_size`` windows; ``ep_chunks`` the ``num_chunks`` of
     every `sonic.distributed.ExpertParallelMoE` (all-to-alls overlapped with the experts of
-    other chunks; no effect with ``ep = 1``).
+    other chunks; no effect with ``ep = 1``). ``activation_cache`` is every `sonic.MoE`'s
+    (``"fp8"`` keeps H in e4m3 for backward; it needs bfloat16 parameters, ``d_expert`` a
+    multiple of 64 and ``ep = 1``).
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -77,6 +80,7 @@ class TrainConfig:
     seed: int = 0
     ep: int = 1
     ep_chunks: int = 1
+    activation_cache: str = "bf16"
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "experts",
@@ -125,6 +129,21 @@ class TrainConfig:
             if self.ep > 1:
                 raise ValueError("precision: 'fp8' is not supported with --ep > 1 yet (the "
                                  "expert-parallel layer runs bf16 experts)")
+        if self.activation_cache not in ACTIVATION_CACHES:
+            raise ValueError(f"activation_cache: expected one of {ACTIVATION_CACHES}, "
+                             f"got {self.activation_cache!r}")
+        if self.activation_cache == "fp8":
+            if self.ep > 1:
+                raise ValueError("activation_cache: 'fp8' is not supported with --ep > 1 yet "
+                                 "(the expert-parallel path keeps H in bf16)")
+            if self.dtype == "float32":
+                raise ValueError("activation_cache: 'fp8' keeps a bf16 H in e4m3 and needs "
+                                 "bfloat16 parameters, got dtype 'float32'")
+            if (2 * self.d_expert) % 128:
+                raise ValueError(f"activation_cache: 'fp8' needs d_expert a multiple of 64, "
+                                 f"got {self.d_expert}")
+        if self.precision == "fp8" and self.activation_cache == "fp8":
+            raise ValueError("activation_cache: 'fp8' is not combined with precision 'fp8' yet")
 
 
 def _resolve_device(name: str | None) -> torch.device:
@@ -301,6 +320,9 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
            log_jsonl: str | None, tensorboard: str | None) -> dict:
     dtype = _DTYPES[config.dtype] or (torch.bfloat16 if device.type == "cuda"
                                       or config.precision == "fp8" else torch.float32)
+    if config.activation_cache == "fp8" and dtype != torch.bfloat16:
+        raise ValueError(f"activation_cache: 'fp8' needs bfloat16 parameters; dtype "
+                         f"{config.dtype!r} is {dtype} on {device} (pass --dtype bfloat16)")
     corpus = ByteCorpus(load_text(config.data), val_fraction=config.val_fraction,
                         seq_len=config.seq_len)
     if par.distributed:   # one checkpoint file per rank
@@ -316,6 +338,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                       d_expert=config.d_expert, router=config.router, tile=config.tile,
                       aux_loss_coef=config.aux_loss_coef, backend=config.backend,
                       precision=config.precision,
+                      activation_cache=config.activation_cache,
                       device=device, dtype=dtype)
     if par.ep > 1:
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks)

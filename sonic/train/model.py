@@ -56,8 +56,8 @@ class ByteMoELM(nn.Module):
         num_layers: transformer blocks.
         num_heads: attention heads.
         num_experts, top_k, d_expert: ``E``, ``K`` and ``n`` of every MoE layer.
-        router, tile, aux_loss_coef, backend, precision: passed to `sonic.MoE` (``router`` is the
-            training-time router; ``eval()`` routes by top-K).
+        router, tile, aux_loss_coef, backend, precision, activation_cache: passed to
+            `sonic.MoE` (``router`` is the training-time router; ``eval()`` routes by top-K).
         device, dtype: where and in which dtype the parameters live.
 
     Raises:
@@ -67,6 +67,7 @@ class ByteMoELM(nn.Module):
     def __init__(self, *, max_seq_len: int, d_model: int, num_layers: int, num_heads: int,
                  num_experts: int, top_k: int, d_expert: int, router: str, tile: int,
                  aux_loss_coef: float, backend: str = "auto", precision: str = "bf16",
+                 activation_cache: str = "bf16",
                  device=None, dtype=None):
         super().__init__()
         for name, value in (("max_seq_len", max_seq_len), ("d_model", d_model),
@@ -83,7 +84,7 @@ class ByteMoELM(nn.Module):
             Block(d_model, num_heads,
                   MoE(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                       aux_loss_coef=aux_loss_coef, backend=backend, precision=precision,
-                      device=device,
+                      activation_cache=activation_cache, device=device,
                       dtype=dtype),
                   device=device, dtype=dtype)
             for _ in range(num_layers))
