@@ -66,7 +66,11 @@ def _check_h_and_a(h, a, ref_h, gate_up):
     assert torch.equal(a, swiglu(h, gate_up))
     ref_a = ref_ops.swiglu(ref_h, gate_up)
     gate, up = ref_ops.split_gate_up(ref_h, gate_up)
-    bound = 1.25 * 2 ** -8 * (1.1 * (gate * up).abs() + 2 * ref_a.abs())
+    # bf16 roundings of H and A, plus H's allowed fp32-order difference (the atol above)
+    # carried through SwiGLU (|silu'| <= 1.1): large on data whose k-blocks cancel.
+    h_atol = 1e-4 * ref_h.abs().max().item()
+    bound = (1.25 * 2 ** -8 * (1.1 * (gate * up).abs() + 2 * ref_a.abs())
+             + h_atol * (1.1 * up.abs() + torch.nn.functional.silu(gate).abs()))
     excess = (a.float() - ref_a).abs() - bound
     assert excess.max().item() <= 1e-6 * ref_a.abs().max().item(), excess.max().item()
     assert rel_err(a, ref_a) < 2 ** -7
