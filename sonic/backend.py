@@ -365,15 +365,12 @@ def _cute_grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx=None,
 
 def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, gate_up, *,
                              h_out=None):
-    from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
-    # The FP8 mainloop into the SwiGLU epilogue writes H and A in one pass; ungathered rows
-    # (no caller of the layer has them) take the store GEMM and the one-pass SwiGLU kernel.
-    if gather_idx is not None and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets,
-                                                 gather_idx):
-        return gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx,
-                                            gate_up=gate_up, h_out=h_out)
+    # The FP8 GEMM with its store epilogue, then the one-pass SwiGLU kernel. The fused kernels
+    # (grouped_gemm_fp8_swiglu / _dswiglu) pass their own tests but are not used here yet: a
+    # 600-step `sonic.train --precision fp8` on the H200 ended 2.6% above bf16's validation
+    # loss with them against 0.5% with this path, cause not found (RESULTS.md, issue 18).
     h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
     act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
     return h, act
@@ -381,20 +378,12 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
                          gate_up):
-    from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
-    if not _epilogue_kernel_fits(h):
-        da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
-        return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
-    row_scores = row_scores.float().contiguous()
-    # The FP8 dA' GEMM with the dSwiGLU epilogue (as the bf16 dH kernel: "concat" layout).
-    if (gate_up == "concat" and gather_idx is not None and h.data_ptr() % 16 == 0
-            and _fp8_gemm_fits(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)):
-        return gemm.grouped_gemm_fp8_dswiglu(do_q, do_scales, w2t_q, w2t_scales, offsets,
-                                             gather_idx, h, row_scores)
     da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
-    return kernels.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+    if not _epilogue_kernel_fits(h):
+        return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+    return kernels.dswiglu_epilogue(da_prime, h, row_scores.float().contiguous(), gate_up)
 
 
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,
