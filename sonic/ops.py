@@ -29,7 +29,8 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
 
 * FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
   ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend)
-  -> (out, H)`` with ``fp8_weights = [w1_q, w1_scales, w2_q, w2_scales]`` (saved by reference,
+  -> (out, H)`` with ``fp8_weights`` the eight tensors of ``sonic.Fp8ExpertWeights`` (saved by
+  reference,
   like w1 and w2); its backward runs ``sonic::quantize_rows``, ``sonic::dh_dswiglu_fp8``,
   ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight gradients) and
   ``aggregate``; ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
@@ -510,7 +511,7 @@ def transpose_fp8_blocks(q: torch.Tensor, scales: torch.Tensor
 
 def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str,
                          *, h_out=None):
-    w1_q, w1_scales, w2_q, w2_scales = fp8_weights
+    w1_q, w1_scales, w2_q, w2_scales = fp8_weights[:4]
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
     with _no_autocast(x.device):
@@ -546,7 +547,7 @@ def _experts_setup_fp8(ctx, inputs, output):
     x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend = inputs
     _out, h = output
     # The FP8 weight copies are the caller's (a per-step cache or made per call from w1, w2):
-    # saved by reference, like w1 and w2; the backward transposes them.
+    # saved by reference, like w1 and w2.
     ctx.save_for_backward(x, w1, w2, h, scores, meta, *fp8_weights)
     ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
     ctx.mark_non_differentiable(h)
@@ -556,9 +557,10 @@ def _experts_setup_fp8(ctx, inputs, output):
 def _experts_backward_fp8(ctx, grad_out, _grad_h):
     if torch.is_grad_enabled() and not _traced(grad_out):
         raise _first_order_error()
-    x, w1, w2, h, scores, meta, w1_q, w1_scales, w2_q, w2_scales = ctx.saved_tensors
+    x, w1, w2, h, scores, meta, *fp8_weights = ctx.saved_tensors
+    w1t_q, w1t_scales, w2t_q, w2t_scales = fp8_weights[4:]
     if grad_out is None:
-        return (None,) * 5 + ([None] * 4, None, None, None)
+        return (None,) * 5 + ([None] * len(fp8_weights), None, None, None)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
     need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
@@ -569,11 +571,10 @@ def _experts_backward_fp8(ctx, grad_out, _grad_h):
     # dA' = gather(dO)·W2 in FP8 (dO quantized once per token, gathered with its scales),
     # then the dSwiGLU epilogue from the saved bf16 H.
     do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
-    w2t_q, w2t_scales = transpose_fp8_blocks(w2_q, w2_scales)
     dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu_fp8(
         do_q, do_scales, w2t_q, w2t_scales, offsets, m.gather_idx, h, row_scores, gate_up,
         backend)
-    del do_q, do_scales, w2t_q, w2t_scales, h
+    del do_q, do_scales, h
     grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
     grad_w2 = grad_w1 = grad_x = None
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
@@ -584,15 +585,15 @@ def _experts_backward_fp8(ctx, grad_out, _grad_h):
     del a_scaled
     if need_x:
         dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
-        w1t_q, w1t_scales = transpose_fp8_blocks(w1_q, w1_scales)
         dx_rows = torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, w1t_q, w1t_scales, offsets,
                                                  None, backend)
-        del dh_q, dh_scales, w1t_q, w1t_scales
+        del dh_q, dh_scales
         grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None, backend)
         del dx_rows
     if need_w1:
         grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
-    return grad_x, grad_w1, grad_w2, grad_scores, None, [None] * 4, None, None, None
+    return (grad_x, grad_w1, grad_w2, grad_scores, None, [None] * len(fp8_weights), None,
+            None, None)
 
 
 torch.library.register_autograd("sonic::moe_experts_fp8", _experts_backward_fp8,

@@ -287,11 +287,15 @@ def _fp8_layer(seed=0):
 
 
 def _copies_match_weights(layer):
-    w1_q, w1_s, w2_q, w2_s = layer.weight_copies()
-    q1, s1 = R.quantize_blocks(layer.w1.detach())
-    q2, s2 = R.quantize_blocks(layer.w2.detach())
-    return (torch.equal(w1_q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(w1_s, s1)
-            and torch.equal(w2_q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(w2_s, s2))
+    """All eight copies are those of the current weights (the transposed ones included)."""
+    copies = layer.weight_copies()
+    w1, w2 = layer.w1.detach(), layer.w2.detach()
+    expected = (*R.quantize_blocks(w1), *R.quantize_blocks(w2),
+                *R.quantize_blocks(w1.transpose(1, 2).contiguous()),
+                *R.quantize_blocks(w2.transpose(1, 2).contiguous()))
+    view = (lambda t: t.view(torch.uint8) if t.dtype == R.FP8_DTYPE else t)  # noqa: E731
+    return len(copies) == 8 and all(torch.equal(view(a), view(b))
+                                    for a, b in zip(copies, expected))
 
 
 def test_moe_fp8_cache_reused_until_the_weights_change():

@@ -17,15 +17,17 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
 * Forward. X is quantized once per layer (``quantize_rows``, one scale per token and
   k-block); the up-proj gathers rows of ``x_q`` and their scales (one index for both), which
   costs less than quantizing each token's K copies. Up-proj = FP8 GEMM → H in bf16 → SwiGLU
-  → A in bf16 (one backend op, ``ExpertOps.up_proj_swiglu_fp8``: today the FP8 store GEMM
-  then the SwiGLU kernel; a fused FP8 SwiGLU epilogue goes there). A is quantized per row and
+  → A in bf16 (one backend op, ``ExpertOps.up_proj_swiglu_fp8``: the FP8 store GEMM then the
+  SwiGLU kernel; the fused kernel ``grouped_gemm_fp8_swiglu`` is not used yet, see
+  :mod:`sonic.backend`). A is quantized per row and
   the down-proj is an FP8 GEMM → Y bf16 → aggregation as in bf16. H stays bf16 so the
   backward recomputes exactly the A the forward used (before A's quantization).
 * Backward. dO is quantized once per token; dA' = gather(dO)·W2 is an FP8 GEMM on W2ᵀ's FP8
   copy, followed by the dSwiGLU epilogue (dH, A', ds) on the saved bf16 H; dX = FP8 GEMM of
   dH (quantized per row) and W1ᵀ's FP8 copy, then aggregation. The transposed copies are the
   forward copies transposed, q and 128×128 block scales alike: a square block holds the same
-  values in both orientations, so this *is* ``quantize_blocks(Wᵀ)``, with no re-quantization.
+  values in both orientations, so this *is* ``quantize_blocks(Wᵀ)``, with no re-quantization;
+  they are made with the forward copies, once per optimizer step.
 * Weight gradients dW1, dW2 stay bf16 varlen-K GEMMs: they reduce over tokens (rows), while
   1×128 row scales run along the reduction's other axis; FP8 operands would need a second,
   column-wise quantization of dO, A', dH and X. Whether that pays is not measured here.
@@ -64,12 +66,20 @@ class Fp8ExpertWeights(NamedTuple):
     Attributes:
         w1_q: ``(E, 2n, d)`` float8_e4m3fn; w1_scales: ``(E, 2n/128, d/128)`` fp32.
         w2_q: ``(E, d, n)`` float8_e4m3fn; w2_scales: ``(E, d/128, n/128)`` fp32.
+        w1t_q, w1t_scales, w2t_q, w2t_scales: the same of ``W1ᵀ (E, d, 2n)`` and
+            ``W2ᵀ (E, n, d)``, the K-major B operands of the dX and dA' GEMMs (FP8 WGMMA reads
+            both operands K-major): made with the others, as transposing 1.5 GiB of e4m3 per
+            backward cost more than the FP8 GEMMs saved (30B, H200).
     """
 
     w1_q: torch.Tensor
     w1_scales: torch.Tensor
     w2_q: torch.Tensor
     w2_scales: torch.Tensor
+    w1t_q: torch.Tensor
+    w1t_scales: torch.Tensor
+    w2t_q: torch.Tensor
+    w2t_scales: torch.Tensor
 
 
 def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
@@ -82,6 +92,8 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
     Raises:
         TypeError: a weight is not bf16; ValueError: unknown ``backend``.
     """
+    from sonic.ops import transpose_fp8_blocks
+
     check_choice("backend", backend, BACKENDS)
     for name, w in (("w1", w1), ("w2", w2)):
         check_float(name, w, ndim=3)
@@ -90,7 +102,9 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
     with torch.no_grad():
         w1_q, w1_s = torch.ops.sonic.quantize_blocks(w1.detach(), backend)
         w2_q, w2_s = torch.ops.sonic.quantize_blocks(w2.detach(), backend)
-    return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s)
+        w1t_q, w1t_s = transpose_fp8_blocks(w1_q, w1_s)
+        w2t_q, w2t_s = transpose_fp8_blocks(w2_q, w2_s)
+    return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s, w1t_q, w1t_s, w2t_q, w2t_s)
 
 
 def check_fp8_sizes(d: int, n: int) -> None:
@@ -247,8 +261,13 @@ def _check_fp8_call(x: torch.Tensor, e: int, n: int, fp8_weights: Fp8ExpertWeigh
     if not isinstance(fp8_weights, Fp8ExpertWeights):
         raise TypeError(f"fp8_weights must be an Fp8ExpertWeights (quantize_expert_weights), "
                         f"got {type(fp8_weights).__name__}")
-    expected = {"w1_q": (e, 2 * n, d), "w1_scales": (e, 2 * n // FP8_BLOCK, d // FP8_BLOCK),
-                "w2_q": (e, d, n), "w2_scales": (e, d // FP8_BLOCK, n // FP8_BLOCK)}
+    shapes = {"w1": (e, 2 * n, d), "w2": (e, d, n)}
+    expected = {}
+    for name, (_, rows, cols) in shapes.items():
+        expected[f"{name}_q"] = (e, rows, cols)
+        expected[f"{name}_scales"] = (e, rows // FP8_BLOCK, cols // FP8_BLOCK)
+        expected[f"{name}t_q"] = (e, cols, rows)
+        expected[f"{name}t_scales"] = (e, cols // FP8_BLOCK, rows // FP8_BLOCK)
     for name, shape in expected.items():
         t = getattr(fp8_weights, name)
         dtype = torch.float32 if name.endswith("scales") else torch.float8_e4m3fn
