@@ -46,6 +46,7 @@ def _problem(num_pairs, num_experts, n, dim_k, mode):
 
 @pytest.mark.parametrize("num_pairs,num_experts,n,dim_k,mode", [
     (1, 1, 128, 128, "ragged"),           # P = 1, one n-tile
+    (4096, 8, 128, 128, "ragged"),        # sonic.train's defaults: one k-tile, many rows
     (3001, 16, 256, 1536, "empty"),       # half the experts empty
     (2000, 4, 1024, 512, "one"),          # one expert takes every row
     (4097, 128, 384, 256, "ragged"),      # odd n-tile count

@@ -79,6 +79,7 @@ def _check_h_and_a(h, a, ref_h, gate_up):
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
 @pytest.mark.parametrize("num_pairs,num_experts,n,dim_k,mode", [
     (1, 1, 64, 128, "ragged"),            # P = 1, the smallest 2n (one n-tile)
+    (4096, 8, 128, 128, "ragged"),        # sonic.train's defaults: one k-tile, many rows
     (3001, 16, 256, 1536, "empty"),       # half the experts empty
     (2000, 4, 1024, 512, "one"),          # one expert takes every row
     (4097, 128, 192, 256, "ragged"),      # n = 192: concat up halves start mid scale block
