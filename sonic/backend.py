@@ -59,7 +59,7 @@ TORCH_OPS = ExpertOps(
     dh_dswiglu=reference.dh_dswiglu,
     aggregate=reference.aggregate,
     quantize_rows=fp8_reference.quantize_rows,
-    quantize_blocks=fp8_reference.quantize_blocks,
+    quantize_blocks=fp8_reference.quantize_blocks_and_transpose,
     grouped_mm_fp8=reference.grouped_mm_fp8,
     up_proj_swiglu_fp8=reference.up_proj_swiglu_fp8,
     dh_dswiglu_fp8=reference.dh_dswiglu_fp8,
@@ -337,10 +337,12 @@ def _cute_quantize_rows(x):
 def _cute_quantize_blocks(w):
     from sonic.kernels import fp8_quant as kernels
 
+    # Both orientations in one pass: the transposed copy through shared memory costs less than
+    # transposing 1.5 GiB of e4m3 afterwards (30B: 9 ms with torch on the H200).
     if (w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and w.shape[-1] % kernels.BLOCK == 0):
-        return kernels.quantize_blocks(w)
-    return fp8_reference.quantize_blocks(w)
+            and w.shape[-1] % kernels.BLOCK == 0 and w.shape[-2] % kernels.BLOCK == 0):
+        return kernels.quantize_blocks(w, transposed=True)
+    return fp8_reference.quantize_blocks_and_transpose(w)
 
 
 def _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx) -> bool:

@@ -458,15 +458,19 @@ def _(x, backend):
 
 
 @torch.library.custom_op("sonic::quantize_blocks", mutates_args=())
-def _quantize_blocks_op(w: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks_op(w: torch.Tensor, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 copies of ``w (E, N, K)`` and of ``wᵀ``: ``(q, scales, q_t, scales_t)``
+    (:func:`sonic.reference.fp8.quantize_blocks_and_transpose`)."""
     return _impl(backend, w.device).quantize_blocks(w)
 
 
 @_quantize_blocks_op.register_fake
 def _(w, backend):
     e, n, k = w.shape
-    return (w.new_empty(w.shape, dtype=torch.float8_e4m3fn),
-            w.new_empty(e, -(-n // 128), -(-k // 128), dtype=torch.float32))
+    fp8, f32 = torch.float8_e4m3fn, torch.float32
+    return (w.new_empty(w.shape, dtype=fp8), w.new_empty(e, n // 128, k // 128, dtype=f32),
+            w.new_empty(e, k, n, dtype=fp8), w.new_empty(e, k // 128, n // 128, dtype=f32))
 
 
 @torch.library.custom_op("sonic::grouped_mm_fp8", mutates_args=())
@@ -498,15 +502,6 @@ def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch
 def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, gate_up, backend):
     p, two_n = h.shape
     return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
-
-
-def transpose_fp8_blocks(q: torch.Tensor, scales: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 copy of ``Wᵀ`` from that of ``W``: ``q (E, N, K)`` → ``(E, K, N)`` and block
-    scales ``(E, N/128, K/128)`` → ``(E, K/128, N/128)``, both contiguous. Exactly
-    ``quantize_blocks(Wᵀ)``: a 128×128 block holds the same values either way, so its amax,
-    scale and every rounding are unchanged (tests/test_fp8_layer.py checks it)."""
-    return q.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous()
 
 
 def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import sonic
-from sonic.ops import routing_metadata_op, transpose_fp8_blocks
+from sonic.ops import routing_metadata_op
 from sonic.reference import fp8 as R
 
 BF16 = torch.bfloat16
@@ -127,7 +127,7 @@ def test_transposed_weight_copy_is_the_quantization_of_the_transpose():
     # A 128x128 block holds the same values in both orientations: same amax, scale, roundings.
     w = (torch.randn(3, 256, 384) * torch.rand(3, 256, 1) * 5).to(BF16)
     w[1, :128, 128:256] = 0                      # an all-zero block keeps scale 1
-    q, s = transpose_fp8_blocks(*R.quantize_blocks(w))
+    q, s = R.quantize_blocks_and_transpose(w)[2:]
     q_ref, s_ref = R.quantize_blocks(w.transpose(1, 2).contiguous())
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref)

@@ -92,18 +92,14 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
     Raises:
         TypeError: a weight is not bf16; ValueError: unknown ``backend``.
     """
-    from sonic.ops import transpose_fp8_blocks
-
     check_choice("backend", backend, BACKENDS)
     for name, w in (("w1", w1), ("w2", w2)):
         check_float(name, w, ndim=3)
         if w.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bfloat16 for FP8 copies, got {w.dtype}")
     with torch.no_grad():
-        w1_q, w1_s = torch.ops.sonic.quantize_blocks(w1.detach(), backend)
-        w2_q, w2_s = torch.ops.sonic.quantize_blocks(w2.detach(), backend)
-        w1t_q, w1t_s = transpose_fp8_blocks(w1_q, w1_s)
-        w2t_q, w2t_s = transpose_fp8_blocks(w2_q, w2_s)
+        w1_q, w1_s, w1t_q, w1t_s = torch.ops.sonic.quantize_blocks(w1.detach(), backend)
+        w2_q, w2_s, w2t_q, w2t_s = torch.ops.sonic.quantize_blocks(w2.detach(), backend)
     return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s, w1t_q, w1t_s, w2t_q, w2t_s)
 
 

@@ -59,7 +59,7 @@ FP8_MAX = 448.0
 def _kernels():
     """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
     import cutlass
-    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, cute
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, cute
     from cuda.bindings import driver as cuda
 
     def slice_amax(frag):
@@ -81,13 +81,17 @@ def _kernels():
         """``amax / 448``; 1.0 for an all-zero block (and, as in the reference, a NaN one)."""
         return Float32(cutlass.select_(amax > Float32(0.0), amax / Float32(FP8_MAX), Float32(1.0)))
 
-    def quantize_store(frag, scale, dst):
-        """``round_e4m3(frag / scale)`` (IEEE division, saturating conversion) into the
-        8-element fp8 global tensor ``dst``."""
+    def quantize(frag, scale):
+        """``round_e4m3(frag / scale)`` (IEEE division, saturating conversion): an 8-element
+        fp8 register fragment."""
         frag.store(frag.load() / scale)
         out = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
         out.store(frag.load().to(Float8E4M3FN))
-        cute.autovec_copy(out, dst)
+        return out
+
+    def quantize_store(frag, scale, dst):
+        """:func:`quantize` into the 8-element fp8 global tensor ``dst``."""
+        cute.autovec_copy(quantize(frag, scale), dst)
 
     class QuantizeRowsKernel:
         """``(M, K)`` bf16 → ``q (M, K)`` e4m3 and ``scales (K/128, M)`` fp32; ``K`` static."""
@@ -178,23 +182,29 @@ def _kernels():
 
     class QuantizeBlocksKernel:
         """``(E, N, K)`` bf16 → ``q`` e4m3 and ``scales (E, ceil(N/128), K/128)`` fp32;
-        ``K`` static."""
+        ``K`` static. With ``transposed``, also ``qt (E, K, N)`` and ``scales_t (E, K/128,
+        N/128)``, the copy of ``wᵀ`` (``N`` a multiple of 128): the block goes through shared
+        memory and leaves by rows of ``wᵀ``."""
 
-        def __init__(self, k: int):
+        def __init__(self, k: int, transposed: bool = False):
             self.k = k
             self.kb = k // BLOCK
+            self.transposed = transposed
 
         @cute.jit
-        def __call__(self, w: Int64, q: Int64, scales: Int64, num_experts: Int32, n: Int32,
-                     stream: cuda.CUstream):
+        def __call__(self, w: Int64, q: Int64, scales: Int64, qt: Int64, scales_t: Int64,
+                     num_experts: Int32, n: Int32, stream: cuda.CUstream):
             gmem = runtime.gmem_ptr
             self.kernel(gmem(BFloat16, w, 16), gmem(Float8E4M3FN, q, 16),
-                        gmem(Float32, scales, 4), n).launch(
+                        gmem(Float32, scales, 4), gmem(Float8E4M3FN, qt, 16),
+                        gmem(Float32, scales_t, 4),
+                        n).launch(
                 grid=[(n + BLOCK - 1) // BLOCK, self.kb, num_experts], block=[THREADS, 1, 1],
                 stream=stream)
 
         @cute.kernel
-        def kernel(self, w: cute.Pointer, q: cute.Pointer, scales: cute.Pointer, n: Int32):
+        def kernel(self, w: cute.Pointer, q: cute.Pointer, scales: cute.Pointer,
+                   qt: cute.Pointer, scales_t: cute.Pointer, n: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             nb, kb, expert = cute.arch.block_idx()
             warps = THREADS // 32
@@ -224,23 +234,54 @@ def _kernels():
             for j in cutlass.range_constexpr(1, warps):
                 amax = cute.arch.fmax(amax, warp_max[j], nan=True)
             scale = scale_of(amax)
+            # The block's bytes, row-major with a padded row (the transposed reads below walk
+            # a column: 8-byte row offsets spread them over the banks).
+            stride = BLOCK + 8
+            tile = None
+            if cutlass.const_expr(self.transposed):
+                tile = smem.allocate_tensor(Uint8, cute.make_layout((BLOCK, stride),
+                                                                    stride=(stride, 1)),
+                                            byte_alignment=16)
+            r0 = tidx // LANES_PER_SLICE
+            c0 = (tidx % LANES_PER_SLICE) * VEC
             for i in cutlass.range_constexpr(per_lane):
                 row = first + i * row_step
+                out = quantize(vals[i], scale)
                 if row < n:
                     dst = q + (base + Int64(row) * self.k + col)
-                    quantize_store(vals[i], scale, cute.make_tensor(dst, cute.make_layout(VEC)))
+                    cute.autovec_copy(out, cute.make_tensor(dst, cute.make_layout(VEC)))
+                if cutlass.const_expr(self.transposed):
+                    cute.autovec_copy(cute.recast_tensor(out, Uint8),
+                                      cute.make_tensor(tile.iterator + ((r0 + i * row_step) * stride
+                                                                        + c0),
+                                                       cute.make_layout(VEC)))
             if tidx == 0:
                 num_nb = (n + BLOCK - 1) // BLOCK
                 flat = (Int64(expert) * num_nb + nb) * self.kb + kb
                 cute.make_tensor(scales + flat, cute.make_layout(1))[0] = scale
+                if cutlass.const_expr(self.transposed):
+                    flat_t = (Int64(expert) * self.kb + kb) * num_nb + nb
+                    cute.make_tensor(scales_t + flat_t, cute.make_layout(1))[0] = scale
+            if cutlass.const_expr(self.transposed):
+                cute.arch.barrier()
+                # Row kk of the transposed block is column kk of this one: lane (r0, c0) of the
+                # read layout gathers column r0 + i·row_step at rows c0 .. c0 + 7.
+                base_t = Int64(expert) * self.k * n.to(Int64)
+                for i in cutlass.range_constexpr(per_lane):
+                    kk = r0 + i * row_step
+                    col_q = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
+                    col_bytes = cute.recast_tensor(col_q, Uint8)
+                    for j in cutlass.range_constexpr(VEC):
+                        col_bytes[j] = tile[c0 + j, kk]
+                    dst_t = qt + (base_t + Int64(kb * BLOCK + kk) * n.to(Int64) + nb * BLOCK + c0)
+                    cute.autovec_copy(col_q, cute.make_tensor(dst_t, cute.make_layout(VEC)))
 
     return QuantizeRowsKernel, QuantizeBlocksKernel, DequantizeRowsKernel
 
 
 def _compile(kind: str, k: int, keep_ptx: bool = False):
-    """Compile one static configuration (``kind`` ``"rows"``, ``"blocks"`` or
-    ``"dequant_rows"``, ``K``) with
-    placeholder arguments."""
+    """Compile one static configuration (``kind`` ``"rows"``, ``"blocks"``,
+    ``"blocks_transposed"`` or ``"dequant_rows"``, ``K``) with placeholder arguments."""
     import cutlass
 
     rows_cls, blocks_cls, dequant_cls = _kernels()
@@ -248,8 +289,10 @@ def _compile(kind: str, k: int, keep_ptx: bool = False):
     if kind in ("rows", "dequant_rows"):
         cls = rows_cls if kind == "rows" else dequant_cls
         return runtime.compile_launcher(cls(k), *addresses, cutlass.Int32(1), keep_ptx=keep_ptx)
-    return runtime.compile_launcher(blocks_cls(k), *addresses, cutlass.Int32(1),
-                                    cutlass.Int32(1), keep_ptx=keep_ptx)
+    extra = [runtime.fake_address() for _ in range(2)]
+    return runtime.compile_launcher(blocks_cls(k, kind == "blocks_transposed"), *addresses,
+                                    *extra, cutlass.Int32(1), cutlass.Int32(1),
+                                    keep_ptx=keep_ptx)
 
 
 def _check_k(name: str, k: int) -> None:
@@ -321,7 +364,7 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, *, transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """Quantize per-expert weights to e4m3 per 128×128 block (DeepSeek-V3 §3.3).
 
     Bitwise equal to :func:`sonic.reference.fp8.quantize_blocks`; meant to run once per
@@ -330,36 +373,50 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Args:
         w: ``(E, N, K)`` or ``(N, K)`` bf16, contiguous, CUDA, 16-byte aligned; ``K`` a
             multiple of 128, any ``N`` (a partial last row block is scaled over its rows).
+        transposed: also return the copy of ``wᵀ`` — ``(E, K, N)`` e4m3 and its scales
+            ``(E, K/128, N/128)`` — in the same pass (a block's values and scale are the same
+            in both orientations); needs ``N`` a multiple of 128. The backward's FP8 GEMMs
+            read ``W1ᵀ`` and ``W2ᵀ`` K-major.
 
     Returns:
         ``(q, scales)``: ``q`` float8_e4m3fn of ``w``'s shape and ``scales`` fp32 contiguous of
-        shape ``(E, ceil(N/128), K/128)`` (without ``E`` for a 2-D ``w``). Empty ``w`` returns
-        empty tensors without a launch.
+        shape ``(E, ceil(N/128), K/128)`` (without ``E`` for a 2-D ``w``); with ``transposed``,
+        ``(q, scales, q_t, scales_t)``. Empty ``w`` returns empty tensors without a launch.
 
     Raises:
         TypeError: ``w`` is not a bf16 tensor.
         ValueError: ``w`` is not a contiguous 2-D or 3-D CUDA tensor, ``K`` is not a multiple
-            of 128, or ``w`` is not 16-byte aligned.
+            of 128 (or, with ``transposed``, ``N``), or ``w`` is not 16-byte aligned.
     """
     if isinstance(w, torch.Tensor) and w.dim() == 2:
-        q, scales = quantize_blocks(w[None])
-        return q[0], scales[0]
+        return tuple(t[0] for t in quantize_blocks(w[None], transposed=transposed))
     runtime.check_tensor("w", w, dtypes=(torch.bfloat16,), ndim=3)
     e, n, k = w.shape
     _check_k("w", k)
+    if transposed:
+        _check_k("w (N, rows per expert, with transposed=True)", n)
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty(e, -(-n // BLOCK), k // BLOCK, dtype=torch.float32, device=w.device)
+    out = (q, scales)
+    if transposed:
+        out += (torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device),
+                torch.empty(e, k // BLOCK, n // BLOCK, dtype=torch.float32, device=w.device))
     if q.numel() == 0:
-        return q, scales
-    fn = runtime.compiled(("fp8_quantize_blocks", k), lambda: _compile("blocks", k))
-    fn(runtime.address(w, 16), runtime.address(q, 16), runtime.address(scales, 4), e, n)
-    return q, scales
+        return out
+    kind = "blocks_transposed" if transposed else "blocks"
+    fn = runtime.compiled(("fp8_quantize_" + kind, k), lambda: _compile(kind, k))
+    # Without ``transposed`` the kernel never touches its transposed outputs' addresses.
+    q_t, scales_t = out[2:] if transposed else out
+    fn(runtime.address(w, 16), runtime.address(q, 16), runtime.address(scales, 4),
+       runtime.address(q_t, 16), runtime.address(scales_t, 4), e, n)
+    return out
 
 
 # e4m3 conversion with saturation, IEEE division, 16-byte bf16 loads, 8-byte fp8 stores.
 _MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "ld.global.v4",
             ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64"))
-for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 7168)):
+for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 7168),
+                  ("blocks_transposed", 2048)):
     register(KernelVariant(
         kernel="fp8_quant",
         variant=f"quantize_{_kind}_k{_k}",

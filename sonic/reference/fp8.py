@@ -196,6 +196,25 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     return q[:, :n, :k].contiguous(), scale.contiguous()
 
 
+def quantize_blocks_and_transpose(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_blocks` of ``w (E, N, K)`` and of ``wᵀ (E, K, N)``:
+    ``(q, scales, q_t, scales_t)``. The second is the first transposed, q and block scales
+    alike: a 128×128 block holds the same values in both orientations, so its amax, scale
+    and every rounding are the same (no re-quantization). ``N`` and ``K`` multiples of 128.
+
+    Raises:
+        ValueError: as :func:`quantize_blocks`; ``N`` or ``K`` not a multiple of 128.
+    """
+    q, scales = quantize_blocks(w)
+    if w.shape[-2] % BLOCK or w.shape[-1] % BLOCK:
+        raise ValueError(f"w must have N and K multiples of {BLOCK} for its transposed copy, "
+                         f"got shape {tuple(w.shape)}")
+    # Copies even where the transpose is already contiguous (a 1 x 1 block grid): the copies
+    # must not alias (custom ops may not return aliases of each other).
+    return (q, scales, q.transpose(-1, -2).clone(memory_format=torch.contiguous_format),
+            scales.transpose(-1, -2).clone(memory_format=torch.contiguous_format))
+
+
 def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_blocks` up to rounding: ``q.float() * scale`` per block.
 

@@ -76,6 +76,25 @@ def test_quantize_blocks_bitwise(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 128, 128), (3, 256, 384), (8, 2048, 1024)])
+def test_quantize_blocks_transposed_bitwise(shape):
+    """The one-pass transposed copy equals the reference quantization of ``wᵀ``, and the
+    untransposed outputs are those of the plain kernel."""
+    require_kernels()
+    from sonic.kernels.fp8_quant import quantize_blocks
+
+    w = _inputs(*shape, seed=7 + sum(shape))
+    w[0, :128, :128] = 0                      # an all-zero block: scale 1 in both copies
+    q_ref, s_ref, qt_ref, st_ref = ref.quantize_blocks_and_transpose(w)
+    poison_allocator()
+    q, scales, q_t, scales_t = quantize_blocks(w.cuda(), transposed=True)
+    _assert_bitwise(q, scales, q_ref, s_ref)
+    _assert_bitwise(q_t, scales_t, qt_ref, st_ref)
+    with pytest.raises(ValueError, match="transposed"):
+        quantize_blocks(w[:, :64].contiguous().cuda(), transposed=True)
+
+
+@pytest.mark.gpu
 def test_quantize_rows_nonfinite_like_reference():
     require_kernels()
     from sonic.kernels.fp8_quant import quantize_rows
