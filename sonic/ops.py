@@ -376,6 +376,33 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
     return torch.where(real, ds_rows, 0).index_select(0, m.pair_rows).to(dtype)
 
 
+def _grads_after_dh(ctx, dh_step: list, grad_out, x, scores, m: RoutingMetadata,
+                    dx_rows) -> tuple:
+    """``(dX, dW1, dW2, ds)`` of the expert backward once the dH step gave
+    ``dh_step = [dH, A', ds per row]`` (DESIGN §3, backward steps 2-4), for the inputs that
+    need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_rows(dH)``), dW1 =
+    varlen-K(dH, gather(X)). ``dx_rows`` is the one step the bf16 and FP8 paths do
+    differently. The caller hands over its only references in the list, which this empties,
+    so A' is freed before the dX GEMM allocates (the memory-minimal peak)."""
+    dh, a_scaled, ds_rows = dh_step
+    dh_step.clear()
+    backend, offsets = ctx.backend, m.expert_offsets
+    need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
+    grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
+    grad_w2 = grad_w1 = grad_x = None
+    if need_w2:
+        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,
+                                                      None, backend)
+    del a_scaled
+    if need_x:
+        rows = dx_rows(dh)
+        grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
+        del rows
+    if need_w1:
+        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
+    return grad_x, grad_w1, grad_w2, grad_scores
+
+
 def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     # Grad mode is on inside backward exactly when the caller asked for create_graph=True. The
     # saved H and metadata carry no graph, so a recorded backward would miss terms: refuse.
@@ -388,7 +415,6 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
         return None, None, None, None, None, None, None, None, None
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
-    need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
     offsets = m.expert_offsets
     grad_out = grad_out.contiguous().to(x.dtype)
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
@@ -418,19 +444,11 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
         dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx,
                                                            h, row_scores, gate_up, backend)
     del h
-    grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
-    grad_w2 = grad_w1 = grad_x = None
-    if need_w2:
-        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,
-                                                      None, backend)
-    del a_scaled
-    if need_x:
-        dx_rows = torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend)
-        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None, backend)
-        del dx_rows
-    if need_w1:
-        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
-    return grad_x, grad_w1, grad_w2, grad_scores, None, None, None, None, None
+    dh_step = [dh, a_scaled, ds_rows]
+    del dh, a_scaled, ds_rows
+    grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m,
+                            lambda dh: torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend))
+    return *grads, None, None, None, None, None
 
 
 torch.library.register_autograd("sonic::moe_experts", _experts_backward,
@@ -558,7 +576,6 @@ def _experts_backward_fp8(ctx, grad_out, _grad_h):
         return (None,) * 5 + ([None] * len(fp8_weights), None, None, None)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
-    need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
     offsets = m.expert_offsets
     grad_out = grad_out.contiguous().to(x.dtype)
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
@@ -570,25 +587,18 @@ def _experts_backward_fp8(ctx, grad_out, _grad_h):
         do_q, do_scales, w2t_q, w2t_scales, offsets, m.gather_idx, h, row_scores, gate_up,
         backend)
     del do_q, do_scales, h
-    grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
-    grad_w2 = grad_w1 = grad_x = None
+
+    def dx_rows(dh):
+        dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
+        return torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, w1t_q, w1t_scales, offsets,
+                                              None, backend)
+
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
     # along the other axis, so FP8 operands would need a second quantization per column.
-    if need_w2:
-        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,
-                                                      None, backend)
-    del a_scaled
-    if need_x:
-        dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
-        dx_rows = torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, w1t_q, w1t_scales, offsets,
-                                                 None, backend)
-        del dh_q, dh_scales
-        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None, backend)
-        del dx_rows
-    if need_w1:
-        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
-    return (grad_x, grad_w1, grad_w2, grad_scores, None, [None] * len(fp8_weights), None,
-            None, None)
+    dh_step = [dh, a_scaled, ds_rows]
+    del dh, a_scaled, ds_rows
+    grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m, dx_rows)
+    return *grads, None, [None] * len(fp8_weights), None, None, None
 
 
 torch.library.register_autograd("sonic::moe_experts_fp8", _experts_backward_fp8,
