@@ -59,7 +59,7 @@ FP8_MAX = 448.0
 def _kernels():
     """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
     import cutlass
-    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, cute
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, cute
     from cuda.bindings import driver as cuda
 
     def slice_amax(frag):
@@ -196,7 +196,7 @@ def _kernels():
                      num_experts: Int32, n: Int32, stream: cuda.CUstream):
             gmem = runtime.gmem_ptr
             self.kernel(gmem(BFloat16, w, 16), gmem(Float8E4M3FN, q, 16),
-                        gmem(Float32, scales, 4), gmem(Float8E4M3FN, qt, 16),
+                        gmem(Float32, scales, 4), gmem(Uint32, qt, 16),
                         gmem(Float32, scales_t, 4),
                         n).launch(
                 grid=[(n + BLOCK - 1) // BLOCK, self.kb, num_experts], block=[THREADS, 1, 1],
@@ -269,12 +269,17 @@ def _kernels():
                 base_t = Int64(expert) * self.k * n.to(Int64)
                 for i in cutlass.range_constexpr(per_lane):
                     kk = r0 + i * row_step
-                    col_q = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
-                    col_bytes = cute.recast_tensor(col_q, Uint8)
-                    for j in cutlass.range_constexpr(VEC):
-                        col_bytes[j] = tile[c0 + j, kk]
-                    dst_t = qt + (base_t + Int64(kb * BLOCK + kk) * n.to(Int64) + nb * BLOCK + c0)
-                    cute.autovec_copy(col_q, cute.make_tensor(dst_t, cute.make_layout(VEC)))
+                    # The 8 bytes of the column as two little-endian words: one 8-byte store
+                    # (byte-wise stores would issue 8x the store instructions).
+                    words = cute.make_rmem_tensor((2,), Uint32)
+                    for w_i in cutlass.range_constexpr(2):
+                        word = Uint32(0)
+                        for j in cutlass.range_constexpr(VEC // 2):
+                            byte = Uint32(tile[c0 + w_i * (VEC // 2) + j, kk])
+                            word = word | (byte << Uint32(8 * j))
+                        words[w_i] = word
+                    at = base_t + Int64(kb * BLOCK + kk) * n.to(Int64) + nb * BLOCK + c0
+                    cute.autovec_copy(words, cute.make_tensor(qt + at // 4, cute.make_layout(2)))
 
     return QuantizeRowsKernel, QuantizeBlocksKernel, DequantizeRowsKernel
 
