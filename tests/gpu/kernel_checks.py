@@ -13,6 +13,16 @@ def require_kernels() -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture
+def fp8_kernels(monkeypatch):
+    """What the FP8 grouped-GEMM tests need: the kernels on an sm_90 GPU (skip otherwise), and
+    TF32 off, so the references' k-block products are exact in fp32."""
+    require_kernels()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 grouped GEMM runs on sm_90a only")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
 def poison_allocator(nbytes: int = 256 << 20) -> None:
     """Fill free blocks of PyTorch's caching allocator with 0xFF bytes.
 

@@ -24,24 +24,16 @@ all-zero block; A scales ``(K/128, M)``, B scales ``(E, N/128, K/128)``).
 import pytest
 import torch
 
-from kernel_checks import (expert_counts as _counts, expert_offsets as _offsets,
-                           fp8_rand as _rand, poison_allocator, rel_err as _rel_err,
-                           require_kernels)
+from kernel_checks import (fp8_kernels,  # noqa: F401 (fixture)
+                           expert_counts as _counts, expert_offsets as _offsets,
+                           fp8_rand as _rand, poison_allocator, rel_err as _rel_err)
 
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernels")]
 
 BLOCK = 128
 
-
-@pytest.fixture(autouse=True)
-def _needs_kernels(monkeypatch):
-    require_kernels()
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the FP8 grouped GEMM runs on sm_90a only")
-    # The reference's k-block products are exact in fp32 only without TF32.
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
 def _problem(num_pairs, num_experts, dim_n, dim_k, mode, gathered):

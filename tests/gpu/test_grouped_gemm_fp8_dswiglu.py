@@ -15,21 +15,15 @@ dA' (≈4% rms, see the FP8 GEMM test), which dH inherits linearly — bound 6%.
 import pytest
 import torch
 
-from kernel_checks import (expert_counts as _counts, expert_offsets as _offsets, fp8_rand,
-                           poison_allocator, rel_err, require_kernels)
+from kernel_checks import (fp8_kernels,  # noqa: F401 (fixture)
+                           expert_counts as _counts, expert_offsets as _offsets, fp8_rand,
+                           poison_allocator, rel_err)
 
 from sonic.reference import ops as ref_ops
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernels")]
 
-
-@pytest.fixture(autouse=True)
-def _needs_kernels(monkeypatch):
-    require_kernels()
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the FP8 grouped GEMM runs on sm_90a only")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
 def _problem(num_pairs, num_experts, n, dim_k, mode):
