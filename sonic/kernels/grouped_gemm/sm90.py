@@ -130,14 +130,17 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
                          storage.sC.data_ptr(), outs, m_off, table, num_experts, full, empty,
-                         stage_mem)
+                         stage_mem, gidx_a, rows_a)
 
     @cute.jit
     def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                 tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
                 s_c: cute.Pointer, outs: tuple, m_off: cute.Tensor, table: cute.Tensor,
-                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple):
-        """WGMMA over the k-tiles of each tile, then the epilogue.
+                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple,
+                gidx_a: cute.Pointer, rows_a: Int32):
+        """WGMMA over the k-tiles of each tile, then the epilogue. ``gidx_a``, ``rows_a``
+        (A's row sources) serve subclasses whose mainloop reads per-row data (the FP8
+        mainloop's A scales); this one loads rows through the producers only.
 
         Cooperative: both warpgroups run every tile of the CTA. Ping-pong: warpgroup ``w``
         runs the CTA's tiles ``w, w+2, ...``; two named barriers hand the tensor cores from

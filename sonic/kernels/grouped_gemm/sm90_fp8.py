@@ -41,8 +41,7 @@ import cutlass
 from cutlass import Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import warpgroup
 
-from sonic.kernels.grouped_gemm.config import (PAD, PRODUCER_THREADS, SLAB, TILE_K_FP8,
-                                               TILE_M)
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_K_FP8, TILE_M
 from sonic.kernels.grouped_gemm.sm90 import Sm90GroupedGemm, WgmmaAccumulator
 
 
@@ -50,33 +49,11 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     """varlen-M grouped GEMM on e4m3 operands with per-k-tile fp32 promotion (cooperative)."""
 
     @cute.jit
-    def run_roles(self, tidx: Int32, warp: Int32, first: Int32, step: Int32, total: Int32,
-                  tiled_mma: cute.TiledMma, storage, tma_a: tuple, tma_b: tuple,
-                  tma_epi: tuple, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-                  s_a: cute.Tensor, s_b: cute.Tensor, stage_mem: tuple, outs: tuple,
-                  gidx_a: cute.Pointer, gidx_b: cute.Pointer, rows_a: Int32, rows_b: Int32,
-                  m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                  full: cute.Pointer, empty: cute.Pointer):
-        """Warpgroup 0 produces (the bf16 kernel's TMA producers, on e4m3 bytes), warpgroups
-        1..2 run the promoted WGMMA mainloop, which also needs A's row sources."""
-        cfg = self.cfg
-        if tidx < PRODUCER_THREADS:
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            self.produce(warp, first, step, total, tma_a, tma_b, tma_epi, a_smem, b_smem, s_a,
-                         s_b, stage_mem, gidx_a, gidx_b, rows_a, rows_b, m_off, table,
-                         num_experts, full, empty)
-        else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume_promoted(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a,
-                                  s_b, storage.sC.data_ptr(), outs, gidx_a, rows_a, m_off,
-                                  table, num_experts, full, empty, stage_mem)
-
-    @cute.jit
-    def consume_promoted(self, ctid: Int32, first: Int32, step: Int32, total: Int32,
-                         tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
-                         s_c: cute.Pointer, outs: tuple, gidx: cute.Pointer, rows_a: Int32,
-                         m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                         full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple):
+    def consume(self, ctid: Int32, first: Int32, step: Int32, total: Int32,
+                tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, s_c: cute.Pointer,
+                outs: tuple, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
+                full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple, gidx: cute.Pointer,
+                rows_a: Int32):
         """Per tile: for each k-tile, WGMMA into the partial accumulator, promote it with the
         k-block's scales (overlapped with the next k-tile's WGMMAs where
         :attr:`~.config.GroupedGemmConfig.overlapped_promotion`); then the epilogue on the
