@@ -522,8 +522,7 @@ def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, ga
     return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
 
 
-def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str,
-                         *, h_out=None):
+def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str):
     w1_q, w1_scales, w2_q, w2_scales = fp8_weights[:4]
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
@@ -531,7 +530,7 @@ def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: st
         # X quantized once per token; the up-proj gathers rows of x_q and their scales.
         x_q, x_scales = ops.quantize_rows(x)
         h, act = ops.up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, m.gather_idx,
-                                        gate_up, h_out=h_out)
+                                        gate_up)
         del x_q, x_scales
         a_q, a_scales = ops.quantize_rows(act)
         del act

@@ -224,8 +224,7 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
 
 def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
                    b_scales: torch.Tensor, offsets: torch.Tensor,
-                   gather_idx: torch.Tensor | None = None, *,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   gather_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Block-scaled FP8 varlen-M grouped GEMM, bf16 out: the math of
     :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8`
     (:func:`sonic.reference.fp8.grouped_mm_fp8_reference`), on rows grouped by expert.
@@ -237,7 +236,6 @@ def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
         offsets: ``(E + 1,)`` int32 expert row offsets; rows past ``offsets[E]`` (a padded
             routing's padding) are not computed: they hold zeros.
         gather_idx: ``(P,)`` integer row indices into ``a_q`` (and its scales), or None.
-        out: ``(P, N)`` bf16 to write into, or None.
 
     Returns:
         ``(P, N)`` bf16.
@@ -252,18 +250,14 @@ def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
         gather_idx = gather_idx[:valid]
     result = grouped_mm_fp8_reference(a_q, a_scales.contiguous(), b_q, b_scales, offsets,
                                       gather_idx, out_dtype=torch.bfloat16)
-    if out is None:
-        out = result.new_zeros(rows, b_q.shape[1])
-    else:
-        out[valid:].zero_()
+    out = result.new_zeros(rows, b_q.shape[1])
     out[:valid].copy_(result)
     return out
 
 
 def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Tensor,
                        w1_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
-                       gate_up: str, *, h_out: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 forward up-proj and its epilogue: ``H = gather(X̂)·Ŵ1ᵀ`` ``(P, 2n)`` bf16 (X̂, Ŵ1
     the block-scaled e4m3 operands, fp32 promotion per k-block) and ``A = SwiGLU(H)`` ``(P, n)``
     bf16, A computed from the bf16-rounded H (what the backward recomputes it from).
@@ -272,9 +266,9 @@ def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Te
         x_q, x_scales: ``(T, d)`` e4m3 and ``(d / 128, T)`` fp32, X quantized per 1×128.
         w1_q, w1_scales: ``(E, 2n, d)`` e4m3 and ``(E, 2n / 128, d / 128)`` fp32.
         offsets: ``(E + 1,)`` int32; gather_idx: ``(P,)`` token of each row.
-        gate_up: ``"concat"`` or ``"interleaved"``; h_out: optional ``(P, 2n)`` bf16 for H.
+        gate_up: ``"concat"`` or ``"interleaved"``.
     """
-    h = grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
+    h = grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
     return h, swiglu(h, gate_up)
 
 
