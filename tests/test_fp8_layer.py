@@ -252,6 +252,8 @@ def test_fp8_errors_name_the_argument():
         bad = sonic.quantize_expert_weights(w1, w2)._replace(w2_q=torch.zeros(4, 128, 256,
                                                                            dtype=R.FP8_DTYPE))
         call(x, w1, w2, scores, precision="fp8", fp8_weights=bad)
+    with pytest.raises(ValueError, match="d_expert"):
+        sonic.quantize_expert_weights(w1[:, :192], w2[..., :96])
     with pytest.raises(ValueError, match="d_model"):
         sonic.MoE(96, 128, 4, 2, precision="fp8")
     with pytest.raises(ValueError, match="d_expert"):

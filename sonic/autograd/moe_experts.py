@@ -84,19 +84,22 @@ class Fp8ExpertWeights(NamedTuple):
 
 def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
                             backend: str = "auto") -> Fp8ExpertWeights:
-    """FP8 copies of ``w1 (E, 2n, d)`` and ``w2 (E, d, n)``: e4m3 per 128×128 block with fp32
-    scales (DeepSeek-V3 §3.3; :func:`sonic.reference.fp8.quantize_blocks`, the CuTe kernel on
-    a supported GPU). Not differentiable (the weights are read detached); make them once per
-    optimizer step and pass them to :func:`moe_experts` as ``fp8_weights``.
+    """FP8 copies of ``w1 (E, 2n, d)`` and ``w2 (E, d, n)`` and of their transposes (the
+    backward's K-major operands), one pass each: e4m3 per 128×128 block with fp32 scales
+    (DeepSeek-V3 §3.3; :func:`sonic.reference.fp8.quantize_blocks_and_transpose`, the CuTe
+    kernel on a supported GPU). Not differentiable (the weights are read detached); make them
+    once per optimizer step and pass them to :func:`moe_experts` as ``fp8_weights``.
 
     Raises:
-        TypeError: a weight is not bf16; ValueError: unknown ``backend``.
+        TypeError: a weight is not bf16; ValueError: unknown ``backend``, a weight that is not
+        3-D, or d (``w1.shape[2]``) or n (``w2.shape[2]``) not a multiple of 128.
     """
     check_choice("backend", backend, BACKENDS)
     for name, w in (("w1", w1), ("w2", w2)):
         check_float(name, w, ndim=3)
         if w.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bfloat16 for FP8 copies, got {w.dtype}")
+    check_fp8_sizes(w1.shape[2], w2.shape[2])
     with torch.no_grad():
         w1_q, w1_s, w1t_q, w1t_s = torch.ops.sonic.quantize_blocks(w1.detach(), backend)
         w2_q, w2_s, w2t_q, w2t_s = torch.ops.sonic.quantize_blocks(w2.detach(), backend)
