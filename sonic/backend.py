@@ -229,7 +229,6 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, h_out=None, str
 def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
                      overwrite_h=False, a_out=None, strict=False):
     from sonic.kernels import grouped_gemm as gemm
-    from sonic.kernels import swiglu as kernels
 
     # The dH kernel: the dA' GEMM with the dSwiGLU epilogue, H arriving by TMA through the
     # operand ring: 497/2523/4193 us against 505/2685/4610 for the dA' GEMM followed by the
@@ -245,9 +244,21 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
             and h.data_ptr() % 16 == 0 and _self_checked("dh_dswiglu", dout.device, strict)):
         return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
                                          dh_out=h if overwrite_h else None, a_out=a_out)
-    da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict)
-    dh, a_scaled, ds = kernels.dswiglu_epilogue(da_prime.contiguous(), h, row_scores, gate_up)
-    return dh, reference.copy_into(a_out, a_scaled), ds
+    da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict).contiguous()
+    return _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out)
+
+
+def _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out):
+    # The one-pass epilogue after a store GEMM. dA' is this step's own temporary, so A' goes
+    # over it unless the caller wants it elsewhere; dH goes over H when the caller allows: the
+    # step then holds H and dA' only, as the fused dH kernel does.
+    from sonic.kernels import swiglu as kernels
+
+    direct = a_out is not None and a_out.is_contiguous() and a_out.data_ptr() % 16 == 0
+    dh, a_scaled, ds = kernels.dswiglu_epilogue(da_prime, h, row_scores, gate_up,
+                                                dh_out=h if overwrite_h else None,
+                                                a_out=a_out if direct else da_prime)
+    return dh, a_scaled if direct else reference.copy_into(a_out, a_scaled), ds
 
 
 def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:
@@ -378,13 +389,12 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
 
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
-                         gate_up):
-    from sonic.kernels import swiglu as kernels
-
+                         gate_up, *, overwrite_h=False):
     da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
     if not _epilogue_kernel_fits(h):
         return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
-    return kernels.dswiglu_epilogue(da_prime, h, row_scores.float().contiguous(), gate_up)
+    return _dswiglu_epilogue_kernel(da_prime, h, row_scores.float().contiguous(), gate_up,
+                                    overwrite_h, None)
 
 
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,

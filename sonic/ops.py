@@ -28,12 +28,13 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   backward.
 
 * FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
-  ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend)
-  -> (out, H)`` with ``fp8_weights`` the eight tensors of ``sonic.Fp8ExpertWeights`` (saved by
-  reference,
-  like w1 and w2); its backward runs ``sonic::quantize_rows``, ``sonic::dh_dswiglu_fp8``,
-  ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight gradients) and
-  ``aggregate``; ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
+  ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend,
+  activation_cache) -> (out, H, H_scales)`` with ``fp8_weights`` the eight tensors of
+  ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
+  for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
+  ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
+  gradients) and ``aggregate``, and may write dH over H as the bf16 one does;
+  ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
   a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
   in an op schema, and the bf16 op's callers stay unchanged.
 
@@ -408,8 +409,6 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     # saved H and metadata carry no graph, so a recorded backward would miss terms: refuse.
     if torch.is_grad_enabled() and not _traced(grad_out):
         raise _first_order_error()
-    from sonic.autograd.moe_experts import _graph_kept
-
     x, w1, w2, h, h_scales, scores, meta = ctx.saved_tensors
     if grad_out is None:     # the output took no part in the loss (grads are not materialised)
         return None, None, None, None, None, None, None, None, None
@@ -420,35 +419,44 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
 
     # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
-    # Eagerly, when the graph is not kept, H is dead after this step (this backward holds the
-    # only unpacked reference and nothing can unpack it again), so the kernel may write dH over
-    # it: the peak then holds one P x 2n buffer instead of two. The fp8 cache's H is dequantized
-    # into a buffer this backward owns, so it may be overwritten even when the graph is kept
-    # (the saved e4m3 H stays intact for the next backward). Traced (torch.compile, export),
-    # the op never writes in place: a compiled graph may reuse H, and the op says it does not
-    # mutate its inputs.
+    dh_step = _dh_step(
+        ctx, h, h_scales, x.dtype,
+        lambda h, overwrite_h: _dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
+                                           gate_up, backend, overwrite_h=overwrite_h),
+        lambda h: torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
+                                             gate_up, backend))
+    del h, h_scales
+    grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m,
+                            lambda dh: torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend))
+    return *grads, None, None, None, None, None
+
+
+def _dh_step(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
+    """``[dH, A', ds per row]`` of the dH step on the saved activation cache ``(h, h_scales)``:
+    ``eager(H, overwrite_h=True)`` where the step may write dH over H, ``op(H)`` (the custom
+    op, never in place) where it may not.
+
+    Eagerly, when the graph is not kept, H is dead after this step (this backward holds the
+    only unpacked reference and nothing can unpack it again), so dH may go over it: the peak
+    then holds one ``P x 2n`` buffer instead of two. The fp8 cache's H is dequantized into a
+    buffer this backward owns, so it may be overwritten even when the graph is kept (the saved
+    e4m3 H stays intact for the next backward). Traced (torch.compile, export), never in
+    place: a compiled graph may reuse H, and the op says it does not mutate its inputs."""
+    from sonic.autograd.moe_experts import _graph_kept
+
     owned = ctx.activation_cache == "fp8"
     if owned:
         # Traced, the dequantization stays torch ops (a kernel cannot read fake tensors;
         # inductor fuses the two passes into one).
-        use_kernel = not _traced(h) and _impl(backend, x.device).name == "cute"
-        h = activation_cache_unpack(h, h_scales, x.dtype, use_kernel)
-    del h_scales
-    if not _traced(h) and (owned or not _graph_kept()):
-        dh, a_scaled, ds_rows = _dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
-                                            gate_up, backend, overwrite_h=True)
-        if dh.data_ptr() == h.data_ptr():
-            # Anything that still unpacks the saved H must fail loudly, not read dH.
-            torch.autograd.graph.increment_version(h)
-    else:
-        dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx,
-                                                           h, row_scores, gate_up, backend)
-    del h
-    dh_step = [dh, a_scaled, ds_rows]
-    del dh, a_scaled, ds_rows
-    grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m,
-                            lambda dh: torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend))
-    return *grads, None, None, None, None, None
+        use_kernel = not _traced(h) and _impl(ctx.backend, h.device).name == "cute"
+        h = activation_cache_unpack(h, h_scales, dtype, use_kernel)
+    if _traced(h) or not (owned or not _graph_kept()):     # H must survive this step
+        return list(op(h))
+    dh, a_scaled, ds_rows = eager(h, True)
+    if dh.data_ptr() == h.data_ptr():
+        # Anything that still unpacks the saved H must fail loudly, not read dH.
+        torch.autograd.graph.increment_version(h)
+    return [dh, a_scaled, ds_rows]
 
 
 torch.library.register_autograd("sonic::moe_experts", _experts_backward,
@@ -505,15 +513,22 @@ def _(a_q, a_scales, b_q, b_scales, offsets, gather_idx, backend):
     return a_q.new_empty(rows, b_q.shape[1], dtype=torch.bfloat16)
 
 
+def _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
+                    gate_up, backend, *, overwrite_h=False):
+    with _no_autocast(h.device):
+        return _impl(backend, h.device).dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales,
+                                                       offsets, gather_idx, h, row_scores,
+                                                       gate_up, overwrite_h=overwrite_h)
+
+
 @torch.library.custom_op("sonic::dh_dswiglu_fp8", mutates_args=())
 def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
                        w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
                        h: torch.Tensor, row_scores: torch.Tensor, gate_up: str,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _no_autocast(h.device):
-        return _impl(backend, h.device).dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales,
-                                                       offsets, gather_idx, h, row_scores,
-                                                       gate_up)
+    # As an op, never in place (see _dh_step).
+    return _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
+                           row_scores, gate_up, backend)
 
 
 @_dh_dswiglu_fp8_op.register_fake
@@ -522,7 +537,8 @@ def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, ga
     return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
 
 
-def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str):
+def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str,
+                         activation_cache: str):
     w1_q, w1_scales, w2_q, w2_scales = fp8_weights[:4]
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
@@ -532,47 +548,54 @@ def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: st
         h, act = ops.up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, m.gather_idx,
                                         gate_up)
         del x_q, x_scales
+        cache, h_scales = activation_cache_pack(h, activation_cache, ops.name == "cute")
+        del h
         a_q, a_scales = ops.quantize_rows(act)
         del act
         y = ops.grouped_mm_fp8(a_q, a_scales, w2_q, w2_scales, offsets)
         del a_q, a_scales
         row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
         out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
-    return out, h
+    return out, cache, h_scales
 
 
 @torch.library.custom_op("sonic::moe_experts_fp8", mutates_args=())
 def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         scores: torch.Tensor, meta: torch.Tensor,
                         fp8_weights: list[torch.Tensor], top_k: int, gate_up: str,
-                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        backend: str, activation_cache: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
-    return _experts_forward_fp8(x, list(fp8_weights), scores, m, gate_up, backend)
+    return _experts_forward_fp8(x, list(fp8_weights), scores, m, gate_up, backend,
+                                activation_cache)
 
 
 @_moe_experts_fp8_op.register_fake
-def _(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend):
-    return x.new_empty(x.shape), x.new_empty(scores.shape[0], w1.shape[1])
+def _(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend, activation_cache):
+    return (x.new_empty(x.shape),
+            *activation_cache_fake((scores.shape[0], w1.shape[1]), x.dtype, activation_cache, x))
 
 
 def _experts_setup_fp8(ctx, inputs, output):
-    x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend = inputs
-    _out, h = output
+    x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend, activation_cache = inputs
+    _out, h, h_scales = output
     # The FP8 weight copies are the caller's (a per-step cache or made per call from w1, w2):
     # saved by reference, like w1 and w2.
-    ctx.save_for_backward(x, w1, w2, h, scores, meta, *fp8_weights)
+    ctx.save_for_backward(x, w1, w2, h, h_scales if activation_cache == "fp8" else None,
+                          scores, meta, *fp8_weights)
     ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
-    ctx.mark_non_differentiable(h)
+    ctx.activation_cache = activation_cache
+    ctx.mark_non_differentiable(h, h_scales)
     ctx.set_materialize_grads(False)
 
 
-def _experts_backward_fp8(ctx, grad_out, _grad_h):
+def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
     if torch.is_grad_enabled() and not _traced(grad_out):
         raise _first_order_error()
-    x, w1, w2, h, scores, meta, *fp8_weights = ctx.saved_tensors
+    x, w1, w2, h, h_scales, scores, meta, *fp8_weights = ctx.saved_tensors
     w1t_q, w1t_scales, w2t_q, w2t_scales = fp8_weights[4:]
     if grad_out is None:
-        return (None,) * 5 + ([None] * len(fp8_weights), None, None, None)
+        return (None,) * 5 + ([None] * len(fp8_weights), None, None, None, None)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
     offsets = m.expert_offsets
@@ -580,12 +603,15 @@ def _experts_backward_fp8(ctx, grad_out, _grad_h):
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
 
     # dA' = gather(dO)·W2 in FP8 (dO quantized once per token, gathered with its scales),
-    # then the dSwiGLU epilogue from the saved bf16 H.
+    # then the dSwiGLU epilogue from the saved H (dequantized first with the fp8 cache).
     do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
-    dh, a_scaled, ds_rows = torch.ops.sonic.dh_dswiglu_fp8(
-        do_q, do_scales, w2t_q, w2t_scales, offsets, m.gather_idx, h, row_scores, gate_up,
-        backend)
-    del do_q, do_scales, h
+    fp8_step = (do_q, do_scales, w2t_q, w2t_scales, offsets, m.gather_idx)
+    dh_step = _dh_step(
+        ctx, h, h_scales, x.dtype,
+        lambda h, overwrite_h: _dh_dswiglu_fp8(*fp8_step, h, row_scores, gate_up, backend,
+                                               overwrite_h=overwrite_h),
+        lambda h: torch.ops.sonic.dh_dswiglu_fp8(*fp8_step, h, row_scores, gate_up, backend))
+    del do_q, do_scales, fp8_step, h, h_scales
 
     def dx_rows(dh):
         dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
@@ -594,10 +620,10 @@ def _experts_backward_fp8(ctx, grad_out, _grad_h):
 
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
     # along the other axis, so FP8 operands would need a second quantization per column.
-    dh_step = [dh, a_scaled, ds_rows]
-    del dh, a_scaled, ds_rows
     grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m, dx_rows)
-    return *grads, None, [None] * len(fp8_weights), None, None, None
+    # No schema defaults: with a list input, torch checks that the gradients mirror the
+    # arguments as dispatched, and the dispatcher drops those equal to their defaults.
+    return *grads, None, [None] * len(fp8_weights), None, None, None, None
 
 
 torch.library.register_autograd("sonic::moe_experts_fp8", _experts_backward_fp8,

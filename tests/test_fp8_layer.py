@@ -75,9 +75,10 @@ def _merge(gate, up, gate_up):
     return torch.cat([gate, up], -1) if gate_up == "concat" else torch.stack([gate, up], -1).flatten(-2)
 
 
-def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up):
+def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16"):
     """The FP8 layer written out from the recipe's primitives: output and the gradients of
-    x, w1, w2 and scores."""
+    x, w1, w2 and scores; with the fp8 activation cache the backward reads H as
+    dequantize(quantize_rows(H)) rounded to bf16."""
     T, d = x.shape
     E = w1.shape[0]
     order = sorted(range(tok.shape[0]), key=lambda p: (int(exp[p]), int(tok[p])))
@@ -100,6 +101,11 @@ def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up):
     y = gemm(act.to(BF16), w2)
     out = torch.zeros(T, d).index_add_(0, rows_tok, y.float() * s_rows[:, None]).to(BF16)
     # Backward: FP8 dA' (W2ᵀ quantized on its own here, not transposed), dSwiGLU in fp32.
+    if activation_cache == "fp8":
+        h = R.dequantize_rows(*R.quantize_rows(h)).to(BF16)
+        g, u = (t.float() for t in _halves(h, gate_up))
+        sig = torch.sigmoid(g)
+        act = g * sig * u
     da_prime = gemm(dout, w2.transpose(1, 2).contiguous(), rows_tok).float()
     ds_rows = (da_prime * act).sum(-1)
     da = s_rows[:, None] * da_prime
@@ -152,6 +158,33 @@ def test_fp8_layer_matches_emulation(case, gate_up):
                                    atol=1e-3 * ref.float().abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("case", [("topk", 37, 128, 128, 4), ("empty_experts", 23, 128, 256, 8),
+                                  ("topk", 1, 128, 128, 3)])
+def test_fp8_layer_with_the_fp8_activation_cache(case):
+    # The output is the FP8 layer's bit for bit (the cache is made after the forward used H);
+    # the gradients are the emulation's with H read back through e4m3, and differ from the
+    # bf16 cache's (H was rounded).
+    pairs, T, d, n, E = case
+    problem = _problem(T, d, n, E, pairs, seed=T + 1)
+    out16, grads16 = _layer_fp8(*problem)
+    out8, grads8 = _layer_fp8(*problem, activation_cache="fp8")
+    assert torch.equal(out8, out16)
+    _, want_grads = _emulate(*problem, gate_up="concat", activation_cache="fp8")
+    for name, got, ref, bf16 in zip(("dx", "dw1", "dw2", "dscores"), grads8, want_grads,
+                                    grads16):
+        assert _rel(got, ref) <= 2e-3, (name, _rel(got, ref))
+        assert not torch.equal(got, bf16), name
+    # Saved: H as e4m3 + scales instead of bf16.
+    saved = []
+    x, w1, w2, scores, tok, exp, _ = problem
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sonic.moe_experts(x.requires_grad_(), w1, w2, scores, tok, exp, backend="torch",
+                          precision="fp8", activation_cache="fp8")
+    P = tok.shape[0]
+    assert [t.dtype for t in saved if t.shape == (P, 2 * n)] == [torch.float8_e4m3fn]
+    assert [t.dtype for t in saved if t.shape == (2 * n // 128, P)] == [torch.float32]
+
+
 # Relative Frobenius error budget against the fp64 layer, random data. One e4m3 GEMM of
 # random operands errs by r = R.FP8_RELATIVE_RMS_ERROR (≈0.051 bound, ≈0.037 measured)
 # relative. The output goes through two quantized GEMMs: H carries r; A = silu(g)·u carries
@@ -188,8 +221,8 @@ def test_fp8_up_proj_within_worst_case_bound():
     w1[1, 7, 200] = -4.0
     meta = routing_metadata_op(tok, exp, T, E, None, "torch")
     fp8_w = sonic.quantize_expert_weights(w1, w2, backend="torch")
-    _, h = torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, meta.packed, list(fp8_w), 0,
-                                           "concat", "torch")
+    _, h, _ = torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, meta.packed, list(fp8_w), 0,
+                                              "concat", "torch", "bf16")
     x_scales = R.quantize_rows(x)[1]
     bounds = meta.expert_offsets.tolist()
     for e in range(E):
@@ -228,9 +261,13 @@ def test_opcheck_fp8_ops():
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.sonic.moe_experts_fp8.default,
                           (x.requires_grad_(), w1.requires_grad_(), w2, scores, meta.packed,
-                           fp8_w, 0, "concat", "torch"), test_utils=utils)
+                           fp8_w, 0, "concat", "torch", "bf16"), test_utils=utils)
     torch.library.opcheck(torch.ops.sonic.quantize_rows.default, (x.detach(), "torch"),
                           test_utils=utils)
+    # With the fp8 cache, the fake kernel only: AOT's check sums every output, float8 included.
+    torch.library.opcheck(torch.ops.sonic.moe_experts_fp8.default,
+                          (x, w1, w2, scores, meta.packed, fp8_w, 0, "concat", "torch", "fp8"),
+                          test_utils=("test_faketensor",))
 
 
 # ------------------------------------------------------------------------------ errors
@@ -371,7 +408,8 @@ def test_train_cli_fp8(capsys):
         main(["--precision", "fp8", "--dtype", "float32", "--steps", "1"])
 
 
-def test_fp8_layer_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+def test_fp8_layer_compiles_fullgraph_and_matches_eager(activation_cache):
     # The weight copies are made through ops and the backward runs ops, so the FP8 path traces.
     x, w1, w2, _, _, _, dout = _problem(16, 128, 128, 4, "topk", seed=1)
     r = sonic.topk_routing(torch.randn(16, 4), 2, backend="torch")
@@ -379,7 +417,7 @@ def test_fp8_layer_compiles_fullgraph_and_matches_eager():
     def layer(x, w1, w2, s):
         return sonic.moe_experts(x, w1, w2, s, r.token_idx, r.expert_idx, backend="torch",
                                  metadata=sonic.routing_metadata(r, backend="torch"),
-                                 precision="fp8")
+                                 precision="fp8", activation_cache=activation_cache)
 
     results = []
     for fn in (layer, torch.compile(layer, fullgraph=True)):

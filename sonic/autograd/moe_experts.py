@@ -23,16 +23,18 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
   the down-proj is an FP8 GEMM → Y bf16 → aggregation as in bf16. H stays bf16 so the
   backward recomputes exactly the A the forward used (before A's quantization).
 * Backward. dO is quantized once per token; dA' = gather(dO)·W2 is an FP8 GEMM on W2ᵀ's FP8
-  copy, followed by the dSwiGLU epilogue (dH, A', ds) on the saved bf16 H; dX = FP8 GEMM of
-  dH (quantized per row) and W1ᵀ's FP8 copy, then aggregation. The transposed copies are the
+  copy, followed by the one-pass dSwiGLU epilogue (dH, A', ds) on the saved H, which writes
+  dH over H and A' over dA' where the bf16 path would (memory: H and dA' only, as the bf16
+  dH kernel); dX = FP8 GEMM of dH (quantized per row) and W1ᵀ's FP8 copy, then aggregation. The transposed copies are the
   forward copies transposed, q and 128×128 block scales alike: a square block holds the same
   values in both orientations, so this *is* ``quantize_blocks(Wᵀ)``, with no re-quantization;
   they are made with the forward copies, once per optimizer step.
 * Weight gradients dW1, dW2 stay bf16 varlen-K GEMMs: they reduce over tokens (rows), while
   1×128 row scales run along the reduction's other axis; FP8 operands would need a second,
   column-wise quantization of dO, A', dH and X. Whether that pays is not measured here.
-* Saved for backward: as in bf16 (X by reference, H bf16 ``(P, 2n)``, scores, metadata;
-  nothing ``P × d``) plus the caller's FP8 weight copies by reference.
+* Saved for backward: as in bf16 (X by reference, H ``(P, 2n)`` in bf16 or, with
+  ``activation_cache="fp8"``, in e4m3 + 1×128 scales; scores, metadata; nothing ``P × d``)
+  plus the caller's FP8 weight copies by reference.
 * Weight copies: :class:`Fp8ExpertWeights` (``quantize_expert_weights``), made once per
   optimizer step by :class:`sonic.MoE` (cached on the weights' version), or per call by
   :func:`moe_experts` when none are passed.
@@ -155,9 +157,8 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             quantizes them in this call.
         activation_cache: how H is kept for backward: ``"bf16"`` (as computed, in the compute
             dtype, whatever it is) or ``"fp8"`` (e4m3 with an fp32 scale per 1×128 slice of
-            each row, 51.6% of the bf16 bytes; issue 18); with ``precision="bf16"`` only
-            (the FP8 path keeps H in bf16). The forward, hence the output, is the
-            same bit for bit; the gradients are those at ``dequantize(quantize(H))`` (see
+            each row, 51.6% of the bf16 bytes; issue 18), with either precision. The
+            forward, hence the output, is the same bit for bit; the gradients are those at ``dequantize(quantize(H))`` (see
             :mod:`sonic.autograd.activation_cache`). ``"fp8"`` needs ``2n`` a multiple of 128
             and a bf16 / fp16 compute dtype.
 
@@ -173,7 +174,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
             ``gate_up``/``backend``/``precision``/``activation_cache``; ``activation_cache="fp8"``
-            with ``2n`` not a multiple of 128 or with ``precision="fp8"``; with ``precision="fp8"``, d or n not a
+            with ``2n`` not a multiple of 128; with ``precision="fp8"``, d or n not a
             multiple of 128, or ``fp8_weights`` of the wrong shapes.
         RuntimeError: ``backend="cute"`` where the kernels cannot run; ``precision="fp8"``
             with ``backend="cute"``/``"auto"`` on a CUDA GPU that is not Hopper (sm_90a); in
@@ -209,9 +210,6 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         raise ValueError(f"w2 must have shape (E={num_experts}, d={d}, n={two_n // 2}), "
                          f"got {tuple(w2.shape)}")
     check_activation_cache(activation_cache, x.dtype, two_n)
-    if precision == "fp8" and activation_cache != "bf16":
-        raise ValueError("activation_cache='fp8' is not combined with precision='fp8' yet (the "
-                         "FP8 GEMM path keeps H in bf16); choose one of them")
     num_pairs = scores.shape[0]
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
         if t.shape[0] != num_pairs:
@@ -239,8 +237,9 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     if precision == "fp8":
         if fp8_weights is None:
             fp8_weights = quantize_expert_weights(w1, w2, backend)
-        out, _h = torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, packed, list(fp8_weights),
-                                                  top_k, gate_up, backend)
+        out, _cache, _scales = torch.ops.sonic.moe_experts_fp8(
+            x, w1, w2, scores, packed, list(fp8_weights), top_k, gate_up, backend,
+            activation_cache)
         return out
     out, _cache, _scales = torch.ops.sonic.moe_experts(x, w1, w2, scores, packed, top_k, gate_up,
                                                        backend, activation_cache)

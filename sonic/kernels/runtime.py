@@ -163,6 +163,12 @@ def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype], ndim: int,
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of two contiguous tensors intersect (in-place outputs)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def set_compile_arch(arch: str) -> None:
     """Make CuTe DSL compile for ``arch`` (e.g. ``"sm_90a"``) without a GPU.
 

@@ -176,6 +176,23 @@ def _check_h(h: torch.Tensor, gate_up: str) -> int:
     return h.shape[1] // 2
 
 
+def _output(name: str, out: torch.Tensor | None, like: torch.Tensor,
+            others: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``out`` checked to be a buffer for ``like``'s values — ``like`` itself, or disjoint
+    from it and from ``others`` — or a new one."""
+    if out is None:
+        return torch.empty_like(like)
+    runtime.check_tensor(name, out, dtypes=(torch.bfloat16,), ndim=2, device=like.device)
+    if out.shape != like.shape:
+        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(out.shape)}")
+    if any(runtime.overlaps(out, t) for t in others) or (
+            out.data_ptr() != like.data_ptr() and runtime.overlaps(out, like)):
+        raise ValueError(f"{name} must be the input it replaces or a buffer overlapping no "
+                         "input: a partial overlap would overwrite elements other lanes still "
+                         "read")
+    return out
+
+
 def swiglu(h: torch.Tensor, gate_up: str = "concat") -> torch.Tensor:
     """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (DESIGN §3; SonicMoE App. C).
 
@@ -208,7 +225,9 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat") -> torch.Tensor:
 
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
-                     gate_up: str = "concat") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     gate_up: str = "concat", *, dh_out: torch.Tensor | None = None,
+                     a_out: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward epilogue of the dH step (DESIGN §3, backward step 1; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.dswiglu_epilogue`: per row, with ``g, u`` from
@@ -221,16 +240,26 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         h: ``(P, 2n)`` bf16, contiguous, same device, 16-byte aligned; ``n`` a multiple of 8.
         row_scores: ``(P,)`` fp32, contiguous, same device — the score of each row.
         gate_up: ``"concat"`` or ``"interleaved"`` (see :func:`swiglu`).
+        dh_out: ``(P, 2n)`` bf16, contiguous, 16-byte aligned: where dH is written, allocated if
+            None. It may be ``h`` itself (dH then overwrites H).
+        a_out: ``(P, n)`` bf16, contiguous, 16-byte aligned: where A' is written, allocated if
+            None. It may be ``da_prime`` itself (A' then overwrites dA').
+        In place is safe because each lane loads every element of its row slices (H's gate
+        and up, dA') before it stores any, and stores exactly the elements it loaded; rows
+        belong to one warp each. A buffer that overlaps an input without being it would
+        overwrite elements other lanes still read: refused.
 
     Returns:
-        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``. ``P = 0`` returns empty tensors
-        without a launch (``n = 0``: ``ds`` is zeros).
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` and A' is
+        ``a_out`` when given. ``P = 0`` returns empty tensors without a launch (``n = 0``:
+        ``ds`` is zeros).
 
     Raises:
         TypeError: a tensor has the wrong dtype.
         ValueError: a tensor is not a contiguous CUDA tensor of the right rank, the tensors are
             on different devices, shapes disagree, ``n`` is not a multiple of 8, a bf16 tensor is
-            not 16-byte aligned, or ``gate_up`` is unknown.
+            not 16-byte aligned, ``gate_up`` is unknown, or ``dh_out`` / ``a_out`` overlaps an
+            input without being ``h`` / ``da_prime``.
     """
     n = _check_h(h, gate_up)
     runtime.check_tensor("da_prime", da_prime, dtypes=(torch.bfloat16,), ndim=2, device=h.device)
@@ -243,8 +272,8 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
     if row_scores.numel() != num_rows:
         raise ValueError(f"row_scores must have one entry per row of h ({num_rows}), "
                          f"got {row_scores.numel()}")
-    dh = torch.empty_like(h)
-    a_scaled = torch.empty_like(da_prime)
+    dh = _output("dh_out", dh_out, h, (da_prime,))
+    a_scaled = _output("a_out", a_out, da_prime, (h,))
     ds = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     if num_rows == 0:
         return dh, a_scaled, ds

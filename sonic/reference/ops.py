@@ -274,9 +274,10 @@ def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Te
 
 def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
                    w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
-                   h: torch.Tensor, row_scores: torch.Tensor, gate_up: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   h: torch.Tensor, row_scores: torch.Tensor, gate_up: str, *,
+                   overwrite_h: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 backward dH step: ``dA' = gather(dÔ)·Ŵ2`` ``(P, n)`` bf16 (dO quantized per 1×128,
-    ``w2t_q (E, n, d)`` the FP8 copy of W2ᵀ) then :func:`dswiglu_epilogue`: ``(dH, A', ds)``."""
+    ``w2t_q (E, n, d)`` the FP8 copy of W2ᵀ) then :func:`dswiglu_epilogue`: ``(dH, A', ds)``.
+    ``overwrite_h``: as for :func:`dh_dswiglu` (this one always allocates dH)."""
     da_prime = grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
     return dswiglu_epilogue(da_prime, h, row_scores, gate_up)

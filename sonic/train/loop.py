@@ -142,8 +142,6 @@ class TrainConfig:
             if (2 * self.d_expert) % 128:
                 raise ValueError(f"activation_cache: 'fp8' needs d_expert a multiple of 64, "
                                  f"got {self.d_expert}")
-        if self.precision == "fp8" and self.activation_cache == "fp8":
-            raise ValueError("activation_cache: 'fp8' is not combined with precision 'fp8' yet")
 
 
 def _resolve_device(name: str | None) -> torch.device:

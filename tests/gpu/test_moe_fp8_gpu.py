@@ -44,7 +44,8 @@ def _problem(T, d, n, E, K, seed):
 
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
 @pytest.mark.parametrize("router", ["topk", "token_rounding"])
-def test_fp8_cute_matches_torch_emulation(gate_up, router):
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+def test_fp8_cute_matches_torch_emulation(gate_up, router, activation_cache):
     _require_hopper()
     T, d, n, E, K = 2000, 512, 256, 16, 4
     x, w1, w2, dout, logits = _problem(T, d, n, E, K, seed=1)
@@ -58,7 +59,8 @@ def test_fp8_cute_matches_torch_emulation(gate_up, router):
         meta = sonic.routing_metadata(r, backend=backend)
         leaves = [t.clone().requires_grad_() for t in (x, w1, w2, scores)]
         out = sonic.moe_experts(*leaves, r.token_idx, r.expert_idx, gate_up=gate_up,
-                                backend=backend, metadata=meta, precision="fp8")
+                                backend=backend, metadata=meta, precision="fp8",
+                                activation_cache=activation_cache)
         out.backward(dout)
         results[backend] = [out.detach()] + [t.grad for t in leaves]
     # 1e-2 relative: the last-bit differences above, propagated; an FP8 error (~5e-2) or a
@@ -67,6 +69,32 @@ def test_fp8_cute_matches_torch_emulation(gate_up, router):
                                results["torch"]):
         assert torch.isfinite(got).all(), name
         assert _rel(got, want) <= 1e-2, (name, _rel(got, want))
+
+
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+def test_fp8_backward_writes_dh_over_h_and_matches_the_kept_graph(activation_cache):
+    """The eager FP8 backward writes dH over the saved H (or over its dequantized copy): its
+    gradients equal those of a backward that keeps the graph (no in-place) bit for bit, and a
+    kept graph's second backward gives them again."""
+    _require_hopper()
+    T, d, n, E, K = 1500, 256, 256, 8, 2
+    x, w1, w2, dout, logits = _problem(T, d, n, E, K, seed=3)
+    r = sonic.topk_routing(logits, K)
+    meta = sonic.routing_metadata(r)
+    grads = {}
+    for keep in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
+        out = sonic.moe_experts(*leaves, r.token_idx, r.expert_idx, metadata=meta,
+                                precision="fp8", activation_cache=activation_cache)
+        out.backward(dout, retain_graph=keep)
+        grads[keep] = [t.grad for t in leaves]
+        if keep:    # a kept graph runs backward again, on the intact H
+            for t in leaves:
+                t.grad = None
+            out.backward(dout)
+            assert all(torch.equal(a, b.grad) for a, b in zip(grads[keep], leaves))
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
 
 
 def test_fp8_cute_up_proj_differs_from_emulation_only_by_accumulation_and_rounding():
@@ -80,7 +108,7 @@ def test_fp8_cute_up_proj_differs_from_emulation_only_by_accumulation_and_roundi
     meta = routing_metadata_op(r.token_idx, r.expert_idx, T, E, K, "torch")
     fp8_w = sonic.quantize_expert_weights(w1, w2, backend="cute")
     h = {b: torch.ops.sonic.moe_experts_fp8(x, w1, w2, r.scores.detach(), meta.packed,
-                                            list(fp8_w), K, "concat", b)[1]
+                                            list(fp8_w), K, "concat", b, "bf16")[1]
          for b in ("cute", "torch")}
     x_hat = R.dequantize_rows(*R.quantize_rows(x)).abs()
     w_hat = R.dequantize_blocks(fp8_w.w1_q, fp8_w.w1_scales).abs()

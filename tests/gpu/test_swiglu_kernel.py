@@ -92,6 +92,35 @@ def test_dswiglu_epilogue_matches_reference(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("p,n", [(1, 8), (1000, 520), (4097, 1024)])
+def test_dswiglu_epilogue_in_place_equals_out_of_place(p, n, gate_up):
+    """dH over H and A' over dA' (what the FP8 and unfused backward steps ask for) give the
+    out-of-place results bit for bit; partly overlapping outputs are refused."""
+    require_kernels()
+    from sonic.kernels.swiglu import dswiglu_epilogue
+
+    da_prime, h, scores = _inputs(p, n, seed=p + n)
+    want = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    h_buf, da_buf = h.clone(), da_prime.clone()
+    got = dswiglu_epilogue(da_buf, h_buf, scores, gate_up, dh_out=h_buf, a_out=da_buf)
+    assert got[0].data_ptr() == h_buf.data_ptr() and got[1].data_ptr() == da_buf.data_ptr()
+    for first, second in zip(want, got):
+        assert torch.equal(first, second)
+    a_out = torch.full_like(da_prime, float("nan"))
+    only_a = dswiglu_epilogue(da_prime, h, scores, gate_up, a_out=a_out)
+    assert only_a[1] is a_out and torch.equal(a_out, want[1])
+    buf = torch.empty(p * 2 * n + 8, dtype=torch.bfloat16, device="cuda")
+    shifted = buf[8:].view(p, 2 * n)
+    shifted.copy_(h)
+    with pytest.raises(ValueError, match="dh_out"):
+        dswiglu_epilogue(da_prime, shifted, scores, gate_up,
+                         dh_out=buf[:p * 2 * n].view(p, 2 * n))
+    with pytest.raises(ValueError, match="a_out"):
+        dswiglu_epilogue(da_prime, h, scores, gate_up, a_out=h.view(-1)[:p * n].view(p, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
 def test_rows_past_2_31_elements(gate_up):
     """P·2n > 2**31: the last rows are addressed with 64-bit offsets (checked on a tail slice)."""
     require_kernels()

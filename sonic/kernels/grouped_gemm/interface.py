@@ -238,15 +238,9 @@ def _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs: int, n: int, device)
     if row_scores.numel() != num_pairs:
         raise ValueError(f"row_scores must have P = {num_pairs} entries, got "
                          f"{row_scores.numel()}")
-    if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and _overlap(dh_out, h):
+    if dh_out is not None and dh_out.data_ptr() != h.data_ptr() and runtime.overlaps(dh_out, h):
         raise ValueError("dh_out must be h itself or a buffer that does not overlap h: a "
                          "shifted overlap would overwrite H rows another tile still reads")
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges of two contiguous tensors intersect."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_out=None):
