@@ -26,7 +26,10 @@ experts over all ranks. Every rank builds the same single-process :class:`sonic.
    exchanges of the plan stay real (they are not what the pipeline hides).
    ``exposed = t_ep − t_compute_only`` is the communication time left on the critical path.
    ``--sm-margins`` (default 0,8,16) repeats ``ep`` and ``compute-only`` for ``C = 2`` with
-   the grouped GEMMs leaving that many SMs free (``comm_sm_margin``).
+   the grouped GEMMs leaving that many SMs free (``comm_sm_margin``); ``--recompute-dispatch``
+   repeats them for every ``C`` with ``recompute_dispatch=True`` (``C=c rd``: the received
+   rows sent again in backward instead of kept). Each run also reports the peak memory of one
+   step above what was allocated before it (MiB).
 4. ``a2a alone``: the data all-to-alls of one unchunked step (the sizes recorded from a real
    step: rows and scores out, partial outputs back; in backward dO rows out, dX rows and score
    gradients back), back to back, no compute; bus bandwidth = bytes sent per rank ×
@@ -96,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="timed repetitions per measurement (default 20; --smoke: 2)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed repetitions first (default 3; --smoke: 1)")
+    parser.add_argument("--recompute-dispatch", action="store_true",
+                        help="also time every --chunks value with recompute_dispatch=True "
+                             "(runs named 'C=c rd'); every run prints its peak MiB")
     parser.add_argument("--tol", type=float, default=2e-2)
     parser.add_argument("--nccl-priority", choices=("high", "normal"), default="high")
     parser.add_argument("--smoke", action="store_true",
@@ -185,22 +191,33 @@ def _data_all_to_alls(record: list | None = None, replay: list | None = None):
         experts.all_to_all = overlap.all_to_all = real
 
 
-def _run_name(chunks: int, margin: int) -> str:
-    return f"C={chunks}" + (f" m={margin}" if margin else "")
+def _run_name(chunks: int, margin: int, recompute: bool = False) -> str:
+    return f"C={chunks}" + (f" m={margin}" if margin else "") + (" rd" if recompute else "")
 
 
-# Phase of an all-to-all, by the function that calls it.
+# Phase of an all-to-all, by the function that calls it (for the chunked path's token-row
+# sender, by the function that calls that: suffix " rows").
 _A2A_PHASES = {
     "plan_dispatch": "plan exchanges (counts, pairs)",
     "Dispatch.forward": "dispatch a2a",
     "ChunkedExperts.forward.<locals>.dispatch": "dispatch a2a",
+    "ChunkedExperts.forward.<locals>.dispatch rows": "dispatch a2a",
     "Combine.forward": "combine a2a",
     "ChunkedExperts.forward": "combine a2a",
     "Combine.backward": "dO a2a (combine bwd)",
-    "ChunkedExperts.backward.<locals>.send_grad_out": "dO a2a (combine bwd)",
+    "ChunkedExperts.backward.<locals>.send_grad_out rows": "dO a2a (combine bwd)",
     "Dispatch.backward": "dX/ds a2a (dispatch bwd)",
     "ChunkedExperts.backward": "dX/ds a2a (dispatch bwd)",
+    "ChunkedExperts.backward rows": "x rows again (recompute_dispatch)",
 }
+
+
+def _a2a_phase() -> str:
+    """The phase of the all-to-all whose timing wrapper calls this (see :data:`_A2A_PHASES`)."""
+    caller = sys._getframe(2).f_code.co_qualname
+    if caller == "_send_token_rows":
+        caller = sys._getframe(3).f_code.co_qualname + " rows"
+    return _A2A_PHASES.get(caller, "other a2a")
 
 
 def _phase_timeline(layer, x, dout, params, device) -> list:
@@ -220,7 +237,7 @@ def _phase_timeline(layer, x, dout, params, device) -> list:
 
     def timed(fn, label=None):
         def wrapper(*args, **kwargs):
-            phase = label or _A2A_PHASES.get(sys._getframe(1).f_code.co_qualname, "other a2a")
+            phase = label or _a2a_phase()
             stream = "comm" if cuda and torch.cuda.current_stream(device) != compute \
                 else "compute"
             start = now()
@@ -271,6 +288,21 @@ def _phase_timeline(layer, x, dout, params, device) -> list:
                    ("backward", "compute", since(middle), since(end) - since(middle))]
 
 
+def _peak_mib(step, params, device) -> float:
+    """Peak CUDA memory of one ``step`` above what was allocated before it, MiB (the slowest
+    rank's is printed); 0 on the CPU."""
+    if device.type != "cuda":
+        return 0.0
+    _drop_grads(params)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    _drop_grads(params)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+
+
 def _check(layer, full, x, dout, x_full, dout_full, mine, rank) -> dict:
     """Relative errors of one EP forward + backward against the single-process layer."""
     _drop_grads([*layer.parameters(), *full.parameters()])
@@ -308,10 +340,13 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     x = x_full[mine].clone().requires_grad_()
     dout = dout_full[mine].clone()
 
+    recomputes = (False, True) if args.recompute_dispatch else (False,)
     errors = {}
     for c in args.chunks:
-        layer.num_chunks = c
-        errors[c] = _check(layer, full, x, dout, x_full, dout_full, mine, rank)
+        for r in recomputes:
+            layer.num_chunks, layer.recompute_dispatch = c, r
+            errors[_run_name(c, 0, r)] = _check(layer, full, x, dout, x_full, dout_full, mine,
+                                                rank)
     worst = torch.tensor(max(max(e.values()) for e in errors.values()), device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
@@ -320,36 +355,39 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     ep_params = [*layer.parameters(), x]
     ms = {"1gpu": {"fwd": timer(lambda: full(x), single_params),
                    "step": timer(lambda: full(x).backward(dout), single_params)}}
-    runs = [(c, 0) for c in args.chunks] + [(2, m) for m in args.sm_margins if m and 2 in args.chunks]
-    calls = {}
-    for c, margin in runs:
-        layer.num_chunks, layer.comm_sm_margin = c, margin
-        if c not in calls:      # one real step of this C: the messages compute-only replays
-            calls[c] = {"fwd": [], "bwd": []}
-            with _data_all_to_alls(record=calls[c]["fwd"]):
+    runs = ([(c, 0, r) for r in recomputes for c in args.chunks]
+            + [(2, m, False) for m in args.sm_margins if m and 2 in args.chunks])
+    calls, peak = {}, {}
+    for c, margin, r in runs:
+        layer.num_chunks, layer.comm_sm_margin, layer.recompute_dispatch = c, margin, r
+        if (c, r) not in calls:     # one real step: the messages compute-only replays
+            calls[(c, r)] = {"fwd": [], "bwd": []}
+            with _data_all_to_alls(record=calls[(c, r)]["fwd"]):
                 out = layer(x)
-            with _data_all_to_alls(record=calls[c]["bwd"]):
+            with _data_all_to_alls(record=calls[(c, r)]["bwd"]):
                 out.backward(dout)
             del out
-        name = _run_name(c, margin)
+        name = _run_name(c, margin, r)
+        peak[name] = _peak_mib(lambda: layer(x).backward(dout), ep_params, device)
         ms[f"ep {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
                             "step": timer(lambda: layer(x).backward(dout), ep_params)}
-        with _data_all_to_alls(replay=calls[c]["fwd"] + calls[c]["bwd"]):
+        with _data_all_to_alls(replay=calls[(c, r)]["fwd"] + calls[(c, r)]["bwd"]):
             ms[f"compute {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
                                      "step": timer(lambda: layer(x).backward(dout), ep_params)}
+    layer.recompute_dispatch = False
 
     # The data all-to-alls of one unchunked step, replayed back to back.
     first = args.chunks[0]
 
     def replay(phases):
         for phase in phases:
-            for _, send, recv, out_splits, in_splits in calls[first][phase]:
+            for _, send, recv, out_splits, in_splits in calls[(first, False)][phase]:
                 dist.all_to_all_single(recv, send, out_splits, in_splits)
 
     ms["a2a"] = {"fwd": timer(lambda: replay(["fwd"]), []),
                  "step": timer(lambda: replay(["fwd", "bwd"]), [])}
-    sent = {"fwd": sum(c[0] for c in calls[first]["fwd"])}
-    sent["step"] = sent["fwd"] + sum(c[0] for c in calls[first]["bwd"])
+    sent = {"fwd": sum(c[0] for c in calls[(first, False)]["fwd"])}
+    sent["step"] = sent["fwd"] + sum(c[0] for c in calls[(first, False)]["bwd"])
     del calls
 
     # Per-phase timelines of one step: C = 1 and the fastest C > 1 (the same on every rank:
@@ -363,7 +401,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         layer.num_chunks, layer.comm_sm_margin = c, 0
         phases[c] = _phase_timeline(layer, x, dout, ep_params, device)
 
-    mine_result = {"ms": ms, "sent_bytes": sent, "errors": errors, "phases": phases}
+    mine_result = {"ms": ms, "peak_MiB": peak, "sent_bytes": sent, "errors": errors,
+                   "phases": phases}
     gathered = [None] * world
     dist.all_gather_object(gathered, mine_result)
     summary = _summarise(gathered, args, world)
@@ -378,6 +417,8 @@ def _summarise(per_rank: list[dict], args, world: int) -> dict:
     names = per_rank[0]["ms"].keys()
     ms = {k: {p: max(r["ms"][k][p] for r in per_rank) for p in ("fwd", "step")} for k in names}
     result = {"config": args.config, "ep": world, "ms": ms,
+              "peak_MiB": {k: max(r["peak_MiB"][k] for r in per_rank)
+                           for k in per_rank[0]["peak_MiB"]},
               "ms_1gpu_per_rank": [r["ms"]["1gpu"]["step"] for r in per_rank],
               "a2a_busbw_GBps": {}, "efficiency": {}, "exposed_ms": {}, "hidden": {},
               "max_rel_error": max(max(e.values()) for r in per_rank
@@ -409,13 +450,14 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
     print(f"{'a2a alone':22s} {ms['a2a']['fwd']:9.3f} {ms['a2a']['step']:9.3f}   bus bw "
           f"{s['a2a_busbw_GBps']['fwd']:.0f} / {s['a2a_busbw_GBps']['step']:.0f} GB/s")
     print(f"{'':22s} {'ms':>9s} {'compute-only':>13s} {'exposed':>8s} {'hidden':>7s} "
-          f"{'efficiency':>11s}")
+          f"{'efficiency':>11s} {'peak MiB':>9s}")
     for name in (k[3:] for k in ms if k.startswith("ep ")):
         for p in ("fwd", "step"):
             key = f"{name} {p}"
+            peak = f"{s['peak_MiB'][name]:9.1f}" if p == "step" else ""
             print(f"{f'EP={world} {key}':22s} {ms[f'ep {name}'][p]:9.3f} "
                   f"{ms[f'compute {name}'][p]:13.3f} {s['exposed_ms'][key]:8.3f} "
-                  f"{s['hidden'][key]:7.1%} {s['efficiency'][key]:11.1%}")
+                  f"{s['hidden'][key]:7.1%} {s['efficiency'][key]:11.1%} {peak}")
     print("exposed = ep - compute-only (no data moved); hidden = 1 - exposed / a2a alone")
     for c, rows in s["phases_rank0"].items():
         print(f"phases of one step, rank 0, C={c} (ms from the step's start, per stream):")

@@ -353,7 +353,7 @@ def test_eplb_placement_matches_single_process(ep_results, case):
 def _catch(fn):
     try:
         fn()
-    except (ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 

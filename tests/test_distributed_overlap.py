@@ -1,9 +1,10 @@
 """Chunked expert parallelism (``num_chunks=C``) on CPU: gloo groups of 2 and 4 spawned ranks.
 
 Every case runs the same fp64 problem with ``C = 1`` (the unchunked path) and ``C = 2, 3, 4``
-(the pipelined path, sequential on the CPU) and compares the outputs and every gradient: the
-chunking only reorders the sums of the weight gradients over chunks, so they agree within
-1e-12. The ``C = 1`` results themselves are compared with single-process sonic by
+(the pipelined path, sequential on the CPU), and ``recompute_dispatch=True`` with ``C = 1``
+and ``2`` (the received rows sent again in backward), and compares the outputs and every
+gradient: the chunking only reorders the sums of the weight gradients over chunks, so they
+agree within 1e-12; recomputing moves the same bytes, so it changes nothing bit for bit. The ``C = 1`` results themselves are compared with single-process sonic by
 ``tests/test_distributed.py``; here one case per kind is also compared with it directly.
 """
 
@@ -18,12 +19,15 @@ from test_distributed import D, N, _catch, _pairs, _pairs_problem, _rel, _spawn
 
 TOL = 1e-12
 CHUNKS = (2, 3, 4)
+# (num_chunks, recompute_dispatch) of the runs besides the unchunked C = 1.
+RUNS = [(c, False) for c in CHUNKS] + [(1, True), (2, True)]
 
 
-def _layer_run(full, x_local, grad_local, num_chunks, placement=None):
+def _layer_run(full, x_local, grad_local, num_chunks, placement=None, recompute=False):
     """Output and gradients (x, router summed over ranks, w1, w2) of this rank's share of
     ``full`` with ``num_chunks`` chunks."""
-    layer = ExpertParallelMoE.from_moe(full, placement=placement, num_chunks=num_chunks)
+    layer = ExpertParallelMoE.from_moe(full, placement=placement, num_chunks=num_chunks,
+                                       recompute_dispatch=recompute)
     x = x_local.clone().requires_grad_()
     out = layer(x)
     (out * grad_local).sum().backward()
@@ -35,9 +39,13 @@ def _layer_run(full, x_local, grad_local, num_chunks, placement=None):
 
 
 def _compare(runs):
-    """Worst relative difference of each chunked run from the C = 1 run."""
-    base = runs[1]
-    return max(_rel(a, b) for c in CHUNKS for a, b in zip(runs[c], base))
+    """Worst relative difference of each run of :data:`RUNS` from the unchunked C = 1 run
+    (``runs[(1, False)]``); ``recompute_bitwise``: whether C = 2 with recompute_dispatch gave
+    C = 2's results bit for bit."""
+    base = runs[(1, False)]
+    return {"vs_unchunked": max(_rel(a, b) for key in RUNS for a, b in zip(runs[key], base)),
+            "recompute_bitwise": all(torch.equal(a, b)
+                                     for a, b in zip(runs[(2, True)], runs[(2, False)]))}
 
 
 # name: (tokens on rank r, E, K, router, what the routing is forced to)
@@ -77,12 +85,13 @@ def _layer_problem(world, name, seed):
 def _layer_case(rank, world, name, seed):
     full, counts, x_full, grad_full = _layer_problem(world, name, seed)
     lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
-    runs = {c: _layer_run(full, x_full[lo:hi], grad_full[lo:hi], c) for c in (1, *CHUNKS)}
-    result = {"vs_unchunked": _compare(runs)}
+    runs = {(c, r): _layer_run(full, x_full[lo:hi], grad_full[lo:hi], c, recompute=r)
+            for c, r in [(1, False), *RUNS]}
+    result = _compare(runs)
     # C = 4 against single-process sonic on the concatenated batch.
     x_ref = x_full.clone().requires_grad_()
     (full(x_ref) * grad_full).sum().backward()
-    out, dx, gate, _, _ = runs[4]
+    out, dx, gate, _, _ = runs[(4, False)]
     result["vs_single_process"] = max(_rel(out, full(x_full).detach()[lo:hi]),
                                       _rel(dx, x_ref.grad[lo:hi]),
                                       _rel(gate, full.gate.weight.grad))
@@ -105,10 +114,9 @@ def _eplb_case(rank, world, seed):
                           minlength=num_experts)
     placement = plan_placement(load, world, num_experts // world + 1)
     lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
-    runs = {c: _layer_run(full, x_full[lo:hi], grad_full[lo:hi], c, placement)
-            for c in (1, *CHUNKS)}
-    return {"vs_unchunked": _compare(runs),
-            "replicas": int(placement.replica_counts().max())}
+    runs = {(c, r): _layer_run(full, x_full[lo:hi], grad_full[lo:hi], c, placement, r)
+            for c, r in [(1, False), *RUNS]}
+    return {**_compare(runs), "replicas": int(placement.replica_counts().max())}
 
 
 def _pairs_case(rank, world, seed, placement_kind):
@@ -128,24 +136,27 @@ def _pairs_case(rank, world, seed, placement_kind):
      lo, p_lo, tok, exp) = _pairs_problem(g, counts, per_rank, num_experts, rank)
     mine = (slice(rank * local, (rank + 1) * local) if placement is None
             else placement.rank_experts(rank))
-    runs = {}
-    for c in (1, *CHUNKS):
+    runs, kept = {}, {}
+    for c, recompute in [(1, False), *RUNS]:
         x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
         s = scores_full[p_lo:p_lo + len(tok)].clone().requires_grad_()
         w1_local = w1[mine].clone().requires_grad_()
         w2_local = w2[mine].clone().requires_grad_()
         out = ep_moe_experts(x, w1_local, w2_local, s, tok, exp, group=None,
                              num_experts=num_experts, backend="torch", placement=placement,
-                             num_chunks=c)
+                             num_chunks=c, recompute_dispatch=recompute)
+        if c == 2:      # what backward keeps of the received rows: x_recv, or x instead
+            kept[recompute] = (out.grad_fn.received[0] is not None,
+                               len(out.grad_fn.saved_tensors))
         (out * grad_full[lo:lo + counts[rank]]).sum().backward()
         if placement is not None:
             reduce_replica_grads([w1_local, w2_local], placement)
-        runs[c] = [out.detach(), x.grad, s.grad, w1_local.grad, w2_local.grad]
+        runs[(c, recompute)] = [out.detach(), x.grad, s.grad, w1_local.grad, w2_local.grad]
     ref_in = [t.clone().requires_grad_() for t in (x_full, w1, w2, scores_full)]
     out_ref = sonic.moe_experts(*ref_in, tok_full, exp_full, backend="torch")
     (out_ref * grad_full).sum().backward()
-    out, dx, ds, dw1, dw2 = runs[3]
-    return {"vs_unchunked": _compare(runs),
+    out, dx, ds, dw1, dw2 = runs[(3, False)]
+    return {**_compare(runs), "kept": kept,
             "vs_single_process": max(_rel(out, out_ref.detach()[lo:lo + counts[rank]]),
                                      _rel(dx, ref_in[0].grad[lo:lo + counts[rank]]),
                                      _rel(ds, ref_in[3].grad[p_lo:p_lo + len(tok)]),
@@ -165,12 +176,12 @@ def _partial_grads_case(rank, world, seed):
         g, counts, per_rank, num_experts, rank)
     mine = slice(rank * local, (rank + 1) * local)
     runs = {}
-    for c in (1, *CHUNKS):
+    for c, recompute in [(1, False), *RUNS]:
         x = x_full[lo:lo + counts[rank]].clone().requires_grad_()
         w2_local = w2[mine].clone().requires_grad_()
         out = ep_moe_experts(x, w1[mine], w2_local, scores_full[p_lo:p_lo + len(tok)], tok,
                              exp, group=None, num_experts=num_experts, backend="torch",
-                             num_chunks=c)
+                             num_chunks=c, recompute_dispatch=recompute)
         loss = (out * grad_full[lo:lo + counts[rank]]).sum()
         loss.backward(retain_graph=True)
         first = [x.grad.clone(), w2_local.grad.clone()]
@@ -178,11 +189,12 @@ def _partial_grads_case(rank, world, seed):
         with torch.no_grad():
             plain = ep_moe_experts(x, w1[mine], w2_local, scores_full[p_lo:p_lo + len(tok)],
                                    tok, exp, group=None, num_experts=num_experts,
-                                   backend="torch", num_chunks=c)
-        runs[c] = [out.detach(), plain, *first, x.grad / 2, w2_local.grad / 2]
-    return {"vs_unchunked": _compare(runs),
-            "retained_twice": max(_rel(a, b) for a, b in zip(runs[4][2:4], runs[4][4:6])),
-            "no_grad_equal": _rel(runs[4][1], runs[4][0])}
+                                   backend="torch", num_chunks=c, recompute_dispatch=recompute)
+        runs[(c, recompute)] = [out.detach(), plain, *first, x.grad / 2, w2_local.grad / 2]
+    return {**_compare(runs),
+            "retained_twice": max(_rel(a, b) for key in RUNS
+                                  for a, b in zip(runs[key][2:4], runs[key][4:6])),
+            "no_grad_equal": max(_rel(runs[key][1], runs[key][0]) for key in RUNS)}
 
 
 def _w1_only_case(rank, world, seed):
@@ -197,20 +209,20 @@ def _w1_only_case(rank, world, seed):
         g, counts, per_rank, num_experts, rank)
     mine = slice(rank * local, (rank + 1) * local)
     runs = {}
-    for c in (1, *CHUNKS):
+    for c, recompute in [(1, False), *RUNS]:
         w1_local = w1[mine].clone().requires_grad_()
         out = ep_moe_experts(x_full[lo:lo + counts[rank]], w1_local, w2[mine],
                              scores_full[p_lo:p_lo + len(tok)], tok, exp, group=None,
                              num_experts=num_experts, backend="torch", num_chunks=c,
-                             comm_sm_margin=16)
+                             comm_sm_margin=16, recompute_dispatch=recompute)
         (out * grad_full[lo:lo + counts[rank]]).sum().backward()
-        runs[c] = [out.detach(), w1_local.grad]
+        runs[(c, recompute)] = [out.detach(), w1_local.grad]
     w1_local = w1[mine].clone().requires_grad_()
     out = ep_moe_experts(x_full[lo:lo + counts[rank]], w1_local, w2[mine],
                          scores_full[p_lo:p_lo + len(tok)], tok, exp, group=None,
                          num_experts=num_experts, backend="torch", num_chunks=2)
     refused = _catch(lambda: torch.autograd.grad(out.sum(), w1_local, create_graph=True))
-    return {"vs_unchunked": _compare(runs), "create_graph": refused}
+    return {**_compare(runs), "create_graph": refused}
 
 
 def _error_case(rank, world):
@@ -224,7 +236,16 @@ def _error_case(rank, world):
         return ep_moe_experts(x, w1, w2, s, tok, exp, group=None, num_experts=4,
                               backend="torch", num_chunks=num_chunks)
 
-    return {"disagree": _catch(lambda: call(2 + rank)),
+    y = (x * 1).requires_grad_()
+    y_in = y * 1
+    out = ep_moe_experts(y_in, w1, w2, s, tok, exp, group=None, num_experts=4,
+                         backend="torch", recompute_dispatch=True)
+    y_in.add_(1)        # every rank changes the kept input in place before backward
+    modified = _catch(lambda: out.sum().backward())
+    return {"modified": modified,
+            "not_bool": _catch(lambda: ep_moe_experts(x, w1, w2, s, tok, exp, group=None,
+                                                      num_experts=4, recompute_dispatch=1)),
+            "disagree": _catch(lambda: call(2 + rank)),
             "too_many": _catch(lambda: call(MAX_CHUNKS + 1)),
             "layer_zero": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, num_chunks=0)),
             "margin": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, comm_sm_margin=-1))}
@@ -260,6 +281,9 @@ def test_chunked_equals_unchunked(chunked, case):
     for rank, result in enumerate(results):
         r = result[case]
         assert r["vs_unchunked"] <= TOL, (rank, r)
+        assert r["recompute_bitwise"], (rank, r)
+        if "kept" in r:     # C = 2: x_recv kept (w1, w2 saved), or x saved instead
+            assert r["kept"] == {False: (True, 2), True: (False, 3)}, (rank, r)
         for key in ("vs_single_process", "retained_twice", "no_grad_equal"):
             assert r.get(key, 0.0) <= 1e-10, (rank, key, r)
         if case == "eplb_layer":
@@ -276,6 +300,8 @@ def test_chunk_count_errors(chunked):
         assert f"num_chunks must be in [1, {MAX_CHUNKS}]" in errors["too_many"]
         assert "num_chunks must be in [1, 16], got 0" in errors["layer_zero"]
         assert "comm_sm_margin" in errors["margin"], (rank, errors)
+        assert "modified by an inplace operation" in errors["modified"], (rank, errors)
+        assert "recompute_dispatch must be a bool" in errors["not_bool"], (rank, errors)
 
 
 # --- the weak-scaling benchmark, smoke-tested on CPU ranks --------------------------------------
@@ -288,7 +314,8 @@ def _bench_smoke(rank, world):
     spec = importlib.util.spec_from_file_location("bench_ep", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2"]), torch.device("cpu"))
+    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2", "--recompute-dispatch"]),
+                     torch.device("cpu"))
 
 
 def test_benchmark_smoke(tmp_path):
@@ -298,10 +325,11 @@ def test_benchmark_smoke(tmp_path):
     r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=120)
     assert r0 == r1
     assert r0["ok"] and r0["max_rel_error"] < 1e-5
-    runs = ["C=1", "C=2", "C=2 m=8", "C=2 m=16"]
+    runs = ["C=1", "C=2", "C=1 rd", "C=2 rd", "C=2 m=8", "C=2 m=16"]
     assert set(r0["ms"]) == {"1gpu", "a2a", *(f"{k} {r}" for k in ("ep", "compute") for r in runs)}
     assert all(t > 0 for m in r0["ms"].values() for t in m.values())
     assert set(r0["hidden"]) == {f"{r} {p}" for r in runs for p in ("fwd", "step")}
+    assert set(r0["peak_MiB"]) == set(runs)
     phases = {c: {row[0] for row in rows} for c, rows in r0["phases_rank0"].items()}
     assert set(phases) == {1, 2}
     common = {"plan exchanges (counts, pairs)", "dispatch a2a", "local experts fwd",

@@ -115,11 +115,14 @@ def test_ep_equals_data_parallel_with_the_aux_loss():
     assert_same_run(distributed(2, 2), distributed(2, 1))
 
 
-def test_ep_chunks_equal_unchunked():
-    """--ep-chunks 3 pipelines every EP layer in 3 chunks: the same run up to the order of the
-    expert weight-gradient sums."""
-    result = distributed(2, 2, "--ep-chunks", "3")
+def test_ep_chunks_and_recompute_dispatch_equal_unchunked():
+    """--ep-chunks 3 pipelines every EP layer in 3 chunks, and --ep-recompute-dispatch sends
+    the received rows again in backward: the same run up to the order of the expert
+    weight-gradient sums (one run for both flags: recomputing changes no value, tested bit
+    for bit in tests/test_distributed_overlap.py)."""
+    result = distributed(2, 2, "--ep-chunks", "3", "--ep-recompute-dispatch")
     assert result["config"]["ep_chunks"] == 3
+    assert result["config"]["ep_recompute_dispatch"] is True
     assert_same_run(result, distributed(2, 2))
 
 

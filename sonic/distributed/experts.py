@@ -50,7 +50,8 @@ from sonic.routing.types import Routing
 _AGREED = ("d (x.shape[1])", "n (w2_local.shape[2])", "num_experts", "dtype of x",
            "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
-           "placement (its fingerprint; 0 for the contiguous default)", "num_chunks")
+           "placement (its fingerprint; 0 for the contiguous default)", "num_chunks",
+           "recompute_dispatch")
 # The most chunks a layer call may pipeline (the count message has room for this many).
 MAX_CHUNKS = 16
 
@@ -313,7 +314,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
                    group, num_experts: int, gate_up: str = "concat",
                    backend: str = "auto", placement: Placement | None = None,
-                   num_chunks: int = 1, comm_sm_margin: int = 0) -> torch.Tensor:
+                   num_chunks: int = 1, comm_sm_margin: int = 0,
+                   recompute_dispatch: bool = False) -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -354,8 +356,18 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             all chunks' rows.
         comm_sm_margin: SMs that the grouped GEMMs of the chunked pipeline (``C > 1``) leave
             free for the all-to-all kernels running beside them (:func:`sonic.backend.sm_margin`;
-            results unchanged); ``0`` (default): every SM. Ignored with ``C = 1``, where no
-            communication overlaps the experts. May differ between ranks.
+            results unchanged); ``0`` (default): every SM. Ignored on the unchunked path
+            (``C = 1`` without ``recompute_dispatch``), where no communication overlaps the
+            experts. May differ between ranks.
+        recompute_dispatch: keep ``x`` instead of the received rows ``x_recv (R, d)`` and send
+            its rows again in backward for dW1 (:mod:`sonic.distributed.overlap`, which then
+            runs also for ``C = 1``): ``R·d`` fewer bytes kept per layer (``x`` is usually kept
+            anyway, by whatever produced it or by the router) for one more ``R × d``
+            all-to-all in backward, overlapped with dW2. All-to-all moves bytes unchanged, so
+            the gradients are exactly those without it (for the same ``C``; ``C = 1`` then
+            differs from the unchunked path by the order of dW sums only). The same on every
+            rank. An in-place change of ``x`` before backward raises there, as for any tensor
+            autograd saved.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -364,8 +376,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     Kept for backward on each rank:
         * the received rows ``x_recv (R, d)``, ``R`` = (token, rank) pairs sent here — the
           local experts' X, needed for dW1. Unlike single-process sonic, where X is the
-          caller's tensor kept by reference, this is a new tensor; re-sending X in backward
-          would trade it for a second ``R × d`` all-to-all.
+          caller's tensor kept by reference, this is a new tensor; ``recompute_dispatch``
+          keeps ``x`` by reference instead and re-sends its rows in backward.
         * ``H (P_recv, 2n)``, the received scores and the local routing metadata — what
           :func:`sonic.moe_experts` keeps;
         * the :class:`DispatchPlan`: ``O(S + P + P_recv + T)`` int indices and the host split
@@ -405,6 +417,9 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_int("num_experts", num_experts, low=1)
     check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
     check_int("comm_sm_margin", comm_sm_margin, low=0)
+    if not isinstance(recompute_dispatch, bool):
+        raise TypeError(f"recompute_dispatch must be a bool, got "
+                        f"{type(recompute_dispatch).__name__}")
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
     check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
                       token_idx=token_idx, expert_idx=expert_idx)
@@ -442,12 +457,13 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     ops = expert_ops(backend, x.device)
     agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
               *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
-              0 if placement is None else placement.fingerprint(), num_chunks]
+              0 if placement is None else placement.fingerprint(), num_chunks,
+              int(recompute_dispatch)]
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
                          placement, num_chunks)
-    if num_chunks > 1:
+    if num_chunks > 1 or recompute_dispatch:
         return ChunkedExperts.apply(x, scores, w1_local, w2_local, plan, num_local, gate_up,
-                                    backend, ops.aggregate, comm_sm_margin)
+                                    backend, ops.aggregate, comm_sm_margin, recompute_dispatch)
     (chunk,) = plan.chunks
     x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)
     # The pairs were built here from range-checked indices: no second check (a host read).

@@ -53,6 +53,10 @@ class ExpertParallelMoE(MoE):
         comm_sm_margin: SMs the grouped GEMMs of the chunked pipeline leave free for the
             all-to-alls overlapping them (see :func:`ep_moe_experts`); ``0`` (default): all.
             The attribute :attr:`comm_sm_margin` may be changed between calls.
+        recompute_dispatch: keep the layer input instead of the rows this rank received and
+            send them again in backward (see :func:`ep_moe_experts`): less memory for one more
+            all-to-all, the same gradients. The same on every rank; the attribute
+            :attr:`recompute_dispatch` may be changed between calls.
 
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
     ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``; with a placement
@@ -91,7 +95,7 @@ class ExpertParallelMoE(MoE):
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
                  backend: str = "auto", device=None, dtype=None,
                  placement: Placement | None = None, num_chunks: int = 1,
-                 comm_sm_margin: int = 0):
+                 comm_sm_margin: int = 0, recompute_dispatch: bool = False):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
@@ -106,6 +110,7 @@ class ExpertParallelMoE(MoE):
         check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
         check_int("comm_sm_margin", comm_sm_margin, low=0)
         self.comm_sm_margin = comm_sm_margin
+        self.recompute_dispatch = bool(recompute_dispatch)
         self.group = group
         self.placement = placement
         self.num_chunks = num_chunks
@@ -168,11 +173,12 @@ class ExpertParallelMoE(MoE):
 
     @classmethod
     def from_moe(cls, moe: MoE, *, group=None, placement: Placement | None = None,
-                 num_chunks: int = 1, comm_sm_margin: int = 0) -> "ExpertParallelMoE":
+                 num_chunks: int = 1, comm_sm_margin: int = 0,
+                 recompute_dispatch: bool = False) -> "ExpertParallelMoE":
         """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
         its router and experts ``ep_rank·E/ep …`` copied — or, with a ``placement``, the
-        experts of this rank's slots. Collective, like the constructor; ``num_chunks`` and
-        ``comm_sm_margin`` as there.
+        experts of this rank's slots. Collective, like the constructor; ``num_chunks``,
+        ``comm_sm_margin`` and ``recompute_dispatch`` as there.
 
         Raises:
             ValueError: as the constructor, or ``moe.activation_cache`` is not ``"bf16"``
@@ -186,7 +192,8 @@ class ExpertParallelMoE(MoE):
                     tile=moe.tile, rounding=moe.rounding,
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
                     device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
-                    num_chunks=num_chunks, comm_sm_margin=comm_sm_margin)
+                    num_chunks=num_chunks, comm_sm_margin=comm_sm_margin,
+                    recompute_dispatch=recompute_dispatch)
         if placement is None:
             experts = slice(layer.ep_rank * layer.num_local_experts,
                             (layer.ep_rank + 1) * layer.num_local_experts)
@@ -231,14 +238,16 @@ class ExpertParallelMoE(MoE):
                               routing.token_idx, routing.expert_idx, group=self.group,
                               num_experts=self.num_experts, gate_up=self.gate_up,
                               backend=self.backend, placement=self.placement,
-                              num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin)
+                              num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin,
+                              recompute_dispatch=self.recompute_dispatch)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
                 f"local_experts={self.num_local_experts}"
                 + ("" if self.placement is None else ", placement=EPLB")
-                + ("" if self.num_chunks == 1 else f", num_chunks={self.num_chunks}"))
+                + ("" if self.num_chunks == 1 else f", num_chunks={self.num_chunks}")
+                + (", recompute_dispatch=True" if self.recompute_dispatch else ""))
 
 
 def _decode(name: str, code: int):

@@ -112,7 +112,9 @@ class ChunkedExperts(torch.autograd.Function):
 
     Kept for backward: the received rows ``x_recv (R, d)`` and scores ``(P_recv,)``, ``H
     (P_recv, 2n)`` (one buffer each, chunks at their offsets), the per-chunk routing metadata
-    and the plan — what the unchunked path keeps. Backward adds, beside the unchunked path's
+    and the plan — what the unchunked path keeps. With ``recompute_dispatch``, ``x`` (by
+    reference) instead of ``x_recv``: backward sends its rows again, on the comm stream while
+    dW2 runs, for dW1 (the same bytes, so the gradients are bitwise those without it). Backward adds, beside the unchunked path's
     buffers, A' ``(P_recv, n)`` of all chunks until dW2 (unchunked: of the one chunk) and the dO
     rows ``(R, d)`` of all chunks (unchunked: the same), and writes dH over H (when the graph
     is not kept; otherwise a second ``(P_recv, 2n)`` buffer).
@@ -120,7 +122,7 @@ class ChunkedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scores, w1, w2, plan: DispatchPlan, num_local: int, gate_up: str,
-                backend: str, aggregate, margin: int):
+                backend: str, aggregate, margin: int, recompute_dispatch: bool):
         streams = _Streams(x.device)
         rows_at, pairs_at = _received_slices(plan)
         # The local routing of every chunk, while the first dispatch is on the link. Its pairs
@@ -134,13 +136,11 @@ class ChunkedExperts(torch.autograd.Function):
 
         def dispatch(c):
             chunk = plan.chunks[c]
-            with streams.on_comm(x, scores, x_recv, s_recv):
-                all_to_all(x.index_select(0, plan.send_tokens[chunk.rows]), chunk.recv_rows,
-                           chunk.send_rows, plan.group, out=x_recv[rows_at[c]])
+            with streams.on_comm(scores, s_recv):
                 all_to_all(scores.index_select(0, plan.pair_order[chunk.pairs]),
                            chunk.recv_pairs, chunk.send_pairs, plan.group,
                            out=s_recv[pairs_at[c]])
-            return streams.event()
+            return _send_token_rows(streams, x, plan, c, x_recv, rows_at)
 
         rows = x.new_empty((plan.send_tokens.numel(), x.shape[1]))  # partial outputs, send order
         arrived = dispatch(0)
@@ -157,7 +157,13 @@ class ChunkedExperts(torch.autograd.Function):
                 del y_recv
         # The comm stream runs in issue order: its end is the end of the last combine.
         streams.wait(streams.event())
-        ctx.save_for_backward(w1, w2)
+        if recompute_dispatch:
+            # x (saved, so an in-place change of it makes backward fail loudly) instead of the
+            # rows it sent: backward sends them again for dW1.
+            ctx.save_for_backward(w1, w2, x)
+            x_recv = None
+        else:
+            ctx.save_for_backward(w1, w2)
         ctx.plan, ctx.chunk_metadata, ctx.received = plan, metadata, (x_recv, s_recv, h)
         ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
         ctx.aggregate, ctx.margin = aggregate, margin
@@ -170,19 +176,20 @@ class ChunkedExperts(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise _first_order_error()
         plan, metadata, backend = ctx.plan, ctx.chunk_metadata, ctx.backend
-        w1, w2 = ctx.saved_tensors
-        x_recv, s_recv, h = ctx.received
-        if x_recv is None:
+        w1, w2, *x = ctx.saved_tensors          # x: kept instead of x_recv (recompute)
+        if ctx.received is None:
             raise RuntimeError("ChunkedExperts: backward through the graph a second time; "
                                "pass retain_graph=True to the first backward")
+        x_recv, s_recv, h = ctx.received
         keep = _graph_kept()
         if not keep:     # dH is written over H: nothing may read H again
-            ctx.received = (None, None, None)
+            ctx.received = None
         streams = _Streams(grad_out.device)
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         rows_at, pairs_at = _received_slices(plan)
-        grad_out = grad_out.contiguous().to(x_recv.dtype)
-        grad_y = torch.empty_like(x_recv)           # dO rows of all chunks, kept for dW2
+        grad_out = grad_out.contiguous().to(h.dtype)
+        # dO rows of all chunks, kept for dW2
+        grad_y = grad_out.new_empty((rows_at[-1].stop, grad_out.shape[1]))
         a_scaled = h.new_empty((h.shape[0], w2.shape[2])) if need_w2 else None
         dh_all = (h if not keep else torch.empty_like(h)) if need_w1 else None
         grad_rows = grad_out.new_empty((plan.send_tokens.numel(), grad_out.shape[1])) \
@@ -190,11 +197,7 @@ class ChunkedExperts(torch.autograd.Function):
         grad_s_sent = s_recv.new_empty(plan.pair_order.numel()) if need_s else None
 
         def send_grad_out(c):
-            chunk = plan.chunks[c]
-            with streams.on_comm(grad_out, grad_y):
-                all_to_all(grad_out.index_select(0, plan.send_tokens[chunk.rows]),
-                           chunk.recv_rows, chunk.send_rows, plan.group, out=grad_y[rows_at[c]])
-            return streams.event()
+            return _send_token_rows(streams, grad_out, plan, c, grad_y, rows_at)
 
         arrived = send_grad_out(0)
         with sm_margin(ctx.margin):
@@ -223,9 +226,16 @@ class ChunkedExperts(torch.autograd.Function):
                         all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group,
                                    out=grad_s_sent[chunk.pairs])
                 del grad_x_recv, grad_s_recv, touched
+            resent = None
+            if need_w1 and x_recv is None:
+                # Recompute: x's rows go out again, after the chunks' gradients on the link
+                # and while dW2 runs; dW1 waits for them.
+                x_recv = grad_out.new_empty(grad_y.shape)
+                for c in range(len(plan.chunks)):
+                    resent = _send_token_rows(streams, x[0], plan, c, x_recv, rows_at)
             grad_w1, grad_w2 = _weight_grads(grad_y, a_scaled, dh_all, x_recv, weights,
-                                             backend)
-            del a_scaled, grad_y, dh_all
+                                             backend, lambda: streams.wait(resent))
+            del a_scaled, grad_y, dh_all, x_recv
         streams.wait(streams.event())
         grad_x = grad_scores = None
         if need_x:
@@ -233,7 +243,7 @@ class ChunkedExperts(torch.autograd.Function):
         if need_s:
             grad_scores = torch.empty_like(grad_s_sent).index_copy_(0, plan.pair_order,
                                                                     grad_s_sent)
-        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None, None
+        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None, None, None
 
 
 def _activation_grads(grad_y, w1, w2, h, scores, m, gate_up, backend, need_x, need_s, *,
@@ -255,16 +265,29 @@ def _activation_grads(grad_y, w1, w2, h, scores, m, gate_up, backend, need_x, ne
     return grad_x, grad_s
 
 
-def _weight_grads(grad_y, a_scaled, dh, x_recv, weights, backend):
+def _send_token_rows(streams: _Streams, t: torch.Tensor, plan: DispatchPlan, c: int,
+                     out: torch.Tensor, rows_at: list[slice]):
+    """On the comm stream, chunk ``c``'s send rows of ``t (T, d)`` (x, dO) to the ranks that
+    hold their tokens' experts, received into ``out[rows_at[c]]``; the event at its end."""
+    chunk = plan.chunks[c]
+    with streams.on_comm(t, out):
+        all_to_all(t.index_select(0, plan.send_tokens[chunk.rows]), chunk.recv_rows,
+                   chunk.send_rows, plan.group, out=out[rows_at[c]])
+    return streams.event()
+
+
+def _weight_grads(grad_y, a_scaled, dh, x_recv, weights, backend, before_w1):
     """``(dW1 or None, dW2 or None)`` over the received pairs of all chunks: one varlen-K GEMM
     per weight, its operands gathered by ``weights`` (:class:`_WeightGradIndex`); ``a_scaled``
-    / ``dh`` None when that gradient is not needed."""
+    / ``dh`` None when that gradient is not needed. ``before_w1()`` runs between the two
+    (the compute stream waits there for re-sent rows)."""
     grad_w1 = grad_w2 = None
     if a_scaled is not None:
         grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_y, a_scaled, weights.expert_offsets,
                                                       weights.row_idx, weights.chunk_pos,
                                                       backend)
     if dh is not None:
+        before_w1()
         grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x_recv, weights.expert_offsets,
                                                       weights.chunk_pos, weights.row_idx,
                                                       backend)

@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "all-to-alls overlap the expert computation of the other chunks "
                         "(forward and backward; at most 16). 1 = no chunking, the default "
                         "until GPU measurements (benchmarks/bench_ep.py) pick a better one")
+    p.add_argument("--ep-recompute-dispatch", action="store_true",
+                   help="with --ep > 1: keep each MoE layer's input instead of the token rows "
+                        "its rank received, and send those again in backward (less memory, "
+                        "one more all-to-all per layer; the same gradients)")
     p.add_argument("--save", metavar="PATH", default=None,
                    help="write a checkpoint (model, optimizer, step, config, sampler state; "
                         "torch.save) at the end, after --stop-after and every --save-every "

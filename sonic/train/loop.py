@@ -46,7 +46,8 @@ class TrainConfig:
     size under ``torchrun`` (see :mod:`sonic.train.parallel`): ``batch_size`` is then per rank,
     the global batch ``WORLD_SIZE·batch_size`` windows; ``ep_chunks`` the ``num_chunks`` of
     every `sonic.distributed.ExpertParallelMoE` (all-to-alls overlapped with the experts of
-    other chunks; no effect with ``ep = 1``). ``activation_cache`` is every `sonic.MoE`'s
+    other chunks; no effect with ``ep = 1``), ``ep_recompute_dispatch`` its
+    ``recompute_dispatch`` (received rows sent again in backward instead of kept). ``activation_cache`` is every `sonic.MoE`'s
     (``"fp8"`` keeps H in e4m3 for backward; it needs bfloat16 parameters, ``d_expert`` a
     multiple of 64 and ``ep = 1``).
 
@@ -80,6 +81,7 @@ class TrainConfig:
     seed: int = 0
     ep: int = 1
     ep_chunks: int = 1
+    ep_recompute_dispatch: bool = False
     activation_cache: str = "bf16"
 
     def __post_init__(self):
@@ -98,6 +100,9 @@ class TrainConfig:
             raise ValueError(f"router: {self.router!r} is not supported with --ep > 1 yet "
                              f"(token rounding across EP ranks is not implemented); use "
                              f"--router topk")
+        if not isinstance(self.ep_recompute_dispatch, bool):
+            raise ValueError(f"ep_recompute_dispatch: expected a bool, got "
+                             f"{self.ep_recompute_dispatch!r}")
         if self.ep_chunks > MAX_CHUNKS:
             raise ValueError(f"ep_chunks: expected at most {MAX_CHUNKS}, got {self.ep_chunks}")
         if self.d_model % self.heads:
@@ -201,8 +206,10 @@ def _activation_mib(model: ByteMoELM, inputs: torch.Tensor) -> float:
 
 CHECKPOINT_VERSION = 1
 # Fields a resumed run may change; every other one must match the checkpoint's.
-# ep_chunks only reorders the sums of expert weight gradients: a run may resume with another.
-_RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunks")
+# ep_chunks only reorders the sums of expert weight gradients and ep_recompute_dispatch changes
+# no value: a run may resume with others.
+_RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunks",
+                      "ep_recompute_dispatch")
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
@@ -339,7 +346,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                       activation_cache=config.activation_cache,
                       device=device, dtype=dtype)
     if par.ep > 1:
-        model.shard_experts(par.ep_group, num_chunks=config.ep_chunks)
+        model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
+                            recompute_dispatch=config.ep_recompute_dispatch)
     parallel.broadcast_replicated(model, par)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)

@@ -102,16 +102,19 @@ class ByteMoELM(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * num_layers) ** 0.5)
 
-    def shard_experts(self, group, num_chunks: int = 1) -> None:
+    def shard_experts(self, group, num_chunks: int = 1, recompute_dispatch: bool = False
+                      ) -> None:
         """Expert parallelism: replace every block's `sonic.MoE` by its share on this rank of
         ``group``, a `sonic.distributed.ExpertParallelMoE` (router and experts
-        ``ep_rank·E/ep …`` copied) with ``num_chunks`` pipelined chunks. Collective over
-        ``group``; the model must be the same on every rank of it (same seed)."""
+        ``ep_rank·E/ep …`` copied) with ``num_chunks`` pipelined chunks and
+        ``recompute_dispatch`` as there. Collective over ``group``; the model must be the same
+        on every rank of it (same seed)."""
         from sonic.distributed import ExpertParallelMoE
 
         for block in self.blocks:
             block.moe = ExpertParallelMoE.from_moe(block.moe, group=group,
-                                                   num_chunks=num_chunks)
+                                                   num_chunks=num_chunks,
+                                                   recompute_dispatch=recompute_dispatch)
 
     @property
     def moe_layers(self) -> list[MoE]:
