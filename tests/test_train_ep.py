@@ -110,6 +110,14 @@ def test_ep_equals_one_process_on_the_global_batch(nproc, ep):
     assert_same_run(distributed(nproc, ep, *no_aux), one_process(nproc * B, *no_aux))
 
 
+def test_ep_token_rounding_equals_one_process_on_the_global_batch():
+    """--router token_rounding with --ep 2: every expert's count is rounded over the tokens of
+    both ranks (sonic.distributed.ep_token_rounding_routing), the selection of one process
+    rounding the global batch; the runs agree to fp32 rounding (no aux loss: it is per rank)."""
+    run = ("--aux-loss-coef", "0", "--router", "token_rounding", "--tile", "8")
+    assert_same_run(distributed(2, 2, *run), one_process(2 * B, *run))
+
+
 def test_ep_equals_data_parallel_with_the_aux_loss():
     """World 2: --ep 2 against pure data parallelism (--ep 1), aux loss on."""
     assert_same_run(distributed(2, 2), distributed(2, 1))
@@ -149,7 +157,6 @@ def test_ep_not_dividing_the_world_is_an_error():
 
 @pytest.mark.parametrize("args, message", [
     (["--ep", "2"], "--ep 2 must divide the world size 1 (run under torchrun"),
-    (["--ep", "2", "--router", "token_rounding"], "not supported with --ep > 1 yet"),
     (["--ep", "0"], "--ep"),
     (["--ep-chunks", "0"], "--ep-chunks"),
     (["--ep-chunks", "17"], "ep_chunks: expected at most 16"),

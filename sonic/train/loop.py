@@ -96,10 +96,6 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
         if self.router not in ("topk", "token_rounding"):
             raise ValueError(f"router: expected 'topk' or 'token_rounding', got {self.router!r}")
-        if self.ep > 1 and self.router != "topk":
-            raise ValueError(f"router: {self.router!r} is not supported with --ep > 1 yet "
-                             f"(token rounding across EP ranks is not implemented); use "
-                             f"--router topk")
         if not isinstance(self.ep_recompute_dispatch, bool):
             raise ValueError(f"ep_recompute_dispatch: expected a bool, got "
                              f"{self.ep_recompute_dispatch!r}")
