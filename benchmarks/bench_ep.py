@@ -80,7 +80,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sonic  # noqa: E402
-from sonic.distributed import ExpertParallelMoE, experts, overlap  # noqa: E402
+from sonic.distributed import ExpertParallelMoE, experts, overlap, plan  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -252,7 +252,8 @@ def _phase_timeline(layer, x, dout, params, device) -> list:
         ops = real_ops(*args)
         return dataclasses.replace(ops, aggregate=timed(ops.aggregate, "per-token sum"))
 
-    patches = [(experts, "all_to_all", timed(experts.all_to_all)),
+    patches = [(plan, "all_to_all", timed(plan.all_to_all)),
+               (experts, "all_to_all", timed(experts.all_to_all)),
                (overlap, "all_to_all", timed(overlap.all_to_all)),
                (experts, "moe_experts", timed(experts.moe_experts, "local experts fwd")),
                (overlap, "experts_forward", timed(overlap.experts_forward,

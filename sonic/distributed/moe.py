@@ -11,7 +11,8 @@ from torch import nn
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
 from sonic._validation import check_int
-from sonic.distributed.experts import MAX_CHUNKS, check_placement, ep_moe_experts
+from sonic.distributed.experts import check_placement, ep_moe_experts
+from sonic.distributed.plan import MAX_CHUNKS
 from sonic.distributed.token_rounding import ep_token_rounding_routing
 from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype

@@ -2,7 +2,7 @@
 computation of another (the coarse form of Comet, arXiv 2502.19811: overlap at chunk, not
 tile, granularity).
 
-A :class:`~sonic.distributed.experts.DispatchPlan` of ``C`` chunks (contiguous token ranges,
+A :class:`~sonic.distributed.plan.DispatchPlan` of ``C`` chunks (contiguous token ranges,
 one routing and one host read for the whole layer) is run as a two-stage pipeline::
 
     comm stream:     D0 D1 ·· C0 D2 ·· C1 D3 ·· C2 ·· ···
@@ -42,19 +42,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 from sonic.autograd.moe_experts import _graph_kept
 from sonic.backend import sm_margin
 from sonic.distributed.comm import all_to_all
+from sonic.distributed.plan import DispatchPlan
 from sonic.ops import (_acc, _dh_dswiglu, _first_order_error, experts_forward,
-                       pair_score_grads, routing_metadata_op)
+                       pair_score_grads, routing_metadata_op, unpack_metadata)
 
-if TYPE_CHECKING:
-    from sonic.distributed.experts import DispatchPlan
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -114,7 +112,10 @@ class ChunkedExperts(torch.autograd.Function):
     (P_recv, 2n)`` (one buffer each, chunks at their offsets), the per-chunk routing metadata
     and the plan — what the unchunked path keeps. With ``recompute_dispatch``, ``x`` (by
     reference) instead of ``x_recv``: backward sends its rows again, on the comm stream while
-    dW2 runs, for dW1 (the same bytes, so the gradients are bitwise those without it). Backward adds, beside the unchunked path's
+    dW2 runs, for dW1 (the same bytes, so the gradients are bitwise those without it). All of
+    it, the plan's indices and the chunks' packed metadata included, is kept with
+    ``save_for_backward``, so autograd's saved-tensor hooks see it
+    (:func:`sonic.profile_activation_memory`, ``torch.autograd.graph.save_on_cpu``). Backward adds, beside the unchunked path's
     buffers, A' ``(P_recv, n)`` of all chunks until dW2 (unchunked: of the one chunk) and the dO
     rows ``(R, d)`` of all chunks (unchunked: the same), and writes dH over H (when the graph
     is not kept; otherwise a second ``(P_recv, 2n)`` buffer).
@@ -157,14 +158,13 @@ class ChunkedExperts(torch.autograd.Function):
                 del y_recv
         # The comm stream runs in issue order: its end is the end of the last combine.
         streams.wait(streams.event())
-        if recompute_dispatch:
-            # x (saved, so an in-place change of it makes backward fail loudly) instead of the
-            # rows it sent: backward sends them again for dW1.
-            ctx.save_for_backward(w1, w2, x)
-            x_recv = None
-        else:
-            ctx.save_for_backward(w1, w2)
-        ctx.plan, ctx.chunk_metadata, ctx.received = plan, metadata, (x_recv, s_recv, h)
+        # Everything kept goes through save_for_backward (the hooks of
+        # torch.autograd.graph.saved_tensors_hooks see it). With recompute_dispatch, x (an
+        # in-place change of it then fails backward loudly) instead of the rows it sent:
+        # backward sends them again for dW1.
+        plan.save_for_backward(ctx, w1, w2, x if recompute_dispatch else x_recv, s_recv, h,
+                               *(m.packed for m in metadata))
+        ctx.recompute_dispatch = recompute_dispatch
         ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
         ctx.aggregate, ctx.margin = aggregate, margin
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
@@ -175,18 +175,18 @@ class ChunkedExperts(torch.autograd.Function):
         # backward is not twice differentiable, so it refuses, as it does outside EP.
         if torch.is_grad_enabled():
             raise _first_order_error()
-        plan, metadata, backend = ctx.plan, ctx.chunk_metadata, ctx.backend
-        w1, w2, *x = ctx.saved_tensors          # x: kept instead of x_recv (recompute)
-        if ctx.received is None:
-            raise RuntimeError("ChunkedExperts: backward through the graph a second time; "
-                               "pass retain_graph=True to the first backward")
-        x_recv, s_recv, h = ctx.received
+        (w1, w2, x_or_rows, s_recv, h, *packed), plan = DispatchPlan.saved(ctx)
+        backend = ctx.backend
+        x, x_recv = (x_or_rows, None) if ctx.recompute_dispatch else (None, x_or_rows)
+        # When the graph is not kept, dH is written over H: autograd frees the saved tensors
+        # after this backward, so nothing reads H again.
         keep = _graph_kept()
-        if not keep:     # dH is written over H: nothing may read H again
-            ctx.received = None
         streams = _Streams(grad_out.device)
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         rows_at, pairs_at = _received_slices(plan)
+        metadata = [unpack_metadata(p, rows.stop - rows.start, ctx.num_local,
+                                    pairs.stop - pairs.start, 0)
+                    for p, rows, pairs in zip(packed, rows_at, pairs_at)]
         grad_out = grad_out.contiguous().to(h.dtype)
         # dO rows of all chunks, kept for dW2
         grad_y = grad_out.new_empty((rows_at[-1].stop, grad_out.shape[1]))
@@ -232,7 +232,7 @@ class ChunkedExperts(torch.autograd.Function):
                 # and while dW2 runs; dW1 waits for them.
                 x_recv = grad_out.new_empty(grad_y.shape)
                 for c in range(len(plan.chunks)):
-                    resent = _send_token_rows(streams, x[0], plan, c, x_recv, rows_at)
+                    resent = _send_token_rows(streams, x, plan, c, x_recv, rows_at)
             grad_w1, grad_w2 = _weight_grads(grad_y, a_scaled, dh_all, x_recv, weights,
                                              backend, lambda: streams.wait(resent))
             del a_scaled, grad_y, dh_all, x_recv

@@ -10,7 +10,10 @@ Two spawned ranks run the EP layer (bf16, ``backend="auto"``: CuTe kernels) with
   buffer the caching allocator handed to the other stream too early, or a missing event wait,
   shows up as a difference;
 * the comm stream actually ran the all-to-alls (the layer made them on a stream other than
-  the compute stream).
+  the compute stream);
+* ``recompute_dispatch`` (the received rows sent again in backward on the comm stream, dW1
+  waiting for them): bitwise the results without it, for ``C = 2`` and ``4``, and its step
+  keeps less memory.
 """
 
 import pytest
@@ -93,6 +96,23 @@ def _rank(rank, world, port, tmp):
     layer.comm_sm_margin = 0
     result["margin_bitwise"] = all(torch.equal(a, b) for r in margins.values()
                                    for a, b in zip(r, repeats[0]))
+    layer.recompute_dispatch = True
+    recomputed = {}
+    for c in (2, 4):
+        layer.num_chunks = c
+        recomputed[c] = _step(layer, x_full[mine], dout_full[mine])
+    result["recompute_bitwise"] = all(torch.equal(a, b) for a, b in zip(recomputed[4],
+                                                                        repeats[0]))
+    layer.num_chunks = 2
+    result["recompute_C2_bitwise"] = all(torch.equal(a, b) for a, b in zip(recomputed[2],
+                                                                           runs[2]))
+    kept = {}
+    for flag in (False, True):
+        layer.recompute_dispatch = flag
+        xg = x_full[mine].clone().requires_grad_()
+        kept[flag] = sonic.profile_activation_memory(layer, xg).activation_bytes
+    result["recompute_keeps_less"] = kept[True] < kept[False]
+    layer.recompute_dispatch = False
     result["comm_stream"] = (torch.cuda.current_stream(device).device_index in
                              overlap._COMM_STREAMS)
     dist.destroy_process_group()
@@ -114,3 +134,5 @@ def test_chunked_ep_on_two_gpus(tmp_path):
         assert r["repeat_bitwise"], rank
         assert r["margin_bitwise"], rank
         assert r["comm_stream"], rank
+        assert r["recompute_bitwise"] and r["recompute_C2_bitwise"], rank
+        assert r["recompute_keeps_less"], rank
