@@ -215,7 +215,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         if t.shape[0] != num_pairs:
             raise ValueError(f"{name} must have shape (P={num_pairs},) like scores, got {tuple(t.shape)}")
     if precision == "fp8":
-        _check_fp8_call(x, num_experts, two_n // 2, fp8_weights)
+        check_fp8_call(x, num_experts, two_n // 2, fp8_weights)
     if not torch.compiler.is_compiling():
         resolve_backend(backend, x.device)   # backend="cute" that cannot run fails here
         if precision == "fp8":
@@ -246,8 +246,10 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     return out
 
 
-def _check_fp8_call(x: torch.Tensor, e: int, n: int, fp8_weights: Fp8ExpertWeights | None) -> None:
-    """The FP8-specific checks of :func:`moe_experts` (x and the weights already agree)."""
+def check_fp8_call(x: torch.Tensor, e: int, n: int, fp8_weights: Fp8ExpertWeights | None) -> None:
+    """The FP8-specific checks of :func:`moe_experts` (x and the weights already agree):
+    bf16 ``x``, ``d`` and ``n`` multiples of 128, ``fp8_weights`` None or the copies of ``e``
+    experts of these sizes on x's device. Raises ``TypeError`` / ``ValueError``."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"precision='fp8' needs bfloat16 x and weights (the FP8 GEMMs write "
                         f"bf16), got {x.dtype}; cast them, or run under "

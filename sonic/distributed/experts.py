@@ -34,8 +34,10 @@ import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
-from sonic.autograd.moe_experts import autocast_experts, moe_experts
-from sonic.backend import expert_ops
+from sonic.autograd.activation_cache import check_activation_cache
+from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
+                                        check_fp8_call, moe_experts)
+from sonic.backend import check_fp8_backend, expert_ops
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.distributed.eplb import Placement
 from sonic.distributed.overlap import ChunkedExperts
@@ -123,7 +125,9 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                    group, num_experts: int, gate_up: str = "concat",
                    backend: str = "auto", placement: Placement | None = None,
                    num_chunks: int = 1, comm_sm_margin: int = 0,
-                   recompute_dispatch: bool = False) -> torch.Tensor:
+                   recompute_dispatch: bool = False, precision: str = "bf16",
+                   fp8_weights: Fp8ExpertWeights | None = None,
+                   activation_cache: str = "bf16") -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -176,6 +180,11 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             differs from the unchunked path by the order of dW sums only). The same on every
             rank. An in-place change of ``x`` before backward raises there, as for any tensor
             autograd saved.
+        precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
+            local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``). Not
+            ``"bf16"`` only on the unchunked path (``num_chunks=1``, no
+            ``recompute_dispatch``), where the local experts are :func:`sonic.moe_experts`
+            itself; the rows travel in bf16 either way (each rank quantizes what it received).
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -225,6 +234,13 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_int("num_experts", num_experts, low=1)
     check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
     check_int("comm_sm_margin", comm_sm_margin, low=0)
+    check_choice("precision", precision, PRECISIONS)
+    if (precision, activation_cache) != ("bf16", "bf16") and (num_chunks > 1
+                                                              or recompute_dispatch):
+        raise ValueError(f"precision={precision!r} / activation_cache={activation_cache!r} run "
+                         f"on the unchunked expert-parallel path only; got num_chunks="
+                         f"{num_chunks}, recompute_dispatch={recompute_dispatch} (use "
+                         f"num_chunks=1 and recompute_dispatch=False, or bf16)")
     if not isinstance(recompute_dispatch, bool):
         raise TypeError(f"recompute_dispatch must be a bool, got "
                         f"{type(recompute_dispatch).__name__}")
@@ -252,9 +268,11 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         if t.shape != scores.shape:
             raise ValueError(f"{name} must have shape (P={scores.shape[0]},) like scores, "
                              f"got {tuple(t.shape)}")
+    local_options = {"gate_up": gate_up, "backend": backend, "precision": precision,
+                     "fp8_weights": fp8_weights, "activation_cache": activation_cache}
     if ep_size == 1 and placement is None:
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
-                           gate_up=gate_up, backend=backend)
+                           **local_options)
     # Autocast before the dispatch, as moe_experts does on one process: the rows travel in
     # the autocast dtype, and a dtype error is raised here, before any collective.
     x, w1_local, w2_local = autocast_experts(x, w1_local, w2_local)
@@ -262,6 +280,11 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         if w.dtype != x.dtype:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype} (outside "
                             "torch.autocast the experts do not cast)")
+    # What the local experts would refuse, refused here: before any collective.
+    check_activation_cache(activation_cache, x.dtype, 2 * n)
+    if precision == "fp8":
+        check_fp8_call(x, num_local, n, fp8_weights)
+        check_fp8_backend(backend, x.device)
     ops = expert_ops(backend, x.device)
     agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
               *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
@@ -278,6 +301,6 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     local = Routing(chunk.recv_tokens, chunk.recv_experts, scores_recv, sum(chunk.recv_rows),
                     num_local, validated=True)
     y_recv = moe_experts(x_recv, w1_local, w2_local, scores_recv, chunk.recv_tokens,
-                         chunk.recv_experts, gate_up=gate_up, backend=backend,
-                         metadata=routing_metadata(local, backend=backend))
+                         chunk.recv_experts, metadata=routing_metadata(local, backend=backend),
+                         **local_options)
     return Combine.apply(y_recv, plan, ops.aggregate)

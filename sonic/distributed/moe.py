@@ -35,7 +35,9 @@ class ExpertParallelMoE(MoE):
 
     Args:
         d_model, d_expert, num_experts, top_k, score, renormalize, gate_up, aux_loss_coef,
-        backend, device, dtype: as in :class:`sonic.MoE`. ``num_experts`` must be divisible
+        backend, precision, activation_cache, device, dtype: as in :class:`sonic.MoE`;
+            ``precision="fp8"`` and ``activation_cache="fp8"`` need ``num_chunks=1`` and no
+            ``recompute_dispatch`` (see :func:`ep_moe_experts`). ``num_experts`` must be divisible
             by the group size.
         group: the EP process group (``None``: the default group).
         router: ``"topk"`` or ``"token_rounding"``: in training mode
@@ -96,12 +98,14 @@ class ExpertParallelMoE(MoE):
                  renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
                  backend: str = "auto", device=None, dtype=None,
                  placement: Placement | None = None, num_chunks: int = 1,
-                 comm_sm_margin: int = 0, recompute_dispatch: bool = False):
+                 comm_sm_margin: int = 0, recompute_dispatch: bool = False,
+                 precision: str = "bf16", activation_cache: str = "bf16"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
-                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend)
+                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
+                        precision=precision, activation_cache=activation_cache)
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
             check_placement(placement, num_experts, self.ep_size)
@@ -182,19 +186,16 @@ class ExpertParallelMoE(MoE):
         ``comm_sm_margin`` and ``recompute_dispatch`` as there.
 
         Raises:
-            ValueError: as the constructor, or ``moe.activation_cache`` is not ``"bf16"``
-                (not supported by the expert-parallel path).
+            ValueError: as the constructor.
         """
-        if moe.activation_cache != "bf16":
-            raise ValueError(f"ExpertParallelMoE supports activation_cache='bf16' only; this "
-                             f"MoE has activation_cache={moe.activation_cache!r}")
         layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
                     tile=moe.tile, rounding=moe.rounding,
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
                     device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
                     num_chunks=num_chunks, comm_sm_margin=comm_sm_margin,
-                    recompute_dispatch=recompute_dispatch)
+                    recompute_dispatch=recompute_dispatch, precision=moe.precision,
+                    activation_cache=moe.activation_cache)
         if placement is None:
             experts = slice(layer.ep_rank * layer.num_local_experts,
                             (layer.ep_rank + 1) * layer.num_local_experts)
@@ -217,22 +218,14 @@ class ExpertParallelMoE(MoE):
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 routing: Routing) -> torch.Tensor:
         """:func:`ep_moe_experts` on this rank's tokens and experts (scores in the accumulation
-        dtype, as :class:`sonic.MoE` passes them); counts the pairs into :attr:`expert_load`
-        when set.
+        dtype, as :class:`sonic.MoE` passes them), with this layer's precision (the FP8
+        copies of its local experts cached as :class:`sonic.MoE` caches them) and activation
+        cache; counts the pairs into :attr:`expert_load` when set.
 
         Raises:
-            NotImplementedError: ``precision`` was set to ``"fp8"`` (the expert-parallel
-                experts run bf16 GEMMs only), or ``activation_cache="fp8"`` (the
-                expert-parallel path keeps H in the compute dtype).
+            ValueError: ``precision="fp8"`` or ``activation_cache="fp8"`` with
+                ``num_chunks > 1`` or ``recompute_dispatch`` (see :func:`ep_moe_experts`).
         """
-        if self.precision != "bf16":
-            raise NotImplementedError(f"ExpertParallelMoE runs bf16 experts only, got "
-                                      f"precision={self.precision!r}; set precision='bf16'")
-        if self.activation_cache != "bf16":
-            raise NotImplementedError(
-                f"ExpertParallelMoE supports activation_cache='bf16' only, got "
-                f"{self.activation_cache!r} (the chunked expert-parallel path keeps H in the "
-                "compute dtype)")
         if self.expert_load is not None:
             self.expert_load.update(routing)
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
@@ -240,7 +233,9 @@ class ExpertParallelMoE(MoE):
                               num_experts=self.num_experts, gate_up=self.gate_up,
                               backend=self.backend, placement=self.placement,
                               num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin,
-                              recompute_dispatch=self.recompute_dispatch)
+                              recompute_dispatch=self.recompute_dispatch,
+                              precision=self.precision, activation_cache=self.activation_cache,
+                              fp8_weights=self._fp8_weights(w1, w2))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

@@ -1,0 +1,74 @@
+"""Expert parallelism with ``precision="fp8"`` and ``activation_cache="fp8"`` on CPU: 2 and 4
+gloo ranks, bf16, the "torch" backend's emulation of the FP8 dataflow.
+
+Each rank quantizes the rows it received per 1×128 block, exactly as one process quantizes
+the same tokens, so the expert GEMMs see the same e4m3 values and scales; the results differ
+from one process on the concatenated batch by where bf16 rounds the sums only (each rank
+rounds its score-weighted partial outputs to bf16 before the combine adds them; one process
+rounds once). Bound 2^-6; measured at most 3.6e-3 for the output and the router gradient, and
+dX, dW1, dW2 bitwise equal (with K = 2 a token's dX is the sum of at most two bf16 rows,
+whatever the grouping). An FP8 error is ~5% and a row sent to the wrong rank O(1). The
+chunked path refuses both options.
+"""
+
+import pytest
+import torch
+
+import sonic
+from sonic.distributed import ExpertParallelMoE
+from test_distributed import _catch, _rel, _spawn, layer_step
+
+D = N = 128
+E, K = 8, 2
+TOL = 2 ** -6
+
+
+def _case(rank, world, precision, activation_cache):
+    torch.manual_seed(0)
+    full = sonic.MoE(D, N, E, K, backend="torch", dtype=torch.bfloat16, precision=precision,
+                     activation_cache=activation_cache)
+    counts = [5 + 4 * r for r in range(world)]
+    g = torch.Generator().manual_seed(1)
+    x_full = torch.randn(sum(counts), D, generator=g).to(torch.bfloat16)
+    grad_full = torch.randn(sum(counts), D, generator=g).to(torch.bfloat16)
+    layer = ExpertParallelMoE.from_moe(full)
+    x, out, x_ref, out_ref, gate_grad = layer_step(layer, full, x_full, grad_full, counts,
+                                                   rank)
+    lo = sum(counts[:rank])
+    local = slice(rank * E // world, (rank + 1) * E // world)
+    errors = {"out": _rel(out.detach().float(), out_ref.detach()[lo:lo + counts[rank]].float()),
+              "dx": _rel(x.grad.float(), x_ref.grad[lo:lo + counts[rank]].float()),
+              "dgate": _rel(gate_grad.float(), full.gate.weight.grad.float()),
+              "dw1": _rel(layer.w1.grad.float(), full.w1.grad[local].float()),
+              "dw2": _rel(layer.w2.grad.float(), full.w2.grad[local].float())}
+    # The same layer in bf16: the FP8 run must differ from it (it was quantized).
+    plain = sonic.MoE(D, N, E, K, backend="torch", dtype=torch.bfloat16)
+    plain.load_state_dict(full.state_dict())
+    quantized = _rel(out_ref.detach().float(), plain(x_full).detach().float())
+    layer.num_chunks = 2
+    chunked = _catch(lambda: layer(x.detach()))
+    return {"errors": errors, "quantized": quantized, "chunked": chunked,
+            "options": (layer.precision, layer.activation_cache)}
+
+
+def _all(rank, world):
+    return {(p, c): _case(rank, world, p, c)
+            for p, c in (("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"ep{w}")
+def fp8_results(request, tmp_path_factory):
+    return _spawn(request.param, _all, tmp_path_factory.mktemp(f"fp8ep{request.param}"),
+                  timeout=240)
+
+
+@pytest.mark.parametrize("options", [("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8")],
+                         ids=lambda o: f"precision={o[0]}-cache={o[1]}")
+def test_ep_fp8_matches_single_process(fp8_results, options):
+    for rank, result in enumerate(fp8_results):
+        r = result[options]
+        assert r["options"] == options
+        assert max(r["errors"].values()) <= TOL, (rank, r["errors"])
+        if options[0] == "fp8":
+            assert r["quantized"] > 1e-2, (rank, r["quantized"])
+        assert "unchunked expert-parallel path only" in r["chunked"], (rank, r["chunked"])
