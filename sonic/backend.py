@@ -162,6 +162,37 @@ def _warn_fallback(reason: str) -> None:
                   "backend", RuntimeWarning, stacklevel=3)
 
 
+# Which kernels run the FP8 up-proj and dH steps on the CuTe backend (set_fp8_epilogues).
+FP8_EPILOGUES = ("store", "fused")
+_fp8_epilogues = "store"
+
+
+def set_fp8_epilogues(kind: str) -> str:
+    """Choose, process-wide, the CuTe kernels of the FP8 path's up-proj and dH steps; returns
+    the previous choice. No effect on the PyTorch reference or on bf16.
+
+    * ``"store"`` (default): the FP8 GEMM with its store epilogue, then the one-pass SwiGLU /
+      dSwiGLU kernel (dH written over H, A' over dA'). What the issue-18 training check
+      validated.
+    * ``"fused"``: :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8_swiglu` and
+      :func:`~sonic.kernels.grouped_gemm.grouped_gemm_fp8_dswiglu` (SwiGLU / dSwiGLU in the
+      GEMM's epilogue: faster kernels, dSwiGLU on the fp32 dA' instead of its bf16 rounding).
+      Experimental: one 600-step run ended 2.6% above bf16 against 0.5% for ``"store"``,
+      within the seed-to-seed spread of that run measured on the CPU emulation (RESULTS.md);
+      ``benchmarks/train_seeds.py`` compares them over seeds. Where a call does not fit the
+      fused kernels (``"interleaved"`` dH, non-contiguous operands) the store path runs.
+
+    Process-wide rather than a context: the backward runs on autograd's device threads.
+
+    Raises:
+        ValueError: ``kind`` not in :data:`FP8_EPILOGUES`.
+    """
+    global _fp8_epilogues
+    check_choice("kind", kind, FP8_EPILOGUES)
+    previous, _fp8_epilogues = _fp8_epilogues, kind
+    return previous
+
+
 @contextlib.contextmanager
 def sm_margin(num_sms: int):
     """Context in which the CuTe grouped GEMMs launched by this thread leave ``num_sms`` SMs
@@ -377,12 +408,15 @@ def _cute_grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx=None)
 
 
 def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, gate_up):
+    from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
-    # The FP8 GEMM with its store epilogue, then the one-pass SwiGLU kernel. The fused kernels
-    # (grouped_gemm_fp8_swiglu / _dswiglu) pass their own tests but are not used here yet: a
-    # 600-step `sonic.train --precision fp8` on the H200 ended 2.6% above bf16's validation
-    # loss with them against 0.5% with this path, cause not found (RESULTS.md, issue 18).
+    # set_fp8_epilogues: the fused kernel, or the FP8 GEMM with its store epilogue then the
+    # one-pass SwiGLU kernel (the default).
+    if (_fp8_epilogues == "fused" and gather_idx is not None
+            and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)):
+        return gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
+                                            gather_idx, gate_up=gate_up)
     h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
     act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
     return h, act
@@ -390,6 +424,14 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
                          gate_up, *, overwrite_h=False):
+    from sonic.kernels import grouped_gemm as gemm
+
+    if (_fp8_epilogues == "fused" and gate_up == "concat" and gather_idx is not None
+            and _fp8_gemm_fits(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
+            and h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0):
+        return gemm.grouped_gemm_fp8_dswiglu(do_q, do_scales, w2t_q, w2t_scales, offsets,
+                                             gather_idx, h, row_scores.float().contiguous(),
+                                             dh_out=h if overwrite_h else None)
     da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
     if not _epilogue_kernel_fits(h):
         return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)

@@ -450,3 +450,48 @@ def test_fp8_padded_token_rounding_equals_its_exact_pairs():
     # (x's gradient also flows through the router here, so only the weights' compare.)
     for got, ref in zip((layer.w1.grad, layer.w2.grad), (t.grad for t in leaves)):
         torch.testing.assert_close(got, ref, rtol=2 ** -7, atol=1e-6)
+
+
+def test_set_fp8_epilogues_validates_and_leaves_the_reference_alone():
+    from sonic.backend import set_fp8_epilogues
+
+    problem = _problem(12, 128, 128, 4, "topk", seed=9)
+    want = _layer_fp8(*problem)
+    previous = set_fp8_epilogues("fused")
+    try:
+        assert previous == "store"
+        got = _layer_fp8(*problem)          # "torch": the emulation, whatever the choice
+        assert all(torch.equal(a, b) for a, b in zip([got[0], *got[1]], [want[0], *want[1]]))
+        with pytest.raises(ValueError, match="kind must be one of"):
+            set_fp8_epilogues("epilogue")
+    finally:
+        assert set_fp8_epilogues(previous) == "fused"
+
+
+def test_train_seeds_benchmark_smoke(capsys):
+    """``benchmarks/train_seeds.py`` on the CPU emulation, tiny: every (variant, seed) trains,
+    the paired gaps are to bf16 of the same seed, and the fused choice is restored after."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from sonic import backend
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "train_seeds.py"
+    spec = importlib.util.spec_from_file_location("train_seeds", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = '{"eval_every": 0, "eval_batches": 1, "batch_size": 2, "seq_len": 16, "layers": 1}'
+    assert bench.main(["--device", "cpu", "--backend", "torch", "--steps", "2", "--seeds", "0",
+                       "1", "--variants", "bf16", "fp8", "fp8-fused", "--config", tiny]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    variants = summary["variants"]
+    assert set(variants) == {"bf16", "fp8", "fp8-fused"}
+    assert variants["bf16"]["mean_gap"] == 0.0
+    for name in ("fp8", "fp8-fused"):
+        for seed in ("0", "1"):
+            gap = variants[name]["val_loss"][seed] / variants["bf16"]["val_loss"][seed] - 1
+            assert variants[name]["gap_to_bf16"][seed] == pytest.approx(gap)
+    # On the torch backend "fused" is the same emulation.
+    assert variants["fp8-fused"]["val_loss"] == variants["fp8"]["val_loss"]
+    assert backend._fp8_epilogues == "store"

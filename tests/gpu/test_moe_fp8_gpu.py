@@ -42,10 +42,22 @@ def _problem(T, d, n, E, K, seed):
     return [t.cuda().to(BF16) for t in (x, w1, w2, dout)] + [logits.cuda()]
 
 
+@pytest.fixture(params=["store", "fused"])
+def fp8_epilogues(request):
+    """Each CuTe FP8 test runs with the store-GEMM path and with the fused epilogue kernels
+    (sonic.backend.set_fp8_epilogues); the fused dSwiGLU takes the fp32 dA', well inside the
+    tolerances below."""
+    from sonic.backend import set_fp8_epilogues
+
+    previous = set_fp8_epilogues(request.param)
+    yield request.param
+    set_fp8_epilogues(previous)
+
+
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
 @pytest.mark.parametrize("router", ["topk", "token_rounding"])
 @pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
-def test_fp8_cute_matches_torch_emulation(gate_up, router, activation_cache):
+def test_fp8_cute_matches_torch_emulation(gate_up, router, activation_cache, fp8_epilogues):
     _require_hopper()
     T, d, n, E, K = 2000, 512, 256, 16, 4
     x, w1, w2, dout, logits = _problem(T, d, n, E, K, seed=1)
@@ -72,7 +84,8 @@ def test_fp8_cute_matches_torch_emulation(gate_up, router, activation_cache):
 
 
 @pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
-def test_fp8_backward_writes_dh_over_h_and_matches_the_kept_graph(activation_cache):
+def test_fp8_backward_writes_dh_over_h_and_matches_the_kept_graph(activation_cache,
+                                                                  fp8_epilogues):
     """The eager FP8 backward writes dH over the saved H (or over its dequantized copy): its
     gradients equal those of a backward that keeps the graph (no in-place) bit for bit, and a
     kept graph's second backward gives them again."""
