@@ -429,12 +429,13 @@ def test_fp8_layer_compiles_fullgraph_and_matches_eager(activation_cache):
         assert torch.equal(eager, compiled)
 
 
-def test_fp8_padded_token_rounding_equals_its_exact_pairs():
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+def test_fp8_padded_token_rounding_equals_its_exact_pairs(activation_cache):
     # The padded routing's rows past expert_offsets[E] are computed by no GEMM: the layer's
     # output and gradients are those of the trimmed (exact) pairs.
     torch.manual_seed(0)
     layer = sonic.MoE(128, 128, 4, 2, router="token_rounding", tile=8, precision="fp8",
-                      backend="torch", dtype=BF16)
+                      backend="torch", dtype=BF16, activation_cache=activation_cache)
     x = torch.randn(30, 128, dtype=BF16, requires_grad=True)
     dout = torch.randn(30, 128, dtype=BF16)
     out = layer(x)
@@ -444,7 +445,8 @@ def test_fp8_padded_token_rounding_equals_its_exact_pairs():
     exact = r.trim()
     leaves = [t.detach().clone().requires_grad_() for t in (layer.w1, layer.w2)]
     want = sonic.moe_experts(x.detach(), *leaves, exact.scores, exact.token_idx,
-                             exact.expert_idx, backend="torch", precision="fp8")
+                             exact.expert_idx, backend="torch", precision="fp8",
+                             activation_cache=activation_cache)
     want.backward(dout)
     assert torch.equal(out.detach(), want.detach())
     # (x's gradient also flows through the router here, so only the weights' compare.)
