@@ -167,3 +167,16 @@ def test_fp64_layer_is_left_alone_by_autocast():
         warnings.simplefilter("ignore")
         out = layer(x)
     assert out.dtype == torch.float64
+
+
+def test_load_balancing_loss_refuses_logits_of_another_batch_or_layer():
+    # Counts of one routing against logits of another would give a plausible, wrong number.
+    routing = sonic.topk_routing(torch.randn(5, 4), 2, backend="torch")
+    for logits, kind, match in ((torch.randn(6, 4), ValueError, r"\(T, E\) = \(6, 4\)"),
+                                (torch.randn(5, 3), ValueError, "E=4 experts"),
+                                (torch.randn(5), ValueError, "2-D"),
+                                (torch.zeros(5, 4, dtype=torch.int64), TypeError, "dtype")):
+        with pytest.raises(kind, match=match):
+            sonic.load_balancing_loss(logits, routing)
+    with pytest.raises(TypeError, match="sonic.Routing"):
+        sonic.load_balancing_loss(torch.randn(5, 4), (routing.token_idx, routing.expert_idx))

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from sonic._validation import check_bool, check_choice, check_int, check_non_negative, check_tensor
+from sonic._validation import (check_bool, check_choice, check_float, check_int, check_non_negative,
+                               check_tensor)
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
                                         check_fp8_sizes, moe_experts, quantize_expert_weights)
 from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
@@ -33,11 +34,32 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
     development versions divided ``f_e`` by ``T·K``: HF's loss divided by K.) A padded routing's
     padding (:attr:`Routing.num_valid`) counts for no expert. HF's function given
     several layers pools their counts and probabilities; summing this loss over layers does
-    not. 0 for an empty batch. A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable
-    with respect to ``logits``.
+    not. 0 for an empty batch.
+
+    Args:
+        logits: ``(T, E)`` float router logits of the layer's tokens.
+        routing: the :class:`Routing` of those tokens (``routing.num_tokens == T``,
+            ``routing.num_experts == E``), e.g. ``layer.route(logits)``.
+
+    Returns:
+        A 0-d tensor in fp32 (fp64 for fp64 logits), differentiable with respect to
+        ``logits``.
+
+    Raises:
+        TypeError: ``logits`` is not a floating-point tensor, or ``routing`` not a
+            :class:`Routing`.
+        ValueError: ``logits`` is not 2-D, or its ``(T, E)`` differ from the routing's
+            (counts of another batch or layer would silently give a wrong loss).
+
+    Source: Switch Transformer (Fedus et al., 2021) eq. 4, with Hugging Face's scaling.
     """
-    num_experts = logits.shape[1]
-    num_tokens = logits.shape[0]
+    check_float("logits", logits, ndim=2)
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a sonic.Routing, got {type(routing).__name__}")
+    num_tokens, num_experts = logits.shape
+    if (num_tokens, num_experts) != (routing.num_tokens, routing.num_experts):
+        raise ValueError(f"logits has (T, E) = {(num_tokens, num_experts)} but the routing is "
+                         f"of T={routing.num_tokens} tokens over E={routing.num_experts} experts")
     acc = accumulate_dtype(logits.dtype)
     probs = torch.softmax(logits.to(acc), dim=-1)
     # One bin more for the padding of a padded routing (expert E), left out of the loss.
