@@ -10,6 +10,11 @@ read, ``A`` written = ``6·P·n`` bytes; backward: ``H``, ``dA'``, scores read, 
 ``ds`` written = ``12·P·n + 8·P`` bytes), its percentage of the same-run device copy bandwidth
 (target ≥ 70 %), the speedup, and the largest difference from the reference (a sanity check; the
 tests hold the tolerances).
+
+``swiglu+q`` (issue 18, the FP8 path's A): ``swiglu(h, quantize=True)`` — A written in e4m3 with
+its 1×128 scales in the same pass (``H`` read, ``q`` and scales written = ``5·P·n + P·n/32``
+bytes) — against sonic's two passes, the SwiGLU kernel then ``fp8_quant.quantize_rows`` (in the
+"torch us" column for this row); the difference must be 0 (bitwise equal).
 """
 
 import argparse
@@ -23,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, copy_bandwidth, device_name  # noqa: E402
 
+from sonic.kernels.fp8_quant import quantize_rows  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference import ops as ref  # noqa: E402
 
@@ -56,6 +62,9 @@ def main():
                 ("dswiglu", 12 * p * n + 8 * p,
                  lambda: ref.dswiglu_epilogue(da_prime, h, scores, gate_up),
                  lambda: dswiglu_epilogue(da_prime, h, scores, gate_up)),
+                ("swiglu+q", 5 * p * n + p * n // 32,
+                 lambda: quantize_rows(swiglu(h, gate_up)),
+                 lambda: swiglu(h, gate_up, quantize=True)),
             )
             for kernel, nbytes, torch_fn, kernel_fn in cases:
                 diff = _max_diff(kernel_fn(), torch_fn())

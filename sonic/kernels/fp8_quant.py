@@ -36,6 +36,7 @@ the argument otherwise.
 """
 
 import functools
+import types
 
 import torch
 
@@ -56,11 +57,12 @@ FP8_MAX = 448.0
 
 
 @functools.cache
-def _kernels():
-    """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
+def device_helpers() -> types.SimpleNamespace:
+    """The device functions of the recipe, traced inline by the kernels that quantize
+    (these and :mod:`sonic.kernels.swiglu`'s): ``slice_amax``, ``butterfly_max``,
+    ``scale_of``, ``quantize``, ``quantize_store`` (imports cutlass, so only on first use)."""
     import cutlass
-    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, cute
-    from cuda.bindings import driver as cuda
+    from cutlass import Float8E4M3FN, Float32, cute
 
     def slice_amax(frag):
         """NaN-propagating max of ``|x|`` over an 8-element fp32 register fragment."""
@@ -92,6 +94,22 @@ def _kernels():
     def quantize_store(frag, scale, dst):
         """:func:`quantize` into the 8-element fp8 global tensor ``dst``."""
         cute.autovec_copy(quantize(frag, scale), dst)
+
+    return types.SimpleNamespace(slice_amax=slice_amax, butterfly_max=butterfly_max,
+                                 scale_of=scale_of, quantize=quantize,
+                                 quantize_store=quantize_store)
+
+
+@functools.cache
+def _kernels():
+    """Build the CuTe-DSL kernel classes (imports cutlass, so only on first use)."""
+    import cutlass
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, cute
+    from cuda.bindings import driver as cuda
+
+    fp8 = device_helpers()
+    slice_amax, butterfly_max, scale_of = fp8.slice_amax, fp8.butterfly_max, fp8.scale_of
+    quantize, quantize_store = fp8.quantize, fp8.quantize_store
 
     class QuantizeRowsKernel:
         """``(M, K)`` bf16 → ``q (M, K)`` e4m3 and ``scales (K/128, M)`` fp32; ``K`` static."""

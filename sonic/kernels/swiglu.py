@@ -28,6 +28,9 @@ from sonic.types import GATE_UP_LAYOUTS
 
 # Output columns per lane and slice: one 16-byte bf16 vector.
 VEC = 8
+# FP8 scale blocks of A (the recipe's 1x128) and the lanes that cover one.
+FP8_BLOCK = 128
+LANES_PER_BLOCK = FP8_BLOCK // VEC
 WARP = 32
 # Rows per block (one warp each): 256 threads, enough blocks per SM to hide DRAM latency.
 WARPS = 8
@@ -37,21 +40,27 @@ WARPS = 8
 def _kernels():
     """Build the CuTe-DSL kernel class (imports cutlass, so only on first use)."""
     import cutlass
-    from cutlass import BFloat16, Float32, Int32, Int64, cute
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, cute
     from cuda.bindings import driver as cuda
 
     from sonic.kernels import activation
+    from sonic.kernels.fp8_quant import device_helpers
+
+    fp8 = device_helpers()
 
     class SwigluKernel:
-        """One static configuration: ``n``, gate/up layout, forward (SwiGLU) or backward epilogue.
+        """One static configuration: ``n``, gate/up layout, forward (SwiGLU) or backward
+        epilogue, and for the forward whether A is written quantized.
 
         Both directions share one launch signature; the forward never reads ``da_prime`` and
-        ``row_scores`` nor writes ``dh`` and ``ds``.
+        ``row_scores`` nor writes ``dh``; it writes A to ``a`` (bf16, or with ``quantize``
+        e4m3) and, quantized, A's scales to ``ds``'s address.
         """
 
-        def __init__(self, n: int, gate_up: str, backward: bool):
+        def __init__(self, n: int, gate_up: str, backward: bool, quantize: bool = False):
             self.n = n
             self.backward = backward
+            self.quantize = quantize
             self.slices = n // VEC
             self.iters = (self.slices + WARP - 1) // WARP
             if gate_up == "concat":
@@ -68,8 +77,11 @@ def _kernels():
                      ds: Int64, num_rows: Int32, stream: cuda.CUstream):
             blocks = (num_rows + WARPS - 1) // WARPS
             gmem = runtime.gmem_ptr
+            a_ptr = gmem(BFloat16, a, 16)
+            if cutlass.const_expr(self.quantize):
+                a_ptr = gmem(Float8E4M3FN, a, 8)
             self.kernel(gmem(BFloat16, h, 16), gmem(BFloat16, da_prime, 16),
-                        gmem(Float32, row_scores, 4), gmem(BFloat16, a, 16),
+                        gmem(Float32, row_scores, 4), a_ptr,
                         gmem(BFloat16, dh, 16), gmem(Float32, ds, 4), num_rows).launch(
                 grid=[blocks, 1, 1], block=[WARPS * WARP, 1, 1], stream=stream)
 
@@ -105,7 +117,9 @@ def _kernels():
                 score = Float32(0.0)
                 if cutlass.const_expr(self.backward):
                     score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
-                for i in cutlass.range_constexpr(self.iters):
+                if cutlass.const_expr(self.quantize):
+                    self._finish_quantized(a, ds, row, num_rows, out_row, lane, h_frags)
+                for i in cutlass.range_constexpr(0 if self.quantize else self.iters):
                     col = (lane + i * WARP) * VEC
                     frags = (h_frags[i], dap_frags[i])
                     if cutlass.const_expr((i + 1) * WARP <= self.slices):
@@ -119,6 +133,39 @@ def _kernels():
                         partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=16 >> k)
                     if lane == 0:
                         cute.make_tensor(ds, cute.make_layout(num_rows))[row] = partial
+
+        @cute.jit
+        def _finish_quantized(self, q: cute.Pointer, scales: cute.Pointer, row: Int32,
+                              num_rows: Int32, out_row: Int64, lane: Int32, h_frags: list):
+            """Forward with A quantized: per 8-column slice, A rounded to bf16 (the values
+            :func:`sonic.kernels.fp8_quant.quantize_rows` would read), the amax of each
+            128-column block over its 16 lanes (every lane shuffles, those past ``n`` with 0),
+            then ``q`` and, from the block's first lane, its scale at ``scales[block, row]``."""
+            for i in cutlass.range_constexpr(self.iters):
+                col = (lane + i * WARP) * VEC
+                vals = cute.make_rmem_tensor((VEC,), Float32)
+                amax = Float32(0.0)
+                if cutlass.const_expr((i + 1) * WARP <= self.slices):
+                    amax = self._rounded_act(h_frags[i], vals)
+                elif col < self.n:
+                    amax = self._rounded_act(h_frags[i], vals)
+                scale = fp8.scale_of(fp8.butterfly_max(amax, LANES_PER_BLOCK))
+                if col < self.n:
+                    fp8.quantize_store(vals, scale, cute.make_tensor(q + (out_row + col),
+                                                                      cute.make_layout(VEC)))
+                    if lane % LANES_PER_BLOCK == 0:
+                        block = Int64(col // FP8_BLOCK)
+                        cute.make_tensor(scales + block * num_rows.to(Int64),
+                                         cute.make_layout(num_rows))[row] = scale
+
+        def _rounded_act(self, h_frag, vals):
+            """``vals`` = SwiGLU of the loaded slice rounded to bf16 (as fp32); returns the
+            slice's amax. Traced inline."""
+            g = h_frag[0, None].load().to(Float32)
+            u = h_frag[1, None].load().to(Float32)
+            act = activation.silu(g, activation.sigmoid_vec(g, VEC)) * u
+            vals.store(act.to(BFloat16).to(Float32))
+            return fp8.slice_amax(vals)
 
         def _load(self, h_row, da_prime, out_row, col, h_layout, h_frag, dap_frag):
             """Load one 8-column slice of the row: gate and up of ``H``, and ``dA'`` (backward).
@@ -156,12 +203,13 @@ def _kernels():
     return SwigluKernel
 
 
-def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False):
+def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
+             quantize: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     addresses = [runtime.fake_address() for _ in range(6)]
-    return runtime.compile_launcher(_kernels()(n, gate_up, backward), *addresses,
+    return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize), *addresses,
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
 
@@ -193,26 +241,39 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor,
     return out
 
 
-def swiglu(h: torch.Tensor, gate_up: str = "concat") -> torch.Tensor:
+def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
+           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (DESIGN §3; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.swiglu`: fp32 math, one rounding to bf16
     (``σ`` within ~1e-6 relative of the reference's, see the module notes).
 
+    With ``quantize``, A is written as the FP8 path's down-proj reads it (issue 18:
+    quantization where the data is produced): e4m3 with one fp32 scale per 1×128 slice of
+    each row, bitwise ``sonic.kernels.fp8_quant.quantize_rows(swiglu(h))`` (the bf16-rounded
+    A is quantized) without writing and reading A in bf16. Not yet used by the FP8 layer:
+    its speed-up over the two passes is to be measured (``benchmarks/bench_swiglu.py``).
+
     Args:
-        h: ``(P, 2n)`` bf16, contiguous, CUDA, 16-byte aligned; ``n`` a multiple of 8.
+        h: ``(P, 2n)`` bf16, contiguous, CUDA, 16-byte aligned; ``n`` a multiple of 8 (of
+            128 with ``quantize``).
         gate_up: ``"concat"`` (gate = columns ``[0, n)``, up = ``[n, 2n)``) or
             ``"interleaved"`` (gate = even columns, up = odd columns).
+        quantize: return A in e4m3 with its scales instead of bf16.
 
     Returns:
-        ``A (P, n)`` bf16. ``P = 0`` returns an empty tensor without a launch.
+        ``A (P, n)`` bf16; with ``quantize``, ``(q (P, n) float8_e4m3fn, scales (n/128, P)
+        fp32)``. ``P = 0`` returns empty tensors without a launch.
 
     Raises:
         TypeError: ``h`` is not a bf16 tensor.
-        ValueError: ``h`` is not a contiguous 2-D CUDA tensor, ``n`` is not a multiple of 8,
-            ``h`` is not 16-byte aligned, or ``gate_up`` is unknown.
+        ValueError: ``h`` is not a contiguous 2-D CUDA tensor, ``n`` is not a multiple of 8
+            (of 128 with ``quantize``), ``h`` is not 16-byte aligned, or ``gate_up`` is
+            unknown.
     """
     n = _check_h(h, gate_up)
+    if quantize:
+        return _swiglu_quantized(h, gate_up, n)
     num_rows = h.shape[0]
     a = torch.empty(num_rows, n, dtype=h.dtype, device=h.device)
     if num_rows == 0 or n == 0:
@@ -222,6 +283,23 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat") -> torch.Tensor:
     # The forward never touches the backward-only addresses; h's stands in for them.
     fn(ha, ha, ha, aa, ha, ha, num_rows)
     return a
+
+
+def _swiglu_quantized(h: torch.Tensor, gate_up: str, n: int):
+    if n % FP8_BLOCK:
+        raise ValueError(f"swiglu(quantize=True) needs n a multiple of {FP8_BLOCK} (whole 1x"
+                         f"{FP8_BLOCK} scale slices), got n = {n}")
+    num_rows = h.shape[0]
+    q = torch.empty(num_rows, n, dtype=torch.float8_e4m3fn, device=h.device)
+    scales = torch.empty(n // FP8_BLOCK, num_rows, dtype=torch.float32, device=h.device)
+    if num_rows == 0 or n == 0:
+        return q, scales
+    fn = runtime.compiled(("swiglu_quantized", n, gate_up),
+                          lambda: _compile(n, gate_up, False, quantize=True))
+    ha = runtime.address(h, 16)
+    # The forward never touches the backward-only addresses; h's stands in for them.
+    fn(ha, ha, ha, runtime.address(q, 16), ha, runtime.address(scales, 4), num_rows)
+    return q, scales
 
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
@@ -294,3 +372,15 @@ for _n, _gate_up, _backward in ((256, "concat", False), (1024, "interleaved", Fa
         variant=f"{'dswiglu' if _backward else 'swiglu'}_n{_n}_{_gate_up}",
         compile_fake=lambda n=_n, g=_gate_up, b=_backward: _compile(n, g, b, keep_ptx=True),
         ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _backward else ())))
+# SwiGLU with A quantized: 16-byte H loads, the saturating e4m3 conversion, the block amax
+# shuffles, 8-byte fp8 stores. n = 384: a partial last pass (lanes past n shuffle, store
+# nothing).
+for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
+    register(KernelVariant(
+        kernel="swiglu",
+        variant=f"swiglu_quantized_n{_n}_{_gate_up}",
+        compile_fake=lambda n=_n, g=_gate_up: _compile(n, g, False, keep_ptx=True,
+                                                       quantize=True),
+        ptx_markers=("ld.global.v4", "cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly",
+                     ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64",
+                      "st.global.u64"))))

@@ -121,6 +121,36 @@ def test_dswiglu_epilogue_in_place_equals_out_of_place(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256)])
+def test_swiglu_quantized_is_quantize_rows_of_swiglu(p, n, gate_up):
+    """A written in e4m3 with its 1x128 scales equals quantizing the bf16 A afterwards, bit
+    for bit (kernel and reference quantization alike): rows six decades apart in magnitude
+    (each row and block gets its own scale), an all-zero row (scale 1), and n = 384 (a last
+    pass where half the lanes have no columns but join the amax shuffles)."""
+    require_kernels()
+    from sonic.kernels.fp8_quant import quantize_rows
+    from sonic.kernels.swiglu import swiglu
+    from sonic.reference import fp8 as fp8_reference
+
+    _, h, _ = _inputs(p, n, seed=p + 3 * n)
+    magnitudes = torch.logspace(-3, 3, p, device="cuda")[:, None]
+    h = (h.float() * magnitudes).to(torch.bfloat16)
+    h[p // 2] = 0
+    poison_allocator()
+    q, scales = swiglu(h, gate_up, quantize=True)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (p, n)
+    assert scales.dtype == torch.float32 and scales.shape == (n // 128, p)
+    a = swiglu(h, gate_up)
+    for want_q, want_scales in (quantize_rows(a), fp8_reference.quantize_rows(a)):
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scales, want_scales)
+    assert torch.all(scales[:, p // 2] == 1.0)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        swiglu(h[:, :2 * 64].contiguous(), gate_up, quantize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
 def test_rows_past_2_31_elements(gate_up):
     """P·2n > 2**31: the last rows are addressed with 64-bit offsets (checked on a tail slice)."""
     require_kernels()
