@@ -14,7 +14,9 @@ tests hold the tolerances).
 ``swiglu+q`` (issue 18, the FP8 path's A): ``swiglu(h, quantize=True)`` — A written in e4m3 with
 its 1×128 scales in the same pass (``H`` read, ``q`` and scales written = ``5·P·n + P·n/32``
 bytes) — against sonic's two passes, the SwiGLU kernel then ``fp8_quant.quantize_rows`` (in the
-"torch us" column for this row); the difference must be 0 (bitwise equal).
+"torch us" column for this row); ``dswiglu+q``: ``dswiglu_epilogue(..., quantize_dh=True)``
+(dH also in e4m3 for the dX GEMM: ``12·P·n + 8·P`` + ``2·P·n + P·n/16`` bytes) against the
+epilogue kernel then ``quantize_rows(dH)``. The difference must be 0 (bitwise equal).
 """
 
 import argparse
@@ -34,6 +36,12 @@ from sonic.reference import ops as ref  # noqa: E402
 
 # (name, T, K, n) from ANCHORS.md; OLMoE and 30B share d_expert = 1024.
 SHAPES = [("7B", 24576, 8, 256), ("OLMoE/30B", 32768, 8, 1024)]
+
+
+def _dswiglu_then_quantize(da_prime, h, scores, gate_up):
+    """The two passes ``dswiglu_epilogue(..., quantize_dh=True)`` replaces."""
+    dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    return (dh, a_scaled, ds, *quantize_rows(dh))
 
 
 def _max_diff(outs, refs) -> float:
@@ -65,6 +73,9 @@ def main():
                 ("swiglu+q", 5 * p * n + p * n // 32,
                  lambda: quantize_rows(swiglu(h, gate_up)),
                  lambda: swiglu(h, gate_up, quantize=True)),
+                ("dswiglu+q", 14 * p * n + 8 * p + p * n // 16,
+                 lambda: _dswiglu_then_quantize(da_prime, h, scores, gate_up),
+                 lambda: dswiglu_epilogue(da_prime, h, scores, gate_up, quantize_dh=True)),
             )
             for kernel, nbytes, torch_fn, kernel_fn in cases:
                 diff = _max_diff(kernel_fn(), torch_fn())

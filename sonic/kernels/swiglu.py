@@ -54,7 +54,9 @@ def _kernels():
 
         Both directions share one launch signature; the forward never reads ``da_prime`` and
         ``row_scores`` nor writes ``dh``; it writes A to ``a`` (bf16, or with ``quantize``
-        e4m3) and, quantized, A's scales to ``ds``'s address.
+        e4m3) and, quantized, A's scales to ``ds``'s address. The backward with ``quantize``
+        also writes dH in e4m3 to ``dh_q`` and its 1×128 scales to ``dh_scales``; the others
+        never touch those two.
         """
 
         def __init__(self, n: int, gate_up: str, backward: bool, quantize: bool = False):
@@ -74,20 +76,24 @@ def _kernels():
 
         @cute.jit
         def __call__(self, h: Int64, da_prime: Int64, row_scores: Int64, a: Int64, dh: Int64,
-                     ds: Int64, num_rows: Int32, stream: cuda.CUstream):
+                     ds: Int64, dh_q: Int64, dh_scales: Int64, num_rows: Int32,
+                     stream: cuda.CUstream):
             blocks = (num_rows + WARPS - 1) // WARPS
             gmem = runtime.gmem_ptr
             a_ptr = gmem(BFloat16, a, 16)
-            if cutlass.const_expr(self.quantize):
+            if cutlass.const_expr(self.quantize and not self.backward):
                 a_ptr = gmem(Float8E4M3FN, a, 8)
             self.kernel(gmem(BFloat16, h, 16), gmem(BFloat16, da_prime, 16),
                         gmem(Float32, row_scores, 4), a_ptr,
-                        gmem(BFloat16, dh, 16), gmem(Float32, ds, 4), num_rows).launch(
+                        gmem(BFloat16, dh, 16), gmem(Float32, ds, 4),
+                        gmem(Float8E4M3FN, dh_q, 8), gmem(Float32, dh_scales, 4),
+                        num_rows).launch(
                 grid=[blocks, 1, 1], block=[WARPS * WARP, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, h: cute.Pointer, da_prime: cute.Pointer, row_scores: cute.Pointer,
-                   a: cute.Pointer, dh: cute.Pointer, ds: cute.Pointer, num_rows: Int32):
+                   a: cute.Pointer, dh: cute.Pointer, ds: cute.Pointer, dh_q: cute.Pointer,
+                   dh_scales: cute.Pointer, num_rows: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % WARP
@@ -117,8 +123,12 @@ def _kernels():
                 score = Float32(0.0)
                 if cutlass.const_expr(self.backward):
                     score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
-                if cutlass.const_expr(self.quantize):
+                if cutlass.const_expr(self.quantize and not self.backward):
                     self._finish_quantized(a, ds, row, num_rows, out_row, lane, h_frags)
+                if cutlass.const_expr(self.quantize and self.backward):
+                    partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows,
+                                                        out_row, lane, score, h_layout, h_frags,
+                                                        dap_frags)
                 for i in cutlass.range_constexpr(0 if self.quantize else self.iters):
                     col = (lane + i * WARP) * VEC
                     frags = (h_frags[i], dap_frags[i])
@@ -158,6 +168,56 @@ def _kernels():
                         cute.make_tensor(scales + block * num_rows.to(Int64),
                                          cute.make_layout(num_rows))[row] = scale
 
+        @cute.jit
+        def _finish_dh_quantized(self, a: cute.Pointer, dh: cute.Pointer, q: cute.Pointer,
+                                 scales: cute.Pointer, row: Int32, num_rows: Int32,
+                                 out_row: Int64, lane: Int32, score: Float32,
+                                 h_layout: cute.Layout, h_frags: list, dap_frags: list):
+            """Backward with dH also in e4m3 (the dX GEMM's operand): per slice, what
+            :meth:`_finish` stores, plus the amax of the bf16 dH values of each 128-column
+            block of the dH row — "concat": the gate and the up values of a slice lie in two
+            blocks, each spanning 16 lanes; "interleaved": a slice is 16 consecutive columns,
+            a block spans 8 lanes — reduced by shuffles in which every lane takes part (those
+            past ``n`` with 0); then the e4m3 dH and, from each block's first lane, its scale
+            at ``scales[block, row]``. Returns ``Σ dA'·A`` over this lane's slices."""
+            partial = Float32(0.0)
+            concat = self.h_scale == 1
+            lanes = LANES_PER_BLOCK if concat else LANES_PER_BLOCK // 2
+            for i in cutlass.range_constexpr(self.iters):
+                col = (lane + i * WARP) * VEC
+                vals = cute.make_rmem_tensor((2, VEC), Float32)
+                amax_g, amax_u = Float32(0.0), Float32(0.0)
+                if cutlass.const_expr((i + 1) * WARP <= self.slices):
+                    partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
+                                                           h_layout, h_frags[i], dap_frags[i],
+                                                           vals)
+                elif col < self.n:
+                    partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
+                                                           h_layout, h_frags[i], dap_frags[i],
+                                                           vals)
+                if cutlass.const_expr(not concat):     # one block holds both halves
+                    amax_g = cute.arch.fmax(amax_g, amax_u, nan=True)
+                scale_g = fp8.scale_of(fp8.butterfly_max(amax_g, lanes))
+                scale_u = scale_g
+                if cutlass.const_expr(concat):
+                    scale_u = fp8.scale_of(fp8.butterfly_max(amax_u, lanes))
+                if col < self.n:
+                    q_frag = cute.make_rmem_tensor(h_frags[i].layout, Float8E4M3FN)
+                    q_frag[0, None].store(fp8.quantize(vals[0, None], scale_g).load())
+                    q_frag[1, None].store(fp8.quantize(vals[1, None], scale_u).load())
+                    cute.autovec_copy(q_frag, cute.make_tensor(
+                        q + (out_row * 2 + col * self.h_scale), h_layout))
+                    per_row = scales + Int64(row)
+                    if lane % lanes == 0:
+                        first = Int64(col * self.h_scale // FP8_BLOCK)
+                        cute.make_tensor(per_row + first * num_rows.to(Int64),
+                                         cute.make_layout(1))[0] = scale_g
+                        if cutlass.const_expr(concat):
+                            up = first + self.n // FP8_BLOCK
+                            cute.make_tensor(per_row + up * num_rows.to(Int64),
+                                             cute.make_layout(1))[0] = scale_u
+            return partial
+
         def _rounded_act(self, h_frag, vals):
             """``vals`` = SwiGLU of the loaded slice rounded to bf16 (as fp32); returns the
             slice's amax. Traced inline."""
@@ -176,9 +236,12 @@ def _kernels():
                 dap_src = cute.make_tensor(da_prime + (out_row + col), cute.make_layout(VEC))
                 cute.autovec_copy(dap_src, dap_frag)
 
-        def _finish(self, a, dh, out_row, col, score, partial, h_layout, h_frag, dap_frag):
+        def _finish(self, a, dh, out_row, col, score, partial, h_layout, h_frag, dap_frag,
+                    dh_vals=None):
             """Compute and store one loaded slice; return ``partial + Σ dA'·A`` over the slice
-            (backward) or ``partial`` unchanged (forward). Traced inline, like :meth:`_load`."""
+            (backward) or ``partial`` unchanged (forward). With ``dh_vals`` (a ``(2, 8)`` fp32
+            fragment, backward), also the stored bf16 dH values there (gate, up) and their
+            amaxes: ``(partial, amax gate, amax up)``. Traced inline, like :meth:`_load`."""
             g = h_frag[0, None].load().to(Float32)
             u = h_frag[1, None].load().to(Float32)
             sig = activation.sigmoid_vec(g, VEC)
@@ -198,7 +261,13 @@ def _kernels():
             else:
                 a_frag.store(act.to(BFloat16))
             cute.autovec_copy(a_frag, cute.make_tensor(a + (out_row + col), cute.make_layout(VEC)))
-            return partial
+            if dh_vals is None:
+                return partial
+            amaxes = []
+            for half in range(2):
+                dh_vals[half, None].store(dh_frag[half, None].load().to(Float32))
+                amaxes.append(fp8.slice_amax(dh_vals[half, None]))
+            return partial, amaxes[0], amaxes[1]
 
     return SwigluKernel
 
@@ -208,7 +277,7 @@ def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
-    addresses = [runtime.fake_address() for _ in range(6)]
+    addresses = [runtime.fake_address() for _ in range(8)]
     return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize), *addresses,
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
@@ -281,7 +350,7 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
     fn = runtime.compiled(("swiglu", n, gate_up), lambda: _compile(n, gate_up, False))
     ha, aa = runtime.address(h, 16), runtime.address(a, 16)
     # The forward never touches the backward-only addresses; h's stands in for them.
-    fn(ha, ha, ha, aa, ha, ha, num_rows)
+    fn(ha, ha, ha, aa, ha, ha, ha, ha, num_rows)
     return a
 
 
@@ -298,14 +367,14 @@ def _swiglu_quantized(h: torch.Tensor, gate_up: str, n: int):
                           lambda: _compile(n, gate_up, False, quantize=True))
     ha = runtime.address(h, 16)
     # The forward never touches the backward-only addresses; h's stands in for them.
-    fn(ha, ha, ha, runtime.address(q, 16), ha, runtime.address(scales, 4), num_rows)
+    fn(ha, ha, ha, runtime.address(q, 16), ha, runtime.address(scales, 4), ha, ha, num_rows)
     return q, scales
 
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
                      gate_up: str = "concat", *, dh_out: torch.Tensor | None = None,
-                     a_out: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     a_out: torch.Tensor | None = None, quantize_dh: bool = False
+                     ) -> tuple[torch.Tensor, ...]:
     """Backward epilogue of the dH step (DESIGN §3, backward step 1; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.dswiglu_epilogue`: per row, with ``g, u`` from
@@ -326,9 +395,15 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         and up, dA') before it stores any, and stores exactly the elements it loaded; rows
         belong to one warp each. A buffer that overlaps an input without being it would
         overwrite elements other lanes still read: refused.
+        quantize_dh: also write dH as the FP8 path's dX GEMM reads it (issue 18): e4m3 with
+            one fp32 scale per 1×128 slice of each dH row, bitwise
+            ``sonic.kernels.fp8_quant.quantize_rows(dH)``, without reading dH again; needs
+            ``n`` a multiple of 128. Not yet used by the FP8 layer (its speed-up is to be
+            measured).
 
     Returns:
-        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` and A' is
+        ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``, with ``quantize_dh`` followed by
+        ``dH_q (P, 2n) float8_e4m3fn, dH_scales (2n/128, P) fp32``; dH is ``dh_out`` and A' is
         ``a_out`` when given. ``P = 0`` returns empty tensors without a launch (``n = 0``:
         ``ds`` is zeros).
 
@@ -336,10 +411,14 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         TypeError: a tensor has the wrong dtype.
         ValueError: a tensor is not a contiguous CUDA tensor of the right rank, the tensors are
             on different devices, shapes disagree, ``n`` is not a multiple of 8, a bf16 tensor is
-            not 16-byte aligned, ``gate_up`` is unknown, or ``dh_out`` / ``a_out`` overlaps an
-            input without being ``h`` / ``da_prime``.
+            not 16-byte aligned, ``gate_up`` is unknown, ``dh_out`` / ``a_out`` overlaps an
+            input without being ``h`` / ``da_prime``, or ``quantize_dh`` with ``n`` not a
+            multiple of 128.
     """
     n = _check_h(h, gate_up)
+    if quantize_dh and n % FP8_BLOCK:
+        raise ValueError(f"dswiglu_epilogue(quantize_dh=True) needs n a multiple of {FP8_BLOCK}"
+                         f" (whole 1x{FP8_BLOCK} scale slices), got n = {n}")
     runtime.check_tensor("da_prime", da_prime, dtypes=(torch.bfloat16,), ndim=2, device=h.device)
     runtime.check_tensor("row_scores", row_scores, dtypes=(torch.float32,), ndim=1,
                          device=h.device)
@@ -353,15 +432,24 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
     dh = _output("dh_out", dh_out, h, (da_prime,))
     a_scaled = _output("a_out", a_out, da_prime, (h,))
     ds = torch.empty(num_rows, dtype=torch.float32, device=h.device)
+    quantized = ()
+    if quantize_dh:
+        quantized = (torch.empty(num_rows, 2 * n, dtype=torch.float8_e4m3fn, device=h.device),
+                     torch.empty(2 * n // FP8_BLOCK, num_rows, dtype=torch.float32,
+                                 device=h.device))
     if num_rows == 0:
-        return dh, a_scaled, ds
+        return dh, a_scaled, ds, *quantized
     if n == 0:
-        return dh, a_scaled, ds.zero_()
-    fn = runtime.compiled(("dswiglu_epilogue", n, gate_up), lambda: _compile(n, gate_up, True))
+        return dh, a_scaled, ds.zero_(), *quantized
+    fn = runtime.compiled(("dswiglu_epilogue", n, gate_up, quantize_dh),
+                          lambda: _compile(n, gate_up, True, quantize=quantize_dh))
     adr = runtime.address
+    # Without quantize_dh the kernel never touches dH_q and its scales; h's stands in.
+    q_addresses = ((adr(quantized[0], 16), adr(quantized[1], 4)) if quantize_dh
+                   else (adr(h, 16),) * 2)
     fn(adr(h, 16), adr(da_prime, 16), adr(row_scores, 4), adr(a_scaled, 16), adr(dh, 16),
-       adr(ds, 4), num_rows)
-    return dh, a_scaled, ds
+       adr(ds, 4), *q_addresses, num_rows)
+    return dh, a_scaled, ds, *quantized
 
 
 _MARKERS = ("ld.global.v4", "st.global.v4")
@@ -384,3 +472,13 @@ for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
         ptx_markers=("ld.global.v4", "cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly",
                      ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64",
                       "st.global.u64"))))
+# dSwiGLU with dH also quantized: the backward's markers plus the e4m3 conversion and fp8 stores
+# ("concat": two 8-byte stores per slice; "interleaved": one 16-byte store).
+for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
+    register(KernelVariant(
+        kernel="swiglu",
+        variant=f"dswiglu_quantized_n{_n}_{_gate_up}",
+        compile_fake=lambda n=_n, g=_gate_up: _compile(n, g, True, keep_ptx=True,
+                                                       quantize=True),
+        ptx_markers=("ld.global.v4", "st.global.v4", "cvt.rn.satfinite.e4m3x2.f32",
+                     "shfl.sync.bfly")))

@@ -151,6 +151,45 @@ def test_swiglu_quantized_is_quantize_rows_of_swiglu(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256)])
+def test_dswiglu_quantize_dh_is_quantize_rows_of_dh(p, n, gate_up):
+    """dH also written in e4m3 with its 1x128 scales (concat: a slice's gate and up values in
+    two blocks; interleaved: 16 consecutive columns) equals quantizing the bf16 dH afterwards,
+    bit for bit; dH, A' and ds are those of the plain call, also with dH written over H."""
+    require_kernels()
+    from sonic.kernels.fp8_quant import quantize_rows
+    from sonic.kernels.swiglu import dswiglu_epilogue
+    from sonic.reference import fp8 as fp8_reference
+
+    da_prime, h, scores = _inputs(p, n, seed=p + 5 * n)
+    da_prime = (da_prime.float() * torch.logspace(-3, 3, p, device="cuda")[:, None]).to(
+        torch.bfloat16)
+    da_prime[p // 2] = 0                      # a row whose dH is all zero: scale 1
+    want = dswiglu_epilogue(da_prime, h, scores, gate_up)
+    poison_allocator()
+    got = dswiglu_epilogue(da_prime, h, scores, gate_up, quantize_dh=True)
+    assert len(got) == 5
+    for first, second in zip(want, got[:3]):
+        assert torch.equal(first, second)
+    dh_q, dh_scales = got[3:]
+    assert dh_q.dtype == torch.float8_e4m3fn and dh_q.shape == (p, 2 * n)
+    assert dh_scales.shape == (2 * n // 128, p)
+    for want_q, want_scales in (quantize_rows(want[0]), fp8_reference.quantize_rows(want[0])):
+        assert torch.equal(dh_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(dh_scales, want_scales)
+    assert torch.all(dh_scales[:, p // 2] == 1.0)
+    h_buf = h.clone()
+    in_place = dswiglu_epilogue(da_prime, h_buf, scores, gate_up, dh_out=h_buf,
+                                quantize_dh=True)
+    assert in_place[0].data_ptr() == h_buf.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(in_place, got))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dswiglu_epilogue(da_prime[:, :64].contiguous(), h[:, :128].contiguous(), scores,
+                         gate_up, quantize_dh=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
 def test_rows_past_2_31_elements(gate_up):
     """P·2n > 2**31: the last rows are addressed with 64-bit offsets (checked on a tail slice)."""
     require_kernels()
