@@ -223,3 +223,39 @@ def test_argument_errors():
         hf.use_sonic_experts(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="experts module"):
         hf.check_experts(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "aria"])
+def test_fp8_precision_and_fp8_activation_cache(family):
+    """use_sonic_experts(precision="fp8", activation_cache="fp8") on bf16 weights whose sizes
+    fit the FP8 blocks: the experts run sonic's FP8 path (the "torch" backend's emulation):
+    logits within e4m3 error of the bf16 experts and visibly quantized; every experts gradient
+    present; each experts module's FP8 copies made once and remade after an optimizer step.
+    Aria stores its weights transposed."""
+    sizes = dict(hidden_size=128, intermediate_size=128)
+    sizes["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"] = 128
+    model = tiny_model(family, dtype=torch.bfloat16, **sizes)
+    ref_logits, _, _ = step(model)
+    hf.use_sonic_experts(model, backend="torch", precision="fp8", activation_cache="fp8")
+    logits, _, grads = step(model)
+    err = rel(logits.float(), ref_logits.float())
+    assert 1e-3 < err < 5e-2, err
+    assert all(grads[n].abs().sum() > 0 for n in grads if "experts" in n)
+    experts = [m for m in model.modules() if hf.is_experts_module(m)]
+    copies = [m._sonic_fp8_cache.tensors()[0] for m in experts]
+    step(model)                                   # same weights: the same copies
+    assert all(m._sonic_fp8_cache.tensors()[0] is c for m, c in zip(experts, copies))
+    torch.optim.SGD(model.parameters(), lr=1e-2).step()
+    step(model)                                   # updated weights: new copies
+    assert all(m._sonic_fp8_cache.tensors()[0] is not c for m, c in zip(experts, copies))
+
+
+def test_fp8_options_check_sizes_before_switching():
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)        # hidden 64, experts 32
+    with pytest.raises(ValueError, match=r"model\..*experts: precision='fp8' needs d_model"):
+        hf.use_sonic_experts(model, backend="torch", precision="fp8")
+    with pytest.raises(ValueError, match="d_expert"):
+        hf.use_sonic_experts(model, backend="torch", activation_cache="fp8")
+    assert model.config._experts_implementation != "sonic"
+    with pytest.raises(ValueError, match="precision"):
+        hf.use_sonic_experts(model, precision="fp16")

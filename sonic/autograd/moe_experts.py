@@ -108,6 +108,42 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
     return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s, w1t_q, w1t_s, w2t_q, w2t_s)
 
 
+class Fp8WeightCache:
+    """The FP8 copies of a module's expert weights, made once per weight update.
+
+    :meth:`get` returns :func:`quantize_expert_weights` of this call's ``w1``, ``w2`` (possibly
+    autocast or transposed views of the parameters), reused while the parameters are
+    unchanged: keyed on each parameter's data pointer, version counter (bumped by every
+    in-place update: ``optimizer.step``, ``load_state_dict``), shape and device, and on the
+    dtype of the weights quantized and the backend. Not part of any ``state_dict``; a copy of
+    the owner should start from an empty cache (the copies are derived data).
+    """
+
+    def __init__(self):
+        self._entry: tuple | None = None
+
+    def get(self, w1: torch.Tensor, w2: torch.Tensor, params: tuple[torch.Tensor, ...],
+            backend: str) -> Fp8ExpertWeights | None:
+        """The cached copies of ``w1``, ``w2`` (derived from ``params``; any strides, e.g.
+        transposed views), made now if stale. None when a weight is not bf16
+        (:func:`moe_experts` then raises its TypeError) and under ``torch.compile``
+        (quantized per call there)."""
+        if (w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16
+                or torch.compiler.is_compiling()):
+            return None
+        key = (w1.dtype, backend) + tuple((p.data_ptr(), p._version, tuple(p.shape), p.device)
+                                          for p in params)
+        if self._entry is None or self._entry[0] != key:
+            self._entry = None      # drop the stale copies before making new ones
+            self._entry = (key, quantize_expert_weights(w1.contiguous(), w2.contiguous(),
+                                                        backend))
+        return self._entry[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The cached copies' tensors (empty when none)."""
+        return () if self._entry is None else tuple(self._entry[1])
+
+
 def check_fp8_sizes(d: int, n: int) -> None:
     """Raise ``ValueError`` unless ``d_model`` and ``d_expert`` are multiples of 128."""
     for name, size in (("d_model (d)", d), ("d_expert (n)", n)):

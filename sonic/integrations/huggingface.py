@@ -18,8 +18,10 @@ Only the experts change: the model's own router, its load-balancing loss
 Hugging Face's (``save_pretrained`` writes nothing sonic-specific; the experts implementation is
 not serialised). Supported: gated SiLU experts (SwiGLU) without biases and without a
 post-expert norm, weights stored ``(E, 2n, d)`` or transposed ``(E, d, 2n)``, any float dtype
-sonic takes. Token rounding is not available here: the registry passes the router's top-K
-choice, not its logits.
+sonic takes. ``use_sonic_experts(model, precision="fp8", activation_cache="fp8")`` runs the
+experts with sonic's FP8 GEMMs and/or keeps their H in e4m3 (as :class:`sonic.MoE`), the FP8
+weight copies made once per weight update per experts module. Token rounding is not available
+here: the registry passes the router's top-K choice, not its logits.
 
 Source: transformers 5.x ``integrations/moe.py`` (the registry and its call signature).
 """
@@ -31,6 +33,9 @@ from torch import nn
 
 import sonic
 from sonic._validation import check_choice
+from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
+from sonic.autograd.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
+                                        check_fp8_sizes)
 from sonic.backend import BACKENDS
 
 try:
@@ -148,7 +153,10 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     """
     gate_up = check_experts(self)
     backend = getattr(self, "_sonic_backend", "auto")
-    w1, w2 = self.gate_up_proj, self.down_proj
+    precision = getattr(self, "_sonic_precision", "bf16")
+    activation_cache = getattr(self, "_sonic_activation_cache", "bf16")
+    params = (self.gate_up_proj, self.down_proj)
+    w1, w2 = params
     if self.is_transposed:
         w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
     num_experts = w1.shape[0]
@@ -167,12 +175,42 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     routing = sonic.Routing(token_idx, expert_idx.to(torch.int32), scores, num_tokens,
                             num_experts, top_k=top_k)
     meta = sonic.routing_metadata(routing, backend=backend)
-    out = sonic.moe_experts(hidden_states.to(w1.dtype), w1, w2, scores, routing.token_idx,
-                            routing.expert_idx, gate_up=gate_up, backend=backend, metadata=meta)
+    # Autocast first, so that the cached FP8 copies are those of the weights the GEMMs use.
+    x, w1, w2 = autocast_experts(hidden_states.to(w1.dtype), w1, w2)
+    fp8_weights = None
+    if precision == "fp8":
+        fp8_weights = _fp8_cache(self).get(w1, w2, params, backend)
+    out = sonic.moe_experts(x, w1, w2, scores, routing.token_idx, routing.expert_idx,
+                            gate_up=gate_up, backend=backend, metadata=meta,
+                            precision=precision, fp8_weights=fp8_weights,
+                            activation_cache=activation_cache)
     return out.to(hidden_states.dtype)
 
 
-def use_sonic_experts(model: nn.Module, backend: str = "auto") -> nn.Module:
+def _fp8_cache(module: nn.Module) -> Fp8WeightCache:
+    """The experts module's FP8 weight copies (``module._sonic_fp8_cache``), made on first
+    use. A plain attribute, not a buffer: not in the ``state_dict``; ``copy.deepcopy`` of the
+    module copies it, and its key (the parameters' data pointers) then misses, so the copy
+    quantizes its own weights."""
+    cache = getattr(module, "_sonic_fp8_cache", None)
+    if cache is None:
+        cache = module._sonic_fp8_cache = Fp8WeightCache()
+    return cache
+
+
+def _check_fp8_options(module: nn.Module, precision: str, activation_cache: str) -> None:
+    """The size conditions of the FP8 options for ``module``'s weights (dtypes are checked
+    per call: autocast may supply bf16)."""
+    w2 = module.down_proj.transpose(1, 2) if module.is_transposed else module.down_proj
+    d, n = w2.shape[1], w2.shape[2]
+    if precision == "fp8":
+        check_fp8_sizes(d, n)
+    if activation_cache == "fp8":
+        check_fp8_d_expert(n)
+
+
+def use_sonic_experts(model: nn.Module, backend: str = "auto", *, precision: str = "bf16",
+                      activation_cache: str = "bf16") -> nn.Module:
     """Switch a transformers MoE model's routed experts to sonic, in place.
 
     Registers ``"sonic"`` (:func:`register`), checks every experts module
@@ -186,17 +224,28 @@ def use_sonic_experts(model: nn.Module, backend: str = "auto") -> nn.Module:
             registry (transformers ≥ 5 MoE models: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, …).
         backend: sonic's backend for these experts: ``"auto"``, ``"torch"`` or ``"cute"``
             (see :func:`sonic.explain_backend`).
+        precision: ``"bf16"`` or ``"fp8"`` (issue 18: block-scaled e4m3 expert GEMMs, bf16
+            weight gradients; needs bf16 compute — bf16 weights or ``torch.autocast`` — and
+            ``hidden_size`` and the experts' intermediate size multiples of 128). The FP8
+            copies of each experts module's weights are cached on it and remade after every
+            in-place weight update (``optimizer.step``, ``load_state_dict``).
+        activation_cache: ``"bf16"`` or ``"fp8"`` (H kept for backward in e4m3 + 1×128
+            scales; bf16/fp16 compute, intermediate size a multiple of 64); see
+            :func:`sonic.moe_experts`.
 
     Returns:
         ``model``.
 
     Raises:
         TypeError: ``model`` has no ``set_experts_implementation`` (not a transformers model).
-        ValueError: unknown ``backend``; no experts module in ``model``; an experts module
-            sonic cannot compute (the message names the module and the cause).
+        ValueError: unknown ``backend``, ``precision`` or ``activation_cache``; no experts
+            module in ``model``; an experts module sonic cannot compute, or whose sizes the
+            FP8 options do not fit (the message names the module and the cause).
         RuntimeError: transformers left some experts module on another implementation.
     """
     check_choice("backend", backend, BACKENDS)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("activation_cache", activation_cache, ACTIVATION_CACHES)
     if not callable(getattr(model, "set_experts_implementation", None)):
         raise TypeError(f"model must be a transformers PreTrainedModel (>= 5, with "
                         f"set_experts_implementation), got {type(model).__name__}")
@@ -207,11 +256,14 @@ def use_sonic_experts(model: nn.Module, backend: str = "auto") -> nn.Module:
     for name, module in experts.items():
         try:
             check_experts(module)
+            _check_fp8_options(module, precision, activation_cache)
         except ValueError as err:
             raise ValueError(f"model.{name}: {err}") from err
     register()
     for module in experts.values():
         module._sonic_backend = backend
+        module._sonic_precision = precision
+        module._sonic_activation_cache = activation_cache
     model.set_experts_implementation(IMPLEMENTATION)
     left = [name for name, m in experts.items()
             if m.config._experts_implementation != IMPLEMENTATION]

@@ -12,8 +12,8 @@ from torch import nn
 
 from sonic._validation import (check_bool, check_choice, check_float, check_int, check_non_negative,
                                check_tensor)
-from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
-                                        check_fp8_sizes, moe_experts, quantize_expert_weights)
+from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
+                                        autocast_experts, check_fp8_sizes, moe_experts)
 from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.metadata import routing_metadata
@@ -209,8 +209,7 @@ class MoE(nn.Module):
         self.activation_cache = activation_cache
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
-        # (key, Fp8ExpertWeights) of the last FP8 forward; see _fp8_weights.
-        self._fp8_cache: tuple | None = None
+        self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
 
     @property
     def router(self) -> str:
@@ -264,7 +263,7 @@ class MoE(nn.Module):
     def __getstate__(self):
         # A graph cannot be deep-copied; a copy gets the deprecated aux loss's value.
         state = super().__getstate__()
-        state["_fp8_cache"] = None      # derived from the weights; rebuilt on first use
+        state["_fp8_cache"] = Fp8WeightCache()      # derived from the weights; rebuilt on use
         if state.get("_aux_loss") is not None:
             state["_aux_loss"] = state["_aux_loss"].detach()
         return state
@@ -273,7 +272,8 @@ class MoE(nn.Module):
         if "aux_loss" in state:     # pickled by an earlier development version
             state["_aux_loss"] = state.pop("aux_loss")
         state.setdefault("_precision", "bf16")      # pickled before precision existed
-        state.setdefault("_fp8_cache", None)
+        if state.get("_fp8_cache") is None:     # pickled before the cache was an object
+            state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
         super().__setstate__(state)
 
@@ -309,24 +309,15 @@ class MoE(nn.Module):
         """The tensors this layer derived from its weights and keeps across forwards: the
         cached FP8 copies (empty when none). :func:`sonic.profile_activation_memory` counts
         them as the layer's state, not as activation memory."""
-        return () if self._fp8_cache is None else tuple(self._fp8_cache[1])
+        return self._fp8_cache.tensors()
 
     def _fp8_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights | None:
-        """FP8 copies of ``w1``, ``w2`` (this forward's, possibly autocast, weights), reused
-        while the parameters are unchanged: keyed on each parameter's data pointer, version
-        counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``),
-        shape and device, and on the dtype of the weights quantized and the backend. None for bf16 layers,
-        weights that are not bf16 (``moe_experts`` then raises its TypeError) and under
-        ``torch.compile`` (quantized per call there)."""
-        if (self.precision != "fp8" or w1.dtype != torch.bfloat16
-                or w2.dtype != torch.bfloat16 or torch.compiler.is_compiling()):
+        """FP8 copies of this forward's (possibly autocast) ``w1``, ``w2`` from the layer's
+        :class:`~sonic.autograd.moe_experts.Fp8WeightCache` (made once per weight update);
+        None for bf16 layers."""
+        if self.precision != "fp8":
             return None
-        key = (w1.dtype, self.backend) + tuple((p.data_ptr(), p._version, tuple(p.shape), p.device)
-                                  for p in (self.w1, self.w2))
-        if self._fp8_cache is None or self._fp8_cache[0] != key:
-            self._fp8_cache = None      # drop the stale copies before making new ones
-            self._fp8_cache = (key, quantize_expert_weights(w1, w2, self.backend))
-        return self._fp8_cache[1]
+        return self._fp8_cache.get(w1, w2, (self.w1, self.w2), self.backend)
 
     def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         check_tensor("x", x)
