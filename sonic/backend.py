@@ -398,45 +398,51 @@ def _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx) -> bool:
             and (gather_idx is None or gather_idx.dtype == torch.int32))
 
 
-def _cute_grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx=None):
+def _cute_grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx=None, *, out=None):
     from sonic.kernels import grouped_gemm as kernels
 
-    if _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx):
+    if _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx) and (
+            out is None or (out.is_contiguous() and out.data_ptr() % 16 == 0)):
         return kernels.grouped_gemm_fp8(a_q, a_scales, b_q, b_scales, offsets,
-                                        gather_idx=gather_idx)
-    return reference.grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx)
+                                        gather_idx=gather_idx, out=out)
+    return reference.copy_into(out, reference.grouped_mm_fp8(a_q, a_scales, b_q, b_scales,
+                                                             offsets, gather_idx))
 
 
-def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, gate_up):
+def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, gate_up, *,
+                             h_out=None):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
     # set_fp8_epilogues: the fused kernel, or the FP8 GEMM with its store epilogue then the
     # one-pass SwiGLU kernel (the default).
     if (_fp8_epilogues == "fused" and gather_idx is not None
-            and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)):
+            and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
+            and (h_out is None or (h_out.is_contiguous() and h_out.data_ptr() % 16 == 0))):
         return gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
-                                            gather_idx, gate_up=gate_up)
-    h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
+                                            gather_idx, gate_up=gate_up, h_out=h_out)
+    h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
     act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
     return h, act
 
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
-                         gate_up, *, overwrite_h=False):
+                         gate_up, *, overwrite_h=False, a_out=None):
     from sonic.kernels import grouped_gemm as gemm
 
     if (_fp8_epilogues == "fused" and gate_up == "concat" and gather_idx is not None
             and _fp8_gemm_fits(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
-            and h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0):
+            and h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0
+            and (a_out is None or (a_out.is_contiguous() and a_out.data_ptr() % 16 == 0))):
         return gemm.grouped_gemm_fp8_dswiglu(do_q, do_scales, w2t_q, w2t_scales, offsets,
                                              gather_idx, h, row_scores.float().contiguous(),
-                                             dh_out=h if overwrite_h else None)
+                                             dh_out=h if overwrite_h else None, a_out=a_out)
     da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
     if not _epilogue_kernel_fits(h):
-        return reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+        dh, a_scaled, ds = reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+        return dh, reference.copy_into(a_out, a_scaled), ds
     return _dswiglu_epilogue_kernel(da_prime, h, row_scores.float().contiguous(), gate_up,
-                                    overwrite_h, None)
+                                    overwrite_h, a_out)
 
 
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,

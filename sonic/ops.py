@@ -310,25 +310,42 @@ def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
 
 
 def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend: str, *,
-                    h_out: torch.Tensor | None = None, activation_cache: str = "bf16"
+                    h_out: torch.Tensor | None = None, activation_cache: str = "bf16",
+                    fp8_weights: list | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The body of ``sonic::moe_experts`` on unpacked metadata: ``(out (T, d), cache,
-    scales)``, the activation cache of :func:`sonic.autograd.activation_cache.pack` (H itself
-    and an empty tensor for ``"bf16"``). H is written into ``h_out`` when given (the chunked
-    EP path keeps the H of all its chunks in one buffer; bf16 cache only). Not an op: no
-    autograd, no fake; the caller has validated the inputs."""
+    """The body of ``sonic::moe_experts`` and ``sonic::moe_experts_fp8`` on unpacked metadata:
+    ``(out (T, d), cache, scales)``, the activation cache of
+    :func:`sonic.autograd.activation_cache.pack` (H itself and an empty tensor for
+    ``"bf16"``). With ``fp8_weights`` (the eight tensors of ``Fp8ExpertWeights``) the FP8
+    dataflow of :mod:`sonic.autograd.moe_experts`: X quantized once per token (the up-proj
+    gathers rows of ``x_q`` and their scales), A quantized per row for the down-proj. H is
+    written into ``h_out`` when given (the chunked EP path keeps the H of all its chunks in one
+    buffer; bf16 cache only). Not an op: no autograd, no fake; the caller has validated the
+    inputs."""
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
     with _no_autocast(x.device):
         # The CuTe up-proj gathers X's rows while loading them (the reference: a transient
         # copy) and its epilogue stores both H and A (transient).
-        h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
+        if fp8_weights is None:
+            h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
+        else:
+            x_q, x_scales = ops.quantize_rows(x)
+            h, act = ops.up_proj_swiglu_fp8(x_q, x_scales, *fp8_weights[:2], offsets,
+                                            m.gather_idx, gate_up, h_out=h_out)
+            del x_q, x_scales
         # With the fp8 cache, H is quantized and freed here, before the down-proj allocates
         # its output: the forward's peak then never holds H and Y together.
         cache, scales = activation_cache_pack(h, activation_cache, ops.name == "cute")
         del h
-        y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
-        del act
+        if fp8_weights is None:
+            y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
+            del act
+        else:
+            a_q, a_scales = ops.quantize_rows(act)
+            del act
+            y = ops.grouped_mm_fp8(a_q, a_scales, *fp8_weights[2:4], offsets)
+            del a_q, a_scales
         row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
         out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
     return out, cache, scales
@@ -377,16 +394,16 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
     return torch.where(real, ds_rows, 0).index_select(0, m.pair_rows).to(dtype)
 
 
-def _grads_after_dh(ctx, dh_step: list, grad_out, x, scores, m: RoutingMetadata,
-                    dx_rows) -> tuple:
+def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
+                    dx_fn) -> tuple:
     """``(dX, dW1, dW2, ds)`` of the expert backward once the dH step gave
-    ``dh_step = [dH, A', ds per row]`` (DESIGN §3, backward steps 2-4), for the inputs that
-    need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_rows(dH)``), dW1 =
-    varlen-K(dH, gather(X)). ``dx_rows`` is the one step the bf16 and FP8 paths do
+    ``step = [dH, A', ds per row]`` (DESIGN §3, backward steps 2-4), for the inputs that
+    need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_fn(dH)``), dW1 =
+    varlen-K(dH, gather(X)). ``dx_fn`` is the one step the bf16 and FP8 paths do
     differently. The caller hands over its only references in the list, which this empties,
     so A' is freed before the dX GEMM allocates (the memory-minimal peak)."""
-    dh, a_scaled, ds_rows = dh_step
-    dh_step.clear()
+    dh, a_scaled, ds_rows = step
+    step.clear()
     backend, offsets = ctx.backend, m.expert_offsets
     need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
     grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
@@ -396,7 +413,7 @@ def _grads_after_dh(ctx, dh_step: list, grad_out, x, scores, m: RoutingMetadata,
                                                       None, backend)
     del a_scaled
     if need_x:
-        rows = dx_rows(dh)
+        rows = dx_fn(dh)
         grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
         del rows
     if need_w1:
@@ -419,19 +436,19 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
 
     # dH kernel: dA' = gather(dO)·W2; its epilogue recomputes A from H and gives dH, A', ds.
-    dh_step = _dh_step(
+    step = _dh_on_saved_h(
         ctx, h, h_scales, x.dtype,
-        lambda h, overwrite_h: _dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
-                                           gate_up, backend, overwrite_h=overwrite_h),
+        lambda h, overwrite_h: dh_step(grad_out, w2, None, m, h, row_scores, gate_up, backend,
+                                       overwrite_h=overwrite_h),
         lambda h: torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
                                              gate_up, backend))
     del h, h_scales
-    grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m,
-                            lambda dh: torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend))
+    grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
+                            lambda dh: dx_rows(dh, w1, None, offsets, backend))
     return *grads, None, None, None, None, None
 
 
-def _dh_step(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
+def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
     """``[dH, A', ds per row]`` of the dH step on the saved activation cache ``(h, h_scales)``:
     ``eager(H, overwrite_h=True)`` where the step may write dH over H, ``op(H)`` (the custom
     op, never in place) where it may not.
@@ -514,11 +531,37 @@ def _(a_q, a_scales, b_q, b_scales, offsets, gather_idx, backend):
 
 
 def _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
-                    gate_up, backend, *, overwrite_h=False):
+                    gate_up, backend, *, overwrite_h=False, a_out=None):
     with _no_autocast(h.device):
         return _impl(backend, h.device).dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales,
                                                        offsets, gather_idx, h, row_scores,
-                                                       gate_up, overwrite_h=overwrite_h)
+                                                       gate_up, overwrite_h=overwrite_h,
+                                                       a_out=a_out)
+
+
+def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_up: str,
+            backend: str, *, overwrite_h: bool = False, a_out=None):
+    """The dH step, eagerly (not an op): ``(dH, A', ds per row)`` from the layer's output
+    gradient ``grad_out (T, d)``, bf16 (``fp8_weights`` None: the dH kernel on W2) or FP8 (dO
+    quantized once per token, the dA' GEMM on W2ᵀ's copy ``fp8_weights[6:8]``).
+    ``overwrite_h`` / ``a_out``: as for the backends' dH step."""
+    if fp8_weights is None:
+        return _dh_dswiglu(grad_out, w2, m.expert_offsets, m.gather_idx, h, row_scores,
+                           gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
+    do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
+    return _dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], m.expert_offsets,
+                           m.gather_idx, h, row_scores, gate_up, backend,
+                           overwrite_h=overwrite_h, a_out=a_out)
+
+
+def dx_rows(dh, w1, fp8_weights, offsets, backend: str):
+    """``dH · W1`` per row ``(P, d)``: bf16 on W1, or FP8 (dH quantized per row) on W1ᵀ's
+    copy ``fp8_weights[4:6]``. Ops, so the traced backward sees them."""
+    if fp8_weights is None:
+        return torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend)
+    dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
+    return torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, *fp8_weights[4:6], offsets, None,
+                                          backend)
 
 
 @torch.library.custom_op("sonic::dh_dswiglu_fp8", mutates_args=())
@@ -526,7 +569,7 @@ def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch
                        w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
                        h: torch.Tensor, row_scores: torch.Tensor, gate_up: str,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # As an op, never in place (see _dh_step).
+    # As an op, never in place (see _dh_on_saved_h).
     return _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
                            row_scores, gate_up, backend)
 
@@ -537,28 +580,6 @@ def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, ga
     return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
 
 
-def _experts_forward_fp8(x, fp8_weights, scores, m: RoutingMetadata, gate_up: str, backend: str,
-                         activation_cache: str):
-    w1_q, w1_scales, w2_q, w2_scales = fp8_weights[:4]
-    ops = _impl(backend, x.device)
-    offsets = m.expert_offsets
-    with _no_autocast(x.device):
-        # X quantized once per token; the up-proj gathers rows of x_q and their scales.
-        x_q, x_scales = ops.quantize_rows(x)
-        h, act = ops.up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, m.gather_idx,
-                                        gate_up)
-        del x_q, x_scales
-        cache, h_scales = activation_cache_pack(h, activation_cache, ops.name == "cute")
-        del h
-        a_q, a_scales = ops.quantize_rows(act)
-        del act
-        y = ops.grouped_mm_fp8(a_q, a_scales, w2_q, w2_scales, offsets)
-        del a_q, a_scales
-        row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
-        out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
-    return out, cache, h_scales
-
-
 @torch.library.custom_op("sonic::moe_experts_fp8", mutates_args=())
 def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         scores: torch.Tensor, meta: torch.Tensor,
@@ -566,8 +587,8 @@ def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         backend: str, activation_cache: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
-    return _experts_forward_fp8(x, list(fp8_weights), scores, m, gate_up, backend,
-                                activation_cache)
+    return experts_forward(x, w1, w2, scores, m, gate_up, backend,
+                           activation_cache=activation_cache, fp8_weights=list(fp8_weights))
 
 
 @_moe_experts_fp8_op.register_fake
@@ -593,7 +614,6 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
     if torch.is_grad_enabled() and not _traced(grad_out):
         raise _first_order_error()
     x, w1, w2, h, h_scales, scores, meta, *fp8_weights = ctx.saved_tensors
-    w1t_q, w1t_scales, w2t_q, w2t_scales = fp8_weights[4:]
     if grad_out is None:
         return (None,) * 5 + ([None] * len(fp8_weights), None, None, None, None)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
@@ -604,23 +624,20 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
 
     # dA' = gather(dO)·W2 in FP8 (dO quantized once per token, gathered with its scales),
     # then the dSwiGLU epilogue from the saved H (dequantized first with the fp8 cache).
-    do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
-    fp8_step = (do_q, do_scales, w2t_q, w2t_scales, offsets, m.gather_idx)
-    dh_step = _dh_step(
-        ctx, h, h_scales, x.dtype,
-        lambda h, overwrite_h: _dh_dswiglu_fp8(*fp8_step, h, row_scores, gate_up, backend,
-                                               overwrite_h=overwrite_h),
-        lambda h: torch.ops.sonic.dh_dswiglu_fp8(*fp8_step, h, row_scores, gate_up, backend))
-    del do_q, do_scales, fp8_step, h, h_scales
+    def traced(h):
+        do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
+        return torch.ops.sonic.dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], offsets,
+                                              m.gather_idx, h, row_scores, gate_up, backend)
 
-    def dx_rows(dh):
-        dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
-        return torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, w1t_q, w1t_scales, offsets,
-                                              None, backend)
-
+    step = _dh_on_saved_h(ctx, h, h_scales, x.dtype,
+                    lambda h, overwrite_h: dh_step(grad_out, w2, fp8_weights, m, h, row_scores,
+                                                   gate_up, backend, overwrite_h=overwrite_h),
+                    traced)
+    del h, h_scales
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
     # along the other axis, so FP8 operands would need a second quantization per column.
-    grads = _grads_after_dh(ctx, dh_step, grad_out, x, scores, m, dx_rows)
+    grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
+                            lambda dh: dx_rows(dh, w1, fp8_weights, offsets, backend))
     # No schema defaults: with a list input, torch checks that the gradients mirror the
     # arguments as dispatched, and the dispatcher drops those equal to their defaults.
     return *grads, None, [None] * len(fp8_weights), None, None, None, None

@@ -8,7 +8,10 @@ rounds its score-weighted partial outputs to bf16 before the combine adds them; 
 rounds once). Bound 2^-6; measured at most 3.6e-3 for the output and the router gradient, and
 dX, dW1, dW2 bitwise equal (with K = 2 a token's dX is the sum of at most two bf16 rows,
 whatever the grouping). An FP8 error is ~5% and a row sent to the wrong rank O(1). The
-chunked path refuses both options.
+chunked path (``num_chunks=2``, and ``recompute_dispatch`` at ``C = 1``) is held to the same
+bound against the unchunked one (it sums the weight gradients' rows in another order; measured
+at most 1e-5 — so it quantizes as the unchunked path does: without the fp8 cache's rounding of
+H, or without FP8 GEMMs, the gradients would move by ~5%).
 """
 
 import pytest
@@ -16,7 +19,7 @@ import torch
 
 import sonic
 from sonic.distributed import ExpertParallelMoE
-from test_distributed import _catch, _rel, _spawn, layer_step
+from test_distributed import _rel, _spawn, layer_step
 
 D = N = 128
 E, K = 8, 2
@@ -41,12 +44,20 @@ def _case(rank, world, precision, activation_cache):
               "dgate": _rel(gate_grad.float(), full.gate.weight.grad.float()),
               "dw1": _rel(layer.w1.grad.float(), full.w1.grad[local].float()),
               "dw2": _rel(layer.w2.grad.float(), full.w2.grad[local].float())}
+    unchunked = [out.detach(), x.grad, gate_grad, layer.w1.grad, layer.w2.grad]
+    chunked = {}
+    for num_chunks, recompute in ((2, False), (1, True)):
+        layer.num_chunks, layer.recompute_dispatch = num_chunks, recompute
+        for p in (*layer.parameters(), *full.parameters()):
+            p.grad = None
+        run = layer_step(layer, full, x_full, grad_full, counts, rank)
+        results = [run[1].detach(), run[0].grad, run[4], layer.w1.grad, layer.w2.grad]
+        chunked[(num_chunks, recompute)] = max(_rel(a.float(), b.float())
+                                              for a, b in zip(results, unchunked))
     # The same layer in bf16: the FP8 run must differ from it (it was quantized).
     plain = sonic.MoE(D, N, E, K, backend="torch", dtype=torch.bfloat16)
     plain.load_state_dict(full.state_dict())
     quantized = _rel(out_ref.detach().float(), plain(x_full).detach().float())
-    layer.num_chunks = 2
-    chunked = _catch(lambda: layer(x.detach()))
     return {"errors": errors, "quantized": quantized, "chunked": chunked,
             "options": (layer.precision, layer.activation_cache)}
 
@@ -71,4 +82,4 @@ def test_ep_fp8_matches_single_process(fp8_results, options):
         assert max(r["errors"].values()) <= TOL, (rank, r["errors"])
         if options[0] == "fp8":
             assert r["quantized"] > 1e-2, (rank, r["quantized"])
-        assert "unchunked expert-parallel path only" in r["chunked"], (rank, r["chunked"])
+        assert max(r["chunked"].values()) <= TOL, (rank, r["chunked"])

@@ -36,7 +36,7 @@ from sonic._validation import (check_choice, check_float, check_index, check_int
                                check_same_device)
 from sonic.autograd.activation_cache import check_activation_cache
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
-                                        check_fp8_call, moe_experts)
+                                        check_fp8_call, moe_experts, quantize_expert_weights)
 from sonic.backend import check_fp8_backend, expert_ops
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.distributed.eplb import Placement
@@ -181,10 +181,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             rank. An in-place change of ``x`` before backward raises there, as for any tensor
             autograd saved.
         precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
-            local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``). Not
-            ``"bf16"`` only on the unchunked path (``num_chunks=1``, no
-            ``recompute_dispatch``), where the local experts are :func:`sonic.moe_experts`
-            itself; the rows travel in bf16 either way (each rank quantizes what it received).
+            local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``), on every
+            path; the rows travel in bf16 either way (each rank quantizes what it received).
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -235,12 +233,6 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
     check_int("comm_sm_margin", comm_sm_margin, low=0)
     check_choice("precision", precision, PRECISIONS)
-    if (precision, activation_cache) != ("bf16", "bf16") and (num_chunks > 1
-                                                              or recompute_dispatch):
-        raise ValueError(f"precision={precision!r} / activation_cache={activation_cache!r} run "
-                         f"on the unchunked expert-parallel path only; got num_chunks="
-                         f"{num_chunks}, recompute_dispatch={recompute_dispatch} (use "
-                         f"num_chunks=1 and recompute_dispatch=False, or bf16)")
     if not isinstance(recompute_dispatch, bool):
         raise TypeError(f"recompute_dispatch must be a bool, got "
                         f"{type(recompute_dispatch).__name__}")
@@ -293,8 +285,12 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
                          placement, num_chunks)
     if num_chunks > 1 or recompute_dispatch:
+        if precision == "fp8" and fp8_weights is None:
+            fp8_weights = quantize_expert_weights(w1_local, w2_local, backend)
         return ChunkedExperts.apply(x, scores, w1_local, w2_local, plan, num_local, gate_up,
-                                    backend, ops.aggregate, comm_sm_margin, recompute_dispatch)
+                                    backend, ops.aggregate, comm_sm_margin, recompute_dispatch,
+                                    None if precision == "bf16" else tuple(fp8_weights),
+                                    activation_cache)
     (chunk,) = plan.chunks
     x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)
     # The pairs were built here from range-checked indices: no second check (a host read).

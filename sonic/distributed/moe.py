@@ -35,9 +35,7 @@ class ExpertParallelMoE(MoE):
 
     Args:
         d_model, d_expert, num_experts, top_k, score, renormalize, gate_up, aux_loss_coef,
-        backend, precision, activation_cache, device, dtype: as in :class:`sonic.MoE`;
-            ``precision="fp8"`` and ``activation_cache="fp8"`` need ``num_chunks=1`` and no
-            ``recompute_dispatch`` (see :func:`ep_moe_experts`). ``num_experts`` must be divisible
+        backend, precision, activation_cache, device, dtype: as in :class:`sonic.MoE`. ``num_experts`` must be divisible
             by the group size.
         group: the EP process group (``None``: the default group).
         router: ``"topk"`` or ``"token_rounding"``: in training mode
@@ -220,12 +218,7 @@ class ExpertParallelMoE(MoE):
         """:func:`ep_moe_experts` on this rank's tokens and experts (scores in the accumulation
         dtype, as :class:`sonic.MoE` passes them), with this layer's precision (the FP8
         copies of its local experts cached as :class:`sonic.MoE` caches them) and activation
-        cache; counts the pairs into :attr:`expert_load` when set.
-
-        Raises:
-            ValueError: ``precision="fp8"`` or ``activation_cache="fp8"`` with
-                ``num_chunks > 1`` or ``recompute_dispatch`` (see :func:`ep_moe_experts`).
-        """
+        cache; counts the pairs into :attr:`expert_load` when set."""
         if self.expert_load is not None:
             self.expert_load.update(routing)
         return ep_moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),

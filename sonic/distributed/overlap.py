@@ -46,11 +46,12 @@ from typing import NamedTuple
 
 import torch
 
+from sonic.autograd.activation_cache import unpack as activation_cache_unpack
 from sonic.autograd.moe_experts import _graph_kept
-from sonic.backend import sm_margin
+from sonic.backend import expert_ops, sm_margin
 from sonic.distributed.comm import all_to_all
 from sonic.distributed.plan import DispatchPlan
-from sonic.ops import (_acc, _dh_dswiglu, _first_order_error, experts_forward,
+from sonic.ops import (_acc, _first_order_error, dh_step, dx_rows, experts_forward,
                        pair_score_grads, routing_metadata_op, unpack_metadata)
 
 
@@ -123,7 +124,8 @@ class ChunkedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scores, w1, w2, plan: DispatchPlan, num_local: int, gate_up: str,
-                backend: str, aggregate, margin: int, recompute_dispatch: bool):
+                backend: str, aggregate, margin: int, recompute_dispatch: bool,
+                fp8_weights: tuple | None, activation_cache: str):
         streams = _Streams(x.device)
         rows_at, pairs_at = _received_slices(plan)
         # The local routing of every chunk, while the first dispatch is on the link. Its pairs
@@ -133,7 +135,10 @@ class ChunkedExperts(torch.autograd.Function):
                     for chunk in plan.chunks]
         x_recv = x.new_empty((rows_at[-1].stop, x.shape[1]))
         s_recv = scores.new_empty(pairs_at[-1].stop)
-        h = x.new_empty((pairs_at[-1].stop, w1.shape[1]))
+        # H of all chunks in one buffer (dH goes over it for the one dW1 GEMM); with the fp8
+        # cache, each chunk's e4m3 H and scales instead.
+        h = x.new_empty((pairs_at[-1].stop, w1.shape[1])) if activation_cache == "bf16" else None
+        caches = []
 
         def dispatch(c):
             chunk = plan.chunks[c]
@@ -150,8 +155,12 @@ class ChunkedExperts(torch.autograd.Function):
                 streams.wait(arrived)
                 if c + 1 < len(plan.chunks):
                     arrived = dispatch(c + 1)
-                y_recv, _, _ = experts_forward(x_recv[rows_at[c]], w1, w2, s_recv[pairs_at[c]],
-                                               metadata[c], gate_up, backend, h_out=h[pairs_at[c]])
+                y_recv, *cache = experts_forward(
+                    x_recv[rows_at[c]], w1, w2, s_recv[pairs_at[c]], metadata[c], gate_up,
+                    backend, h_out=None if h is None else h[pairs_at[c]],
+                    activation_cache=activation_cache, fp8_weights=fp8_weights)
+                if h is None:
+                    caches += cache
                 with streams.on_comm(y_recv, rows):
                     all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group,
                                out=rows[chunk.rows])
@@ -162,9 +171,12 @@ class ChunkedExperts(torch.autograd.Function):
         # torch.autograd.graph.saved_tensors_hooks see it). With recompute_dispatch, x (an
         # in-place change of it then fails backward loudly) instead of the rows it sent:
         # backward sends them again for dW1.
-        plan.save_for_backward(ctx, w1, w2, x if recompute_dispatch else x_recv, s_recv, h,
-                               *(m.packed for m in metadata))
+        # The FP8 weight copies are the caller's: saved by reference, like w1 and w2.
+        kept_h = [h] if h is not None else caches
+        plan.save_for_backward(ctx, w1, w2, x if recompute_dispatch else x_recv, s_recv,
+                               *(m.packed for m in metadata), *kept_h, *(fp8_weights or ()))
         ctx.recompute_dispatch = recompute_dispatch
+        ctx.activation_cache, ctx.fp8 = activation_cache, fp8_weights is not None
         ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
         ctx.aggregate, ctx.margin = aggregate, margin
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
@@ -175,7 +187,13 @@ class ChunkedExperts(torch.autograd.Function):
         # backward is not twice differentiable, so it refuses, as it does outside EP.
         if torch.is_grad_enabled():
             raise _first_order_error()
-        (w1, w2, x_or_rows, s_recv, h, *packed), plan = DispatchPlan.saved(ctx)
+        (w1, w2, x_or_rows, s_recv, *rest), plan = DispatchPlan.saved(ctx)
+        num_chunks = len(plan.chunks)
+        packed, rest = rest[:num_chunks], rest[num_chunks:]
+        fp8_weights = rest[-8:] if ctx.fp8 else None
+        # H: one bf16 buffer, or per chunk the fp8 cache's (e4m3 H, scales).
+        kept_h = rest[:-8] if ctx.fp8 else rest
+        h = kept_h[0] if ctx.activation_cache == "bf16" else None
         backend = ctx.backend
         x, x_recv = (x_or_rows, None) if ctx.recompute_dispatch else (None, x_or_rows)
         # When the graph is not kept, dH is written over H: autograd frees the saved tensors
@@ -187,11 +205,15 @@ class ChunkedExperts(torch.autograd.Function):
         metadata = [unpack_metadata(p, rows.stop - rows.start, ctx.num_local,
                                     pairs.stop - pairs.start, 0)
                     for p, rows, pairs in zip(packed, rows_at, pairs_at)]
-        grad_out = grad_out.contiguous().to(h.dtype)
+        grad_out = grad_out.contiguous().to(w1.dtype)
         # dO rows of all chunks, kept for dW2
         grad_y = grad_out.new_empty((rows_at[-1].stop, grad_out.shape[1]))
-        a_scaled = h.new_empty((h.shape[0], w2.shape[2])) if need_w2 else None
-        dh_all = (h if not keep else torch.empty_like(h)) if need_w1 else None
+        num_pairs = pairs_at[-1].stop
+        a_scaled = grad_out.new_empty((num_pairs, w2.shape[2])) if need_w2 else None
+        dh_all = None
+        if need_w1:
+            dh_all = h if h is not None and not keep else grad_out.new_empty(
+                (num_pairs, w1.shape[1]))
         grad_rows = grad_out.new_empty((plan.send_tokens.numel(), grad_out.shape[1])) \
             if need_x else None
         grad_s_sent = s_recv.new_empty(plan.pair_order.numel()) if need_s else None
@@ -210,11 +232,18 @@ class ChunkedExperts(torch.autograd.Function):
                 if c + 1 < len(plan.chunks):
                     arrived = send_grad_out(c + 1)
                 pairs = pairs_at[c]
+                if h is not None:
+                    h_c, owned = h[pairs], False
+                else:   # the fp8 cache: dequantized into a buffer this backward owns
+                    h_c, owned = activation_cache_unpack(
+                        kept_h[2 * c], kept_h[2 * c + 1], w1.dtype,
+                        expert_ops(backend, grad_out.device).name == "cute"), True
                 grad_x_recv, grad_s_recv = _activation_grads(
-                    grad_y[rows_at[c]], w1, w2, h[pairs], s_recv[pairs], metadata[c],
-                    ctx.gate_up, backend, need_x, need_s, overwrite_h=not keep,
+                    grad_y[rows_at[c]], w1, w2, fp8_weights, h_c, s_recv[pairs], metadata[c],
+                    ctx.gate_up, backend, need_x, need_s, overwrite_h=owned or not keep,
                     a_out=a_scaled[pairs] if need_w2 else None,
                     dh_out=dh_all[pairs] if need_w1 else None)
+                del h_c
                 # Every rank takes the same branches: the requires_grad flags are agreed.
                 touched = [t for t in (grad_x_recv, grad_s_recv, grad_rows, grad_s_sent)
                            if t is not None]
@@ -243,25 +272,25 @@ class ChunkedExperts(torch.autograd.Function):
         if need_s:
             grad_scores = torch.empty_like(grad_s_sent).index_copy_(0, plan.pair_order,
                                                                     grad_s_sent)
-        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None, None, None
+        return (grad_x, grad_scores, grad_w1, grad_w2) + (None,) * 9
 
 
-def _activation_grads(grad_y, w1, w2, h, scores, m, gate_up, backend, need_x, need_s, *,
-                      overwrite_h, a_out, dh_out):
-    """One chunk's expert backward without the weight gradients: the dH kernel (dH into
-    ``dh_out`` when given, A' into ``a_out``), then ``(dX of the received rows or None, score
-    gradients or None)``. The steps of sonic's expert backward (:mod:`sonic.ops`)."""
+def _activation_grads(grad_y, w1, w2, fp8_weights, h, scores, m, gate_up, backend, need_x,
+                      need_s, *, overwrite_h, a_out, dh_out):
+    """One chunk's expert backward without the weight gradients: the dH step (dH into
+    ``dh_out`` when given, A' into ``a_out``; FP8 with ``fp8_weights``), then ``(dX of the
+    received rows or None, score gradients or None)``. The steps of sonic's expert backward
+    (:mod:`sonic.ops`: :func:`~sonic.ops.dh_step`, :func:`~sonic.ops.dx_rows`)."""
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(grad_y.dtype))
-    dh, _, ds_rows = _dh_dswiglu(grad_y, w2, m.expert_offsets, m.gather_idx, h, row_scores,
-                                 gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
+    dh, _, ds_rows = dh_step(grad_y, w2, fp8_weights, m, h, row_scores, gate_up, backend,
+                             overwrite_h=overwrite_h, a_out=a_out)
     if dh_out is not None and dh.data_ptr() != dh_out.data_ptr():
         dh_out.copy_(dh)            # the reference, or a kept graph: dH not written over H
     grad_s = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
     grad_x = None
     if need_x:
-        dx_rows = torch.ops.sonic.grouped_mm(dh, w1, m.expert_offsets, None, backend)
-        grad_x = torch.ops.sonic.aggregate(dx_rows, m.token_rows, m.token_offsets, None,
-                                           backend)
+        rows = dx_rows(dh, w1, fp8_weights, m.expert_offsets, backend)
+        grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
     return grad_x, grad_s
 
 

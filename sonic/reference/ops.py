@@ -257,7 +257,8 @@ def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
 
 def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Tensor,
                        w1_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
-                       gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
+                       gate_up: str, *, h_out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 forward up-proj and its epilogue: ``H = gather(X̂)·Ŵ1ᵀ`` ``(P, 2n)`` bf16 (X̂, Ŵ1
     the block-scaled e4m3 operands, fp32 promotion per k-block) and ``A = SwiGLU(H)`` ``(P, n)``
     bf16, A computed from the bf16-rounded H (what the backward recomputes it from).
@@ -267,17 +268,20 @@ def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Te
         w1_q, w1_scales: ``(E, 2n, d)`` e4m3 and ``(E, 2n / 128, d / 128)`` fp32.
         offsets: ``(E + 1,)`` int32; gather_idx: ``(P,)`` token of each row.
         gate_up: ``"concat"`` or ``"interleaved"``.
+        h_out: ``(P, 2n)`` bf16: where H is written (as :func:`up_proj_swiglu`).
     """
     h = grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
-    return h, swiglu(h, gate_up)
+    return copy_into(h_out, h), swiglu(h, gate_up)
 
 
 def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
                    w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
                    h: torch.Tensor, row_scores: torch.Tensor, gate_up: str, *,
-                   overwrite_h: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   overwrite_h: bool = False, a_out: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 backward dH step: ``dA' = gather(dÔ)·Ŵ2`` ``(P, n)`` bf16 (dO quantized per 1×128,
     ``w2t_q (E, n, d)`` the FP8 copy of W2ᵀ) then :func:`dswiglu_epilogue`: ``(dH, A', ds)``.
-    ``overwrite_h``: as for :func:`dh_dswiglu` (this one always allocates dH)."""
+    ``overwrite_h``, ``a_out``: as for :func:`dh_dswiglu` (this one always allocates dH)."""
     da_prime = grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
-    return dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+    dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, row_scores, gate_up)
+    return dh, copy_into(a_out, a_scaled), ds

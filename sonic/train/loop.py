@@ -39,7 +39,7 @@ class TrainConfig:
     rounding. ``device=None`` picks CUDA when available, else the CPU; ``dtype="auto"`` is
     bfloat16 on CUDA and float32 on the CPU (bfloat16 everywhere with ``precision="fp8"``, which
     computes in bf16). ``precision`` is every MoE layer's (``"fp8"``: block-scaled e4m3 expert
-    GEMMs; d_model and d_expert multiples of 128; with ``ep > 1`` on the unchunked path). ``data=None`` trains on the CPython documentation
+    GEMMs; d_model and d_expert multiples of 128). ``data=None`` trains on the CPython documentation
     topics. ``eval_every=0`` evaluates only at step 0 and at the end. ``backend`` is passed to
     every `sonic.MoE` layer. ``steps`` is the length of the whole run (the learning-rate
     schedule spans it), also when it is resumed from a checkpoint. ``ep`` is the expert-parallel
@@ -49,7 +49,7 @@ class TrainConfig:
     other chunks; no effect with ``ep = 1``), ``ep_recompute_dispatch`` its
     ``recompute_dispatch`` (received rows sent again in backward instead of kept). ``activation_cache`` is every `sonic.MoE`'s
     (``"fp8"`` keeps H in e4m3 for backward; it needs bfloat16 parameters and ``d_expert`` a
-    multiple of 64; with ``ep > 1`` the unchunked path).
+    multiple of 64).
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -130,11 +130,6 @@ class TrainConfig:
         if self.activation_cache not in ACTIVATION_CACHES:
             raise ValueError(f"activation_cache: expected one of {ACTIVATION_CACHES}, "
                              f"got {self.activation_cache!r}")
-        if "fp8" in (self.precision, self.activation_cache) and self.ep > 1 and (
-                self.ep_chunks > 1 or self.ep_recompute_dispatch):
-            raise ValueError("ep_chunks: precision / activation_cache 'fp8' run on the "
-                             "unchunked expert-parallel path; use --ep-chunks 1 without "
-                             "--ep-recompute-dispatch")
         if self.activation_cache == "fp8":
             if self.dtype == "float32":
                 raise ValueError("activation_cache: 'fp8' keeps a bf16 H in e4m3 and needs "
