@@ -460,25 +460,16 @@ for _n, _gate_up, _backward in ((256, "concat", False), (1024, "interleaved", Fa
         variant=f"{'dswiglu' if _backward else 'swiglu'}_n{_n}_{_gate_up}",
         compile_fake=lambda n=_n, g=_gate_up, b=_backward: _compile(n, g, b, keep_ptx=True),
         ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _backward else ())))
-# SwiGLU with A quantized: 16-byte H loads, the saturating e4m3 conversion, the block amax
-# shuffles, 8-byte fp8 stores. n = 384: a partial last pass (lanes past n shuffle, store
-# nothing).
-for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
-    register(KernelVariant(
-        kernel="swiglu",
-        variant=f"swiglu_quantized_n{_n}_{_gate_up}",
-        compile_fake=lambda n=_n, g=_gate_up: _compile(n, g, False, keep_ptx=True,
-                                                       quantize=True),
-        ptx_markers=("ld.global.v4", "cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly",
-                     ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64",
-                      "st.global.u64"))))
-# dSwiGLU with dH also quantized: the backward's markers plus the e4m3 conversion and fp8 stores
-# ("concat": two 8-byte stores per slice; "interleaved": one 16-byte store).
-for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
-    register(KernelVariant(
-        kernel="swiglu",
-        variant=f"dswiglu_quantized_n{_n}_{_gate_up}",
-        compile_fake=lambda n=_n, g=_gate_up: _compile(n, g, True, keep_ptx=True,
-                                                       quantize=True),
-        ptx_markers=("ld.global.v4", "st.global.v4", "cvt.rn.satfinite.e4m3x2.f32",
-                     "shfl.sync.bfly")))
+# With quantize (A, or dH as well): the saturating e4m3 conversion, the block amax shuffles and
+# 8-byte fp8 stores beside each kernel's own markers. n = 384: a partial last pass (lanes past
+# n shuffle, store nothing).
+_FP8_STORES = ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64")
+for _backward in (False, True):
+    for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
+        register(KernelVariant(
+            kernel="swiglu",
+            variant=f"{'dswiglu' if _backward else 'swiglu'}_quantized_n{_n}_{_gate_up}",
+            compile_fake=lambda n=_n, g=_gate_up, b=_backward: _compile(
+                n, g, b, keep_ptx=True, quantize=True),
+            ptx_markers=(_MARKERS if _backward else _MARKERS[:1])
+            + ("cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly", _FP8_STORES)))
