@@ -222,11 +222,10 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
             result["fp8_cache"][p] = {"row": c, **{
                 f"{key}_over_{ref}": c[key] / r[key] for ref, r in (("same", b), ("bf16", s))
                 for key in ("saved_MiB", "peak_MiB", "fwd_bwd_us")}}
-            print(f"  fp8 / bf16 activation cache ({base}): saved {c['saved_MiB'] / b['saved_MiB']:.3f}x, "
-                  f"peak {c['peak_MiB'] / b['peak_MiB']:.3f}x, fwd+bwd time "
-                  f"{c['fwd_bwd_us'] / b['fwd_bwd_us']:.3f}x; against {first}: saved "
-                  f"{c['saved_MiB'] / s['saved_MiB']:.3f}x, peak {c['peak_MiB'] / s['peak_MiB']:.3f}x, "
-                  f"fwd+bwd time {c['fwd_bwd_us'] / s['fwd_bwd_us']:.3f}x")
+            same, bf16 = (f"saved {c['saved_MiB'] / r['saved_MiB']:.3f}x, peak "
+                          f"{c['peak_MiB'] / r['peak_MiB']:.3f}x, fwd+bwd time "
+                          f"{c['fwd_bwd_us'] / r['fwd_bwd_us']:.3f}x" for r in (b, s))
+            print(f"  fp8 / bf16 activation cache ({base}): {same}; against {first}: {bf16}")
     if router == "both":
         topk_name, tr_name = (_impl_name(r, router, precisions[0]) for r in routers)
         tr = rows[tr_name]

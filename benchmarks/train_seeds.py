@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="as sonic.train (default: cuda if any)")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "cute"))
     parser.add_argument("--config", default="{}",
-                        help="JSON object of further TrainConfig fields (e.g. '{\"d_model\": 256}')")
+                        help="JSON object of further TrainConfig fields, e.g. "
+                             "'{\"d_model\": 256}'")
     args = parser.parse_args(argv)
     if "bf16" not in args.variants:
         parser.error("--variants must include bf16 (the gaps are to it)")

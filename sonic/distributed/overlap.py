@@ -116,10 +116,13 @@ class ChunkedExperts(torch.autograd.Function):
     dW2 runs, for dW1 (the same bytes, so the gradients are bitwise those without it). All of
     it, the plan's indices and the chunks' packed metadata included, is kept with
     ``save_for_backward``, so autograd's saved-tensor hooks see it
-    (:func:`sonic.profile_activation_memory`, ``torch.autograd.graph.save_on_cpu``). Backward adds, beside the unchunked path's
-    buffers, A' ``(P_recv, n)`` of all chunks until dW2 (unchunked: of the one chunk) and the dO
-    rows ``(R, d)`` of all chunks (unchunked: the same), and writes dH over H (when the graph
-    is not kept; otherwise a second ``(P_recv, 2n)`` buffer).
+    (:func:`sonic.profile_activation_memory`, ``torch.autograd.graph.save_on_cpu``). With the
+    fp8 activation cache, each chunk's e4m3 H and scales instead of the bf16 H buffer; with
+    FP8 weight copies, those by reference. Backward adds, beside the unchunked path's buffers,
+    A' ``(P_recv, n)`` of all chunks until dW2 (unchunked: of the one chunk) and the dO rows
+    ``(R, d)`` of all chunks (unchunked: the same), and writes dH over H (when the graph is not
+    kept, and with the bf16 cache; otherwise a second ``(P_recv, 2n)`` buffer, and with the
+    fp8 cache each chunk's dequantized H is a transient the dH step overwrites).
     """
 
     @staticmethod
