@@ -8,7 +8,8 @@ GPU, and how much of the all-to-all time the chunked pipeline hides.
 ``--config T,d,n,E,K`` (default the 30B layer, ANCHORS.md): ``T`` tokens *per rank*, ``E``
 experts over all ranks. Every rank builds the same single-process :class:`sonic.MoE` (all
 ``E`` experts) and the same ``(ep·T, d)`` batch from one seed, takes its share with
-:meth:`ExpertParallelMoE.from_moe`, and in ONE run:
+:meth:`ExpertParallelMoE.from_moe`, and in ONE run (``--precision fp8`` /
+``--activation-cache fp8``: both layers run sonic's FP8 GEMMs / keep H in e4m3):
 
 0. checks, for every chunk count: one forward + backward of the EP layer on its ``T`` tokens
    against the single-process layer on the whole batch (relative error of the output, dX, the
@@ -102,11 +103,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recompute-dispatch", action="store_true",
                         help="also time every --chunks value with recompute_dispatch=True "
                              "(runs named 'C=c rd'); every run prints its peak MiB")
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                        help="the experts' GEMMs, of the EP layer and of the one-GPU layer it "
+                             "is compared with (fp8: block-scaled e4m3; Hopper)")
+    parser.add_argument("--activation-cache", choices=("bf16", "fp8"), default="bf16",
+                        help="how both layers keep H for backward")
     parser.add_argument("--tol", type=float, default=2e-2)
     parser.add_argument("--nccl-priority", choices=("high", "normal"), default="high")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
+    if args.smoke and "fp8" in (args.precision, args.activation_cache):
+        parser.error("--smoke runs fp32 on CPU ranks: --precision / --activation-cache fp8 "
+                     "need bf16")
     args.config = args.config or (SMOKE if args.smoke else THIRTY_B)
     args.reps = args.reps or (2 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
@@ -332,7 +341,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     backend = "auto" if device.type == "cuda" else "torch"
 
     torch.manual_seed(0)
-    full = sonic.MoE(d, n, num_experts, top_k, backend=backend, device=device, dtype=dtype)
+    full = sonic.MoE(d, n, num_experts, top_k, backend=backend, device=device, dtype=dtype,
+                     precision=args.precision, activation_cache=args.activation_cache)
     layer = ExpertParallelMoE.from_moe(full)
     g = torch.Generator(device).manual_seed(1)
     x_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
@@ -442,7 +452,8 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
     tokens, d, n, num_experts, top_k = args.config.split(",")
     print(f"config T={tokens}/rank d={d} n={n} E={num_experts} K={top_k}, EP={world}, {name}, "
-          f"{args.reps} reps (median per rank, slowest rank)")
+          f"{args.reps} reps (median per rank, slowest rank), precision {args.precision}, "
+          f"activation cache {args.activation_cache}")
     print(f"max rel. error vs one process on the whole batch: {worst:.2e} (tol {args.tol:g})")
     ms = s["ms"]
     print(f"{'':22s} {'fwd ms':>9s} {'step ms':>9s}")
