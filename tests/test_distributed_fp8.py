@@ -62,9 +62,25 @@ def _case(rank, world, precision, activation_cache):
             "options": (layer.precision, layer.activation_cache)}
 
 
+def _disagreement(rank):
+    """Ranks asking for different precisions: raised on every rank, after the count exchange
+    (each rank's local experts would otherwise compute differently, silently)."""
+    torch.manual_seed(0)
+    full = sonic.MoE(D, N, E, K, backend="torch", dtype=torch.bfloat16,
+                     precision="fp8" if rank == 0 else "bf16")
+    layer = ExpertParallelMoE.from_moe(full)
+    try:
+        layer(torch.randn(4, D, dtype=torch.bfloat16))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def _all(rank, world):
-    return {(p, c): _case(rank, world, p, c)
-            for p, c in (("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
+    results = {(p, c): _case(rank, world, p, c)
+               for p, c in (("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
+    results["disagree"] = _disagreement(rank)
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"ep{w}")
@@ -83,3 +99,8 @@ def test_ep_fp8_matches_single_process(fp8_results, options):
         if options[0] == "fp8":
             assert r["quantized"] > 1e-2, (rank, r["quantized"])
         assert max(r["chunked"].values()) <= TOL, (rank, r["chunked"])
+
+
+def test_ranks_disagreeing_on_precision_raise_on_every_rank(fp8_results):
+    for rank, result in enumerate(fp8_results):
+        assert "EP ranks disagree on precision" in result["disagree"], (rank, result)

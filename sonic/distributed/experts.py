@@ -34,7 +34,7 @@ import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
-from sonic.autograd.activation_cache import check_activation_cache
+from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_activation_cache
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
                                         check_fp8_call, moe_experts, quantize_expert_weights)
 from sonic.backend import check_fp8_backend, expert_ops
@@ -281,7 +281,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
               *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
               0 if placement is None else placement.fingerprint(), num_chunks,
-              int(recompute_dispatch)]
+              int(recompute_dispatch), PRECISIONS.index(precision),
+              ACTIVATION_CACHES.index(activation_cache)]
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
                          placement, num_chunks)
     if num_chunks > 1 or recompute_dispatch:

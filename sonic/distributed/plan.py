@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sonic.autograd.activation_cache import ACTIVATION_CACHES
+from sonic.autograd.moe_experts import PRECISIONS
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.distributed.eplb import Placement
 
@@ -24,7 +26,10 @@ _AGREED = ("d (x.shape[1])", "n (w2_local.shape[2])", "num_experts", "dtype of x
            "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
            "placement (its fingerprint; 0 for the contiguous default)", "num_chunks",
-           "recompute_dispatch")
+           "recompute_dispatch", "precision", "activation_cache")
+# How the named entries of _AGREED travel (an index into these) and are printed.
+_AGREED_CODES = {"dtype of x": DTYPE_CODES, "precision": PRECISIONS,
+                 "activation_cache": ACTIVATION_CACHES}
 # The most chunks a layer call may pipeline (the count message has room for this many).
 MAX_CHUNKS = 16
 
@@ -231,7 +236,7 @@ def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, nu
                              f"every rank (this rank has T={num_tokens})")
         for name, mine, theirs in zip(_AGREED, agreed, row[num_counts + 1:]):
             if mine != theirs:
-                if name == "dtype of x":
-                    mine, theirs = DTYPE_CODES[mine], DTYPE_CODES[theirs]
+                if name in _AGREED_CODES:
+                    mine, theirs = _AGREED_CODES[name][mine], _AGREED_CODES[name][theirs]
                 raise ValueError(f"EP ranks disagree on {name}: EP rank {source} has {theirs}, "
                                  f"this rank ({ep_rank}) has {mine}")
