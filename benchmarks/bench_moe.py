@@ -31,6 +31,10 @@ ratios.
   ``--router both`` the per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
+* ``--fp8-epilogues store quantizing fused``: the first choice of
+  :func:`sonic.backend.set_fp8_epilogues` for the ``sonic-fp8`` row, and one more FP8 row per
+  further choice (``sonic-fp8-quantizing``, ``sonic-fp8-fused``): a same-run A/B of the FP8
+  up-proj and dH kernels in the layer.
 * ``--activation-cache fp8`` adds, per precision, a sonic row whose layer keeps H for backward
   in e4m3 with 1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``, issue
   18) and prints its saved MiB, peak MiB and step time relative to the same precision's bf16
@@ -49,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, device_name, energy_per_call, trace_idle  # noqa: E402
 
 import sonic  # noqa: E402
+from sonic.backend import set_fp8_epilogues  # noqa: E402
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
 
@@ -126,7 +131,7 @@ def _steps(layer, x, params, k, grad):
 
 
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
-            precision="bf16", activation_cache="bf16"):
+            precision="bf16", activation_cache="bf16", fp8_epilogues=("store",)):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -152,9 +157,17 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         for p in precisions:
             impls[f"{_impl_name(routers[0], router, p)}-fp8c"] = _sonic_layer(
                 routers[0], tile, p, fp8_weights if p == "fp8" else None, activation_cache="fp8")
+    # More sonic-fp8 rows, one per further set_fp8_epilogues choice (first router).
+    modes = {}
+    if "fp8" in precisions:
+        for mode in fp8_epilogues[1:]:
+            impl = f"{_impl_name(routers[0], router, 'fp8')}-{mode}"
+            impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights), mode
     impls["torch-gmm"] = torch_gmm_moe
     leaves = (x, *params)
     for impl, layer in impls.items():
+        # Process-wide (the backward runs on autograd's threads): set for this row only.
+        set_fp8_epilogues(modes.get(impl, fp8_epilogues[0]))
         fwd, fwd_bwd = _steps(layer, x, params, K, grad)
         fwd_bwd()  # compile kernels, warm the allocator
         steps[impl] = fwd_bwd
@@ -186,6 +199,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         }
         for t in leaves:
             t.grad = None
+    set_fp8_epilogues("store")
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
           f"precision={precision}")
@@ -301,6 +315,11 @@ def main(argv=None):
                         help="sonic's expert GEMMs: bf16, block-scaled FP8 (Hopper; weight "
                              "copies made once outside the timing), or both in this process "
                              "with their fp8/bf16 ratios")
+    parser.add_argument("--fp8-epilogues", nargs="+", default=["store"],
+                        choices=("store", "quantizing", "fused"),
+                        help="sonic.backend.set_fp8_epilogues choices for the FP8 rows: the "
+                             "first for sonic-fp8, each further one a row sonic-fp8-<choice> "
+                             "(same-run A/B of the FP8 up-proj / dH kernels)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true",
                         help="also print sonic's forward+backward time per GPU kernel")
@@ -318,7 +337,7 @@ def main(argv=None):
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
-                       args.precision, args.activation_cache)
+                       args.precision, args.activation_cache, args.fp8_epilogues)
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, args.vs_sonicmoe)

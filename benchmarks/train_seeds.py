@@ -33,6 +33,7 @@ from sonic.train.loop import TrainConfig, train
 VARIANTS = {
     "bf16": ({}, "store"),
     "fp8": ({"precision": "fp8"}, "store"),
+    "fp8-quantizing": ({"precision": "fp8"}, "quantizing"),
     "fp8-fused": ({"precision": "fp8"}, "fused"),
     "fp8c": ({"activation_cache": "fp8"}, "store"),
 }

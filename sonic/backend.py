@@ -163,7 +163,7 @@ def _warn_fallback(reason: str) -> None:
 
 
 # Which kernels run the FP8 up-proj and dH steps on the CuTe backend (set_fp8_epilogues).
-FP8_EPILOGUES = ("store", "fused")
+FP8_EPILOGUES = ("store", "quantizing", "fused")
 _fp8_epilogues = "store"
 
 
@@ -172,8 +172,11 @@ def set_fp8_epilogues(kind: str) -> str:
     the previous choice. No effect on the PyTorch reference or on bf16.
 
     * ``"store"`` (default): the FP8 GEMM with its store epilogue, then the one-pass SwiGLU /
-      dSwiGLU kernel (dH written over H, A' over dA'). What the issue-18 training check
-      validated.
+      dSwiGLU kernel (dH written over H, A' over dA'), then A's quantization for the
+      down-proj. What the issue-18 training check validated.
+    * ``"quantizing"``: the same, with the SwiGLU kernel writing A in e4m3 with its scales
+      (``sonic.kernels.swiglu.swiglu(h, quantize=True)``: no bf16 A written and read back);
+      bitwise the same values as ``"store"``. Staged: its speed-up is not measured yet.
     * ``"fused"``: :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8_swiglu` and
       :func:`~sonic.kernels.grouped_gemm.grouped_gemm_fp8_dswiglu` (SwiGLU / dSwiGLU in the
       GEMM's epilogue: faster kernels, dSwiGLU on the fp32 dA' instead of its bf16 rounding).
@@ -415,15 +418,19 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
     from sonic.kernels import swiglu as kernels
 
     # set_fp8_epilogues: the fused kernel, or the FP8 GEMM with its store epilogue then the
-    # one-pass SwiGLU kernel (the default).
+    # one-pass SwiGLU kernel (the default); A quantized after it, or by it ("quantizing").
     if (_fp8_epilogues == "fused" and gather_idx is not None
             and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
             and (h_out is None or (h_out.is_contiguous() and h_out.data_ptr() % 16 == 0))):
-        return gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
-                                            gather_idx, gate_up=gate_up, h_out=h_out)
+        h, act = gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
+                                              gather_idx, gate_up=gate_up, h_out=h_out)
+        return h, *_cute_quantize_rows(act)
     h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
-    act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
-    return h, act
+    if not _epilogue_kernel_fits(h):
+        return h, *_cute_quantize_rows(reference.swiglu(h, gate_up))
+    if _fp8_epilogues == "quantizing" and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0:
+        return h, *kernels.swiglu(h, gate_up, quantize=True)
+    return h, *_cute_quantize_rows(kernels.swiglu(h, gate_up))
 
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,

@@ -330,9 +330,10 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
         if fp8_weights is None:
             h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
         else:
+            # A comes back quantized per row, as the down-proj reads it.
             x_q, x_scales = ops.quantize_rows(x)
-            h, act = ops.up_proj_swiglu_fp8(x_q, x_scales, *fp8_weights[:2], offsets,
-                                            m.gather_idx, gate_up, h_out=h_out)
+            h, *act = ops.up_proj_swiglu_fp8(x_q, x_scales, *fp8_weights[:2], offsets,
+                                             m.gather_idx, gate_up, h_out=h_out)
             del x_q, x_scales
         # With the fp8 cache, H is quantized and freed here, before the down-proj allocates
         # its output: the forward's peak then never holds H and Y together.
@@ -342,10 +343,8 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
             y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
             del act
         else:
-            a_q, a_scales = ops.quantize_rows(act)
+            y = ops.grouped_mm_fp8(*act, *fp8_weights[2:4], offsets)
             del act
-            y = ops.grouped_mm_fp8(a_q, a_scales, *fp8_weights[2:4], offsets)
-            del a_q, a_scales
         row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
         out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
     return out, cache, scales

@@ -42,11 +42,11 @@ def _problem(T, d, n, E, K, seed):
     return [t.cuda().to(BF16) for t in (x, w1, w2, dout)] + [logits.cuda()]
 
 
-@pytest.fixture(params=["store", "fused"])
+@pytest.fixture(params=["store", "quantizing", "fused"])
 def fp8_epilogues(request):
-    """Each CuTe FP8 test runs with the store-GEMM path and with the fused epilogue kernels
-    (sonic.backend.set_fp8_epilogues); the fused dSwiGLU takes the fp32 dA', well inside the
-    tolerances below."""
+    """Each CuTe FP8 test runs with the store-GEMM path, with its SwiGLU kernel writing A
+    quantized, and with the fused epilogue kernels (sonic.backend.set_fp8_epilogues); the fused
+    dSwiGLU takes the fp32 dA', well inside the tolerances below."""
     from sonic.backend import set_fp8_epilogues
 
     previous = set_fp8_epilogues(request.param)
@@ -157,3 +157,27 @@ def test_fp8_training_step_makes_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p).all() for p in layer.parameters())
+
+
+def test_quantizing_swiglu_gives_the_store_paths_results_bitwise():
+    """set_fp8_epilogues("quantizing") writes A in e4m3 from the SwiGLU kernel instead of
+    quantizing the bf16 A afterwards: the same values, so the layer's output and gradients
+    are bitwise those of "store"."""
+    from sonic.backend import set_fp8_epilogues
+
+    _require_hopper()
+    T, d, n, E, K = 1500, 256, 384, 8, 2
+    x, w1, w2, dout, logits = _problem(T, d, n, E, K, seed=4)
+    r = sonic.topk_routing(logits, K)
+    results = {}
+    for kind in ("store", "quantizing"):
+        previous = set_fp8_epilogues(kind)
+        try:
+            leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
+            out = sonic.moe_experts(*leaves, r.token_idx, r.expert_idx, precision="fp8",
+                                    metadata=sonic.routing_metadata(r))
+            out.backward(dout)
+            results[kind] = [out.detach()] + [t.grad for t in leaves]
+        finally:
+            set_fp8_epilogues(previous)
+    assert all(torch.equal(a, b) for a, b in zip(results["store"], results["quantizing"]))
