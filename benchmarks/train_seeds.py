@@ -13,9 +13,10 @@ config otherwise, and prints per variant the loss of each seed, the mean and sta
 deviation, and per seed the gap to bf16 (paired: same seed, same data order and
 initialisation) with its mean.
 
-Variants: ``bf16``; ``fp8`` (``--precision fp8``, the store-GEMM path); ``fp8-fused``
-(``--precision fp8`` with :func:`sonic.backend.set_fp8_epilogues` ``("fused")``: the fused FP8
-epilogue kernels; on the ``torch`` backend it is the same emulation as ``fp8``);
+Variants: ``bf16``; ``fp8`` (``--precision fp8``, the store-GEMM path); ``fp8-quantizing`` and
+``fp8-fused`` (``--precision fp8`` with :func:`sonic.backend.set_fp8_epilogues`
+``("quantizing")`` / ``("fused")``: the SwiGLU kernel writing A quantized / the fused FP8
+epilogue kernels; on the ``torch`` backend both are the same emulation as ``fp8``);
 ``fp8c`` (bf16 GEMMs, H kept in e4m3: ``--activation-cache fp8``).
 Every run is in this process, one after the other; prints a table and one JSON line.
 """
