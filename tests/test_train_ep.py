@@ -122,7 +122,10 @@ def test_ep_fp8_training_follows_one_process():
     """--precision fp8 --activation-cache fp8 with --ep 2, chunked and recomputing the dispatch:
     the whole stack (the FP8 weight copies of each rank's experts remade after every optimizer
     step, the fp8 cache, the chunked pipeline) trains as one process on the global batch does,
-    within bf16 rounding of the combine's sums (FP8 sizes: d_model and d_expert 128)."""
+    within bf16 rounding of the combine's sums (measured ≤ 0.25% over 4 steps; FP8 sizes:
+    d_model and d_expert 128). An integration check: whether the ranks' experts really
+    quantize is checked per layer, where FP8 and bf16 differ far more than this
+    (tests/test_distributed_fp8.py)."""
     run = ("--aux-loss-coef", "0", "--precision", "fp8", "--activation-cache", "fp8",
            "--d-model", "128", "--d-expert", "128", "--dtype", "bfloat16")
     got = distributed(2, 2, *run, "--ep-chunks", "2", "--ep-recompute-dispatch")
@@ -130,7 +133,7 @@ def test_ep_fp8_training_follows_one_process():
     assert got["precision"] == "fp8" and got["config"]["activation_cache"] == "fp8"
     for a, b in zip(got["losses"] + [v for _, v in got["val_history"]],
                     want["losses"] + [v for _, v in want["val_history"]]):
-        assert abs(a - b) < 1e-2 * abs(b), (got["losses"], want["losses"])
+        assert abs(a - b) < 5e-3 * abs(b), (got["losses"], want["losses"])
 
 
 def test_ep_equals_data_parallel_with_the_aux_loss():
