@@ -466,7 +466,8 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
         # inductor fuses the two passes into one).
         use_kernel = not _traced(h) and _impl(ctx.backend, h.device).name == "cute"
         h = activation_cache_unpack(h, h_scales, dtype, use_kernel)
-    if _traced(h) or not (owned or not _graph_kept()):     # H must survive this step
+    may_overwrite = not _traced(h) and (owned or not _graph_kept())
+    if not may_overwrite:
         return list(op(h))
     dh, a_scaled, ds_rows = eager(h, True)
     if dh.data_ptr() == h.data_ptr():

@@ -205,6 +205,7 @@ class ChunkedExperts(torch.autograd.Function):
         streams = _Streams(grad_out.device)
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         rows_at, pairs_at = _received_slices(plan)
+        dequantize_kernel = expert_ops(backend, grad_out.device).name == "cute"
         metadata = [unpack_metadata(p, rows.stop - rows.start, ctx.num_local,
                                     pairs.stop - pairs.start, 0)
                     for p, rows, pairs in zip(packed, rows_at, pairs_at)]
@@ -239,8 +240,7 @@ class ChunkedExperts(torch.autograd.Function):
                     h_c, owned = h[pairs], False
                 else:   # the fp8 cache: dequantized into a buffer this backward owns
                     h_c, owned = activation_cache_unpack(
-                        kept_h[2 * c], kept_h[2 * c + 1], w1.dtype,
-                        expert_ops(backend, grad_out.device).name == "cute"), True
+                        kept_h[2 * c], kept_h[2 * c + 1], w1.dtype, dequantize_kernel), True
                 grad_x_recv, grad_s_recv = _activation_grads(
                     grad_y[rows_at[c]], w1, w2, fp8_weights, h_c, s_recv[pairs], metadata[c],
                     ctx.gate_up, backend, need_x, need_s, overwrite_h=owned or not keep,
