@@ -165,6 +165,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
             impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights), mode
     impls["torch-gmm"] = torch_gmm_moe
     leaves = (x, *params)
+    default_epilogues = set_fp8_epilogues(fp8_epilogues[0])
     for impl, layer in impls.items():
         # Process-wide (the backward runs on autograd's threads): set for this row only.
         set_fp8_epilogues(modes.get(impl, fp8_epilogues[0]))
@@ -199,7 +200,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         }
         for t in leaves:
             t.grad = None
-    set_fp8_epilogues("store")
+    set_fp8_epilogues(default_epilogues)
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
           f"precision={precision}")
@@ -315,7 +316,7 @@ def main(argv=None):
                         help="sonic's expert GEMMs: bf16, block-scaled FP8 (Hopper; weight "
                              "copies made once outside the timing), or both in this process "
                              "with their fp8/bf16 ratios")
-    parser.add_argument("--fp8-epilogues", nargs="+", default=["store"],
+    parser.add_argument("--fp8-epilogues", nargs="+", default=["quantizing"],
                         choices=("store", "quantizing", "fused"),
                         help="sonic.backend.set_fp8_epilogues choices for the FP8 rows: the "
                              "first for sonic-fp8, each further one a row sonic-fp8-<choice> "

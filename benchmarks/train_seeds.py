@@ -15,8 +15,9 @@ initialisation) with its mean.
 
 Variants: ``bf16``; ``fp8`` (``--precision fp8``, the store-GEMM path); ``fp8-quantizing`` and
 ``fp8-fused`` (``--precision fp8`` with :func:`sonic.backend.set_fp8_epilogues`
-``("quantizing")`` / ``("fused")``: the SwiGLU kernel writing A quantized / the fused FP8
-epilogue kernels; on the ``torch`` backend both are the same emulation as ``fp8``);
+``("quantizing")`` / ``("fused")``: the SwiGLU kernel writing A quantized, bitwise ``fp8`` /
+the fused FP8 epilogue kernels, whose dSwiGLU takes the fp32 dA', emulated so on the
+``torch`` backend too);
 ``fp8c`` (bf16 GEMMs, H kept in e4m3: ``--activation-cache fp8``).
 Every run is in this process, one after the other; prints a table and one JSON line.
 """

@@ -75,10 +75,12 @@ def _merge(gate, up, gate_up):
     return torch.cat([gate, up], -1) if gate_up == "concat" else torch.stack([gate, up], -1).flatten(-2)
 
 
-def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16"):
+def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16",
+             da_prime_fp32=False):
     """The FP8 layer written out from the recipe's primitives: output and the gradients of
     x, w1, w2 and scores; with the fp8 activation cache the backward reads H as
-    dequantize(quantize_rows(H)) rounded to bf16."""
+    dequantize(quantize_rows(H)) rounded to bf16; ``da_prime_fp32``: dSwiGLU of the fp32 dA'
+    (the fused dH kernel) instead of its bf16 rounding."""
     T, d = x.shape
     E = w1.shape[0]
     order = sorted(range(tok.shape[0]), key=lambda p: (int(exp[p]), int(tok[p])))
@@ -88,10 +90,11 @@ def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16"
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
     bounds = offsets.tolist()
 
-    def gemm(a, b, gather=None):     # rows of a (or gathered) · b (E, N, K)ᵀ, FP8 both
+    def gemm(a, b, gather=None, out_dtype=BF16):     # rows of a (or gathered) · b (E, N, K)ᵀ
         a_q, a_s = R.quantize_rows(a)
         b_q, b_s = R.quantize_blocks(b)
-        return R.grouped_mm_fp8_reference(a_q, a_s, b_q, b_s, offsets, gather)
+        return R.grouped_mm_fp8_reference(a_q, a_s, b_q, b_s, offsets, gather,
+                                          out_dtype=out_dtype)
 
     # Forward: H bf16 from the FP8 up-proj, A from the bf16 H, A quantized for the down-proj.
     h = gemm(x, w1, rows_tok)
@@ -106,7 +109,8 @@ def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16"
         g, u = (t.float() for t in _halves(h, gate_up))
         sig = torch.sigmoid(g)
         act = g * sig * u
-    da_prime = gemm(dout, w2.transpose(1, 2).contiguous(), rows_tok).float()
+    da_prime = gemm(dout, w2.transpose(1, 2).contiguous(), rows_tok,
+                    torch.float32 if da_prime_fp32 else BF16).float()
     ds_rows = (da_prime * act).sum(-1)
     da = s_rows[:, None] * da_prime
     dh = _merge(da * u * sig * (1 + g * (1 - sig)), da * g * sig, gate_up).to(BF16)
@@ -454,20 +458,48 @@ def test_fp8_padded_token_rounding_equals_its_exact_pairs(activation_cache):
         torch.testing.assert_close(got, ref, rtol=2 ** -7, atol=1e-6)
 
 
-def test_set_fp8_epilogues_validates_and_leaves_the_reference_alone():
-    from sonic.backend import set_fp8_epilogues
+def test_set_fp8_epilogues_validates_and_defaults_to_quantizing():
+    from sonic.backend import FP8_EPILOGUES, set_fp8_epilogues
 
-    problem = _problem(12, 128, 128, 4, "topk", seed=9)
-    want = _layer_fp8(*problem)
-    previous = set_fp8_epilogues("fused")
+    previous = set_fp8_epilogues("store")
+    assert previous == "quantizing"         # the default: every test restores its choice
     try:
-        assert previous == "store"
-        got = _layer_fp8(*problem)          # "torch": the emulation, whatever the choice
-        assert all(torch.equal(a, b) for a, b in zip([got[0], *got[1]], [want[0], *want[1]]))
         with pytest.raises(ValueError, match="kind must be one of"):
             set_fp8_epilogues("epilogue")
+        assert set_fp8_epilogues("fused") == "store"
+        assert set(FP8_EPILOGUES) == {"store", "quantizing", "fused"}
     finally:
-        assert set_fp8_epilogues(previous) == "fused"
+        set_fp8_epilogues(previous)
+
+
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_reference_emulates_the_chosen_fp8_epilogues(gate_up):
+    """The reference follows set_fp8_epilogues: "store" and "quantizing" are one math;
+    "fused" takes dSwiGLU of the fp32 dA' where the fused dH kernel runs (concat halves,
+    gathered rows: the layer's dH step) and is "store" elsewhere. Its forward is unchanged."""
+    from sonic.backend import FP8_EPILOGUES, set_fp8_epilogues
+
+    problem = _problem(37, 128, 128, 4, "topk", seed=9)
+    results = {}
+    for kind in FP8_EPILOGUES:
+        previous = set_fp8_epilogues(kind)
+        try:
+            out, grads = _layer_fp8(*problem, gate_up=gate_up)
+        finally:
+            set_fp8_epilogues(previous)
+        results[kind] = [out, *grads]
+    assert all(torch.equal(a, b) for a, b in zip(results["store"], results["quantizing"]))
+    assert torch.equal(results["fused"][0], results["store"][0])
+    fused_math = gate_up == "concat"
+    _, want = _emulate(*problem, gate_up=gate_up, da_prime_fp32=fused_math)
+    _, other = _emulate(*problem, gate_up=gate_up, da_prime_fp32=not fused_math)
+    for name, got, ref, wrong in zip(("dx", "dw1", "dw2", "dscores"), results["fused"][1:],
+                                     want, other):
+        assert _rel(got, ref) <= 2e-3, (name, _rel(got, ref))
+    # The two maths are told apart at this tolerance (e4m3 roundings of dH flip).
+    assert max(_rel(g, w) for g, w in zip(results["fused"][1:3], other[:2])) > 4e-3
+    same = all(torch.equal(a, b) for a, b in zip(results["fused"], results["store"]))
+    assert same != fused_math
 
 
 def test_train_seeds_benchmark_smoke(capsys):
@@ -494,6 +526,4 @@ def test_train_seeds_benchmark_smoke(capsys):
         for seed in ("0", "1"):
             gap = variants[name]["val_loss"][seed] / variants["bf16"]["val_loss"][seed] - 1
             assert variants[name]["gap_to_bf16"][seed] == pytest.approx(gap)
-    # On the torch backend "fused" is the same emulation.
-    assert variants["fp8-fused"]["val_loss"] == variants["fp8"]["val_loss"]
-    assert backend._fp8_epilogues == "store"
+    assert backend._fp8_epilogues == "quantizing"

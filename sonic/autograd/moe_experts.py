@@ -17,9 +17,10 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
 * Forward. X is quantized once per layer (``quantize_rows``, one scale per token and
   k-block); the up-proj gathers rows of ``x_q`` and their scales (one index for both), which
   costs less than quantizing each token's K copies. Up-proj = FP8 GEMM → H in bf16 → SwiGLU
-  → A quantized per row (one backend op, ``ExpertOps.up_proj_swiglu_fp8``: the FP8 store GEMM,
-  the SwiGLU kernel, A's quantization; under :func:`sonic.backend.set_fp8_epilogues` the
-  SwiGLU kernel writing A quantized itself, or the fused kernel ``grouped_gemm_fp8_swiglu``);
+  → A quantized per row (one backend op, ``ExpertOps.up_proj_swiglu_fp8``: the FP8 store GEMM
+  and the SwiGLU kernel writing A quantized itself; under
+  :func:`sonic.backend.set_fp8_epilogues` a separate quantization of A, or the fused kernel
+  ``grouped_gemm_fp8_swiglu``);
   the down-proj is an FP8 GEMM → Y bf16 → aggregation as in bf16. H stays bf16 so the
   backward recomputes exactly the A the forward used (before A's quantization).
 * Backward. dO is quantized once per token; dA' = gather(dO)·W2 is an FP8 GEMM on W2ᵀ's FP8

@@ -224,8 +224,9 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
 
 def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
                    b_scales: torch.Tensor, offsets: torch.Tensor,
-                   gather_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """Block-scaled FP8 varlen-M grouped GEMM, bf16 out: the math of
+                   gather_idx: torch.Tensor | None = None, *,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Block-scaled FP8 varlen-M grouped GEMM: the math of
     :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8`
     (:func:`sonic.reference.fp8.grouped_mm_fp8_reference`), on rows grouped by expert.
 
@@ -236,9 +237,11 @@ def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
         offsets: ``(E + 1,)`` int32 expert row offsets; rows past ``offsets[E]`` (a padded
             routing's padding) are not computed: they hold zeros.
         gather_idx: ``(P,)`` integer row indices into ``a_q`` (and its scales), or None.
+        out_dtype: bf16 (the kernel's store epilogue) or fp32 (the accumulator the fused
+            epilogue kernels read).
 
     Returns:
-        ``(P, N)`` bf16.
+        ``(P, N)`` of ``out_dtype``.
     """
     from sonic.reference.fp8 import grouped_mm_fp8_reference
 
@@ -249,7 +252,7 @@ def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
     else:
         gather_idx = gather_idx[:valid]
     result = grouped_mm_fp8_reference(a_q, a_scales.contiguous(), b_q, b_scales, offsets,
-                                      gather_idx, out_dtype=torch.bfloat16)
+                                      gather_idx, out_dtype=out_dtype)
     out = result.new_zeros(rows, b_q.shape[1])
     out[:valid].copy_(result)
     return out
@@ -280,11 +283,15 @@ def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Te
 def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
                    w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
                    h: torch.Tensor, row_scores: torch.Tensor, gate_up: str, *,
-                   overwrite_h: bool = False, a_out: torch.Tensor | None = None
+                   overwrite_h: bool = False, a_out: torch.Tensor | None = None,
+                   da_prime_fp32: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 backward dH step: ``dA' = gather(dÔ)·Ŵ2`` ``(P, n)`` bf16 (dO quantized per 1×128,
     ``w2t_q (E, n, d)`` the FP8 copy of W2ᵀ) then :func:`dswiglu_epilogue`: ``(dH, A', ds)``.
+    ``da_prime_fp32``: dSwiGLU on the fp32 dA' instead of its bf16 rounding, the math of the
+    fused kernel :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8_dswiglu`.
     ``overwrite_h``, ``a_out``: as for :func:`dh_dswiglu` (this one always allocates dH)."""
-    da_prime = grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
+    da_prime = grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx,
+                              out_dtype=torch.float32 if da_prime_fp32 else torch.bfloat16)
     dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, row_scores, gate_up)
     return dh, copy_into(a_out, a_scaled), ds
