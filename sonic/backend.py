@@ -300,17 +300,19 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
     return _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out)
 
 
-def _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out):
+def _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out,
+                             quantize_dh=False):
     # The one-pass epilogue after a store GEMM. dA' is this step's own temporary, so A' goes
     # over it unless the caller wants it elsewhere; dH goes over H when the caller allows: the
     # step then holds H and dA' only, as the fused dH kernel does.
     from sonic.kernels import swiglu as kernels
 
     direct = a_out is not None and a_out.is_contiguous() and a_out.data_ptr() % 16 == 0
-    dh, a_scaled, ds = kernels.dswiglu_epilogue(da_prime, h, row_scores, gate_up,
-                                                dh_out=h if overwrite_h else None,
-                                                a_out=a_out if direct else da_prime)
-    return dh, a_scaled if direct else reference.copy_into(a_out, a_scaled), ds
+    dh, a_scaled, ds, *dh_q = kernels.dswiglu_epilogue(da_prime, h, row_scores, gate_up,
+                                                       dh_out=h if overwrite_h else None,
+                                                       a_out=a_out if direct else da_prime,
+                                                       quantize_dh=quantize_dh)
+    return (dh, a_scaled if direct else reference.copy_into(a_out, a_scaled), ds, *dh_q)
 
 
 def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:
@@ -452,22 +454,31 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
 
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
-                         gate_up, *, overwrite_h=False, a_out=None):
+                         gate_up, *, overwrite_h=False, a_out=None, quantize_dh=False):
     from sonic.kernels import grouped_gemm as gemm
+    from sonic.kernels import swiglu as kernels
+
+    def with_dh_q(step):
+        return step + (_cute_quantize_rows(step[0]) if quantize_dh else ())
 
     if (_fused_dswiglu(gate_up, gather_idx)
             and _fp8_gemm_fits(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
             and h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0
             and (a_out is None or (a_out.is_contiguous() and a_out.data_ptr() % 16 == 0))):
-        return gemm.grouped_gemm_fp8_dswiglu(do_q, do_scales, w2t_q, w2t_scales, offsets,
-                                             gather_idx, h, row_scores.float().contiguous(),
-                                             dh_out=h if overwrite_h else None, a_out=a_out)
+        return with_dh_q(gemm.grouped_gemm_fp8_dswiglu(
+            do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
+            row_scores.float().contiguous(), dh_out=h if overwrite_h else None, a_out=a_out))
     da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
     if not _epilogue_kernel_fits(h):
         dh, a_scaled, ds = reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
-        return dh, reference.copy_into(a_out, a_scaled), ds
-    return _dswiglu_epilogue_kernel(da_prime, h, row_scores.float().contiguous(), gate_up,
-                                    overwrite_h, a_out)
+        return with_dh_q((dh, reference.copy_into(a_out, a_scaled), ds))
+    # "quantizing": the one-pass kernel writes dH_q beside dH, so the dX GEMM's operand costs
+    # no second read of dH.
+    in_kernel = (quantize_dh and _fp8_epilogues == "quantizing"
+                 and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0)
+    step = _dswiglu_epilogue_kernel(da_prime, h, row_scores.float().contiguous(), gate_up,
+                                    overwrite_h, a_out, quantize_dh=in_kernel)
+    return step if in_kernel else with_dh_q(step)
 
 
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,

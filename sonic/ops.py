@@ -396,12 +396,13 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
 def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
                     dx_fn) -> tuple:
     """``(dX, dW1, dW2, ds)`` of the expert backward once the dH step gave
-    ``step = [dH, A', ds per row]`` (DESIGN §3, backward steps 2-4), for the inputs that
-    need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_fn(dH)``), dW1 =
-    varlen-K(dH, gather(X)). ``dx_fn`` is the one step the bf16 and FP8 paths do
-    differently. The caller hands over its only references in the list, which this empties,
-    so A' is freed before the dX GEMM allocates (the memory-minimal peak)."""
-    dh, a_scaled, ds_rows = step
+    ``step = [dH, A', ds per row, *dx_operand]`` (DESIGN §3, backward steps 2-4), for the
+    inputs that need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_fn(dH,
+    *dx_operand)``), dW1 = varlen-K(dH, gather(X)). ``dx_fn`` is the one step the bf16 and
+    FP8 paths do differently. The caller hands over its only references in the list, which
+    this empties, so A' is freed before the dX GEMM allocates (the memory-minimal peak) and
+    the dX operand before dW1."""
+    dh, a_scaled, ds_rows, *dx_operand = step
     step.clear()
     backend, offsets = ctx.backend, m.expert_offsets
     need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
@@ -412,7 +413,8 @@ def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
                                                       None, backend)
     del a_scaled
     if need_x:
-        rows = dx_fn(dh)
+        rows = dx_fn(dh, *dx_operand)
+        dx_operand.clear()
         grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
         del rows
     if need_w1:
@@ -448,8 +450,8 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
 
 
 def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
-    """``[dH, A', ds per row]`` of the dH step on the saved activation cache ``(h, h_scales)``:
-    ``eager(H, overwrite_h=True)`` where the step may write dH over H, ``op(H)`` (the custom
+    """``[dH, A', ds per row, *dx_operand]`` of the dH step on the saved activation cache
+    ``(h, h_scales)``: ``eager(H, overwrite_h=True)`` where the step may write dH over H, ``op(H)`` (the custom
     op, never in place) where it may not.
 
     Eagerly, when the graph is not kept, H is dead after this step (this backward holds the
@@ -469,11 +471,11 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
     may_overwrite = not _traced(h) and (owned or not _graph_kept())
     if not may_overwrite:
         return list(op(h))
-    dh, a_scaled, ds_rows = eager(h, True)
-    if dh.data_ptr() == h.data_ptr():
+    step = list(eager(h, True))
+    if step[0].data_ptr() == h.data_ptr():
         # Anything that still unpacks the saved H must fail loudly, not read dH.
         torch.autograd.graph.increment_version(h)
-    return [dh, a_scaled, ds_rows]
+    return step
 
 
 torch.library.register_autograd("sonic::moe_experts", _experts_backward,
@@ -531,35 +533,39 @@ def _(a_q, a_scales, b_q, b_scales, offsets, gather_idx, backend):
 
 
 def _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
-                    gate_up, backend, *, overwrite_h=False, a_out=None):
+                    gate_up, backend, *, overwrite_h=False, a_out=None, quantize_dh=False):
     with _no_autocast(h.device):
         return _impl(backend, h.device).dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales,
                                                        offsets, gather_idx, h, row_scores,
                                                        gate_up, overwrite_h=overwrite_h,
-                                                       a_out=a_out)
+                                                       a_out=a_out, quantize_dh=quantize_dh)
 
 
 def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_up: str,
-            backend: str, *, overwrite_h: bool = False, a_out=None):
-    """The dH step, eagerly (not an op): ``(dH, A', ds per row)`` from the layer's output
-    gradient ``grad_out (T, d)``, bf16 (``fp8_weights`` None: the dH kernel on W2) or FP8 (dO
-    quantized once per token, the dA' GEMM on W2ᵀ's copy ``fp8_weights[6:8]``).
-    ``overwrite_h`` / ``a_out``: as for the backends' dH step."""
+            backend: str, *, overwrite_h: bool = False, a_out=None, for_dx: bool = False):
+    """The dH step, eagerly (not an op): ``(dH, A', ds per row, *dx_operand)`` from the
+    layer's output gradient ``grad_out (T, d)``, bf16 (``fp8_weights`` None: the dH kernel on
+    W2) or FP8 (dO quantized once per token, the dA' GEMM on W2ᵀ's copy ``fp8_weights[6:8]``).
+    ``dx_operand``: with ``for_dx`` in FP8, ``(dH_q, dH_scales)``, dH quantized per 1×128 for
+    the dX GEMM (by the dSwiGLU kernel itself under the default ``set_fp8_epilogues``); empty
+    otherwise. Pass it on to :func:`dx_rows`. ``overwrite_h`` / ``a_out``: as for the
+    backends' dH step."""
     if fp8_weights is None:
         return _dh_dswiglu(grad_out, w2, m.expert_offsets, m.gather_idx, h, row_scores,
                            gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
     do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
     return _dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], m.expert_offsets,
                            m.gather_idx, h, row_scores, gate_up, backend,
-                           overwrite_h=overwrite_h, a_out=a_out)
+                           overwrite_h=overwrite_h, a_out=a_out, quantize_dh=for_dx)
 
 
-def dx_rows(dh, w1, fp8_weights, offsets, backend: str):
-    """``dH · W1`` per row ``(P, d)``: bf16 on W1, or FP8 (dH quantized per row) on W1ᵀ's
-    copy ``fp8_weights[4:6]``. Ops, so the traced backward sees them."""
+def dx_rows(dh, w1, fp8_weights, offsets, backend: str, *dx_operand):
+    """``dH · W1`` per row ``(P, d)``: bf16 on W1, or FP8 (dH quantized per row, or the
+    ``dx_operand`` :func:`dh_step` already made) on W1ᵀ's copy ``fp8_weights[4:6]``. Ops, so
+    the traced backward sees them."""
     if fp8_weights is None:
         return torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend)
-    dh_q, dh_scales = torch.ops.sonic.quantize_rows(dh, backend)
+    dh_q, dh_scales = dx_operand or torch.ops.sonic.quantize_rows(dh, backend)
     return torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, *fp8_weights[4:6], offsets, None,
                                           backend)
 
@@ -631,13 +637,15 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
 
     step = _dh_on_saved_h(ctx, h, h_scales, x.dtype,
                     lambda h, overwrite_h: dh_step(grad_out, w2, fp8_weights, m, h, row_scores,
-                                                   gate_up, backend, overwrite_h=overwrite_h),
+                                                   gate_up, backend, overwrite_h=overwrite_h,
+                                                   for_dx=ctx.needs_input_grad[0]),
                     traced)
     del h, h_scales
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
     # along the other axis, so FP8 operands would need a second quantization per column.
     grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
-                            lambda dh: dx_rows(dh, w1, fp8_weights, offsets, backend))
+                            lambda dh, *dx_operand: dx_rows(dh, w1, fp8_weights, offsets,
+                                                            backend, *dx_operand))
     # No schema defaults: with a list input, torch checks that the gradients mirror the
     # arguments as dispatched, and the dispatcher drops those equal to their defaults.
     return *grads, None, [None] * len(fp8_weights), None, None, None, None

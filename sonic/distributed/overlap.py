@@ -285,14 +285,16 @@ def _activation_grads(grad_y, w1, w2, fp8_weights, h, scores, m, gate_up, backen
     received rows or None, score gradients or None)``. The steps of sonic's expert backward
     (:mod:`sonic.ops`: :func:`~sonic.ops.dh_step`, :func:`~sonic.ops.dx_rows`)."""
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(grad_y.dtype))
-    dh, _, ds_rows = dh_step(grad_y, w2, fp8_weights, m, h, row_scores, gate_up, backend,
-                             overwrite_h=overwrite_h, a_out=a_out)
+    dh, _, ds_rows, *dx_operand = dh_step(grad_y, w2, fp8_weights, m, h, row_scores, gate_up,
+                                          backend, overwrite_h=overwrite_h, a_out=a_out,
+                                          for_dx=need_x)
     if dh_out is not None and dh.data_ptr() != dh_out.data_ptr():
         dh_out.copy_(dh)            # the reference, or a kept graph: dH not written over H
     grad_s = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
     grad_x = None
     if need_x:
-        rows = dx_rows(dh, w1, fp8_weights, m.expert_offsets, backend)
+        rows = dx_rows(dh, w1, fp8_weights, m.expert_offsets, backend, *dx_operand)
+        dx_operand.clear()
         grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
     return grad_x, grad_s
 

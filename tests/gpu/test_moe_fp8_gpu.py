@@ -161,10 +161,15 @@ def test_fp8_training_step_makes_no_host_sync():
     assert all(torch.isfinite(p).all() for p in layer.parameters())
 
 
-def test_quantizing_swiglu_gives_the_store_paths_results_bitwise():
-    """set_fp8_epilogues("quantizing") writes A in e4m3 from the SwiGLU kernel instead of
-    quantizing the bf16 A afterwards: the same values, so the layer's output and gradients
-    are bitwise those of "store"."""
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("keep_graph", [False, True])
+def test_quantizing_epilogues_give_the_store_paths_results_bitwise(gate_up, activation_cache,
+                                                                   keep_graph):
+    """set_fp8_epilogues("quantizing") writes A in e4m3 from the SwiGLU kernel and dH in e4m3
+    from the dSwiGLU kernel (for the dX GEMM) instead of quantizing the bf16 A and dH
+    afterwards: the same values, so the layer's output and gradients are bitwise those of
+    "store" (also where the graph is kept and dH is not quantized by the kernel)."""
     from sonic.backend import set_fp8_epilogues
 
     _require_hopper()
@@ -177,8 +182,9 @@ def test_quantizing_swiglu_gives_the_store_paths_results_bitwise():
         try:
             leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
             out = sonic.moe_experts(*leaves, r.token_idx, r.expert_idx, precision="fp8",
-                                    metadata=sonic.routing_metadata(r))
-            out.backward(dout)
+                                    metadata=sonic.routing_metadata(r), gate_up=gate_up,
+                                    activation_cache=activation_cache)
+            out.backward(dout, retain_graph=keep_graph)
             results[kind] = [out.detach()] + [t.grad for t in leaves]
         finally:
             set_fp8_epilogues(previous)
