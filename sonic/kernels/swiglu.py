@@ -320,8 +320,8 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
     With ``quantize``, A is written as the FP8 path's down-proj reads it (issue 18:
     quantization where the data is produced): e4m3 with one fp32 scale per 1×128 slice of
     each row, bitwise ``sonic.kernels.fp8_quant.quantize_rows(swiglu(h))`` (the bf16-rounded
-    A is quantized) without writing and reading A in bf16. Not yet used by the FP8 layer:
-    its speed-up over the two passes is to be measured (``benchmarks/bench_swiglu.py``).
+    A is quantized) without writing and reading A in bf16: the FP8 layer's default
+    (:func:`sonic.backend.set_fp8_epilogues`).
 
     Args:
         h: ``(P, 2n)`` bf16, contiguous, CUDA, 16-byte aligned; ``n`` a multiple of 8 (of
@@ -398,8 +398,8 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         quantize_dh: also write dH as the FP8 path's dX GEMM reads it (issue 18): e4m3 with
             one fp32 scale per 1×128 slice of each dH row, bitwise
             ``sonic.kernels.fp8_quant.quantize_rows(dH)``, without reading dH again; needs
-            ``n`` a multiple of 128. Not yet used by the FP8 layer (its speed-up is to be
-            measured).
+            ``n`` a multiple of 128. The FP8 layer's default for its dX GEMM
+            (:func:`sonic.backend.set_fp8_epilogues`).
 
     Returns:
         ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``, with ``quantize_dh`` followed by
