@@ -433,24 +433,28 @@ def _cute_grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets, gather_idx=None,
 
 
 def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, gate_up, *,
-                             h_out=None):
+                             h_out=None, quantize_h=False):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
+    def with_h_q(h, a_q, a_scales):
+        return (h, a_q, a_scales) + (_cute_quantize_rows(h) if quantize_h else ())
+
     # set_fp8_epilogues: the fused kernel, or the FP8 GEMM with its store epilogue then the
-    # one-pass SwiGLU kernel (the default); A quantized after it, or by it ("quantizing").
+    # one-pass SwiGLU kernel; A (and the fp8 cache's H) quantized after it, or by it
+    # ("quantizing", the default).
     if (_fp8_epilogues == "fused" and gather_idx is not None
             and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
             and (h_out is None or (h_out.is_contiguous() and h_out.data_ptr() % 16 == 0))):
         h, act = gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
                                               gather_idx, gate_up=gate_up, h_out=h_out)
-        return h, *_cute_quantize_rows(act)
+        return with_h_q(h, *_cute_quantize_rows(act))
     h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
     if not _epilogue_kernel_fits(h):
-        return h, *_cute_quantize_rows(reference.swiglu(h, gate_up))
+        return with_h_q(h, *_cute_quantize_rows(reference.swiglu(h, gate_up)))
     if _fp8_epilogues == "quantizing" and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0:
-        return h, *kernels.swiglu(h, gate_up, quantize=True)
-    return h, *_cute_quantize_rows(kernels.swiglu(h, gate_up))
+        return h, *kernels.swiglu(h, gate_up, quantize=True, quantize_h=quantize_h)
+    return with_h_q(h, *_cute_quantize_rows(kernels.swiglu(h, gate_up)))
 
 
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,

@@ -327,18 +327,22 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
     with _no_autocast(x.device):
         # The CuTe up-proj gathers X's rows while loading them (the reference: a transient
         # copy) and its epilogue stores both H and A (transient).
+        packed = []
         if fp8_weights is None:
             h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
         else:
-            # A comes back quantized per row, as the down-proj reads it.
+            # A comes back quantized per row, as the down-proj reads it; the fp8 cache's H
+            # too, from the same pass over H where the SwiGLU kernel makes both.
             x_q, x_scales = ops.quantize_rows(x)
-            h, *act = ops.up_proj_swiglu_fp8(x_q, x_scales, *fp8_weights[:2], offsets,
-                                             m.gather_idx, gate_up, h_out=h_out)
-            del x_q, x_scales
+            h, a_q, a_scales, *packed = ops.up_proj_swiglu_fp8(
+                x_q, x_scales, *fp8_weights[:2], offsets, m.gather_idx, gate_up, h_out=h_out,
+                quantize_h=activation_cache == "fp8")
+            act = (a_q, a_scales)
+            del x_q, x_scales, a_q, a_scales
         # With the fp8 cache, H is quantized and freed here, before the down-proj allocates
         # its output: the forward's peak then never holds H and Y together.
-        cache, scales = activation_cache_pack(h, activation_cache, ops.name == "cute")
-        del h
+        cache, scales = packed or activation_cache_pack(h, activation_cache, ops.name == "cute")
+        del h, packed
         if fp8_weights is None:
             y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
             del act

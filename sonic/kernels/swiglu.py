@@ -50,19 +50,22 @@ def _kernels():
 
     class SwigluKernel:
         """One static configuration: ``n``, gate/up layout, forward (SwiGLU) or backward
-        epilogue, and for the forward whether A is written quantized.
+        epilogue, for the forward whether A is written quantized, and with it whether H is
+        also written quantized (the FP8 activation cache).
 
         Both directions share one launch signature; the forward never reads ``da_prime`` and
         ``row_scores`` nor writes ``dh``; it writes A to ``a`` (bf16, or with ``quantize``
-        e4m3) and, quantized, A's scales to ``ds``'s address. The backward with ``quantize``
-        also writes dH in e4m3 to ``dh_q`` and its 1×128 scales to ``dh_scales``; the others
-        never touch those two.
+        e4m3) and, quantized, A's scales to ``ds``'s address. With ``quantize``, the backward
+        also writes dH in e4m3 to ``dh_q`` and its 1×128 scales to ``dh_scales``, and the
+        forward with ``quantize_h`` writes H there; the others never touch those two.
         """
 
-        def __init__(self, n: int, gate_up: str, backward: bool, quantize: bool = False):
+        def __init__(self, n: int, gate_up: str, backward: bool, quantize: bool = False,
+                     quantize_h: bool = False):
             self.n = n
             self.backward = backward
             self.quantize = quantize
+            self.quantize_h = quantize_h
             self.slices = n // VEC
             self.iters = (self.slices + WARP - 1) // WARP
             if gate_up == "concat":
@@ -124,7 +127,8 @@ def _kernels():
                 if cutlass.const_expr(self.backward):
                     score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
                 if cutlass.const_expr(self.quantize and not self.backward):
-                    self._finish_quantized(a, ds, row, num_rows, out_row, lane, h_frags)
+                    self._finish_quantized(a, ds, dh_q, dh_scales, row, num_rows, out_row, lane,
+                                           h_layout, h_frags)
                 if cutlass.const_expr(self.quantize and self.backward):
                     partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows,
                                                         out_row, lane, score, h_layout, h_frags,
@@ -145,20 +149,29 @@ def _kernels():
                         cute.make_tensor(ds, cute.make_layout(num_rows))[row] = partial
 
         @cute.jit
-        def _finish_quantized(self, q: cute.Pointer, scales: cute.Pointer, row: Int32,
-                              num_rows: Int32, out_row: Int64, lane: Int32, h_frags: list):
+        def _finish_quantized(self, q: cute.Pointer, scales: cute.Pointer, h_q: cute.Pointer,
+                              h_scales: cute.Pointer, row: Int32, num_rows: Int32,
+                              out_row: Int64, lane: Int32, h_layout: cute.Layout,
+                              h_frags: list):
             """Forward with A quantized: per 8-column slice, A rounded to bf16 (the values
             :func:`sonic.kernels.fp8_quant.quantize_rows` would read), the amax of each
             128-column block over its 16 lanes (every lane shuffles, those past ``n`` with 0),
-            then ``q`` and, from the block's first lane, its scale at ``scales[block, row]``."""
+            then ``q`` and, from the block's first lane, its scale at ``scales[block, row]``.
+            With ``quantize_h``, the loaded H as well (:meth:`_store_quantized_h`)."""
             for i in cutlass.range_constexpr(self.iters):
                 col = (lane + i * WARP) * VEC
                 vals = cute.make_rmem_tensor((VEC,), Float32)
+                h_vals = cute.make_rmem_tensor((2, VEC), Float32)
                 amax = Float32(0.0)
+                amax_g, amax_u = Float32(0.0), Float32(0.0)
                 if cutlass.const_expr((i + 1) * WARP <= self.slices):
                     amax = self._rounded_act(h_frags[i], vals)
+                    if cutlass.const_expr(self.quantize_h):
+                        amax_g, amax_u = self._h_values(h_frags[i], h_vals)
                 elif col < self.n:
                     amax = self._rounded_act(h_frags[i], vals)
+                    if cutlass.const_expr(self.quantize_h):
+                        amax_g, amax_u = self._h_values(h_frags[i], h_vals)
                 scale = fp8.scale_of(fp8.butterfly_max(amax, LANES_PER_BLOCK))
                 if col < self.n:
                     fp8.quantize_store(vals, scale, cute.make_tensor(q + (out_row + col),
@@ -167,6 +180,55 @@ def _kernels():
                         block = Int64(col // FP8_BLOCK)
                         cute.make_tensor(scales + block * num_rows.to(Int64),
                                          cute.make_layout(num_rows))[row] = scale
+                if cutlass.const_expr(self.quantize_h):
+                    self._store_quantized_h(h_q, h_scales, row, num_rows, out_row, lane, col,
+                                            h_layout, h_frags[i].layout, h_vals, amax_g,
+                                            amax_u)
+
+        def _h_values(self, h_frag, h_vals):
+            """``h_vals`` = the loaded slice's gate and up as fp32; returns their amaxes.
+            Traced inline."""
+            amaxes = []
+            for half in range(2):
+                h_vals[half, None].store(h_frag[half, None].load().to(Float32))
+                amaxes.append(fp8.slice_amax(h_vals[half, None]))
+            return amaxes[0], amaxes[1]
+
+        @cute.jit
+        def _store_quantized_h(self, q: cute.Pointer, scales: cute.Pointer, row: Int32,
+                               num_rows: Int32, out_row: Int64, lane: Int32, col: Int32,
+                               h_layout: cute.Layout, frag_layout: cute.Layout,
+                               vals: cute.Tensor, amax_g: Float32, amax_u: Float32):
+            """One slice of a ``(P, 2n)`` tensor in H's layout (dH, or H itself), its fp32
+            gate and up values in ``vals``, stored in e4m3 per 1×128 block of the row:
+            "concat": the gate and the up values of a slice lie in two blocks, each spanning
+            16 lanes; "interleaved": a slice is 16 consecutive columns, a block spans 8
+            lanes. The block amaxes are reduced by shuffles in which every lane takes part
+            (those past ``n`` with 0); then the e4m3 values and, from each block's first
+            lane, its scale at ``scales[block, row]``."""
+            concat = self.h_scale == 1
+            lanes = LANES_PER_BLOCK if concat else LANES_PER_BLOCK // 2
+            if cutlass.const_expr(not concat):     # one block holds both halves
+                amax_g = cute.arch.fmax(amax_g, amax_u, nan=True)
+            scale_g = fp8.scale_of(fp8.butterfly_max(amax_g, lanes))
+            scale_u = scale_g
+            if cutlass.const_expr(concat):
+                scale_u = fp8.scale_of(fp8.butterfly_max(amax_u, lanes))
+            if col < self.n:
+                q_frag = cute.make_rmem_tensor(frag_layout, Float8E4M3FN)
+                q_frag[0, None].store(fp8.quantize(vals[0, None], scale_g).load())
+                q_frag[1, None].store(fp8.quantize(vals[1, None], scale_u).load())
+                cute.autovec_copy(q_frag, cute.make_tensor(
+                    q + (out_row * 2 + col * self.h_scale), h_layout))
+                per_row = scales + Int64(row)
+                if lane % lanes == 0:
+                    first = Int64(col * self.h_scale // FP8_BLOCK)
+                    cute.make_tensor(per_row + first * num_rows.to(Int64),
+                                     cute.make_layout(1))[0] = scale_g
+                    if cutlass.const_expr(concat):
+                        up = first + self.n // FP8_BLOCK
+                        cute.make_tensor(per_row + up * num_rows.to(Int64),
+                                         cute.make_layout(1))[0] = scale_u
 
         @cute.jit
         def _finish_dh_quantized(self, a: cute.Pointer, dh: cute.Pointer, q: cute.Pointer,
@@ -174,15 +236,9 @@ def _kernels():
                                  out_row: Int64, lane: Int32, score: Float32,
                                  h_layout: cute.Layout, h_frags: list, dap_frags: list):
             """Backward with dH also in e4m3 (the dX GEMM's operand): per slice, what
-            :meth:`_finish` stores, plus the amax of the bf16 dH values of each 128-column
-            block of the dH row — "concat": the gate and the up values of a slice lie in two
-            blocks, each spanning 16 lanes; "interleaved": a slice is 16 consecutive columns,
-            a block spans 8 lanes — reduced by shuffles in which every lane takes part (those
-            past ``n`` with 0); then the e4m3 dH and, from each block's first lane, its scale
-            at ``scales[block, row]``. Returns ``Σ dA'·A`` over this lane's slices."""
+            :meth:`_finish` stores, then the bf16 dH values it stored in e4m3 per 1×128 block
+            (:meth:`_store_quantized_h`). Returns ``Σ dA'·A`` over this lane's slices."""
             partial = Float32(0.0)
-            concat = self.h_scale == 1
-            lanes = LANES_PER_BLOCK if concat else LANES_PER_BLOCK // 2
             for i in cutlass.range_constexpr(self.iters):
                 col = (lane + i * WARP) * VEC
                 vals = cute.make_rmem_tensor((2, VEC), Float32)
@@ -195,27 +251,8 @@ def _kernels():
                     partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
                                                            h_layout, h_frags[i], dap_frags[i],
                                                            vals)
-                if cutlass.const_expr(not concat):     # one block holds both halves
-                    amax_g = cute.arch.fmax(amax_g, amax_u, nan=True)
-                scale_g = fp8.scale_of(fp8.butterfly_max(amax_g, lanes))
-                scale_u = scale_g
-                if cutlass.const_expr(concat):
-                    scale_u = fp8.scale_of(fp8.butterfly_max(amax_u, lanes))
-                if col < self.n:
-                    q_frag = cute.make_rmem_tensor(h_frags[i].layout, Float8E4M3FN)
-                    q_frag[0, None].store(fp8.quantize(vals[0, None], scale_g).load())
-                    q_frag[1, None].store(fp8.quantize(vals[1, None], scale_u).load())
-                    cute.autovec_copy(q_frag, cute.make_tensor(
-                        q + (out_row * 2 + col * self.h_scale), h_layout))
-                    per_row = scales + Int64(row)
-                    if lane % lanes == 0:
-                        first = Int64(col * self.h_scale // FP8_BLOCK)
-                        cute.make_tensor(per_row + first * num_rows.to(Int64),
-                                         cute.make_layout(1))[0] = scale_g
-                        if cutlass.const_expr(concat):
-                            up = first + self.n // FP8_BLOCK
-                            cute.make_tensor(per_row + up * num_rows.to(Int64),
-                                             cute.make_layout(1))[0] = scale_u
+                self._store_quantized_h(q, scales, row, num_rows, out_row, lane, col, h_layout,
+                                        h_frags[i].layout, vals, amax_g, amax_u)
             return partial
 
         def _rounded_act(self, h_frag, vals):
@@ -273,12 +310,13 @@ def _kernels():
 
 
 def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
-             quantize: bool = False):
+             quantize: bool = False, quantize_h: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
     addresses = [runtime.fake_address() for _ in range(8)]
-    return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize), *addresses,
+    return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize, quantize_h),
+                                    *addresses,
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
 
@@ -310,8 +348,8 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor,
     return out
 
 
-def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
-           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False,
+           quantize_h: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (DESIGN §3; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.swiglu`: fp32 math, one rounding to bf16
@@ -321,7 +359,9 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
     quantization where the data is produced): e4m3 with one fp32 scale per 1×128 slice of
     each row, bitwise ``sonic.kernels.fp8_quant.quantize_rows(swiglu(h))`` (the bf16-rounded
     A is quantized) without writing and reading A in bf16: the FP8 layer's default
-    (:func:`sonic.backend.set_fp8_epilogues`).
+    (:func:`sonic.backend.set_fp8_epilogues`). With ``quantize_h`` as well, H itself is also
+    written in e4m3 per 1×128 slice, bitwise ``quantize_rows(h)``: the FP8 activation cache
+    (``activation_cache="fp8"``) made in the same read of H.
 
     Args:
         h: ``(P, 2n)`` bf16, contiguous, CUDA, 16-byte aligned; ``n`` a multiple of 8 (of
@@ -329,20 +369,25 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
         gate_up: ``"concat"`` (gate = columns ``[0, n)``, up = ``[n, 2n)``) or
             ``"interleaved"`` (gate = even columns, up = odd columns).
         quantize: return A in e4m3 with its scales instead of bf16.
+        quantize_h: with ``quantize``, also return H in e4m3 with its scales.
 
     Returns:
         ``A (P, n)`` bf16; with ``quantize``, ``(q (P, n) float8_e4m3fn, scales (n/128, P)
-        fp32)``. ``P = 0`` returns empty tensors without a launch.
+        fp32)``, with ``quantize_h`` followed by ``(h_q (P, 2n) float8_e4m3fn, h_scales
+        (2n/128, P) fp32)``. ``P = 0`` returns empty tensors without a launch.
 
     Raises:
         TypeError: ``h`` is not a bf16 tensor.
         ValueError: ``h`` is not a contiguous 2-D CUDA tensor, ``n`` is not a multiple of 8
-            (of 128 with ``quantize``), ``h`` is not 16-byte aligned, or ``gate_up`` is
-            unknown.
+            (of 128 with ``quantize``), ``h`` is not 16-byte aligned, ``gate_up`` is
+            unknown, or ``quantize_h`` without ``quantize``.
     """
     n = _check_h(h, gate_up)
+    if quantize_h and not quantize:
+        raise ValueError("swiglu(quantize_h=True) needs quantize=True (H is quantized in the "
+                         "FP8 path's pass, which writes A in e4m3)")
     if quantize:
-        return _swiglu_quantized(h, gate_up, n)
+        return _swiglu_quantized(h, gate_up, n, quantize_h)
     num_rows = h.shape[0]
     a = torch.empty(num_rows, n, dtype=h.dtype, device=h.device)
     if num_rows == 0 or n == 0:
@@ -354,21 +399,32 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False
     return a
 
 
-def _swiglu_quantized(h: torch.Tensor, gate_up: str, n: int):
+def _quantized_like(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 ``(rows, cols)`` and its ``(cols/128, rows)`` fp32 scales."""
+    return (torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(cols // FP8_BLOCK, rows, dtype=torch.float32, device=device))
+
+
+def _swiglu_quantized(h: torch.Tensor, gate_up: str, n: int, quantize_h: bool):
     if n % FP8_BLOCK:
         raise ValueError(f"swiglu(quantize=True) needs n a multiple of {FP8_BLOCK} (whole 1x"
                          f"{FP8_BLOCK} scale slices), got n = {n}")
     num_rows = h.shape[0]
-    q = torch.empty(num_rows, n, dtype=torch.float8_e4m3fn, device=h.device)
-    scales = torch.empty(n // FP8_BLOCK, num_rows, dtype=torch.float32, device=h.device)
+    out = _quantized_like(num_rows, n, h.device)
+    if quantize_h:
+        out += _quantized_like(num_rows, 2 * n, h.device)
     if num_rows == 0 or n == 0:
-        return q, scales
-    fn = runtime.compiled(("swiglu_quantized", n, gate_up),
-                          lambda: _compile(n, gate_up, False, quantize=True))
-    ha = runtime.address(h, 16)
-    # The forward never touches the backward-only addresses; h's stands in for them.
-    fn(ha, ha, ha, runtime.address(q, 16), ha, runtime.address(scales, 4), ha, ha, num_rows)
-    return q, scales
+        return out
+    fn = runtime.compiled(("swiglu_quantized", n, gate_up, quantize_h),
+                          lambda: _compile(n, gate_up, False, quantize=True,
+                                           quantize_h=quantize_h))
+    adr = runtime.address
+    ha = adr(h, 16)
+    # The forward never touches the backward-only addresses; h's stands in for them (and for
+    # H's e4m3 copy without quantize_h).
+    h_q = (adr(out[2], 16), adr(out[3], 4)) if quantize_h else (ha, ha)
+    fn(ha, ha, ha, adr(out[0], 16), ha, adr(out[1], 4), *h_q, num_rows)
+    return out
 
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
@@ -434,9 +490,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
     ds = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     quantized = ()
     if quantize_dh:
-        quantized = (torch.empty(num_rows, 2 * n, dtype=torch.float8_e4m3fn, device=h.device),
-                     torch.empty(2 * n // FP8_BLOCK, num_rows, dtype=torch.float32,
-                                 device=h.device))
+        quantized = _quantized_like(num_rows, 2 * n, h.device)
     if num_rows == 0:
         return dh, a_scaled, ds, *quantized
     if n == 0:
@@ -464,12 +518,13 @@ for _n, _gate_up, _backward in ((256, "concat", False), (1024, "interleaved", Fa
 # 8-byte fp8 stores beside each kernel's own markers. n = 384: a partial last pass (lanes past
 # n shuffle, store nothing).
 _FP8_STORES = ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64")
-for _backward in (False, True):
+for _backward, _h in ((False, False), (True, False), (False, True)):
     for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
         register(KernelVariant(
             kernel="swiglu",
-            variant=f"{'dswiglu' if _backward else 'swiglu'}_quantized_n{_n}_{_gate_up}",
-            compile_fake=lambda n=_n, g=_gate_up, b=_backward: _compile(
-                n, g, b, keep_ptx=True, quantize=True),
+            variant=f"{'dswiglu' if _backward else 'swiglu'}_quantized{'_h' if _h else ''}"
+                    f"_n{_n}_{_gate_up}",
+            compile_fake=lambda n=_n, g=_gate_up, b=_backward, qh=_h: _compile(
+                n, g, b, keep_ptx=True, quantize=True, quantize_h=qh),
             ptx_markers=(_MARKERS if _backward else _MARKERS[:1])
             + ("cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly", _FP8_STORES)))

@@ -260,8 +260,8 @@ def grouped_mm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
 
 def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Tensor,
                        w1_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
-                       gate_up: str, *, h_out: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       gate_up: str, *, h_out: torch.Tensor | None = None,
+                       quantize_h: bool = False) -> tuple[torch.Tensor, ...]:
     """FP8 forward up-proj and its epilogue: ``H = gather(X̂)·Ŵ1ᵀ`` ``(P, 2n)`` bf16 (X̂, Ŵ1
     the block-scaled e4m3 operands, fp32 promotion per k-block) and ``A = SwiGLU(H)`` computed
     from the bf16-rounded H (what the backward recomputes it from), rounded to bf16 and
@@ -273,11 +273,14 @@ def up_proj_swiglu_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Te
         offsets: ``(E + 1,)`` int32; gather_idx: ``(P,)`` token of each row.
         gate_up: ``"concat"`` or ``"interleaved"``.
         h_out: ``(P, 2n)`` bf16: where H is written (as :func:`up_proj_swiglu`).
+        quantize_h: also return H quantized per 1×128, ``(H_q (P, 2n) e4m3, (2n/128, P)
+            fp32)``: the FP8 activation cache.
     """
     from sonic.reference.fp8 import quantize_rows
 
     h = grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
-    return copy_into(h_out, h), *quantize_rows(swiglu(h, gate_up))
+    return (copy_into(h_out, h), *quantize_rows(swiglu(h, gate_up))) + (
+        quantize_rows(h) if quantize_h else ())
 
 
 def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,

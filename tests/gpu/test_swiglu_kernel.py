@@ -152,6 +152,41 @@ def test_swiglu_quantized_is_quantize_rows_of_swiglu(p, n, gate_up):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
 @pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256)])
+def test_swiglu_quantize_h_is_quantize_rows_of_h(p, n, gate_up):
+    """With quantize_h the same pass also writes H in e4m3 with its 1x128 scales (the FP8
+    activation cache): bitwise quantize_rows(h), kernel and reference alike, and A's e4m3 and
+    scales are those of quantize=True alone. The first n columns of H are scaled up 64x so
+    that neighbouring blocks (concat: gate and up) get different scales."""
+    require_kernels()
+    from sonic.kernels.fp8_quant import quantize_rows
+    from sonic.kernels.swiglu import swiglu
+    from sonic.reference import fp8 as fp8_reference
+
+    _, h, _ = _inputs(p, n, seed=p + 7 * n)
+    h = (h.float() * torch.logspace(-3, 3, p, device="cuda")[:, None]).to(torch.bfloat16)
+    h[:, :n] *= 64
+    h[p // 2] = 0
+    h_before = h.clone()
+    want_a = swiglu(h, gate_up, quantize=True)
+    poison_allocator()
+    got = swiglu(h, gate_up, quantize=True, quantize_h=True)
+    assert len(got) == 4 and torch.equal(h, h_before)
+    assert torch.equal(got[0].view(torch.uint8), want_a[0].view(torch.uint8))
+    assert torch.equal(got[1], want_a[1])
+    h_q, h_scales = got[2:]
+    assert h_q.dtype == torch.float8_e4m3fn and h_q.shape == (p, 2 * n)
+    assert h_scales.shape == (2 * n // 128, p)
+    for want_q, want_scales in (quantize_rows(h), fp8_reference.quantize_rows(h)):
+        assert torch.equal(h_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(h_scales, want_scales)
+    assert torch.all(h_scales[:, p // 2] == 1.0)
+    with pytest.raises(ValueError, match="quantize_h=True\\) needs quantize=True"):
+        swiglu(h, gate_up, quantize_h=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256)])
 def test_dswiglu_quantize_dh_is_quantize_rows_of_dh(p, n, gate_up):
     """dH also written in e4m3 with its 1x128 scales (concat: a slice's gate and up values in
     two blocks; interleaved: 16 consecutive columns) equals quantizing the bf16 dH afterwards,
