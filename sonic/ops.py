@@ -453,7 +453,8 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     return *grads, None, None, None, None, None
 
 
-def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
+def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
+                   eager_reads_fp8: bool = False) -> list:
     """``[dH, A', ds per row, *dx_operand]`` of the dH step on the saved activation cache
     ``(h, h_scales)``: ``eager(H, overwrite_h=True)`` where the step may write dH over H, ``op(H)`` (the custom
     op, never in place) where it may not.
@@ -463,10 +464,14 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op) -> list:
     then holds one ``P x 2n`` buffer instead of two. The fp8 cache's H is dequantized into a
     buffer this backward owns, so it may be overwritten even when the graph is kept (the saved
     e4m3 H stays intact for the next backward). Traced (torch.compile, export), never in
-    place: a compiled graph may reuse H, and the op says it does not mutate its inputs."""
+    place: a compiled graph may reuse H, and the op says it does not mutate its inputs.
+    ``eager_reads_fp8``: ``eager(H_q, True, h_scales)`` takes the fp8 cache as it is (the FP8
+    dH step dequantizes it itself, or in its one-pass kernel as it loads H)."""
     from sonic.autograd.moe_experts import _graph_kept
 
     owned = ctx.activation_cache == "fp8"
+    if owned and eager_reads_fp8 and not _traced(h):
+        return list(eager(h, True, h_scales))
     if owned:
         # Traced, the dequantization stays torch ops (a kernel cannot read fake tensors;
         # inductor fuses the two passes into one).
@@ -537,22 +542,24 @@ def _(a_q, a_scales, b_q, b_scales, offsets, gather_idx, backend):
 
 
 def _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
-                    gate_up, backend, *, overwrite_h=False, a_out=None, quantize_dh=False):
+                    gate_up, backend, *, overwrite_h=False, a_out=None, quantize_dh=False,
+                    h_scales=None):
     with _no_autocast(h.device):
-        return _impl(backend, h.device).dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales,
-                                                       offsets, gather_idx, h, row_scores,
-                                                       gate_up, overwrite_h=overwrite_h,
-                                                       a_out=a_out, quantize_dh=quantize_dh)
+        return _impl(backend, h.device).dh_dswiglu_fp8(
+            do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, gate_up,
+            overwrite_h=overwrite_h, a_out=a_out, quantize_dh=quantize_dh, h_scales=h_scales)
 
 
 def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_up: str,
-            backend: str, *, overwrite_h: bool = False, a_out=None, for_dx: bool = False):
+            backend: str, *, overwrite_h: bool = False, a_out=None, for_dx: bool = False,
+            h_scales=None):
     """The dH step, eagerly (not an op): ``(dH, A', ds per row, *dx_operand)`` from the
     layer's output gradient ``grad_out (T, d)``, bf16 (``fp8_weights`` None: the dH kernel on
     W2) or FP8 (dO quantized once per token, the dA' GEMM on W2ᵀ's copy ``fp8_weights[6:8]``).
     ``dx_operand``: with ``for_dx`` in FP8, ``(dH_q, dH_scales)``, dH quantized per 1×128 for
     the dX GEMM (by the dSwiGLU kernel itself under the default ``set_fp8_epilogues``); empty
-    otherwise. Pass it on to :func:`dx_rows`. ``overwrite_h`` / ``a_out``: as for the
+    otherwise. Pass it on to :func:`dx_rows`. ``h_scales`` (FP8 only): ``h`` is the fp8
+    activation cache, e4m3 with these scales. ``overwrite_h`` / ``a_out``: as for the
     backends' dH step."""
     if fp8_weights is None:
         return _dh_dswiglu(grad_out, w2, m.expert_offsets, m.gather_idx, h, row_scores,
@@ -560,7 +567,8 @@ def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_u
     do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
     return _dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], m.expert_offsets,
                            m.gather_idx, h, row_scores, gate_up, backend,
-                           overwrite_h=overwrite_h, a_out=a_out, quantize_dh=for_dx)
+                           overwrite_h=overwrite_h, a_out=a_out, quantize_dh=for_dx,
+                           h_scales=h_scales)
 
 
 def dx_rows(dh, w1, fp8_weights, offsets, backend: str, *dx_operand):
@@ -640,10 +648,11 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
                                               m.gather_idx, h, row_scores, gate_up, backend)
 
     step = _dh_on_saved_h(ctx, h, h_scales, x.dtype,
-                    lambda h, overwrite_h: dh_step(grad_out, w2, fp8_weights, m, h, row_scores,
-                                                   gate_up, backend, overwrite_h=overwrite_h,
-                                                   for_dx=ctx.needs_input_grad[0]),
-                    traced)
+                    lambda h, overwrite_h, h_scales=None: dh_step(
+                        grad_out, w2, fp8_weights, m, h, row_scores, gate_up, backend,
+                        overwrite_h=overwrite_h, for_dx=ctx.needs_input_grad[0],
+                        h_scales=h_scales),
+                    traced, eager_reads_fp8=True)
     del h, h_scales
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
     # along the other axis, so FP8 operands would need a second quantization per column.

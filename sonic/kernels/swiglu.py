@@ -51,21 +51,25 @@ def _kernels():
     class SwigluKernel:
         """One static configuration: ``n``, gate/up layout, forward (SwiGLU) or backward
         epilogue, for the forward whether A is written quantized, and with it whether H is
-        also written quantized (the FP8 activation cache).
+        also written quantized (the FP8 activation cache); for the backward whether H is read
+        in e4m3 (``h_fp8``: that cache, dequantized per slice as it is loaded, with its 1×128
+        scales at ``h_scales``).
 
         Both directions share one launch signature; the forward never reads ``da_prime`` and
         ``row_scores`` nor writes ``dh``; it writes A to ``a`` (bf16, or with ``quantize``
         e4m3) and, quantized, A's scales to ``ds``'s address. With ``quantize``, the backward
         also writes dH in e4m3 to ``dh_q`` and its 1×128 scales to ``dh_scales``, and the
-        forward with ``quantize_h`` writes H there; the others never touch those two.
+        forward with ``quantize_h`` writes H there; the others never touch those two. Only
+        ``h_fp8`` reads ``h_scales``.
         """
 
         def __init__(self, n: int, gate_up: str, backward: bool, quantize: bool = False,
-                     quantize_h: bool = False):
+                     quantize_h: bool = False, h_fp8: bool = False):
             self.n = n
             self.backward = backward
             self.quantize = quantize
             self.quantize_h = quantize_h
+            self.h_fp8 = h_fp8
             self.slices = n // VEC
             self.iters = (self.slices + WARP - 1) // WARP
             if gate_up == "concat":
@@ -79,24 +83,27 @@ def _kernels():
 
         @cute.jit
         def __call__(self, h: Int64, da_prime: Int64, row_scores: Int64, a: Int64, dh: Int64,
-                     ds: Int64, dh_q: Int64, dh_scales: Int64, num_rows: Int32,
-                     stream: cuda.CUstream):
+                     ds: Int64, dh_q: Int64, dh_scales: Int64, h_scales: Int64,
+                     num_rows: Int32, stream: cuda.CUstream):
             blocks = (num_rows + WARPS - 1) // WARPS
             gmem = runtime.gmem_ptr
             a_ptr = gmem(BFloat16, a, 16)
             if cutlass.const_expr(self.quantize and not self.backward):
                 a_ptr = gmem(Float8E4M3FN, a, 8)
-            self.kernel(gmem(BFloat16, h, 16), gmem(BFloat16, da_prime, 16),
+            h_ptr = gmem(BFloat16, h, 16)
+            if cutlass.const_expr(self.h_fp8):
+                h_ptr = gmem(Float8E4M3FN, h, 8)
+            self.kernel(h_ptr, gmem(BFloat16, da_prime, 16),
                         gmem(Float32, row_scores, 4), a_ptr,
                         gmem(BFloat16, dh, 16), gmem(Float32, ds, 4),
                         gmem(Float8E4M3FN, dh_q, 8), gmem(Float32, dh_scales, 4),
-                        num_rows).launch(
+                        gmem(Float32, h_scales, 4), num_rows).launch(
                 grid=[blocks, 1, 1], block=[WARPS * WARP, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, h: cute.Pointer, da_prime: cute.Pointer, row_scores: cute.Pointer,
                    a: cute.Pointer, dh: cute.Pointer, ds: cute.Pointer, dh_q: cute.Pointer,
-                   dh_scales: cute.Pointer, num_rows: Int32):
+                   dh_scales: cute.Pointer, h_scales: cute.Pointer, num_rows: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % WARP
@@ -110,6 +117,10 @@ def _kernels():
                 h_layout = cute.make_layout((2, VEC), stride=self.h_stride)
                 frag_layout = cute.make_layout(self.frag_layout[0], stride=self.frag_layout[1])
                 h_frags = [cute.make_rmem_tensor(frag_layout, BFloat16) for _ in range(self.iters)]
+                loaded = h_frags
+                if cutlass.const_expr(self.h_fp8):
+                    loaded = [cute.make_rmem_tensor(frag_layout, Float8E4M3FN)
+                              for _ in range(self.iters)]
                 dap_frags = [cute.make_rmem_tensor((VEC,), BFloat16) if self.backward else None
                              for _ in range(self.iters)]
                 # All loads of the row are issued before any store: the compiler cannot move a
@@ -117,11 +128,13 @@ def _kernels():
                 for i in cutlass.range_constexpr(self.iters):
                     col = (lane + i * WARP) * VEC
                     # Only the last pass can run past the row, and only when 32·8 ∤ n.
-                    frags = (h_frags[i], dap_frags[i])
+                    frags = (loaded[i], dap_frags[i])
                     if cutlass.const_expr((i + 1) * WARP <= self.slices):
                         self._load(h_row, da_prime, out_row, col, h_layout, *frags)
                     elif col < self.n:
                         self._load(h_row, da_prime, out_row, col, h_layout, *frags)
+                if cutlass.const_expr(self.h_fp8):
+                    self._dequantize(h_scales, row, num_rows, lane, loaded, h_frags)
                 partial = Float32(0.0)
                 score = Float32(0.0)
                 if cutlass.const_expr(self.backward):
@@ -184,6 +197,30 @@ def _kernels():
                     self._store_quantized_h(h_q, h_scales, row, num_rows, out_row, lane, col,
                                             h_layout, h_frags[i].layout, h_vals, amax_g,
                                             amax_u)
+
+        @cute.jit
+        def _dequantize(self, scales: cute.Pointer, row: Int32, num_rows: Int32, lane: Int32,
+                        q_frags: list, h_frags: list):
+            """``h_frags`` = the loaded e4m3 slices times their 1×128 blocks' scales, rounded to
+            bf16: bitwise :func:`sonic.kernels.fp8_quant.dequantize_rows`. After all loads
+            are issued, so they stay in flight. A lane past ``n`` reads no scale (its values
+            are never stored)."""
+            per_row = scales + Int64(row)
+            for i in cutlass.range_constexpr(self.iters):
+                col = (lane + i * WARP) * VEC
+                scale_g, scale_u = Float32(1.0), Float32(1.0)
+                if col < self.n:
+                    gate_block = Int64(col * self.h_scale // FP8_BLOCK)
+                    up_block = gate_block
+                    if cutlass.const_expr(self.h_scale == 1):    # concat: up at n + col
+                        up_block = Int64((self.n + col) // FP8_BLOCK)
+                    scale_g = cute.make_tensor(per_row + gate_block * num_rows.to(Int64),
+                                               cute.make_layout(1))[0]
+                    scale_u = cute.make_tensor(per_row + up_block * num_rows.to(Int64),
+                                               cute.make_layout(1))[0]
+                for half, scale in ((0, scale_g), (1, scale_u)):
+                    h_frags[i][half, None].store(
+                        (q_frags[i][half, None].load().to(Float32) * scale).to(BFloat16))
 
         def _h_values(self, h_frag, h_vals):
             """``h_vals`` = the loaded slice's gate and up as fp32; returns their amaxes.
@@ -310,21 +347,22 @@ def _kernels():
 
 
 def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
-             quantize: bool = False, quantize_h: bool = False):
+             quantize: bool = False, quantize_h: bool = False, h_fp8: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
-    addresses = [runtime.fake_address() for _ in range(8)]
-    return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize, quantize_h),
+    addresses = [runtime.fake_address() for _ in range(9)]
+    return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize, quantize_h,
+                                               h_fp8),
                                     *addresses,
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
 
-def _check_h(h: torch.Tensor, gate_up: str) -> int:
+def _check_h(h: torch.Tensor, gate_up: str, dtype: torch.dtype = torch.bfloat16) -> int:
     """Validate ``h`` and ``gate_up``; return ``n``."""
     if gate_up not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {gate_up!r}")
-    runtime.check_tensor("h", h, dtypes=(torch.bfloat16,), ndim=2)
+    runtime.check_tensor("h", h, dtypes=(dtype,), ndim=2)
     if h.shape[1] % (2 * VEC):
         raise ValueError(f"h's last dimension 2n must have n a multiple of {VEC}, "
                          f"got 2n = {h.shape[1]}")
@@ -395,7 +433,7 @@ def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False,
     fn = runtime.compiled(("swiglu", n, gate_up), lambda: _compile(n, gate_up, False))
     ha, aa = runtime.address(h, 16), runtime.address(a, 16)
     # The forward never touches the backward-only addresses; h's stands in for them.
-    fn(ha, ha, ha, aa, ha, ha, ha, ha, num_rows)
+    fn(ha, ha, ha, aa, ha, ha, ha, ha, ha, num_rows)
     return a
 
 
@@ -423,14 +461,14 @@ def _swiglu_quantized(h: torch.Tensor, gate_up: str, n: int, quantize_h: bool):
     # The forward never touches the backward-only addresses; h's stands in for them (and for
     # H's e4m3 copy without quantize_h).
     h_q = (adr(out[2], 16), adr(out[3], 4)) if quantize_h else (ha, ha)
-    fn(ha, ha, ha, adr(out[0], 16), ha, adr(out[1], 4), *h_q, num_rows)
+    fn(ha, ha, ha, adr(out[0], 16), ha, adr(out[1], 4), *h_q, ha, num_rows)
     return out
 
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
-                     gate_up: str = "concat", *, dh_out: torch.Tensor | None = None,
-                     a_out: torch.Tensor | None = None, quantize_dh: bool = False
-                     ) -> tuple[torch.Tensor, ...]:
+                     gate_up: str = "concat", *, h_scales: torch.Tensor | None = None,
+                     dh_out: torch.Tensor | None = None, a_out: torch.Tensor | None = None,
+                     quantize_dh: bool = False) -> tuple[torch.Tensor, ...]:
     """Backward epilogue of the dH step (DESIGN §3, backward step 1; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.dswiglu_epilogue`: per row, with ``g, u`` from
@@ -441,10 +479,16 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
     Args:
         da_prime: ``(P, n)`` bf16, contiguous, CUDA, 16-byte aligned.
         h: ``(P, 2n)`` bf16, contiguous, same device, 16-byte aligned; ``n`` a multiple of 8.
+            With ``h_scales``: H in e4m3 (the FP8 activation cache), 8-byte aligned, ``2n`` a
+            multiple of 128.
         row_scores: ``(P,)`` fp32, contiguous, same device — the score of each row.
         gate_up: ``"concat"`` or ``"interleaved"`` (see :func:`swiglu`).
+        h_scales: ``(2n/128, P)`` fp32, contiguous: the 1×128 scales of an e4m3 ``h``
+            (:func:`sonic.kernels.fp8_quant.quantize_rows`'s layout). H is dequantized as it
+            is loaded, bitwise :func:`~sonic.kernels.fp8_quant.dequantize_rows` (the same dH,
+            A' and ds as dequantizing first), without writing and reading a bf16 H.
         dh_out: ``(P, 2n)`` bf16, contiguous, 16-byte aligned: where dH is written, allocated if
-            None. It may be ``h`` itself (dH then overwrites H).
+            None. It may be ``h`` itself (dH then overwrites H; not with ``h_scales``).
         a_out: ``(P, n)`` bf16, contiguous, 16-byte aligned: where A' is written, allocated if
             None. It may be ``da_prime`` itself (A' then overwrites dA').
         In place is safe because each lane loads every element of its row slices (H's gate
@@ -468,10 +512,21 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         ValueError: a tensor is not a contiguous CUDA tensor of the right rank, the tensors are
             on different devices, shapes disagree, ``n`` is not a multiple of 8, a bf16 tensor is
             not 16-byte aligned, ``gate_up`` is unknown, ``dh_out`` / ``a_out`` overlaps an
-            input without being ``h`` / ``da_prime``, or ``quantize_dh`` with ``n`` not a
-            multiple of 128.
+            input without being ``h`` / ``da_prime``, ``quantize_dh`` with ``n`` not a
+            multiple of 128, or ``h_scales`` of another shape than ``(2n/128, P)``.
     """
-    n = _check_h(h, gate_up)
+    if h_scales is not None:
+        n = _check_h(h, gate_up, torch.float8_e4m3fn)
+        if (2 * n) % FP8_BLOCK:
+            raise ValueError(f"an e4m3 h needs 2n a multiple of {FP8_BLOCK} (whole 1x"
+                             f"{FP8_BLOCK} scale slices), got 2n = {2 * n}")
+        runtime.check_tensor("h_scales", h_scales, dtypes=(torch.float32,), ndim=2,
+                             device=h.device)
+        if tuple(h_scales.shape) != (2 * n // FP8_BLOCK, h.shape[0]):
+            raise ValueError(f"h_scales must have shape (2n/128, P) = "
+                             f"{(2 * n // FP8_BLOCK, h.shape[0])}, got {tuple(h_scales.shape)}")
+    else:
+        n = _check_h(h, gate_up)
     if quantize_dh and n % FP8_BLOCK:
         raise ValueError(f"dswiglu_epilogue(quantize_dh=True) needs n a multiple of {FP8_BLOCK}"
                          f" (whole 1x{FP8_BLOCK} scale slices), got n = {n}")
@@ -485,7 +540,10 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
     if row_scores.numel() != num_rows:
         raise ValueError(f"row_scores must have one entry per row of h ({num_rows}), "
                          f"got {row_scores.numel()}")
-    dh = _output("dh_out", dh_out, h, (da_prime,))
+    if h_scales is not None and dh_out is None:   # bf16 dH beside the e4m3 H
+        dh = torch.empty(h.shape, dtype=torch.bfloat16, device=h.device)
+    else:
+        dh = _output("dh_out", dh_out, h, (da_prime,) + ((h,) if h_scales is not None else ()))
     a_scaled = _output("a_out", a_out, da_prime, (h,))
     ds = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     quantized = ()
@@ -495,14 +553,17 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         return dh, a_scaled, ds, *quantized
     if n == 0:
         return dh, a_scaled, ds.zero_(), *quantized
-    fn = runtime.compiled(("dswiglu_epilogue", n, gate_up, quantize_dh),
-                          lambda: _compile(n, gate_up, True, quantize=quantize_dh))
+    h_fp8 = h_scales is not None
+    fn = runtime.compiled(("dswiglu_epilogue", n, gate_up, quantize_dh, h_fp8),
+                          lambda: _compile(n, gate_up, True, quantize=quantize_dh, h_fp8=h_fp8))
     adr = runtime.address
-    # Without quantize_dh the kernel never touches dH_q and its scales; h's stands in.
+    ha = adr(h, 8 if h_fp8 else 16)
+    # Without quantize_dh the kernel never touches dH_q and its scales, without h_scales
+    # never H's scales; h's address stands in.
     q_addresses = ((adr(quantized[0], 16), adr(quantized[1], 4)) if quantize_dh
-                   else (adr(h, 16),) * 2)
-    fn(adr(h, 16), adr(da_prime, 16), adr(row_scores, 4), adr(a_scaled, 16), adr(dh, 16),
-       adr(ds, 4), *q_addresses, num_rows)
+                   else (ha,) * 2)
+    fn(ha, adr(da_prime, 16), adr(row_scores, 4), adr(a_scaled, 16), adr(dh, 16),
+       adr(ds, 4), *q_addresses, adr(h_scales, 4) if h_fp8 else ha, num_rows)
     return dh, a_scaled, ds, *quantized
 
 
@@ -528,3 +589,12 @@ for _backward, _h in ((False, False), (True, False), (False, True)):
                 n, g, b, keep_ptx=True, quantize=True, quantize_h=qh),
             ptx_markers=(_MARKERS if _backward else _MARKERS[:1])
             + ("cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly", _FP8_STORES)))
+# The backward reading H in e4m3 (the FP8 activation cache): the e4m3 upcast beside the
+# backward's markers; with and without dH quantized.
+for _n, _gate_up, _q in ((384, "concat", True), (1024, "interleaved", False)):
+    register(KernelVariant(
+        kernel="swiglu",
+        variant=f"dswiglu_h_fp8{'_quantized' if _q else ''}_n{_n}_{_gate_up}",
+        compile_fake=lambda n=_n, g=_gate_up, q=_q: _compile(
+            n, g, True, keep_ptx=True, quantize=q, h_fp8=True),
+        ptx_markers=_MARKERS + ("shfl.sync.bfly", "e4m3x2")))

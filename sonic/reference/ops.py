@@ -287,17 +287,21 @@ def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Ten
                    w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
                    h: torch.Tensor, row_scores: torch.Tensor, gate_up: str, *,
                    overwrite_h: bool = False, a_out: torch.Tensor | None = None,
-                   quantize_dh: bool = False, da_prime_fp32: bool = False
-                   ) -> tuple[torch.Tensor, ...]:
+                   quantize_dh: bool = False, da_prime_fp32: bool = False,
+                   h_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """FP8 backward dH step: ``dA' = gather(dÔ)·Ŵ2`` ``(P, n)`` bf16 (dO quantized per 1×128,
     ``w2t_q (E, n, d)`` the FP8 copy of W2ᵀ) then :func:`dswiglu_epilogue`: ``(dH, A', ds)``,
     with ``quantize_dh`` followed by dH quantized per 1×128 for the dX GEMM
     (:func:`sonic.reference.fp8.quantize_rows`: ``dH_q (P, 2n)`` e4m3, ``(2n/128, P)`` fp32).
     ``da_prime_fp32``: dSwiGLU on the fp32 dA' instead of its bf16 rounding, the math of the
     fused kernel :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8_dswiglu`.
-    ``overwrite_h``, ``a_out``: as for :func:`dh_dswiglu` (this one always allocates dH)."""
-    from sonic.reference.fp8 import quantize_rows
+    ``h_scales``: ``h`` is the FP8 activation cache (e4m3, these ``(2n/128, P)`` scales),
+    dequantized to bf16 first. ``overwrite_h``, ``a_out``: as for :func:`dh_dswiglu` (this one
+    always allocates dH)."""
+    from sonic.reference.fp8 import dequantize_rows, quantize_rows
 
+    if h_scales is not None:
+        h = dequantize_rows(h, h_scales).to(torch.bfloat16)
     da_prime = grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx,
                               out_dtype=torch.float32 if da_prime_fp32 else torch.bfloat16)
     dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, row_scores, gate_up)

@@ -225,6 +225,47 @@ def test_dswiglu_quantize_dh_is_quantize_rows_of_dh(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
+@pytest.mark.parametrize("p,n,quantize_dh", [(1, 128, True), (5, 64, False), (7, 384, True),
+                                              (1000, 1024, True), (4097, 256, False)])
+def test_dswiglu_reads_the_fp8_cache(p, n, quantize_dh, gate_up):
+    """With h_scales the kernel reads H in e4m3 (the FP8 activation cache) and dequantizes it
+    as it loads it: dH, A', ds (and dH_q) are bitwise those of the bf16 call on
+    dequantize_rows(H_q), and H_q is left alone. n = 64: in "concat" one 128-column block
+    holds both the gate and the up values of a row; a row of zeros has scale 1."""
+    require_kernels()
+    from sonic.kernels.fp8_quant import dequantize_rows, quantize_rows
+    from sonic.kernels.swiglu import dswiglu_epilogue
+
+    da_prime, h, scores = _inputs(p, n, seed=p + 11 * n)
+    h = (h.float() * torch.logspace(-3, 3, p, device="cuda")[:, None]).to(torch.bfloat16)
+    h[:, :n] *= 64
+    h[p // 2] = 0
+    h_q, h_scales = quantize_rows(h)
+    h_q_before = h_q.clone()
+    want = dswiglu_epilogue(da_prime, dequantize_rows(h_q, h_scales), scores, gate_up,
+                            quantize_dh=quantize_dh)
+    poison_allocator()
+    got = dswiglu_epilogue(da_prime, h_q, scores, gate_up, h_scales=h_scales,
+                           quantize_dh=quantize_dh)
+    assert len(got) == len(want) and got[0].dtype == torch.bfloat16
+    for name, a, b in zip(("dh", "a", "ds", "dh_q", "dh_scales"), got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+    assert torch.equal(h_q.view(torch.uint8), h_q_before.view(torch.uint8))
+    dap = da_prime.clone()                     # A' over dA', as the FP8 layer calls it
+    in_place = dswiglu_epilogue(dap, h_q, scores, gate_up, h_scales=h_scales, a_out=dap)
+    assert in_place[1].data_ptr() == dap.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(in_place, want[:3]))
+    with pytest.raises(ValueError, match="h_scales must have shape"):
+        dswiglu_epilogue(da_prime, h_q, scores, gate_up, h_scales=h_scales[:, :-1])
+    with pytest.raises(TypeError, match="h must have dtype float8_e4m3fn"):
+        dswiglu_epilogue(da_prime, h, scores, gate_up, h_scales=h_scales)
+    with pytest.raises(TypeError, match="dh_out must have dtype bfloat16"):
+        dswiglu_epilogue(da_prime, h_q, scores, gate_up, h_scales=h_scales, dh_out=h_q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", LAYOUTS)
 def test_rows_past_2_31_elements(gate_up):
     """P·2n > 2**31: the last rows are addressed with 64-bit offsets (checked on a tail slice)."""
     require_kernels()
