@@ -257,7 +257,7 @@ def test_dswiglu_reads_the_fp8_cache(p, n, quantize_dh, gate_up):
     assert in_place[1].data_ptr() == dap.data_ptr()
     assert all(torch.equal(a, b) for a, b in zip(in_place, want[:3]))
     with pytest.raises(ValueError, match="h_scales must have shape"):
-        dswiglu_epilogue(da_prime, h_q, scores, gate_up, h_scales=h_scales[:, :-1])
+        dswiglu_epilogue(da_prime, h_q, scores, gate_up, h_scales=h_scales[:-1])
     with pytest.raises(TypeError, match="h must have dtype float8_e4m3fn"):
         dswiglu_epilogue(da_prime, h, scores, gate_up, h_scales=h_scales)
     with pytest.raises(TypeError, match="dh_out must have dtype bfloat16"):
