@@ -404,6 +404,15 @@ def _cute_quantize_rows(x):
     return fp8_reference.quantize_rows(x)
 
 
+def _cute_dequantize_rows(q, scales):
+    from sonic.kernels import fp8_quant as kernels
+
+    if (q.is_cuda and q.is_contiguous() and q.data_ptr() % 16 == 0
+            and q.shape[1] % kernels.BLOCK == 0):
+        return kernels.dequantize_rows(q, scales.contiguous())
+    return fp8_reference.dequantize_rows(q, scales).to(torch.bfloat16)
+
+
 def _cute_quantize_blocks(w):
     from sonic.kernels import fp8_quant as kernels
 
@@ -465,7 +474,6 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
 def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores,
                          gate_up, *, overwrite_h=False, a_out=None, quantize_dh=False,
                          h_scales=None):
-    from sonic.kernels import fp8_quant
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
@@ -477,10 +485,7 @@ def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx
     if h_scales is not None and (_fp8_epilogues != "quantizing" or not (
             h.is_cuda and h.is_contiguous() and h.data_ptr() % 8 == 0
             and h_scales.is_contiguous())):
-        h = (fp8_quant.dequantize_rows(h, h_scales.contiguous()) if h.is_cuda
-             and h.is_contiguous() else fp8_reference.dequantize_rows(h, h_scales).to(
-                 torch.bfloat16))
-        h_scales, overwrite_h = None, True
+        h, h_scales, overwrite_h = _cute_dequantize_rows(h, h_scales), None, True
     if (_fused_dswiglu(gate_up, gather_idx)
             and _fp8_gemm_fits(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
             and h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0

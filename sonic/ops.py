@@ -345,10 +345,9 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
         del h, packed
         if fp8_weights is None:
             y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
-            del act
         else:
             y = ops.grouped_mm_fp8(*act, *fp8_weights[2:4], offsets)
-            del act
+        del act
         row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(x.dtype))
         out = ops.aggregate(y, m.token_rows, m.token_offsets, row_scores)
     return out, cache, scales
@@ -456,17 +455,18 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
 def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
                    eager_reads_fp8: bool = False) -> list:
     """``[dH, A', ds per row, *dx_operand]`` of the dH step on the saved activation cache
-    ``(h, h_scales)``: ``eager(H, overwrite_h=True)`` where the step may write dH over H, ``op(H)`` (the custom
-    op, never in place) where it may not.
+    ``(h, h_scales)``: ``eager(H, overwrite_h=True)`` where the step may write dH over H,
+    ``op(H)`` (the custom op, never in place) where it may not.
 
     Eagerly, when the graph is not kept, H is dead after this step (this backward holds the
     only unpacked reference and nothing can unpack it again), so dH may go over it: the peak
     then holds one ``P x 2n`` buffer instead of two. The fp8 cache's H is dequantized into a
     buffer this backward owns, so it may be overwritten even when the graph is kept (the saved
-    e4m3 H stays intact for the next backward). Traced (torch.compile, export), never in
-    place: a compiled graph may reuse H, and the op says it does not mutate its inputs.
-    ``eager_reads_fp8``: ``eager(H_q, True, h_scales)`` takes the fp8 cache as it is (the FP8
-    dH step dequantizes it itself, or in its one-pass kernel as it loads H)."""
+    e4m3 H stays intact for the next backward); with ``eager_reads_fp8``, eagerly,
+    ``eager(H_q, True, h_scales)`` takes the e4m3 cache as it is instead (the FP8 dH step
+    dequantizes it itself, or in its one-pass kernel as it loads H). Traced (torch.compile,
+    export), never in place: a compiled graph may reuse H, and the op says it does not mutate
+    its inputs."""
     from sonic.autograd.moe_experts import _graph_kept
 
     owned = ctx.activation_cache == "fp8"
@@ -647,12 +647,12 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
         return torch.ops.sonic.dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], offsets,
                                               m.gather_idx, h, row_scores, gate_up, backend)
 
-    step = _dh_on_saved_h(ctx, h, h_scales, x.dtype,
-                    lambda h, overwrite_h, h_scales=None: dh_step(
-                        grad_out, w2, fp8_weights, m, h, row_scores, gate_up, backend,
-                        overwrite_h=overwrite_h, for_dx=ctx.needs_input_grad[0],
-                        h_scales=h_scales),
-                    traced, eager_reads_fp8=True)
+    step = _dh_on_saved_h(
+        ctx, h, h_scales, x.dtype,
+        lambda h, overwrite_h, h_scales=None: dh_step(
+            grad_out, w2, fp8_weights, m, h, row_scores, gate_up, backend,
+            overwrite_h=overwrite_h, for_dx=ctx.needs_input_grad[0], h_scales=h_scales),
+        traced, eager_reads_fp8=True)
     del h, h_scales
     # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
     # along the other axis, so FP8 operands would need a second quantization per column.

@@ -180,11 +180,11 @@ def _kernels():
                 if cutlass.const_expr((i + 1) * WARP <= self.slices):
                     amax = self._rounded_act(h_frags[i], vals)
                     if cutlass.const_expr(self.quantize_h):
-                        amax_g, amax_u = self._h_values(h_frags[i], h_vals)
+                        amax_g, amax_u = self._pair_values(h_frags[i], h_vals)
                 elif col < self.n:
                     amax = self._rounded_act(h_frags[i], vals)
                     if cutlass.const_expr(self.quantize_h):
-                        amax_g, amax_u = self._h_values(h_frags[i], h_vals)
+                        amax_g, amax_u = self._pair_values(h_frags[i], h_vals)
                 scale = fp8.scale_of(fp8.butterfly_max(amax, LANES_PER_BLOCK))
                 if col < self.n:
                     fp8.quantize_store(vals, scale, cute.make_tensor(q + (out_row + col),
@@ -222,13 +222,13 @@ def _kernels():
                     h_frags[i][half, None].store(
                         (q_frags[i][half, None].load().to(Float32) * scale).to(BFloat16))
 
-        def _h_values(self, h_frag, h_vals):
-            """``h_vals`` = the loaded slice's gate and up as fp32; returns their amaxes.
-            Traced inline."""
+        def _pair_values(self, frag, vals):
+            """``vals`` = a ``(2, 8)`` slice's gate and up values (H or dH) as fp32; returns
+            their amaxes. Traced inline."""
             amaxes = []
             for half in range(2):
-                h_vals[half, None].store(h_frag[half, None].load().to(Float32))
-                amaxes.append(fp8.slice_amax(h_vals[half, None]))
+                vals[half, None].store(frag[half, None].load().to(Float32))
+                amaxes.append(fp8.slice_amax(vals[half, None]))
             return amaxes[0], amaxes[1]
 
         @cute.jit
@@ -337,11 +337,7 @@ def _kernels():
             cute.autovec_copy(a_frag, cute.make_tensor(a + (out_row + col), cute.make_layout(VEC)))
             if dh_vals is None:
                 return partial
-            amaxes = []
-            for half in range(2):
-                dh_vals[half, None].store(dh_frag[half, None].load().to(Float32))
-                amaxes.append(fp8.slice_amax(dh_vals[half, None]))
-            return partial, amaxes[0], amaxes[1]
+            return partial, *self._pair_values(dh_frag, dh_vals)
 
     return SwigluKernel
 
