@@ -24,8 +24,8 @@ def _fp8(**kw):
     (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False), "serves varlen-M"),
     (dict(b_n_major=True), "K-major B"),
     (dict(epilogue="dswiglu", gather_a=False), "serves the gathered dA' GEMM"),
-    (dict(tile_n=256), "cooperative 128 x 128 tiles"),
-    (dict(pingpong=True, cluster=1), "cooperative 128 x 128 tiles"),
+    (dict(tile_n=256, dim_n=384), "256-wide tiles need N a multiple of 256"),
+    (dict(pingpong=True, cluster=1), "the FP8 mainloop runs cooperative tiles"),
     (dict(dim_k=1600), "K and N multiples of 128"),
     (dict(dim_n=200), "K and N multiples of 128"),
 ])
@@ -59,9 +59,14 @@ def test_bf16_configs_keep_their_cache_key():
 
 @pytest.mark.parametrize("gathered,dim_k", [(True, 2048), (False, 768), (False, 256)])
 def test_fp8_plan(gathered, dim_k):
+    """256-wide tiles where N allows (two 128-column sub-tiles, one partial accumulator),
+    else 128-wide; cooperative on a 2-CTA cluster either way."""
     cfg = heuristic.varlen_m_config(2048, dim_k, gathered, ab_dtype="e4m3")
-    assert (cfg.tile_n, cfg.pingpong, cfg.cluster) == (128, False, CLUSTER)
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster) == (256, False, CLUSTER)
     assert cfg.gather_a == gathered and cfg.dim_k == dim_k
+    assert not cfg.overlapped_promotion
+    narrow = heuristic.varlen_m_config(384, dim_k, gathered, ab_dtype="e4m3")
+    assert narrow.tile_n == 128 and narrow.overlapped_promotion == (not gathered)
 
 
 def test_fp8_plan_on_sm100_names_the_missing_mainloop():
@@ -113,7 +118,9 @@ def test_fp8_variants_registered_for_sm90_only():
     fp8 = [v for v in registry.variants() if v.kernel == "grouped_gemm" and "fp8" in v.variant]
     assert {v.variant for v in fp8} == {"varlen_m_fp8_n512_k1536_gather",
                                          "varlen_m_fp8_n1536_k256_contig",
+                                         "varlen_m_fp8_n384_k256_contig",
                                          "varlen_m_fp8_n384_k1536_gather_swiglu_concat",
+                                         "varlen_m_fp8_n1024_k1536_gather_swiglu_concat",
                                          "varlen_m_fp8_n1024_k1536_gather_swiglu_interleaved",
                                          "varlen_m_fp8_n1024_k2048_gather_dswiglu"}
     for v in fp8:
@@ -128,14 +135,15 @@ def test_register_split_fits_the_launch_allocation(ab_dtype, gathered):
     """setmaxnreg only moves registers within the CTA's launch allocation (168 per thread of
     384): a split beyond it makes the consumers' increase wait forever (a hang, not an error).
     The overlapped FP8 promotion needs 232 per consumer for its three accumulators."""
-    cfg = heuristic.varlen_m_config(2048, 4096, gathered, ab_dtype=ab_dtype)
-    consumers = config.THREADS - config.PRODUCER_THREADS
-    assert (config.PRODUCER_THREADS * cfg.producer_regs + consumers * cfg.consumer_regs
-            <= config.THREADS * 168)
-    assert cfg.producer_regs % 8 == 0 and cfg.consumer_regs % 8 == 0
-    assert cfg.overlapped_promotion == (cfg.fp8 and not gathered)
-    if cfg.overlapped_promotion:
-        assert cfg.consumer_regs == 232
+    for dim_n in (2048, 384):
+        cfg = heuristic.varlen_m_config(dim_n, 4096, gathered, ab_dtype=ab_dtype)
+        consumers = config.THREADS - config.PRODUCER_THREADS
+        assert (config.PRODUCER_THREADS * cfg.producer_regs + consumers * cfg.consumer_regs
+                <= config.THREADS * 168)
+        assert cfg.producer_regs % 8 == 0 and cfg.consumer_regs % 8 == 0
+        assert cfg.overlapped_promotion == (cfg.fp8 and not gathered and cfg.tile_n == 128)
+        if cfg.overlapped_promotion:
+            assert cfg.consumer_regs == 232
 
 # The FP8 up-proj with the SwiGLU epilogue (grouped_gemm_fp8_swiglu).
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
@@ -156,7 +164,7 @@ def test_fp8_swiglu_config_and_plan(gate_up):
 @pytest.mark.parametrize("kw,match", [
     (dict(gather_a=False), "the SwiGLU epilogue serves the gathered up-proj"),
     (dict(dim_n=192), "K and N multiples of 128"),
-    (dict(tile_n=256), "cooperative 128 x 128 tiles"),
+    (dict(pingpong=True, cluster=1), "the FP8 mainloop runs cooperative tiles"),
     (dict(gate_up=None), "gate_up is given exactly with the 'swiglu' epilogue"),
 ])
 def test_fp8_swiglu_config_rejects(kw, match):
@@ -196,8 +204,8 @@ def test_fp8_swiglu_validation(change, kw, error, match):
 # The FP8 dH kernel (grouped_gemm_fp8_dswiglu): K-major W2ᵀ, where bf16 reads W2 N-major.
 def test_fp8_dswiglu_config():
     cfg = heuristic.varlen_m_config(1024, 2048, True, epilogue="dswiglu", ab_dtype="e4m3")
-    assert (cfg.tile_n, cfg.pingpong, cfg.cluster, cfg.b_n_major) == (128, False, CLUSTER, False)
-    assert cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"] and cfg.n_tiles == 8
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster, cfg.b_n_major) == (256, False, CLUSTER, False)
+    assert cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"] and cfg.n_tiles == 4
     with pytest.raises(ValueError, match="serves the gathered dA' GEMM"):
         dataclasses.replace(cfg, ab_dtype="bf16")   # bf16 dSwiGLU reads W2 N-major
     with pytest.raises(ValueError, match="K-major B"):

@@ -693,8 +693,9 @@ _register("varlen_k_m1536_n512_gather_a_ct",
 _register("varlen_k_m512_n1536_gather_b",
           lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch),
           archs=("sm_100a",))
-# Block-scaled FP8 (issue 18): the gathered up-proj and the contiguous down-proj / dX̃.
-for _n, _k, _gather in ((512, 1536, True), (1536, 256, False)):
+# Block-scaled FP8 (issue 18): the gathered up-proj and the contiguous down-proj / dX̃ on
+# 256-wide tiles, and the contiguous one on 128-wide tiles (N = 384: overlapped promotion).
+for _n, _k, _gather in ((512, 1536, True), (1536, 256, False), (384, 256, False)):
     _register(f"varlen_m_fp8_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
               lambda arch, n=_n, k=_k, g=_gather: heuristic.varlen_m_config(
                   n, k, g, ab_dtype="e4m3", arch=arch), archs=("sm_90a",), markers=_FP8_MARKERS)
@@ -704,8 +705,9 @@ _register("varlen_m_fp8_n1024_k2048_gather_dswiglu",
                                                  ab_dtype="e4m3", arch=arch),
           archs=("sm_90a",), markers=_FP8_MARKERS)
 # Block-scaled FP8 up-proj with the SwiGLU epilogue, both gate/up layouts; at N = 2n = 384
-# (n = 192) a concat tile's up half starts in the middle of a W1 scale block.
-for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
+# (n = 192) a 128-wide concat tile's up half starts in the middle of a W1 scale block, at
+# N = 1024 a 256-wide one's halves are whole blocks.
+for _n, _gate_up in ((384, "concat"), (1024, "concat"), (1024, "interleaved")):
     _register(f"varlen_m_fp8_n{_n}_k1536_gather_swiglu_{_gate_up}",
               lambda arch, n=_n, gu=_gate_up: heuristic.varlen_m_config(
                   n, 1536, True, epilogue="swiglu", gate_up=gu, ab_dtype="e4m3", arch=arch),

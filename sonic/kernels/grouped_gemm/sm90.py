@@ -61,6 +61,9 @@ class WgmmaAccumulator:
         self.row_blocks = cute.size(acc, mode=[1])
         self.rows_per_thread = 2 * self.row_blocks
         self.pairs_per_slab = self.row_blocks * (SLAB // 8) * 2
+        # 8-column groups per MMA N repeat: a tile wider than its MMA (the FP8 mainloop's
+        # 128-wide WGMMA on a 256-wide tile) repeats the fragment along mode 2.
+        self.groups_per_rep = acc.shape[0][2]
 
     def pairs(self, sl: int):
         """This thread's column pairs of sub-tile ``sl``, in register order."""
@@ -70,7 +73,8 @@ class WgmmaAccumulator:
                     yield ColumnPair(sl, mm, j, v1)
 
     def _mode(self, p: ColumnPair, v0: int, sl: int):
-        return ((v0, p.v1, sl * (SLAB // 8) + p.j), p.mm, 0)
+        group = sl * (SLAB // 8) + p.j
+        return ((v0, p.v1, group % self.groups_per_rep), p.mm, group // self.groups_per_rep)
 
     def mode(self, p: ColumnPair, v0: int):
         """Fragment coordinate of value ``v0`` of pair ``p`` (for a mainloop that updates the
