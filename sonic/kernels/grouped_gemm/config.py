@@ -232,23 +232,25 @@ class GroupedGemmConfig:
         return self.fp8 and not self.row_copies and self.tile_n == 128
 
     @property
-    def wide_fp8(self) -> bool:
-        """FP8 on a 256-wide tile: its 128-register promoted accumulator plus a partial spill
-        at 224 registers (``ptxas -v``), so its consumers take 232 even with row-copy
-        producers, which then get 40. H200, same-run A/B against 56/224: gathered up-proj
-        0.8–1.7% faster, fused dSwiGLU GEMM 7–14% faster."""
-        return self.fp8 and self.tile_n == 256
+    def consumer_heavy(self) -> bool:
+        """Row-copy kernels whose consumers take 232 registers (producers 40) instead of 224
+        (56), by same-run A/B on the H200 (benchmarks/RESULTS.md): FP8 on 256-wide tiles
+        (the promoted and partial accumulators spill at 224; gathered up-proj 0.8–1.7%,
+        fused dSwiGLU GEMM 7–14% faster) and the bf16 up-proj with the SwiGLU epilogue on
+        256-wide tiles (1.0–1.5% at OLMoE, 3.6–4.7% at 30B). Not the bf16 dH kernel: its
+        producers also load H, and with 40 registers it ran 1.6–1.7× slower."""
+        return self.tile_n == 256 and (self.fp8 or self.epilogue == "swiglu")
 
     @property
     def producer_regs(self) -> int:
         # setmaxnreg moves registers within the CTA's launch allocation (168 per thread of
         # 384): 128 x producer + 256 x consumer must fit, or the consumers' increase waits
         # forever.
-        return 56 if self.row_copies and not self.wide_fp8 else 40
+        return 56 if self.row_copies and not self.consumer_heavy else 40
 
     @property
     def consumer_regs(self) -> int:
-        return 224 if self.row_copies and not self.wide_fp8 else 232
+        return 224 if self.row_copies and not self.consumer_heavy else 232
 
     @property
     def cache_key(self) -> tuple:
