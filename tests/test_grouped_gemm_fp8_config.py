@@ -145,6 +145,20 @@ def test_register_split_fits_the_launch_allocation(ab_dtype, gathered):
         if cfg.overlapped_promotion:
             assert cfg.consumer_regs == 232
 
+
+def test_consumer_heavy_split_follows_the_measurements():
+    """40/232 where the H200 A/Bs measured it faster (FP8 256-wide tiles, the bf16 SwiGLU
+    up-proj), 56/224 for the bf16 dH kernel (its producers also load H: 1.6x slower at 40)."""
+    limit = config.THREADS * 168
+    consumers = config.THREADS - config.PRODUCER_THREADS
+    swiglu = heuristic.varlen_m_config(2048, 4096, True, epilogue="swiglu", gate_up="concat")
+    dswiglu = heuristic.varlen_m_config(1024, 4096, True, True, epilogue="dswiglu")
+    fp8 = heuristic.varlen_m_config(2048, 4096, True, ab_dtype="e4m3")
+    for cfg, heavy in ((swiglu, True), (fp8, True), (dswiglu, False)):
+        assert cfg.consumer_heavy == heavy
+        assert (cfg.producer_regs, cfg.consumer_regs) == ((40, 232) if heavy else (56, 224))
+        assert config.PRODUCER_THREADS * cfg.producer_regs + consumers * cfg.consumer_regs <= limit
+
 # The FP8 up-proj with the SwiGLU epilogue (grouped_gemm_fp8_swiglu).
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
 def test_fp8_swiglu_config_and_plan(gate_up):
