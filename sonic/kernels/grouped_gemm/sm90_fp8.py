@@ -25,7 +25,8 @@ into one partial accumulator, each waited for and promoted into its half of the 
 promoted accumulator before the next is queued (the other warpgroup's WGMMAs fill the gap);
 they read half the A bytes per FLOP of ``128 x 128`` tiles. Same-run A/B on the H200 at
 the OLMoE and 30B shapes (benchmarks/RESULTS.md): the store and SwiGLU GEMMs 1.02–1.22×
-faster, the fused dSwiGLU one 0.97× (OLMoE) and 1.08× (30B), results bitwise the same. ``128 x 128`` tiles (N not a multiple of 256) with contiguous A
+faster, the fused dSwiGLU one 0.97× (OLMoE) and 1.08× (30B), results bitwise the same.
+``128 x 128`` tiles (N not a multiple of 256) with contiguous A
 (:attr:`GroupedGemmConfig.overlapped_promotion`) alternate two partial accumulators over
 the k-tiles: the WGMMAs of k-tile ``kt`` are queued into one before the thread waits for
 those of ``kt - 1`` (``wait_group(1)``) and promotes the other, so the tensor cores have work
