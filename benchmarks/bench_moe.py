@@ -35,6 +35,8 @@ ratios.
   :func:`sonic.backend.set_fp8_epilogues` for the ``sonic-fp8`` row, and one more FP8 row per
   further choice (``sonic-fp8-quantizing``, ``sonic-fp8-fused``): a same-run A/B of the FP8
   up-proj and dH kernels in the layer.
+* ``--fp8-weight-grads fp8 bf16``: likewise for :func:`sonic.backend.set_fp8_weight_grads`
+  (rows ``sonic-fp8-wgrad-<choice>``): the FP8 weight gradients against the bf16 ones.
 * ``--activation-cache fp8`` adds, per precision, a sonic row whose layer keeps H for backward
   in e4m3 with 1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``, issue
   18) and prints its saved MiB, peak MiB and step time relative to the same precision's bf16
@@ -53,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, device_name, energy_per_call, trace_idle  # noqa: E402
 
 import sonic  # noqa: E402
-from sonic.backend import set_fp8_epilogues  # noqa: E402
+from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads  # noqa: E402
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
 
@@ -131,7 +133,8 @@ def _steps(layer, x, params, k, grad):
 
 
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
-            precision="bf16", activation_cache="bf16", fp8_epilogues=("store",)):
+            precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
+            fp8_weight_grads=("fp8",)):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -157,18 +160,24 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         for p in precisions:
             impls[f"{_impl_name(routers[0], router, p)}-fp8c"] = _sonic_layer(
                 routers[0], tile, p, fp8_weights if p == "fp8" else None, activation_cache="fp8")
-    # More sonic-fp8 rows, one per further set_fp8_epilogues choice (first router).
+    # More sonic-fp8 rows, one per further set_fp8_epilogues / set_fp8_weight_grads choice
+    # (first router).
+    default_mode = (fp8_epilogues[0], fp8_weight_grads[0])
     modes = {}
     if "fp8" in precisions:
-        for mode in fp8_epilogues[1:]:
-            impl = f"{_impl_name(routers[0], router, 'fp8')}-{mode}"
+        extra = ([(f"-{m}", (m, fp8_weight_grads[0])) for m in fp8_epilogues[1:]]
+                 + [(f"-wgrad-{w}", (fp8_epilogues[0], w)) for w in fp8_weight_grads[1:]])
+        for suffix, mode in extra:
+            impl = f"{_impl_name(routers[0], router, 'fp8')}{suffix}"
             impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights), mode
     impls["torch-gmm"] = torch_gmm_moe
     leaves = (x, *params)
-    default_epilogues = set_fp8_epilogues(fp8_epilogues[0])
+    defaults = (set_fp8_epilogues(default_mode[0]), set_fp8_weight_grads(default_mode[1]))
     for impl, layer in impls.items():
         # Process-wide (the backward runs on autograd's threads): set for this row only.
-        set_fp8_epilogues(modes.get(impl, fp8_epilogues[0]))
+        mode = modes.get(impl, default_mode)
+        set_fp8_epilogues(mode[0])
+        set_fp8_weight_grads(mode[1])
         fwd, fwd_bwd = _steps(layer, x, params, K, grad)
         fwd_bwd()  # compile kernels, warm the allocator
         steps[impl] = fwd_bwd
@@ -200,7 +209,8 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         }
         for t in leaves:
             t.grad = None
-    set_fp8_epilogues(default_epilogues)
+    set_fp8_epilogues(defaults[0])
+    set_fp8_weight_grads(defaults[1])
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
           f"precision={precision}")
@@ -321,6 +331,10 @@ def main(argv=None):
                         help="sonic.backend.set_fp8_epilogues choices for the FP8 rows: the "
                              "first for sonic-fp8, each further one a row sonic-fp8-<choice> "
                              "(same-run A/B of the FP8 up-proj / dH kernels)")
+    parser.add_argument("--fp8-weight-grads", nargs="+", default=["fp8"], choices=("fp8", "bf16"),
+                        help="sonic.backend.set_fp8_weight_grads choices for the FP8 rows: "
+                             "the first for sonic-fp8, each further one a row "
+                             "sonic-fp8-wgrad-<choice>")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true",
                         help="also print sonic's forward+backward time per GPU kernel")
@@ -338,7 +352,8 @@ def main(argv=None):
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
-                       args.precision, args.activation_cache, args.fp8_epilogues)
+                       args.precision, args.activation_cache, args.fp8_epilogues,
+                       args.fp8_weight_grads)
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, args.vs_sonicmoe)

@@ -48,6 +48,10 @@ class ExpertOps:
     grouped_mm_fp8: Callable
     up_proj_swiglu_fp8: Callable
     dh_dswiglu_fp8: Callable
+    # FP8 weight gradients: signatures as in sonic.reference.fp8 (quantize_cols_grouped,
+    # grouped_mm_varlen_k_fp8_reference).
+    quantize_cols_grouped: Callable
+    grouped_mm_varlen_k_fp8: Callable
 
 
 def _torch_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
@@ -72,6 +76,8 @@ TORCH_OPS = ExpertOps(
     grouped_mm_fp8=reference.grouped_mm_fp8,
     up_proj_swiglu_fp8=reference.up_proj_swiglu_fp8,
     dh_dswiglu_fp8=_torch_dh_dswiglu_fp8,
+    quantize_cols_grouped=fp8_reference.quantize_cols_grouped,
+    grouped_mm_varlen_k_fp8=fp8_reference.grouped_mm_varlen_k_fp8_reference,
 )
 
 
@@ -217,6 +223,41 @@ def set_fp8_epilogues(kind: str) -> str:
     check_choice("kind", kind, FP8_EPILOGUES)
     previous, _fp8_epilogues = _fp8_epilogues, kind
     return previous
+
+
+# Precision of the FP8 path's weight gradients (set_fp8_weight_grads).
+FP8_WEIGHT_GRADS = ("fp8", "bf16")
+_fp8_weight_grads = "fp8"
+
+
+def set_fp8_weight_grads(kind: str) -> str:
+    """Choose, process-wide, the precision of ``precision="fp8"``'s weight gradients dW1,
+    dW2; returns the previous choice. No effect on bf16.
+
+    * ``"fp8"`` (default): the varlen-K GEMMs on e4m3 operands scaled per ``128 x 1`` block
+      along the tokens they sum over (DeepSeek-V3 §3.3 quantizes every GEMM's operands along
+      its reduction axis): dO, A', dH and gathered X each quantized once into a K-major copy
+      (``quantize_cols_grouped``, every expert's rows padded to whole 128-row blocks), then
+      :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
+    * ``"bf16"``: the bf16 varlen-K GEMMs on the bf16 dO, A', dH and X.
+
+    Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
+    rather than a context: the backward runs on autograd's device threads. It is read when
+    the backward runs, or when ``torch.compile`` traces it: a compiled layer keeps the
+    choice it was compiled with (compile again after changing it).
+
+    Raises:
+        ValueError: ``kind`` not in :data:`FP8_WEIGHT_GRADS`.
+    """
+    global _fp8_weight_grads
+    check_choice("kind", kind, FP8_WEIGHT_GRADS)
+    previous, _fp8_weight_grads = _fp8_weight_grads, kind
+    return previous
+
+
+def fp8_weight_grads() -> str:
+    """The current :func:`set_fp8_weight_grads` choice."""
+    return _fp8_weight_grads
 
 
 @contextlib.contextmanager
@@ -508,6 +549,28 @@ def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx
     return step if in_kernel else with_dh_q(step)
 
 
+def _cute_quantize_cols_grouped(x, offsets, k_offsets, gather_idx=None):
+    from sonic.kernels import fp8_quant as kernels
+
+    if (x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and x.shape[1] % kernels.BLOCK == 0
+            and (gather_idx is None or gather_idx.dtype == torch.int32)):
+        return kernels.quantize_cols_grouped(x, offsets, k_offsets, gather_idx)
+    return fp8_reference.quantize_cols_grouped(x, offsets, k_offsets, gather_idx)
+
+
+def _cute_grouped_mm_varlen_k_fp8(a_t_q, a_scales, b_t_q, b_scales, k_offsets):
+    from sonic.kernels import grouped_gemm as kernels
+
+    if (all(t.is_contiguous() for t in (a_t_q, a_scales, b_t_q, b_scales))
+            and a_t_q.data_ptr() % 16 == 0 and b_t_q.data_ptr() % 16 == 0
+            and a_t_q.shape[0] % 128 == 0 and b_t_q.shape[0] % 128 == 0
+            and k_offsets.numel() - 1 <= kernels.MAX_EXPERTS):
+        return kernels.grouped_gemm_varlen_k_fp8(a_t_q, a_scales, b_t_q, b_scales, k_offsets)
+    return fp8_reference.grouped_mm_varlen_k_fp8_reference(a_t_q, a_scales, b_t_q, b_scales,
+                                                           k_offsets)
+
+
 # Each step runs its kernel where the kernel serves the call (dtype, sizes) and, on sm_100a,
 # the variant passed its self-check, and the reference elsewhere, so "auto" never fails on a
 # shape the reference handles; ``strict`` (backend="cute") raises on a failed self-check.
@@ -528,4 +591,6 @@ def _cute_ops(strict: bool = False) -> ExpertOps:
         grouped_mm_fp8=_cute_grouped_mm_fp8,
         up_proj_swiglu_fp8=_cute_up_proj_swiglu_fp8,
         dh_dswiglu_fp8=_cute_dh_dswiglu_fp8,
+        quantize_cols_grouped=_cute_quantize_cols_grouped,
+        grouped_mm_varlen_k_fp8=_cute_grouped_mm_varlen_k_fp8,
     )

@@ -32,8 +32,10 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   activation_cache) -> (out, H, H_scales)`` with ``fp8_weights`` the eight tensors of
   ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
   for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
-  ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
-  gradients) and ``aggregate``, and may write dH over H as the bf16 one does;
+  ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``sonic::quantize_cols_grouped`` and
+  ``sonic::grouped_mm_varlen_k_fp8`` (FP8 weight gradients; ``grouped_mm_varlen_k`` under
+  ``sonic.backend.set_fp8_weight_grads("bf16")``) and ``aggregate``, and may write dH over H
+  as the bf16 one does;
   ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
   a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
   in an op schema, and the bf16 op's callers stay unchanged.
@@ -54,6 +56,7 @@ import torch
 from sonic.autograd.activation_cache import pack as activation_cache_pack
 from sonic.autograd.activation_cache import pack_fake as activation_cache_fake
 from sonic.autograd.activation_cache import unpack as activation_cache_unpack
+from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
 from sonic.routing.metadata import RoutingMetadata
 
@@ -397,23 +400,24 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
 
 
 def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
-                    dx_fn) -> tuple:
+                    dx_fn, fp8: bool = False) -> tuple:
     """``(dX, dW1, dW2, ds)`` of the expert backward once the dH step gave
     ``step = [dH, A', ds per row, *dx_operand]`` (DESIGN §3, backward steps 2-4), for the
     inputs that need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_fn(dH,
-    *dx_operand)``), dW1 = varlen-K(dH, gather(X)). ``dx_fn`` is the one step the bf16 and
-    FP8 paths do differently. The caller hands over its only references in the list, which
+    *dx_operand)``), dW1 = varlen-K(dH, gather(X)). ``dx_fn`` and the weight gradients'
+    precision (:func:`weight_grad_fn` with ``fp8``) are what the bf16 and FP8 paths do
+    differently. The caller hands over its only references in the list, which
     this empties, so A' is freed before the dX GEMM allocates (the memory-minimal peak) and
     the dX operand before dW1."""
     dh, a_scaled, ds_rows, *dx_operand = step
     step.clear()
-    backend, offsets = ctx.backend, m.expert_offsets
+    backend = ctx.backend
+    weight_grad = weight_grad_fn(m.expert_offsets, backend, fp8)
     need_x, need_w1, need_w2, need_s = ctx.needs_input_grad[:4]
     grad_scores = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None
     grad_w2 = grad_w1 = grad_x = None
     if need_w2:
-        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_out, a_scaled, offsets, m.gather_idx,
-                                                      None, backend)
+        grad_w2 = weight_grad(grad_out, a_scaled, m.gather_idx, None)
     del a_scaled
     if need_x:
         rows = dx_fn(dh, *dx_operand)
@@ -421,7 +425,7 @@ def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
         grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
         del rows
     if need_w1:
-        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x, offsets, None, m.gather_idx, backend)
+        grad_w1 = weight_grad(dh, x, None, m.gather_idx)
     return grad_x, grad_w1, grad_w2, grad_scores
 
 
@@ -582,6 +586,61 @@ def dx_rows(dh, w1, fp8_weights, offsets, backend: str, *dx_operand):
                                           backend)
 
 
+@torch.library.custom_op("sonic::quantize_cols_grouped", mutates_args=())
+def _quantize_cols_grouped_op(x: torch.Tensor, offsets: torch.Tensor, k_offsets: torch.Tensor,
+                              gather_idx: torch.Tensor | None, backend: str
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(backend, x.device).quantize_cols_grouped(x, offsets, k_offsets, gather_idx)
+
+
+@_quantize_cols_grouped_op.register_fake
+def _(x, offsets, k_offsets, gather_idx, backend):
+    rows = x.shape[0] if gather_idx is None else gather_idx.shape[0]
+    k_rows = fp8_reference.padded_rows_bound(rows, offsets.shape[0] - 1)
+    return (x.new_empty(x.shape[1], k_rows, dtype=torch.float8_e4m3fn),
+            x.new_empty(k_rows // 128, x.shape[1], dtype=torch.float32))
+
+
+@torch.library.custom_op("sonic::grouped_mm_varlen_k_fp8", mutates_args=())
+def _grouped_mm_varlen_k_fp8_op(a_t_q: torch.Tensor, a_scales: torch.Tensor,
+                                b_t_q: torch.Tensor, b_scales: torch.Tensor,
+                                k_offsets: torch.Tensor, backend: str) -> torch.Tensor:
+    return _impl(backend, a_t_q.device).grouped_mm_varlen_k_fp8(a_t_q, a_scales, b_t_q,
+                                                                b_scales, k_offsets)
+
+
+@_grouped_mm_varlen_k_fp8_op.register_fake
+def _(a_t_q, a_scales, b_t_q, b_scales, k_offsets, backend):
+    return a_t_q.new_empty(k_offsets.shape[0] - 1, a_t_q.shape[0], b_t_q.shape[0],
+                           dtype=torch.bfloat16)
+
+
+def weight_grad_fn(offsets: torch.Tensor, backend: str, fp8: bool):
+    """``weight_grad(a, b, gather_idx_a, gather_idx_b) = C[e] = A_eᵀ·B_e`` over the experts
+    of ``offsets``, for :func:`_grads_after_dh` and expert parallelism's backward: the bf16
+    varlen-K op, or with ``fp8`` under :func:`sonic.backend.set_fp8_weight_grads` ``("fp8")``
+    both operands quantized per ``128 x 1`` block along the tokens into K-major copies, then
+    the FP8 varlen-K GEMM (bf16 out; the padded offsets made once, on the device, for both
+    weight gradients). Ops, so the traced backward sees them."""
+    from sonic.backend import fp8_weight_grads
+
+    if not fp8 or fp8_weight_grads() != "fp8":
+        def weight_grad(a, b, gather_idx_a, gather_idx_b):
+            return torch.ops.sonic.grouped_mm_varlen_k(a, b, offsets, gather_idx_a,
+                                                       gather_idx_b, backend)
+        return weight_grad
+    k_offsets = fp8_reference.padded_offsets(offsets)
+
+    def weight_grad_fp8(a, b, gather_idx_a, gather_idx_b):
+        a_t = torch.ops.sonic.quantize_cols_grouped(a, offsets, k_offsets, gather_idx_a,
+                                                    backend)
+        b_t = torch.ops.sonic.quantize_cols_grouped(b, offsets, k_offsets, gather_idx_b,
+                                                    backend)
+        return torch.ops.sonic.grouped_mm_varlen_k_fp8(*a_t, *b_t, k_offsets, backend)
+
+    return weight_grad_fp8
+
+
 @torch.library.custom_op("sonic::dh_dswiglu_fp8", mutates_args=())
 def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
                        w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
@@ -654,11 +713,10 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
             overwrite_h=overwrite_h, for_dx=ctx.needs_input_grad[0], h_scales=h_scales),
         traced, eager_reads_fp8=True)
     del h, h_scales
-    # Weight gradients stay bf16 (varlen-K): they reduce over tokens, and 1x128 row scales run
-    # along the other axis, so FP8 operands would need a second quantization per column.
     grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
                             lambda dh, *dx_operand: dx_rows(dh, w1, fp8_weights, offsets,
-                                                            backend, *dx_operand))
+                                                            backend, *dx_operand),
+                            fp8=True)
     # No schema defaults: with a list input, torch checks that the gradients mirror the
     # arguments as dispatched, and the dispatcher drops those equal to their defaults.
     return *grads, None, [None] * len(fp8_weights), None, None, None, None

@@ -76,11 +76,13 @@ def _merge(gate, up, gate_up):
 
 
 def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16",
-             da_prime_fp32=False):
+             da_prime_fp32=False, fp8_weight_grads=True):
     """The FP8 layer written out from the recipe's primitives: output and the gradients of
     x, w1, w2 and scores; with the fp8 activation cache the backward reads H as
     dequantize(quantize_rows(H)) rounded to bf16; ``da_prime_fp32``: dSwiGLU of the fp32 dA'
-    (the fused dH kernel) instead of its bf16 rounding."""
+    (the fused dH kernel) instead of its bf16 rounding; ``fp8_weight_grads``: dW1, dW2 from
+    operands quantized per 128 x 1 block of each expert's rows (the rows of the transposed
+    operand, quantized per 1 x 128 slice), else from the bf16 operands."""
     T, d = x.shape
     E = w1.shape[0]
     order = sorted(range(tok.shape[0]), key=lambda p: (int(exp[p]), int(tok[p])))
@@ -118,10 +120,15 @@ def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16"
     dx_rows = gemm(dh, w1.transpose(1, 2).contiguous())
     dx = torch.zeros(T, d).index_add_(0, rows_tok, dx_rows.float()).to(BF16)
     dw1, dw2 = torch.zeros(w1.shape, dtype=BF16), torch.zeros(w2.shape, dtype=BF16)
+    def operand_t(rows):      # one expert's rows, transposed, as the weight gradient sees them
+        if not fp8_weight_grads:
+            return rows.float().t()
+        return R.dequantize_rows(*R.quantize_rows(rows.t()))
+
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
-        dw2[e] = (dout[rows_tok[lo:hi]].float().t() @ a_scaled[lo:hi].float()).to(BF16)
-        dw1[e] = (dh[lo:hi].float().t() @ x[rows_tok[lo:hi]].float()).to(BF16)
+        dw2[e] = (operand_t(dout[rows_tok[lo:hi]]) @ operand_t(a_scaled[lo:hi]).t()).to(BF16)
+        dw1[e] = (operand_t(dh[lo:hi]) @ operand_t(x[rows_tok[lo:hi]]).t()).to(BF16)
     dscores = torch.zeros_like(scores).index_copy_(0, idx, ds_rows)
     return out, [dx, dw1, dw2, dscores]
 
@@ -143,15 +150,24 @@ def test_transposed_weight_copy_is_the_quantization_of_the_transpose():
     assert torch.equal(s, s_ref)
 
 
+@pytest.fixture(params=["fp8", "bf16"])
+def weight_grads(request):
+    """Each case under both sonic.backend.set_fp8_weight_grads choices."""
+    previous = sonic.backend.set_fp8_weight_grads(request.param)
+    yield request.param
+    sonic.backend.set_fp8_weight_grads(previous)
+
+
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
 @pytest.mark.parametrize("case", [
     ("topk", 37, 128, 128, 4), ("ragged", 29, 256, 128, 6), ("one_expert", 20, 128, 256, 4),
     ("empty_experts", 23, 128, 128, 8), ("topk", 1, 128, 128, 3)])
-def test_fp8_layer_matches_emulation(case, gate_up):
+def test_fp8_layer_matches_emulation(case, gate_up, weight_grads):
     pairs, T, d, n, E = case
     problem = _problem(T, d, n, E, pairs, seed=T)
     out, grads = _layer_fp8(*problem, gate_up=gate_up)
-    want, want_grads = _emulate(*problem, gate_up=gate_up)
+    want, want_grads = _emulate(*problem, gate_up=gate_up,
+                                fp8_weight_grads=weight_grads == "fp8")
     # Same quantized operands and GEMM math: output and dX differ only by the fp32 order of
     # the aggregation sums, dW1/dW2 by the order of the varlen-K sums (then one bf16 rounding).
     for name, got, ref in zip(("out", "dx", "dw1", "dw2", "dscores"), [out] + grads,

@@ -52,7 +52,7 @@ from sonic.backend import expert_ops, sm_margin
 from sonic.distributed.comm import all_to_all
 from sonic.distributed.plan import DispatchPlan
 from sonic.ops import (_acc, _first_order_error, dh_step, dx_rows, experts_forward,
-                       pair_score_grads, routing_metadata_op, unpack_metadata)
+                       pair_score_grads, routing_metadata_op, unpack_metadata, weight_grad_fn)
 
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -266,7 +266,7 @@ class ChunkedExperts(torch.autograd.Function):
                 for c in range(len(plan.chunks)):
                     resent = _send_token_rows(streams, x, plan, c, x_recv, rows_at)
             grad_w1, grad_w2 = _weight_grads(grad_y, a_scaled, dh_all, x_recv, weights,
-                                             backend, lambda: streams.wait(resent))
+                                             backend, lambda: streams.wait(resent), ctx.fp8)
             del a_scaled, grad_y, dh_all, x_recv
         streams.wait(streams.event())
         grad_x = grad_scores = None
@@ -310,21 +310,19 @@ def _send_token_rows(streams: _Streams, t: torch.Tensor, plan: DispatchPlan, c: 
     return streams.event()
 
 
-def _weight_grads(grad_y, a_scaled, dh, x_recv, weights, backend, before_w1):
+def _weight_grads(grad_y, a_scaled, dh, x_recv, weights, backend, before_w1, fp8: bool):
     """``(dW1 or None, dW2 or None)`` over the received pairs of all chunks: one varlen-K GEMM
-    per weight, its operands gathered by ``weights`` (:class:`_WeightGradIndex`); ``a_scaled``
-    / ``dh`` None when that gradient is not needed. ``before_w1()`` runs between the two
-    (the compute stream waits there for re-sent rows)."""
+    per weight (FP8 ones with ``fp8``, as the single-process layer's,
+    :func:`sonic.ops.weight_grad_fn`), its operands gathered by ``weights``
+    (:class:`_WeightGradIndex`); ``a_scaled`` / ``dh`` None when that gradient is not needed.
+    ``before_w1()`` runs between the two (the compute stream waits there for re-sent rows)."""
+    weight_grad = weight_grad_fn(weights.expert_offsets, backend, fp8)
     grad_w1 = grad_w2 = None
     if a_scaled is not None:
-        grad_w2 = torch.ops.sonic.grouped_mm_varlen_k(grad_y, a_scaled, weights.expert_offsets,
-                                                      weights.row_idx, weights.chunk_pos,
-                                                      backend)
+        grad_w2 = weight_grad(grad_y, a_scaled, weights.row_idx, weights.chunk_pos)
     if dh is not None:
         before_w1()
-        grad_w1 = torch.ops.sonic.grouped_mm_varlen_k(dh, x_recv, weights.expert_offsets,
-                                                      weights.chunk_pos, weights.row_idx,
-                                                      backend)
+        grad_w1 = weight_grad(dh, x_recv, weights.chunk_pos, weights.row_idx)
     return grad_w1, grad_w2
 
 

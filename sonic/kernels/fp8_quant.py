@@ -299,16 +299,145 @@ def _kernels():
                     at = base_t + Int64(kb * BLOCK + kk) * n.to(Int64) + nb * BLOCK + c0
                     cute.autovec_copy(words, cute.make_tensor(qt + at // 4, cute.make_layout(2)))
 
-    return QuantizeRowsKernel, QuantizeBlocksKernel, DequantizeRowsKernel
+    class QuantizeColsKernel:
+        """Rows of ``(rows, C)`` bf16 grouped by expert (gathered or not) → ``q_t (C, R)`` e4m3
+        and ``scales (R/128, C)`` fp32, one scale per 128-row block of each column within an
+        expert's rows padded to whole blocks; ``C`` static."""
+
+        def __init__(self, cols: int, gathered: bool):
+            self.cols = cols
+            self.gathered = gathered
+
+        @cute.jit
+        def __call__(self, x: Int64, q_t: Int64, scales: Int64, gidx: Int64, offsets: Int64,
+                     k_offsets: Int64, num_experts: Int32, k_rows: Int32,
+                     stream: cuda.CUstream):
+            gmem = runtime.gmem_ptr
+            self.kernel(gmem(BFloat16, x, 16), gmem(Uint32, q_t, 16), gmem(Float32, scales, 4),
+                        gmem(Int32, gidx, 4), gmem(Int32, offsets, 4),
+                        gmem(Int32, k_offsets, 4), num_experts, k_rows).launch(
+                grid=[self.cols // BLOCK, k_rows // BLOCK, 1], block=[THREADS, 1, 1],
+                stream=stream)
+
+        @cute.kernel
+        def kernel(self, x: cute.Pointer, q_t: cute.Pointer, scales: cute.Pointer,
+                   gidx: cute.Pointer, offsets: cute.Pointer, k_offsets: cute.Pointer,
+                   num_experts: Int32, k_rows: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            cb, kb, _ = cute.arch.block_idx()
+            warps = THREADS // 32
+            row_step = THREADS // LANES_PER_SLICE
+            per_lane = BLOCK // row_step
+            off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
+            k_off = cute.make_tensor(k_offsets, cute.make_layout(num_experts + 1))
+            row0 = kb * BLOCK
+            # The expert whose padded range holds the block: the largest e with
+            # k_off[e] <= row0 (an empty expert shares its start with the next one).
+            # Blocks past the last expert's padded rows land on expert E - 1 past its
+            # rows: all padding, written as zeros with scale 1 like the reference's.
+            lo = Int32(0)
+            hi = num_experts - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if k_off[mid] <= row0:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            first = off[lo] + (row0 - k_off[lo])
+            last = off[lo + 1]
+            r0 = tidx // LANES_PER_SLICE
+            c0 = (tidx % LANES_PER_SLICE) * VEC
+            col = cb * BLOCK + c0
+            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(per_lane)]
+            for i in cutlass.range_constexpr(per_lane):
+                # Rows past the expert's end are the block's zero padding.
+                frags[i].fill(0.0)
+                p = first + r0 + i * row_step
+                if p < last:
+                    src = Int64(p)
+                    if cutlass.const_expr(self.gathered):
+                        src = Int64(cute.make_tensor(gidx + p, cute.make_layout(1))[0])
+                    cute.autovec_copy(cute.make_tensor(x + (src * self.cols + col),
+                                                       cute.make_layout(VEC)), frags[i])
+            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(per_lane)]
+            col_max = cute.make_rmem_tensor((VEC,), Float32)
+            col_max.fill(0.0)
+            for i in cutlass.range_constexpr(per_lane):
+                vals[i].store(frags[i].load().to(Float32))
+                for j in cutlass.range_constexpr(VEC):
+                    col_max[j] = cute.arch.fmax(col_max[j], cute.math.absf(vals[i][j]),
+                                                nan=True)
+            # Lanes l and l ^ 16 hold the same columns (other rows).
+            for j in cutlass.range_constexpr(VEC):
+                col_max[j] = cute.arch.fmax(
+                    col_max[j], cute.arch.shuffle_sync_bfly(col_max[j], offset=16),
+                    nan=True)
+            smem = cutlass.utils.SmemAllocator()
+            warp_max = smem.allocate_tensor(Float32, cute.make_layout(
+                (warps, BLOCK), stride=(BLOCK, 1)), byte_alignment=16)
+            block_scales = smem.allocate_tensor(Float32, cute.make_layout(BLOCK),
+                                                byte_alignment=16)
+            stride = BLOCK + 8
+            tile = smem.allocate_tensor(Uint8, cute.make_layout((BLOCK, stride),
+                                                                stride=(stride, 1)),
+                                        byte_alignment=16)
+            if tidx % 32 < LANES_PER_SLICE:
+                for j in cutlass.range_constexpr(VEC):
+                    warp_max[tidx // 32, c0 + j] = col_max[j]
+            cute.arch.barrier()
+            # The 8 warps' maxima of column c, folded in a fixed order; both halves of the
+            # CTA do it and store the same values (cheaper than a branch).
+            c = tidx % BLOCK
+            amax = warp_max[0, c]
+            for w in cutlass.range_constexpr(1, warps):
+                amax = cute.arch.fmax(amax, warp_max[w, c], nan=True)
+            scale = scale_of(amax)
+            block_scales[c] = scale
+            cute.make_tensor(scales + Int64(kb) * self.cols,
+                             cute.make_layout(self.cols))[cb * BLOCK + c] = scale
+            cute.arch.barrier()
+            col_scale = cute.make_rmem_tensor((VEC,), Float32)
+            for j in cutlass.range_constexpr(VEC):
+                col_scale[j] = block_scales[c0 + j]
+            for i in cutlass.range_constexpr(per_lane):
+                vals[i].store(vals[i].load() / col_scale.load())
+                out = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
+                out.store(vals[i].load().to(Float8E4M3FN))
+                cute.autovec_copy(cute.recast_tensor(out, Uint8), cute.make_tensor(
+                    tile.iterator + ((r0 + i * row_step) * stride + c0),
+                    cute.make_layout(VEC)))
+            cute.arch.barrier()
+            # Row cb·128 + kk of q_t is column kk of the block: lane (r0, c0) stores its
+            # rows c0 .. c0 + 7 as two little-endian words (one 8-byte store).
+            for i in cutlass.range_constexpr(per_lane):
+                kk = r0 + i * row_step
+                words = cute.make_rmem_tensor((2,), Uint32)
+                for w_i in cutlass.range_constexpr(2):
+                    word = Uint32(0)
+                    for j in cutlass.range_constexpr(VEC // 2):
+                        byte = Uint32(tile[c0 + w_i * (VEC // 2) + j, kk])
+                        word = word | (byte << Uint32(8 * j))
+                    words[w_i] = word
+                at = Int64(cb * BLOCK + kk) * k_rows.to(Int64) + row0 + c0
+                cute.autovec_copy(words, cute.make_tensor(q_t + at // 4,
+                                                          cute.make_layout(2)))
+
+    return QuantizeRowsKernel, QuantizeBlocksKernel, DequantizeRowsKernel, QuantizeColsKernel
 
 
 def _compile(kind: str, k: int, keep_ptx: bool = False):
     """Compile one static configuration (``kind`` ``"rows"``, ``"blocks"``,
-    ``"blocks_transposed"`` or ``"dequant_rows"``, ``K``) with placeholder arguments."""
+    ``"blocks_transposed"``, ``"dequant_rows"``, ``"cols"`` or ``"cols_gathered"``, ``K``: the
+    columns) with placeholder arguments."""
     import cutlass
 
-    rows_cls, blocks_cls, dequant_cls = _kernels()
+    rows_cls, blocks_cls, dequant_cls, cols_cls = _kernels()
     addresses = [runtime.fake_address() for _ in range(3)]
+    if kind in ("cols", "cols_gathered"):
+        extra = [runtime.fake_address() for _ in range(3)]
+        return runtime.compile_launcher(cols_cls(k, kind == "cols_gathered"), *addresses,
+                                        *extra, cutlass.Int32(1), cutlass.Int32(128),
+                                        keep_ptx=keep_ptx)
     if kind in ("rows", "dequant_rows"):
         cls = rows_cls if kind == "rows" else dequant_cls
         return runtime.compile_launcher(cls(k), *addresses, cutlass.Int32(1), keep_ptx=keep_ptx)
@@ -435,11 +564,71 @@ def quantize_blocks(w: torch.Tensor, *, transposed: bool = False) -> tuple[torch
     return out
 
 
+def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
+                          k_offsets: torch.Tensor, gather_idx: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight-gradient operand per ``128 x 1`` block of each column within each
+    expert's rows, into the K-major copy the FP8 varlen-K GEMM reads (issue 18; DeepSeek-V3
+    §3.3: scales along the GEMM's reduction axis, here the tokens).
+
+    Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped` on the columns it
+    writes. One pass: a CTA reads one 128-row block of one expert (gathered rows included)
+    by 128 columns, folds each column's ``amax`` over 8 warps in shared memory, and leaves
+    through shared memory by rows of the transposed copy.
+
+    Args:
+        x: ``(P, C)`` bf16 rows sorted by expert, or with ``gather_idx`` the ``(T, C)`` source
+            rows; contiguous, CUDA, 16-byte aligned; ``C`` a multiple of 128.
+        expert_offsets: ``(E+1,)`` int32, contiguous (rows past ``expert_offsets[E]`` are not
+            read).
+        k_offsets: ``(E+1,)`` int32, contiguous: :func:`sonic.reference.fp8.padded_offsets`
+            of ``expert_offsets``.
+        gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``, or None.
+
+    Returns:
+        ``(q_t (C, R) float8_e4m3fn, scales (R/128, C) fp32)``, ``R =
+        padded_rows_bound(P, E)``; columns from ``k_offsets[E]`` on (and their scales) are
+        left unwritten.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: not contiguous CUDA tensors of the right rank on one device, ``C`` not a
+            multiple of 128, or ``x`` not 16-byte aligned.
+    """
+    from sonic.reference.fp8 import padded_rows_bound
+
+    runtime.check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
+    cols = x.shape[1]
+    _check_k("x", cols)
+    for name, t in (("expert_offsets", expert_offsets), ("k_offsets", k_offsets)):
+        runtime.check_tensor(name, t, dtypes=(torch.int32,), ndim=1, device=x.device)
+    num_experts = expert_offsets.numel() - 1
+    if num_experts < 1 or k_offsets.numel() != num_experts + 1:
+        raise ValueError(f"expert_offsets and k_offsets must both have E+1 >= 2 entries, got "
+                         f"{expert_offsets.numel()} and {k_offsets.numel()}")
+    if gather_idx is not None:
+        runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
+                             device=x.device)
+    rows = x.shape[0] if gather_idx is None else gather_idx.numel()
+    k_rows = padded_rows_bound(rows, num_experts)
+    q_t = torch.empty(cols, k_rows, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k_rows // BLOCK, cols, dtype=torch.float32, device=x.device)
+    if k_rows == 0 or cols == 0 or x.shape[0] == 0:
+        return q_t, scales
+    kind = "cols" if gather_idx is None else "cols_gathered"
+    fn = runtime.compiled(("fp8_quantize_" + kind, cols), lambda: _compile(kind, cols))
+    offsets_addr = runtime.address(expert_offsets, 4)
+    fn(runtime.address(x, 16), runtime.address(q_t, 16), runtime.address(scales, 4),
+       runtime.address(gather_idx, 4) if gather_idx is not None else offsets_addr,
+       offsets_addr, runtime.address(k_offsets, 4), num_experts, k_rows)
+    return q_t, scales
+
+
 # e4m3 conversion with saturation, IEEE division, 16-byte bf16 loads, 8-byte fp8 stores.
 _MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "ld.global.v4",
             ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64"))
 for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 7168),
-                  ("blocks_transposed", 2048)):
+                  ("blocks_transposed", 2048), ("cols", 768), ("cols_gathered", 2048)):
     register(KernelVariant(
         kernel="fp8_quant",
         variant=f"quantize_{_kind}_k{_k}",

@@ -241,6 +241,123 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
+def padded_offsets(expert_offsets: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Expert row offsets with each expert's row count rounded up to a multiple of ``block``:
+    where each expert's rows start in the K-major copies of :func:`quantize_cols_grouped`.
+
+    Args:
+        expert_offsets: ``(E + 1,)`` integer, non-decreasing from 0 (any device; no host
+            synchronisation).
+        block: the reduction block (128 in the recipe and the kernels).
+
+    Returns:
+        ``(E + 1,)`` int32 on ``expert_offsets``'s device, multiples of ``block``.
+    """
+    _check_block(block)
+    counts = (expert_offsets[1:] - expert_offsets[:-1]).long()
+    out = torch.zeros_like(expert_offsets, dtype=torch.int32)
+    out[1:] = ((counts + block - 1) // block * block).cumsum(0)
+    return out
+
+
+def padded_rows_bound(num_rows: int, num_experts: int, block: int = BLOCK) -> int:
+    """Rows the K-major copies are allocated with: the largest ``padded_offsets[E]`` that
+    ``num_rows`` rows over ``num_experts`` experts can give (each expert adds at most
+    ``block - 1`` rows of padding), known on the host without reading the offsets."""
+    return (num_rows + (block - 1) * num_experts) // block * block
+
+
+def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
+                          k_offsets: torch.Tensor, gather_idx: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight-gradient operand per ``128 x 1`` block of each column within each
+    expert's rows, into a K-major copy (the FP8 varlen-K GEMM's operand layout).
+
+    The weight gradients ``dW[e] = A_eᵀ·B_e`` reduce over the rows (tokens) of expert ``e``,
+    so their scales run along the rows: one per 128 consecutive rows of the expert and per
+    column (DeepSeek-V3 §3.3 quantizes every GEMM operand along its reduction axis; the
+    forward's ``1 x 128`` row scales run across it). FP8 WGMMA reads both operands K-major, so
+    the copy is transposed: row ``c`` holds column ``c`` of the expert-sorted rows, expert
+    ``e``'s rows at ``k_offsets[e] ..`` followed by zeros up to the next multiple of 128, so
+    no 128-row block straddles two experts.
+
+    Args:
+        x: ``(P, C)`` rows sorted by expert, or with ``gather_idx`` the ``(T, C)`` source rows
+            (row ``r`` is ``x[gather_idx[r]]``); bf16, fp16 or fp32.
+        expert_offsets: ``(E + 1,)`` integer expert row offsets (rows past
+            ``expert_offsets[E]``, a padded routing's padding, are not read).
+        k_offsets: ``(E + 1,)`` :func:`padded_offsets` of ``expert_offsets``.
+        gather_idx: ``(P,)`` integer row indices into ``x``, or None.
+
+    Returns:
+        ``(q_t, scales)``: ``q_t (C, R)`` float8_e4m3fn and ``scales (R / 128, C)`` fp32,
+        contiguous, with ``R = padded_rows_bound(P, E)``: column ``j`` of ``q_t`` and row
+        ``j // 128`` of ``scales`` belong to the rows of the expert whose padded range holds
+        ``j``. Columns from ``k_offsets[E]`` on are unspecified (the kernel leaves them
+        unwritten; here zeros with scale 1).
+
+    Raises:
+        TypeError: ``x`` is not a bf16 / fp16 / fp32 tensor.
+        ValueError: ``x`` is not 2-D.
+    """
+    _check_float("x", x, (2,))
+    rows = x.shape[0] if gather_idx is None else gather_idx.shape[0]
+    num_experts = expert_offsets.shape[0] - 1
+    bound = padded_rows_bound(rows, num_experts)
+    bounds, starts = expert_offsets.tolist(), k_offsets.tolist()
+    xp = x.new_zeros(bound, x.shape[1], dtype=torch.float32)
+    for e in range(num_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        src = x[lo:hi] if gather_idx is None else x.index_select(0, gather_idx[lo:hi].long())
+        xp[starts[e]:starts[e] + hi - lo] = src.float()
+    blocks = xp.view(bound // BLOCK, BLOCK, x.shape[1])
+    scale = _scale_of(blocks.abs().amax(dim=1)) if blocks.numel() else blocks.new_ones(
+        bound // BLOCK, x.shape[1])
+    q = _to_fp8(blocks, scale[:, None, :]).view(bound, x.shape[1])
+    return q.t().contiguous(), scale.contiguous()
+
+
+def grouped_mm_varlen_k_fp8_reference(a_t_q: torch.Tensor, a_scales: torch.Tensor,
+                                      b_t_q: torch.Tensor, b_scales: torch.Tensor,
+                                      k_offsets: torch.Tensor,
+                                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """varlen-K grouped GEMM of the K-major FP8 copies of :func:`quantize_cols_grouped`, with
+    fp32 promotion per 128-row block: ``C[e, i, j] = Σ_kb (Σ_{k∈kb} a_t_q[i, k]·b_t_q[j, k])
+    · a_s[kb, i] · b_s[kb, j]`` over the blocks ``kb`` of expert ``e``'s padded range, in
+    block order, then one cast to ``out_dtype`` (the math of
+    :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`, up to the order of the fp32
+    sums inside a block).
+
+    Args:
+        a_t_q: ``(M, R)`` and b_t_q: ``(N, R)`` float8_e4m3fn; a_scales: ``(R / 128, M)`` and
+            b_scales: ``(R / 128, N)`` fp32.
+        k_offsets: ``(E + 1,)`` integer, multiples of 128, at most ``R``.
+        out_dtype: bf16, fp16 or fp32.
+
+    Returns:
+        ``(E, M, N)`` in ``out_dtype``; an expert with no rows gets zeros.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes or shapes.
+    """
+    _check_q("a_t_q", a_t_q, (2,))
+    _check_q("b_t_q", b_t_q, (2,))
+    (m, rows), n = a_t_q.shape, b_t_q.shape[0]
+    if b_t_q.shape[1] != rows or rows % BLOCK:
+        raise ValueError(f"a_t_q (M, R) and b_t_q (N, R) must share R, a multiple of {BLOCK}, "
+                         f"got {tuple(a_t_q.shape)} and {tuple(b_t_q.shape)}")
+    _check_scales("a_scales", a_scales, (rows // BLOCK, m), f"a_t_q of shape {(m, rows)}")
+    _check_scales("b_scales", b_scales, (rows // BLOCK, n), f"b_t_q of shape {(n, rows)}")
+    starts = k_offsets.tolist()
+    out = torch.zeros(len(starts) - 1, m, n, dtype=torch.float32, device=a_t_q.device)
+    for e in range(len(starts) - 1):
+        for kb in range(starts[e] // BLOCK, starts[e + 1] // BLOCK):
+            cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+            partial = a_t_q[:, cols].float() @ b_t_q[:, cols].float().t()
+            out[e] += partial * (a_scales[kb, :, None] * b_scales[kb, None, :])
+    return out.to(out_dtype)
+
+
 def grouped_mm_fp8_reference(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
                              b_scales: torch.Tensor, expert_offsets: torch.Tensor,
                              gather_idx: torch.Tensor | None = None,

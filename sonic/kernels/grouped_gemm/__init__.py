@@ -6,7 +6,8 @@ up-proj with the SwiGLU epilogue), :func:`grouped_gemm_dswiglu` (gathered dA' GE
 dSwiGLU + ds + A' epilogue), :func:`grouped_gemm_varlen_k` (weight gradients) and
 :func:`grouped_gemm_fp8` (block-scaled e4m3 varlen-M, Hopper) and
 :func:`grouped_gemm_fp8_swiglu` / :func:`grouped_gemm_fp8_dswiglu` (its gathered up-proj
-with the SwiGLU epilogue and dH kernel with the dSwiGLU epilogue).
+with the SwiGLU epilogue and dH kernel with the dSwiGLU epilogue), and
+:func:`grouped_gemm_varlen_k_fp8` (block-scaled e4m3 weight gradients on K-major copies).
 
 Layout of the package, one concern per module (only the modules marked *kernel* import
 ``cutlass``; importing this package does not):
@@ -32,10 +33,11 @@ from sonic.kernels.grouped_gemm.config import MAX_EXPERTS, VEC, GroupedGemmConfi
 from sonic.kernels.grouped_gemm.interface import (grouped_gemm, grouped_gemm_dswiglu,
                                                   grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
                                                   grouped_gemm_fp8_swiglu, grouped_gemm_swiglu,
-                                                  grouped_gemm_varlen_k)
+                                                  grouped_gemm_varlen_k,
+                                                  grouped_gemm_varlen_k_fp8)
 
 # MAX_EXPERTS (largest E) and VEC (K, N multiples) are the limits the backend checks.
 __all__ = ["MAX_EXPERTS", "VEC", "GroupedGemmConfig", "grouped_gemm", "grouped_gemm_dswiglu",
            "grouped_gemm_fp8", "grouped_gemm_fp8_dswiglu", "grouped_gemm_fp8_swiglu",
            "grouped_gemm_swiglu",
-           "grouped_gemm_varlen_k"]
+           "grouped_gemm_varlen_k", "grouped_gemm_varlen_k_fp8"]

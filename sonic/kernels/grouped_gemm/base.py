@@ -70,10 +70,10 @@ class GroupedGemmKernel(TmaProducers):
         self.contract = barrier_contract(cfg)
         self.threads = THREADS
         self.ab_type = Float8E4M3FN if cfg.fp8 else BF16
-        # Operand majorness: varlen-M reads K-major A rows, varlen-K MN-major rows; varlen-M B
-        # is K-major or (b_n_major) N-major.
-        self.a_layout = LayoutEnum.COL_MAJOR if cfg.varlen_k else LayoutEnum.ROW_MAJOR
-        self.b_layout = (LayoutEnum.COL_MAJOR if cfg.varlen_k or cfg.b_n_major
+        # Operand majorness: varlen-M reads K-major A rows, bf16 varlen-K MN-major rows (FP8
+        # varlen-K K-major copies); varlen-M B is K-major or (b_n_major) N-major.
+        self.a_layout = LayoutEnum.COL_MAJOR if cfg.mn_major_k else LayoutEnum.ROW_MAJOR
+        self.b_layout = (LayoutEnum.COL_MAJOR if cfg.mn_major_k or cfg.b_n_major
                          else LayoutEnum.ROW_MAJOR)
 
     # Architecture hooks.
@@ -200,7 +200,7 @@ class GroupedGemmKernel(TmaProducers):
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
-            if cutlass.const_expr(cfg.varlen_k):
+            if cutlass.const_expr(cfg.mn_major_k):
                 cpasync.prefetch_descriptor(tma_atom_a_row)
                 cpasync.prefetch_descriptor(tma_atom_b_row)
             if cutlass.const_expr(self.epilogue.has_producer_loads):

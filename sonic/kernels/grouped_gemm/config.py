@@ -74,8 +74,9 @@ class GroupedGemmConfig:
         gate_up: gate/up layout of the ``"swiglu"`` epilogue (``"concat"`` or
             ``"interleaved"``), else None.
         arch: target architecture, a key of :data:`MAINLOOPS`.
-        ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8, varlen-M with the
-            store, SwiGLU or dSwiGLU epilogue on sm_90a: :data:`FP8_MAINLOOPS`).
+        ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
+            :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
+            varlen-K on K-major copies with the store epilogue).
 
     Raises:
         ValueError: a combination no kernel implements (the message names it).
@@ -141,11 +142,22 @@ class GroupedGemmConfig:
         if self.arch not in FP8_MAINLOOPS:
             raise ValueError(f"no FP8 grouped-GEMM mainloop for arch {self.arch!r}; registered: "
                              f"{sorted(FP8_MAINLOOPS)}")
-        if self.varlen_k or self.b_n_major:
-            raise ValueError("the FP8 mainloop serves varlen-M with K-major B (FP8 WGMMA reads "
-                             "both operands K-major)")
+        if self.b_n_major:
+            raise ValueError("the FP8 mainloop reads K-major B (FP8 WGMMA reads both operands "
+                             "K-major)")
         if self.pingpong:
             raise ValueError("the FP8 mainloop runs cooperative tiles")
+        if self.varlen_k:
+            # The operands are the K-major copies of fp8_quant.quantize_cols_grouped: the
+            # gather happened there, and each expert's rows are padded to whole k-tiles.
+            if self.gather_a or self.gather_b or self.transpose_c:
+                raise ValueError("the FP8 varlen-K mainloop reads K-major copies (no gather, "
+                                 "no transposed C)")
+            if self.tile_n != 128 or self.dim_m % TILE_M or self.dim_n % TILE_K_FP8:
+                raise ValueError(f"the FP8 varlen-K mainloop runs 128 x 128 tiles on M and N "
+                                 f"multiples of 128, got tile_n={self.tile_n}, M={self.dim_m}, "
+                                 f"N={self.dim_n}")
+            return
         # A 256-wide tile's second 128-column sub-tile must lie inside N: its B scale block
         # is read whether or not its columns are stored.
         if self.tile_n == 256 and self.dim_n % 256:
@@ -218,9 +230,15 @@ class GroupedGemmConfig:
         return self.epilogue == "swiglu" and self.gate_up == "concat"
 
     @property
+    def mn_major_k(self) -> bool:
+        """varlen-K on MN-major operand rows (bf16: the rows as the forward wrote them); FP8
+        varlen-K reads K-major copies instead, as tiles."""
+        return self.varlen_k and not self.fp8
+
+    @property
     def row_copies(self) -> bool:
         """Producers spread row copies over four warps (and keep row indices in registers)."""
-        return self.varlen_k or self.gather_a
+        return self.mn_major_k or self.gather_a
 
     @property
     def overlapped_promotion(self) -> bool:
@@ -228,8 +246,9 @@ class GroupedGemmConfig:
         accumulators, :mod:`.sm90_fp8`). Not with gathered rows: the third accumulator needs
         the 232 registers per consumer thread that the row-copy producers' 56 leave short
         (224 spills; producers cut to 40 starve the row copies: slower either way). Not on
-        256-wide tiles: their promoted accumulator alone takes 128 registers per thread."""
-        return self.fp8 and not self.row_copies and self.tile_n == 128
+        256-wide tiles: their promoted accumulator alone takes 128 registers per thread. Not
+        varlen-K: its k-tile count is the expert's, so the k-loop cannot be unrolled."""
+        return self.fp8 and not self.row_copies and self.tile_n == 128 and not self.varlen_k
 
     @property
     def consumer_heavy(self) -> bool:

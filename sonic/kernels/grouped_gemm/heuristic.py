@@ -34,14 +34,20 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       (:mod:`.sm90_fp8`). H200, same run, 256 vs 128: OLMoE up 688 → 835, dA' 684 → 836, down
       802 → 815; 30B up 696 → 806, dA' 685 → 802, dX 874 → 927 TFLOPS; the layer's step 8%
       faster. Not measured against one CTA.
+    * FP8 varlen-K (the weight gradients on K-major copies): ``128 x 128`` tiles (the
+      promotion's per-column B scales take 32 registers that a 256-wide tile has no room
+      for), on 2-CTA clusters sharing B when M has an even number of m-tiles.
     """
+    paired = CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
     if ab_dtype == "e4m3":
+        if varlen_k:
+            return 128, False, paired
         return 256 if dim_n % 256 == 0 else 128, False, CLUSTER
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
     if arch == "sm_100a":
         return tile_n, False, 1
     if varlen_k:
-        return tile_n, False, CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
+        return tile_n, False, paired
     if not gathered and dim_k <= 512:
         return 128, True, 1
     return tile_n, False, CLUSTER
@@ -69,16 +75,18 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
 
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
-                    transpose_c: bool = False, arch: str = "sm_90a") -> GroupedGemmConfig:
+                    transpose_c: bool = False, arch: str = "sm_90a",
+                    ab_dtype: str = "bf16") -> GroupedGemmConfig:
     """The planned varlen-K configuration (:func:`plan`).
 
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tile_n, pingpong, cluster = plan(True, dim_n, dim_m=dim_m, arch=arch)
+    tile_n, pingpong, cluster = plan(True, dim_n, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype)
     return GroupedGemmConfig(varlen_k=True, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
                              dim_m=dim_m, dim_n=dim_n, dim_k=0, gather_a=gather_a,
-                             gather_b=gather_b, transpose_c=transpose_c, arch=arch)
+                             gather_b=gather_b, transpose_c=transpose_c, arch=arch,
+                             ab_dtype=ab_dtype)
 
 
 def transpose_gathered_b(gather_a: bool, gather_b: bool, arch: str) -> bool:

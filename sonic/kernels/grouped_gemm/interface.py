@@ -642,6 +642,76 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     return out
 
 
+def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
+                              b_t_q: torch.Tensor, b_scales: torch.Tensor,
+                              k_offsets: torch.Tensor) -> torch.Tensor:
+    """Block-scaled FP8 varlen-K grouped GEMM (the weight gradients): ``C[e] = Âᵀ_e · B̂_e``
+    over the rows of expert ``e``, from K-major copies.
+
+    Issue 18; DeepSeek-V3 (arXiv 2412.19437) §3.3: e4m3 operands scaled per ``128 x 1`` block
+    along the reduction (token) axis, made by
+    :func:`sonic.kernels.fp8_quant.quantize_cols_grouped` — each expert's rows transposed
+    into ``(columns, R)`` copies, padded to whole 128-row blocks — and the WGMMA partial sums
+    promoted into fp32 every block with the product of the row's and the column's scale
+    (:mod:`sonic.kernels.grouped_gemm.sm90_fp8`). Computes
+    :func:`sonic.reference.fp8.grouped_mm_varlen_k_fp8_reference` up to the fp32 summation
+    order inside a block, rounded once to bf16. One persistent launch, bitwise
+    deterministic, no host synchronisation; an expert with no rows gets zeros. Hopper
+    (sm_90a) only.
+
+    Args:
+        a_t_q: ``(M, R)`` float8_e4m3fn, contiguous, CUDA, 16-byte aligned; ``R`` a multiple
+            of 128.
+        a_scales: ``(R/128, M)`` fp32, contiguous.
+        b_t_q: ``(N, R)`` float8_e4m3fn, contiguous, 16-byte aligned.
+        b_scales: ``(R/128, N)`` fp32, contiguous.
+        k_offsets: ``(E+1,)`` int32, contiguous: expert ``e``'s padded rows ``[k_offsets[e],
+            k_offsets[e+1])``, multiples of 128, non-decreasing from 0, at most ``R``
+            (:func:`sonic.reference.fp8.padded_offsets`). Read on the device only.
+
+    Returns:
+        ``(E, M, N)`` bf16.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: ``M`` or ``N`` not a positive multiple of 128, ``R`` not a multiple of 128,
+            shapes disagree, a tensor is not a contiguous CUDA tensor of the right rank,
+            devices differ, ``E`` exceeds 1024, or the device is not sm_90a.
+    """
+    fp8 = (torch.float8_e4m3fn,)
+    runtime.check_tensor("a_t_q", a_t_q, dtypes=fp8, ndim=2)
+    device = a_t_q.device
+    runtime.check_tensor("b_t_q", b_t_q, dtypes=fp8, ndim=2, device=device)
+    num_experts = _check_offsets(k_offsets, device)
+    (dim_m, k_rows), dim_n = a_t_q.shape, b_t_q.shape[0]
+    for name, size in (("M (rows of a_t_q)", dim_m), ("N (rows of b_t_q)", dim_n),
+                       ("R (columns of a_t_q)", k_rows)):
+        if size <= 0 and name[0] != "R" or size % TILE_K_FP8:
+            raise ValueError(f"{name} must be a positive multiple of {TILE_K_FP8}, got {size}")
+    if b_t_q.shape[1] != k_rows:
+        raise ValueError(f"b_t_q must have R = {k_rows} columns like a_t_q, got shape "
+                         f"{tuple(b_t_q.shape)}")
+    for name, scales, cols in (("a_scales", a_scales, dim_m), ("b_scales", b_scales, dim_n)):
+        runtime.check_tensor(name, scales, dtypes=(torch.float32,), ndim=2, device=device)
+        if tuple(scales.shape) != (k_rows // TILE_K_FP8, cols):
+            raise ValueError(f"{name} must have shape (R/128, {cols}) = "
+                             f"{(k_rows // TILE_K_FP8, cols)}, got {tuple(scales.shape)}")
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, False, False, ab_dtype="e4m3",
+                                    arch=runtime.device_arch(device))
+    out = torch.empty(num_experts, dim_m, dim_n, dtype=torch.bfloat16, device=device)
+    if k_rows == 0:
+        return out.zero_()
+    work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
+    addr = runtime.address
+    offsets_addr, out_addr = addr(k_offsets, 4), addr(out, 16)
+    # Slots this configuration never reads: out's and the offsets' addresses stand in.
+    _launcher(cfg)(addr(a_t_q, 16), addr(b_t_q, 16), out_addr, out_addr, out_addr, out_addr,
+                   out_addr, offsets_addr, offsets_addr, offsets_addr, addr(a_scales, 4),
+                   addr(b_scales, 4), k_rows, k_rows, num_experts,
+                   _num_ctas(device, work_items, cfg.cluster))
+    return out
+
+
 # What each mainloop must show: its MMA (and on sm_100 tensor-memory allocation and loads)
 # and TMA operand loads.
 _MARKERS = {"sm_90a": ("wgmma.mma_async", "cp.async.bulk.tensor"),
@@ -711,4 +781,11 @@ for _n, _gate_up in ((384, "concat"), (1024, "concat"), (1024, "interleaved")):
     _register(f"varlen_m_fp8_n{_n}_k1536_gather_swiglu_{_gate_up}",
               lambda arch, n=_n, gu=_gate_up: heuristic.varlen_m_config(
                   n, 1536, True, epilogue="swiglu", gate_up=gu, ab_dtype="e4m3", arch=arch),
+              archs=("sm_90a",), markers=_FP8_MARKERS)
+# Block-scaled FP8 varlen-K (the weight gradients on K-major copies): M with an even
+# m-tile count (2-CTA cluster) and an odd one (one CTA).
+for _m, _n in ((1536, 2048), (384, 256)):
+    _register(f"varlen_k_fp8_m{_m}_n{_n}",
+              lambda arch, m=_m, n=_n: heuristic.varlen_k_config(m, n, False, False,
+                                                                 ab_dtype="e4m3", arch=arch),
               archs=("sm_90a",), markers=_FP8_MARKERS)

@@ -25,7 +25,7 @@ import cutlass
 from cutlass import Int32, cute
 from cutlass.cute.nvgpu import cpasync
 
-from sonic.kernels.grouped_gemm.config import TILE_K, TILE_M
+from sonic.kernels.grouped_gemm.config import TILE_K, TILE_K_FP8, TILE_M
 
 # Arrivals on a stage's full barrier per fill: one elected producer thread's expect-tx.
 FULL_ARRIVALS = 1
@@ -60,14 +60,27 @@ class TmaProducers:
         cfg = self.cfg
         tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None),
                "b_mc_row": (None, None)}
-        if cfg.varlen_k:
+        if cfg.mn_major_k:
             tma["a"], tma["a_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem)
             tma["b"], tma["b_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem)
             if cfg.cluster > 1:
                 tma["b_mc"], tma["b_mc_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem,
                                                             multicast=True)
             return tma
-        m_a = cute.make_tensor(a, cute.make_layout((rows_a, cfg.dim_k), stride=(cfg.dim_k, 1)))
+        if cfg.varlen_k:
+            # FP8 varlen-K: K-major copies Aᵀ (M, R) and Bᵀ (N, R), R = rows_a = rows_b
+            # (a multiple of 128), tiled like varlen-M's contiguous A and one expert's B.
+            k_rows = cute.assume(rows_a, divby=TILE_K_FP8)
+            m_a = cute.make_tensor(a, cute.make_layout((cfg.dim_m, k_rows), stride=(k_rows, 1)))
+            m_b = cute.make_tensor(b, cute.make_layout((cfg.dim_n, k_rows, 1),
+                                                       stride=(k_rows, 1, 0)))
+        else:
+            m_a = cute.make_tensor(a, cute.make_layout((rows_a, cfg.dim_k),
+                                                       stride=(cfg.dim_k, 1)))
+            b_stride = ((1, cfg.dim_n) if cfg.b_n_major else (cfg.dim_k, 1))
+            m_b = cute.make_tensor(b, cute.make_layout(
+                (cfg.dim_n, cfg.dim_k, num_experts),
+                stride=(*b_stride, cfg.dim_n * cfg.dim_k)))
         # Gathered: a box of one row, written at the row's 128-byte line of the stage (the
         # 128-byte swizzle of a TMA write follows the shared-memory address).
         a_box = ((1, cfg.tile_k) if cfg.gather_a else (TILE_M, cfg.tile_k))
@@ -76,9 +89,6 @@ class TmaProducers:
             if cfg.gather_a else cute.slice_(a_smem, (None, None, 0)))
         tma["a"] = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box)
-        b_stride = ((1, cfg.dim_n) if cfg.b_n_major else (cfg.dim_k, 1))
-        m_b = cute.make_tensor(b, cute.make_layout(
-            (cfg.dim_n, cfg.dim_k, num_experts), stride=(*b_stride, cfg.dim_n * cfg.dim_k)))
         b_box = (cfg.tile_n // 2 if cfg.b_halves else cfg.tile_n, cfg.tile_k)
         b_box_smem = (cute.make_composed_layout(
             b_smem.inner, 0, cute.make_layout(b_box, stride=(cfg.tile_k, 1)))
@@ -106,7 +116,7 @@ class TmaProducers:
         its multicast ``(atom, tensor, row atom, row tensor)`` (see :meth:`make_operand_tmas`).
         """
         s_a_base, s_b_base = stage_mem[0], stage_mem[1]
-        if cutlass.const_expr(self.cfg.varlen_k):
+        if cutlass.const_expr(self.cfg.mn_major_k):
             self.produce_varlen_k(
                 warp, first, step, total, tma_a,
                 tma_b[:4] if self.cfg.cluster == 1 else tma_b[4:], a_smem, b_smem, s_a_base,
@@ -128,24 +138,33 @@ class TmaProducers:
                     tma_b: tuple, s_a: cute.Tensor, s_b: cute.Tensor,
                     m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
                     full: cute.Pointer, empty: cute.Pointer):
-        """varlen-M, contiguous A: one warp issues the TMA loads of A and B."""
+        """varlen-M with contiguous A, or FP8 varlen-K: one warp issues the TMA loads of A
+        and B tiles. FP8 varlen-K's expert ``e`` is the k-tiles from its padded first row
+        ``row0`` of the K-major copies: A tile rows ``mt·TILE_M ..``, B's of the one
+        ``(N, R)`` copy."""
+        cfg = self.cfg
         stage = Int32(0)
         phase = Int32(1)
         t = first
         while t < total:
             e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
-            g_a = cute.local_tile(cute.domain_offset((row0, 0), tma_a),
-                                  (TILE_M, self.cfg.tile_k), (0, None))
+            origin = (row0, 0)
+            k_tiles, kt0, e_b = Int32(cfg.k_tiles), Int32(0), e
+            if cutlass.const_expr(cfg.varlen_k):
+                origin = (mt * TILE_M, row0)
+                k_tiles, kt0, e_b = rows // cfg.tile_k, row0 // cfg.tile_k, Int32(0)
+            g_a = cute.local_tile(cute.domain_offset(origin, tma_a),
+                                  (TILE_M, cfg.tile_k), (0, None))
             t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
                                                cute.group_modes(s_a, 0, 2),
                                                cute.group_modes(g_a, 0, 2))
-            for kt in cutlass.range(self.cfg.k_tiles, unroll=1):
+            for kt in cutlass.range(k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(empty + stage, phase)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
                 cute.copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage],
                           tma_bar_ptr=full + stage)
-                self.load_b(tma_b, s_b, None, nt, kt, e, stage, full, shared)
+                self.load_b(tma_b, s_b, None, nt, kt0 + kt, e_b, stage, full, shared)
                 stage, phase = self.ring.next_stage(stage, phase)
             t += step
 

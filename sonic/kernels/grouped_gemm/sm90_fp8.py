@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, SLAB, TILE_K_FP8,
                                                TILE_M)
-from sonic.kernels.grouped_gemm.sm90 import Sm90GroupedGemm, WgmmaAccumulator
+from sonic.kernels.grouped_gemm.sm90 import ColumnPair, Sm90GroupedGemm, WgmmaAccumulator
 
 # N of one WGMMA and of a partial accumulator: one B scale block.
 SUB_N = TILE_K_FP8
@@ -84,6 +84,9 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         ``outs[4]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
         ``gidx[r]`` when gathered); ``outs[5]``: B's ``(E, N/128, K/128)`` fp32, one scale
         per k-tile and sub-tile, or with ``b_halves`` on a 128-wide tile one per column half.
+        varlen-K (K-major copies ``(M, R)``, ``(N, R)``): A's ``(R/128, M)`` and B's
+        ``(R/128, N)``, one scale per k-tile and row of each copy, so the promotion scales
+        each column by its own B scale (32 per thread, loaded with the A scales).
         """
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
@@ -116,6 +119,12 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         # Scale of (row i, column half h) of the partial being promoted, at i * halves + h.
         row_scale = cute.make_rmem_tensor((n_rows * (segs // subs),), F32)
         n_blocks, k_tiles = cfg.dim_n // SUB_N, cfg.k_tiles
+        # varlen-K: the B scale of each of this thread's columns of the sub-tile, at
+        # (slab, 8-column group, v0) of its column pairs.
+        b_cols = cute.make_rmem_tensor((SUB_N // 4,), F32)
+        a_stride = rows_a
+        if cutlass.const_expr(cfg.varlen_k):
+            a_stride = Int32(cfg.dim_m)
         lane = cute.arch.lane_idx()
         stage = Int32(0)
         phase = Int32(0)
@@ -123,28 +132,39 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         t = first
         while t < total:
             e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+            # First k-tile of the tile's scale rows: varlen-K's expert starts at its padded row.
+            kt0 = Int32(0)
+            tile_k_tiles = Int32(k_tiles)
+            if cutlass.const_expr(cfg.varlen_k):
+                kt0, tile_k_tiles = row0 // TILE_K_FP8, rows // TILE_K_FP8
             for i in cutlass.range_constexpr(n_rows):
-                # Rows past the expert's end reach only masked output: any valid source does.
                 m = WgmmaAccumulator(acc, coords).row_coord(i)
-                r = row0
-                if m < rows:
-                    r = row0 + m
-                if cutlass.const_expr(cfg.gather_a):
-                    r = cute.make_tensor(gidx + r, cute.make_layout(1))[0]
-                src[i] = r
+                if cutlass.const_expr(cfg.varlen_k):
+                    src[i] = mt * TILE_M + m
+                else:
+                    # Rows past the expert's end reach only masked output: any valid source
+                    # does.
+                    r = row0
+                    if m < rows:
+                        r = row0 + m
+                    if cutlass.const_expr(cfg.gather_a):
+                        r = cute.make_tensor(gidx + r, cute.make_layout(1))[0]
+                    src[i] = r
             # The scale row of each segment's n-block: for B halves (rows nt·tile_n/2 .. and
             # N/2 + nt·tile_n/2 ..) the block holding each half, else the sub-tile's own.
             b_rows = [b_scales + (e * n_blocks + nt * subs + g) * k_tiles for g in range(segs)]
             if cutlass.const_expr(cfg.b_halves):
                 b_rows = [b_scales + (e * n_blocks + (g * (cfg.dim_n // 2) + nt * (cfg.tile_n // 2))
                                       // SUB_N) * k_tiles for g in range(segs)]
+            if cutlass.const_expr(cfg.varlen_k):
+                b_rows = []
             acc.fill(0.0)
             if cutlass.const_expr(cfg.overlapped_promotion):
                 # Unrolled, so that ptxas sees which WGMMA group each wait_group retires:
                 # k-tile kt-1's promotion waits only for its own WGMMAs while kt's run.
                 for kt in cutlass.range_constexpr(k_tiles):
                     h = kt % 2
-                    self.load_scales(a_sc, b_sc, h, kt, src, a_scales, b_rows, rows_a)
+                    self.load_scales(a_sc, b_sc, h, kt, src, a_scales, b_rows, a_stride)
                     cute.arch.mbarrier_wait(full + stage, phase)
                     tiled_mma = self.issue(tiled_mma, parts[h], t_ca, t_cb, 0, stage)
                     if cutlass.const_expr(kt > 0):
@@ -158,13 +178,17 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
             else:
                 # One partial: each sub-tile's WGMMAs are waited for and promoted before the
                 # next sub-tile's are queued (the other warpgroup's WGMMAs fill the gap).
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    self.load_scales(a_sc, b_sc, 0, kt, src, a_scales, b_rows, rows_a)
+                for kt in cutlass.range(tile_k_tiles, unroll=1):
+                    self.load_scales(a_sc, b_sc, 0, kt0 + kt, src, a_scales, b_rows, a_stride)
+                    if cutlass.const_expr(cfg.varlen_k):
+                        self.load_col_scales(b_cols, b_scales + Int64(kt0 + kt) * cfg.dim_n
+                                             + nt * cfg.tile_n, parts[0], part_coords)
                     cute.arch.mbarrier_wait(full + stage, phase)
                     for g in cutlass.range_constexpr(subs):
                         tiled_mma = self.issue(tiled_mma, parts[0], t_ca, t_cb, g, stage)
                         self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, part_coords, g, 0,
-                                    empty + stage if g == subs - 1 else None, lane)
+                                    empty + stage if g == subs - 1 else None, lane,
+                                    b_cols if cfg.varlen_k else None)
                     stage, phase = self.ring.next_stage(stage, phase)
             stage, phase = self.epilogue.visit(
                 WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0,
@@ -185,6 +209,19 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         segs = len(b_rows)
         for g in cutlass.range_constexpr(segs):
             b_sc[h * segs + g] = cute.make_tensor(b_rows[g] + kt, cute.make_layout(1))[0]
+
+    @cute.jit
+    def load_col_scales(self, b_cols: cute.Tensor, row: cute.Pointer, partial: cute.Tensor,
+                        part_coords: cute.Tensor):
+        """varlen-K: the B scales of this thread's columns of the sub-tile from ``row`` (the
+        k-tile's scales of the tile's first column), into ``b_cols``."""
+        view = WgmmaAccumulator(partial, part_coords)
+        for sl in cutlass.range_constexpr(SUB_N // SLAB):
+            for j in cutlass.range_constexpr(SLAB // 8):
+                for v0 in cutlass.range_constexpr(2):
+                    _, n = view.coord(ColumnPair(sl, 0, j, 0), v0)
+                    b_cols[(sl * (SLAB // 8) + j) * 2 + v0] = cute.make_tensor(
+                        row + n, cute.make_layout(1))[0]
 
     @cute.jit
     def issue(self, tiled_mma: cute.TiledMma, partial: cute.Tensor, t_ca: cute.Tensor,
@@ -209,24 +246,27 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     def retire(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
                b_sc: cute.Tensor, h: cutlass.Constexpr, row_scale: cute.Tensor,
                part_coords: cute.Tensor, sub: cutlass.Constexpr, pending: cutlass.Constexpr,
-               empty_stage, lane: Int32):
+               empty_stage, lane: Int32, b_cols=None):
         """Wait until at most ``pending`` WGMMA groups remain (the oldest, ``partial``'s, is
         done), hand its operand stage back to the producers (unless ``empty_stage`` is None:
         a later sub-tile still reads it) and promote ``partial`` into sub-tile ``sub`` with
-        the scales of slot ``h``."""
+        the scales of slot ``h`` (varlen-K: A's row scales and the per-column ``b_cols``)."""
         warpgroup.wait_group(pending)
         if cutlass.const_expr(empty_stage is not None):
             self.ring.release(empty_stage, lane)
-        segs = cute.size(b_sc) // 2
-        halves = cute.size(row_scale) * 2 // cute.size(a_sc)
-        n_rows = cute.size(a_sc) // 2
-        for i in cutlass.range_constexpr(n_rows):
-            for hv in cutlass.range_constexpr(halves):
-                # A partial spans one segment (its sub-tile's) or, with b_halves on a 128-wide
-                # tile, both.
-                g = hv if halves > 1 else sub
-                row_scale[i * halves + hv] = a_sc[h * n_rows + i] * b_sc[h * segs + g]
-        self.promote(acc, partial, row_scale, part_coords, sub)
+        if cutlass.const_expr(b_cols is not None):
+            self.promote_cols(acc, partial, a_sc, b_cols, part_coords)
+        else:
+            segs = cute.size(b_sc) // 2
+            halves = cute.size(row_scale) * 2 // cute.size(a_sc)
+            n_rows = cute.size(a_sc) // 2
+            for i in cutlass.range_constexpr(n_rows):
+                for hv in cutlass.range_constexpr(halves):
+                    # A partial spans one segment (its sub-tile's) or, with b_halves on a 128-wide
+                    # tile, both.
+                    g = hv if halves > 1 else sub
+                    row_scale[i * halves + hv] = a_sc[h * n_rows + i] * b_sc[h * segs + g]
+            self.promote(acc, partial, row_scale, part_coords, sub)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, row_scale: cute.Tensor,
@@ -245,3 +285,16 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                     # The partial's fragment is the accumulator's at MMA N repeat ``sub``.
                     acc_mode = (mode[0], mode[1], sub)
                     acc[acc_mode] = acc[acc_mode] + partial[mode] * row_scale[p.row * halves + hv]
+
+    @cute.jit
+    def promote_cols(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
+                     b_cols: cute.Tensor, part_coords: cute.Tensor):
+        """varlen-K: ``acc += partial · (a_scale[row] · b_scale[column])`` over the thread's
+        fragment (slot 0's A scales; one fp32 multiply and one FMA each)."""
+        view = WgmmaAccumulator(partial, part_coords)
+        for sl in cutlass.range_constexpr(SUB_N // SLAB):
+            for p in view.pairs(sl):
+                for v0 in cutlass.range_constexpr(2):
+                    mode = view.mode(p, v0)
+                    scale = a_sc[p.row] * b_cols[(sl * (SLAB // 8) + p.j) * 2 + v0]
+                    acc[mode] = acc[mode] + partial[mode] * scale

@@ -10,7 +10,7 @@ Imports ``cutlass``: only the kernel modules import this one.
 import cutlass
 from cutlass import Int32, cute
 
-from sonic.kernels.grouped_gemm.config import TILE_K, TILE_M, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.config import TILE_M, GroupedGemmConfig
 
 
 class VarlenMScheduler:
@@ -126,6 +126,7 @@ class VarlenKScheduler:
         self.cluster = cfg.cluster
         self.n_tiles = cfg.n_tiles
         self.per_expert = cfg.m_tiles // cfg.cluster * cfg.n_tiles
+        self.tile_k = cfg.tile_k
 
     @cute.jit
     def prepare(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
@@ -155,9 +156,9 @@ class VarlenKScheduler:
 
     @cute.jit
     def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
-        """k-tiles of tile ``t``: its expert's rows over ``TILE_K``."""
+        """k-tiles of tile ``t``: its expert's rows over the k-tile."""
         e = t // self.per_expert
-        return (m_off[e + 1] - m_off[e] + TILE_K - 1) // TILE_K
+        return (m_off[e + 1] - m_off[e] + self.tile_k - 1) // self.tile_k
 
 
 def make_scheduler(cfg: GroupedGemmConfig):

@@ -1,0 +1,163 @@
+"""GPU FP8 weight gradients (issue 18): ``quantize_cols_grouped`` bitwise against its reference,
+and ``grouped_gemm_varlen_k_fp8`` against the promoted fp32 reference
+(:func:`sonic.reference.fp8.grouped_mm_varlen_k_fp8_reference`) and the bf16 varlen-K kernel.
+
+Tolerances, and why (as in ``test_grouped_gemm_fp8.py``):
+
+* Quantization: the same amax, IEEE division and e4m3 rounding as the reference, so bitwise
+  (every column of the K-major copy, padding and the unused tail included).
+* GEMM against the reference on the same quantized operands: fp32 summation order and the
+  WGMMA's narrower accumulation inside a 128-row block differ, ~1e-5 relative, far below the
+  bf16 output rounding: Frobenius error against ``ref.bfloat16()`` < 2^-8 and every element
+  within one bf16 ulp (2^-7 relative) plus 1e-4 of the largest magnitude.
+* Against the bf16 varlen-K kernel on the unquantized rows: two e4m3 roundings per product,
+  ≈3.7–3.9% rms relative on this data; bound 6%.
+"""
+
+import pytest
+import torch
+
+from kernel_checks import (fp8_kernels,  # noqa: F401 (fixture)
+                           expert_counts as _counts, expert_offsets as _offsets,
+                           fp8_rand as _rand, poison_allocator, rel_err as _rel_err)
+
+from sonic.reference import fp8 as R
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernels")]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rows(num_pairs, num_experts, cols, mode, gathered, seed):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
+    num_src = max(num_pairs // 3, 1) if gathered else num_pairs
+    x = _rand(num_src, cols, gen=gen)
+    idx = (torch.randint(0, num_src, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
+           if gathered else None)
+    return x, offsets, idx
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("num_pairs,num_experts,cols,mode", [
+    (1, 1, 128, "ragged"),            # T = 1: one row, 127 rows of padding
+    (1000, 8, 768, "ragged"),
+    (3001, 16, 256, "empty"),         # half the experts empty
+    (777, 4, 384, "one"),             # one expert takes every row
+    (4096, 32, 128, "ragged"),
+    (20000, 256, 2048, "ragged"),     # many experts, 30B's d
+])
+def test_quantize_cols_grouped_bitwise(num_pairs, num_experts, cols, mode, gathered):
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+
+    x, offsets, idx = _rows(num_pairs, num_experts, cols, mode, gathered, num_pairs + cols)
+    x[0, :5] *= 300.0                                 # an outlier column block
+    k_offsets = R.padded_offsets(offsets)
+    want = R.quantize_cols_grouped(x, offsets, k_offsets, idx)
+    before = x.clone()
+    poison_allocator(256 << 20)
+    got = quantize_cols_grouped(x, offsets, k_offsets, idx)
+    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    assert torch.equal(_bits(got[0]), _bits(want[0]))
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(x, before)
+
+
+def test_quantize_cols_grouped_exact_multiples_and_padded_routing():
+    """Counts that are multiples of 128 (no padding), and rows past ``offsets[E]`` (a padded
+    routing's padding, NaN here) that must not be read."""
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+
+    gen = torch.Generator().manual_seed(3)
+    x = _rand(1024, 256, gen=gen)
+    x[900:] = float("nan")
+    offsets = _offsets(torch.tensor([256, 0, 512, 128]))
+    k_offsets = R.padded_offsets(offsets)
+    assert k_offsets.tolist() == offsets.tolist()
+    got = quantize_cols_grouped(x, offsets, k_offsets)
+    want = R.quantize_cols_grouped(x, offsets, k_offsets)
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
+    assert torch.isfinite(got[1]).all()
+
+
+def _wgrad_problem(num_pairs, num_experts, dim_m, dim_n, mode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
+    a, b = _rand(num_pairs, dim_m, gen=gen), _rand(num_pairs, dim_n, gen=gen)
+    return a, b, offsets
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,dim_m,dim_n,mode", [
+    (1, 1, 128, 128, "ragged"),           # T = 1
+    (1000, 8, 256, 128, "ragged"),        # even m-tiles: 2-CTA cluster
+    (1000, 8, 384, 256, "ragged"),        # odd m-tiles: one CTA
+    (3001, 16, 1536, 512, "empty"),       # half the experts get zeros
+    (777, 4, 256, 384, "one"),            # one expert takes every row
+    (20000, 128, 256, 256, "ragged"),     # 128 experts
+    (8192, 16, 1536, 2048, "ragged"),     # 30B dW1 widths (2n, d)
+])
+def test_varlen_k_fp8(num_pairs, num_experts, dim_m, dim_n, mode):
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+    from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k, grouped_gemm_varlen_k_fp8
+
+    a, b, offsets = _wgrad_problem(num_pairs, num_experts, dim_m, dim_n, mode,
+                                   num_pairs + dim_m + dim_n)
+    k_offsets = R.padded_offsets(offsets)
+    a_t = quantize_cols_grouped(a, offsets, k_offsets)
+    b_t = quantize_cols_grouped(b, offsets, k_offsets)
+    inputs = [t.clone() for t in (*a_t, *b_t)]
+    ref = R.grouped_mm_varlen_k_fp8_reference(*a_t, *b_t, k_offsets, out_dtype=torch.float32)
+    poison_allocator(512 << 20)
+    out = grouped_gemm_varlen_k_fp8(*a_t, *b_t, k_offsets)
+    assert out.shape == (num_experts, dim_m, dim_n) and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert _rel_err(out, ref.bfloat16()) < 2 ** -8
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7,
+                               atol=1e-4 * ref.abs().max().item())
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(out[e], torch.zeros_like(out[e]))
+    # Within the e4m3 bound of the bf16 varlen-K kernel on the unquantized rows.
+    assert _rel_err(out, grouped_gemm_varlen_k(a, b, offsets)) < 0.06
+    poison_allocator(512 << 20)
+    assert torch.equal(out, grouped_gemm_varlen_k_fp8(*a_t, *b_t, k_offsets))
+    for before, after in zip(inputs, (*a_t, *b_t)):
+        assert torch.equal(_bits(before), _bits(after))
+
+
+def test_varlen_k_fp8_gathered_operand_matches_its_copy():
+    """Gathering while quantizing equals quantizing the gathered rows (dW1's X side)."""
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+    from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k_fp8
+
+    x, offsets, idx = _rows(5000, 16, 512, "ragged", True, 11)
+    k_offsets = R.padded_offsets(offsets)
+    gathered = quantize_cols_grouped(x, offsets, k_offsets, idx)
+    copied = quantize_cols_grouped(x.index_select(0, idx.long()).contiguous(), offsets,
+                                   k_offsets)
+    assert torch.equal(_bits(gathered[0]), _bits(copied[0]))
+    dh = quantize_cols_grouped(_rand(5000, 256, gen=torch.Generator().manual_seed(2)),
+                               offsets, k_offsets)
+    assert torch.equal(grouped_gemm_varlen_k_fp8(*dh, *gathered, k_offsets),
+                       grouped_gemm_varlen_k_fp8(*dh, *copied, k_offsets))
+
+
+def test_varlen_k_fp8_validation_on_device():
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+    from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k_fp8
+
+    a, b, offsets = _wgrad_problem(300, 2, 256, 128, "ragged", 0)
+    k_offsets = R.padded_offsets(offsets)
+    a_t, b_t = (quantize_cols_grouped(t, offsets, k_offsets) for t in (a, b))
+    with pytest.raises(ValueError, match="N \\(rows of b_t_q\\) must be a positive multiple"):
+        grouped_gemm_varlen_k_fp8(*a_t, b_t[0][:64].contiguous(), b_t[1][:, :64].contiguous(),
+                                  k_offsets)
+    with pytest.raises(ValueError, match="b_scales must have shape"):
+        grouped_gemm_varlen_k_fp8(*a_t, b_t[0], a_t[1], k_offsets)
+    with pytest.raises(TypeError, match="a_t_q must have dtype"):
+        grouped_gemm_varlen_k_fp8(a_t[0].float(), a_t[1], *b_t, k_offsets)
+    with pytest.raises(ValueError, match="must be a multiple of 128"):
+        quantize_cols_grouped(a[:, :200].contiguous(), offsets, k_offsets)
