@@ -134,7 +134,7 @@ def _steps(layer, x, params, k, grad):
 
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
             precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
-            fp8_weight_grads=("fp8",)):
+            fp8_weight_grads=("bf16",)):
     T, d, n, E, K = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
@@ -331,7 +331,7 @@ def main(argv=None):
                         help="sonic.backend.set_fp8_epilogues choices for the FP8 rows: the "
                              "first for sonic-fp8, each further one a row sonic-fp8-<choice> "
                              "(same-run A/B of the FP8 up-proj / dH kernels)")
-    parser.add_argument("--fp8-weight-grads", nargs="+", default=["fp8"], choices=("fp8", "bf16"),
+    parser.add_argument("--fp8-weight-grads", nargs="+", default=["bf16"], choices=("fp8", "bf16"),
                         help="sonic.backend.set_fp8_weight_grads choices for the FP8 rows: "
                              "the first for sonic-fp8, each further one a row "
                              "sonic-fp8-wgrad-<choice>")

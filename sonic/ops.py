@@ -32,9 +32,9 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   activation_cache) -> (out, H, H_scales)`` with ``fp8_weights`` the eight tensors of
   ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
   for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
-  ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``sonic::quantize_cols_grouped`` and
-  ``sonic::grouped_mm_varlen_k_fp8`` (FP8 weight gradients; ``grouped_mm_varlen_k`` under
-  ``sonic.backend.set_fp8_weight_grads("bf16")``) and ``aggregate``, and may write dH over H
+  ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
+  gradients; ``sonic::quantize_cols_grouped`` and ``sonic::grouped_mm_varlen_k_fp8`` under
+  ``sonic.backend.set_fp8_weight_grads("fp8")``) and ``aggregate``, and may write dH over H
   as the bf16 one does;
   ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
   a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default

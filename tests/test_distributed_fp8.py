@@ -26,7 +26,15 @@ E, K = 8, 2
 TOL = 2 ** -6
 
 
-def _case(rank, world, precision, activation_cache):
+def _case(rank, world, precision, activation_cache, weight_grads="bf16"):
+    previous = sonic.backend.set_fp8_weight_grads(weight_grads)
+    try:
+        return _case_with(rank, world, precision, activation_cache)
+    finally:
+        sonic.backend.set_fp8_weight_grads(previous)
+
+
+def _case_with(rank, world, precision, activation_cache):
     torch.manual_seed(0)
     full = sonic.MoE(D, N, E, K, backend="torch", dtype=torch.bfloat16, precision=precision,
                      activation_cache=activation_cache)
@@ -59,7 +67,7 @@ def _case(rank, world, precision, activation_cache):
     plain.load_state_dict(full.state_dict())
     quantized = _rel(out_ref.detach().float(), plain(x_full).detach().float())
     return {"errors": errors, "quantized": quantized, "chunked": chunked,
-            "options": (layer.precision, layer.activation_cache)}
+            "options": (layer.precision, layer.activation_cache), "dw1": unchunked[3]}
 
 
 def _disagreement(rank):
@@ -79,6 +87,10 @@ def _disagreement(rank):
 def _all(rank, world):
     results = {(p, c): _case(rank, world, p, c)
                for p, c in (("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"))}
+    # FP8 weight gradients: every expert here has fewer than 128 rows, so one 128 x 1 block
+    # holds all of an expert's rows, on one rank in any order (with more rows the blocks
+    # would group rows by arrival, and the scales, hence the roundings, would differ).
+    results[("fp8w", "bf16")] = _case(rank, world, "fp8", "bf16", weight_grads="fp8")
     results["disagree"] = _disagreement(rank)
     return results
 
@@ -89,16 +101,20 @@ def fp8_results(request, tmp_path_factory):
                   timeout=240)
 
 
-@pytest.mark.parametrize("options", [("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8")],
+@pytest.mark.parametrize("options", [("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"),
+                                     ("fp8w", "bf16")],
                          ids=lambda o: f"precision={o[0]}-cache={o[1]}")
 def test_ep_fp8_matches_single_process(fp8_results, options):
     for rank, result in enumerate(fp8_results):
         r = result[options]
-        assert r["options"] == options
+        assert r["options"] == (options[0][:4].rstrip("w"), options[1])
         assert max(r["errors"].values()) <= TOL, (rank, r["errors"])
-        if options[0] == "fp8":
+        if options[0] != "bf16":
             assert r["quantized"] > 1e-2, (rank, r["quantized"])
         assert max(r["chunked"].values()) <= TOL, (rank, r["chunked"])
+        if options[0] == "fp8w":   # the weight gradients did take the FP8 path
+            bf16_wgrad = result[("fp8", "bf16")]["dw1"].float()
+            assert _rel(r["dw1"].float(), bf16_wgrad) > 1e-2, rank
 
 
 def test_ranks_disagreeing_on_precision_raise_on_every_rank(fp8_results):

@@ -76,7 +76,7 @@ def _merge(gate, up, gate_up):
 
 
 def _emulate(x, w1, w2, scores, tok, exp, dout, gate_up, activation_cache="bf16",
-             da_prime_fp32=False, fp8_weight_grads=True):
+             da_prime_fp32=False, fp8_weight_grads=False):
     """The FP8 layer written out from the recipe's primitives: output and the gradients of
     x, w1, w2 and scores; with the fp8 activation cache the backward reads H as
     dequantize(quantize_rows(H)) rounded to bf16; ``da_prime_fp32``: dSwiGLU of the fp32 dA'

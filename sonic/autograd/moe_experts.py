@@ -30,9 +30,12 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
   forward copies transposed, q and 128×128 block scales alike: a square block holds the same
   values in both orientations, so this *is* ``quantize_blocks(Wᵀ)``, with no re-quantization;
   they are made with the forward copies, once per optimizer step.
-* Weight gradients dW1, dW2 stay bf16 varlen-K GEMMs: they reduce over tokens (rows), while
-  1×128 row scales run along the reduction's other axis; FP8 operands would need a second,
-  column-wise quantization of dO, A', dH and X. Whether that pays is not measured here.
+* Weight gradients dW1, dW2 are bf16 varlen-K GEMMs by default. They reduce over tokens
+  (rows), while the 1×128 row scales run along the reduction's other axis, so FP8 operands
+  need a second, column-wise quantization of dO, A', dH and gathered X into K-major copies
+  (:func:`sonic.backend.set_fp8_weight_grads` ``("fp8")``): no accuracy cost in the CPU
+  emulation, but slower on the H200 (the FP8 varlen-K GEMM runs at the bf16 one's speed and
+  the four passes add 3.7–5.4 ms at OLMoE/30B; benchmarks/RESULTS.md).
 * Saved for backward: as in bf16 (X by reference, H ``(P, 2n)`` in bf16 or, with
   ``activation_cache="fp8"``, in e4m3 + 1×128 scales; scores, metadata; nothing ``P × d``)
   plus the caller's FP8 weight copies by reference.

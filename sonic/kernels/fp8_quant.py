@@ -24,14 +24,23 @@ same index), which costs less than re-quantizing each of the ``K`` copies of a t
 the k-block and rounds once to bf16 — one 8-byte load and one 16-byte store, so bitwise the
 reference's ``(q.float() * scale).to(bfloat16)``.
 
-``quantize_blocks``: one CTA (256 threads) per 128×128 block of ``(E, N, K)``; lane ``t`` owns
-columns ``8·(t mod 16) ..`` of rows ``t // 16 + 16·i`` (i < 8), so each row of the block is
-read by 16 neighbouring lanes in two full 128-byte lines. ``amax``: per thread, then a warp
-butterfly, then the 8 warps' maxima through shared memory. A partial last row block (``N`` not a
-multiple of 128) re-reads its last row in place of the missing ones — that leaves ``amax``
-unchanged — and stores only its rows.
+``quantize_blocks``: one CTA (256 threads) per 128×128 block of ``(E, N, K)``; lane ``(rg, h)``
+of warp ``w`` owns rows ``8·rg .. 8·rg + 7`` and columns ``8·(2w + h) .. + 7``, an 8 × 8 tile
+(each row read as 32-byte sectors by two lanes). ``amax``: per thread, then a warp butterfly,
+then the 8 warps' maxima through shared memory. A partial last row block (``N`` not a multiple
+of 128) re-reads its last row in place of the missing ones — that leaves ``amax`` unchanged —
+and stores only its rows. The transposed copy leaves from registers: the thread's 8 × 8 e4m3
+bytes are transposed by byte permutes (``prmt``) and stored as one 8-byte piece of each of 8
+rows of ``wᵀ``; the earlier transpose through shared memory read single bytes with 8-way bank
+conflicts.
 
-``K`` must be a multiple of 128 for both (the FP8 GEMMs need it too): a ``ValueError`` names
+``quantize_cols_grouped`` (the FP8 weight gradients' operands): the same 8 × 8 thread tiles
+over 128 rows of one expert (padded with zeros past its end; gathered rows read through the
+index) × 128 columns, a scale per column from a butterfly over the 16 row groups of a warp
+(a warp holds all 128 rows of its 16 columns: no shared memory), the transposed tile stored
+as above into the K-major copy.
+
+``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a ``ValueError`` names
 the argument otherwise.
 """
 
@@ -60,9 +69,10 @@ FP8_MAX = 448.0
 def device_helpers() -> types.SimpleNamespace:
     """The device functions of the recipe, traced inline by the kernels that quantize
     (these and :mod:`sonic.kernels.swiglu`'s): ``slice_amax``, ``butterfly_max``,
-    ``scale_of``, ``quantize``, ``quantize_store`` (imports cutlass, so only on first use)."""
+    ``scale_of``, ``quantize``, ``quantize_store``, ``transpose_8x8`` (imports cutlass, so
+    only on first use)."""
     import cutlass
-    from cutlass import Float8E4M3FN, Float32, cute
+    from cutlass import Float8E4M3FN, Float32, Uint32, cute
 
     def slice_amax(frag):
         """NaN-propagating max of ``|x|`` over an 8-element fp32 register fragment."""
@@ -95,9 +105,27 @@ def device_helpers() -> types.SimpleNamespace:
         """:func:`quantize` into the 8-element fp8 global tensor ``dst``."""
         cute.autovec_copy(quantize(frag, scale), dst)
 
+    def transpose_8x8(words):
+        """8 x 8 bytes in 16 words, ``words[2i + h]`` = row ``i``'s bytes ``4h .. 4h+3``
+        (little-endian) → a new fragment whose ``[2j + h]`` is column ``j``'s bytes of rows
+        ``4h .. 4h+3``: four 4 x 4 byte transposes of two byte-permute rounds each, in
+        registers (a transpose through shared memory costs bank-conflicted byte loads)."""
+        out = cute.make_rmem_tensor((2 * VEC,), Uint32)
+        for hc in range(2):            # column half: which word of each row
+            for hr in range(2):        # row half
+                w = [words[2 * (4 * hr + r) + hc] for r in range(4)]
+                # Interleave rows 0/1 and 2/3 byte by byte, then take byte pairs.
+                t = [cute.arch.prmt(w[2 * q], w[2 * q + 1], sel)
+                     for q in range(2) for sel in (0x5140, 0x7362)]
+                for c in range(4):
+                    lo, hi = (t[0], t[2]) if c < 2 else (t[1], t[3])
+                    out[2 * (4 * hc + c) + hr] = Uint32(cute.arch.prmt(
+                        lo, hi, 0x5410 if c % 2 == 0 else 0x7632))
+        return out
+
     return types.SimpleNamespace(slice_amax=slice_amax, butterfly_max=butterfly_max,
                                  scale_of=scale_of, quantize=quantize,
-                                 quantize_store=quantize_store)
+                                 quantize_store=quantize_store, transpose_8x8=transpose_8x8)
 
 
 @functools.cache
@@ -110,6 +138,7 @@ def _kernels():
     fp8 = device_helpers()
     slice_amax, butterfly_max, scale_of = fp8.slice_amax, fp8.butterfly_max, fp8.scale_of
     quantize, quantize_store = fp8.quantize, fp8.quantize_store
+    transpose_8x8 = fp8.transpose_8x8
 
     class QuantizeRowsKernel:
         """``(M, K)`` bf16 → ``q (M, K)`` e4m3 and ``scales (K/128, M)`` fp32; ``K`` static."""
@@ -226,19 +255,23 @@ def _kernels():
             tidx, _, _ = cute.arch.thread_idx()
             nb, kb, expert = cute.arch.block_idx()
             warps = THREADS // 32
-            row_step = THREADS // LANES_PER_SLICE
-            per_lane = BLOCK // row_step
-            col = kb * BLOCK + (tidx % LANES_PER_SLICE) * VEC
-            first = nb * BLOCK + tidx // LANES_PER_SLICE
+            # Lane (rg, h): rows 8·rg .. + 7 of the block; warp w: columns 8·(2w + h) .. + 7
+            # (the layout of QuantizeColsKernel: a thread's 8 x 8 bytes leave by rows of wᵀ).
+            lane = tidx % 32
+            r0 = (lane // 2) * VEC
+            c0 = ((tidx // 32) * 2 + lane % 2) * VEC
+            col = kb * BLOCK + c0
+            first = nb * BLOCK + r0
             base = Int64(expert) * n.to(Int64) * self.k
-            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(per_lane)]
-            for i in cutlass.range_constexpr(per_lane):
-                row = Int64(cutlass.min(first + i * row_step, n - 1))
+            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)]
+            for i in cutlass.range_constexpr(VEC):
+                # A partial last row block re-reads row n - 1: amax is unchanged.
+                row = Int64(cutlass.min(first + i, n - 1))
                 src = w + (base + row * self.k + col)
                 cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), frags[i])
-            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(per_lane)]
+            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(VEC)]
             amax = Float32(0.0)
-            for i in cutlass.range_constexpr(per_lane):
+            for i in cutlass.range_constexpr(VEC):
                 vals[i].store(frags[i].load().to(Float32))
                 amax = cute.arch.fmax(amax, slice_amax(vals[i]), nan=True)
             amax = butterfly_max(amax, 32)
@@ -252,27 +285,16 @@ def _kernels():
             for j in cutlass.range_constexpr(1, warps):
                 amax = cute.arch.fmax(amax, warp_max[j], nan=True)
             scale = scale_of(amax)
-            # The block's bytes, row-major with a padded row (the transposed reads below walk
-            # a column: 8-byte row offsets spread them over the banks).
-            stride = BLOCK + 8
-            tile = None
-            if cutlass.const_expr(self.transposed):
-                tile = smem.allocate_tensor(Uint8, cute.make_layout((BLOCK, stride),
-                                                                    stride=(stride, 1)),
-                                            byte_alignment=16)
-            r0 = tidx // LANES_PER_SLICE
-            c0 = (tidx % LANES_PER_SLICE) * VEC
-            for i in cutlass.range_constexpr(per_lane):
-                row = first + i * row_step
+            words = cute.make_rmem_tensor((2 * VEC,), Uint32)
+            for i in cutlass.range_constexpr(VEC):
+                row = first + i
                 out = quantize(vals[i], scale)
                 if row < n:
                     dst = q + (base + Int64(row) * self.k + col)
                     cute.autovec_copy(out, cute.make_tensor(dst, cute.make_layout(VEC)))
-                if cutlass.const_expr(self.transposed):
-                    cute.autovec_copy(cute.recast_tensor(out, Uint8),
-                                      cute.make_tensor(tile.iterator + ((r0 + i * row_step) * stride
-                                                                        + c0),
-                                                       cute.make_layout(VEC)))
+                packed = cute.recast_tensor(out, Uint32)
+                words[2 * i] = packed[0]
+                words[2 * i + 1] = packed[1]
             if tidx == 0:
                 num_nb = (n + BLOCK - 1) // BLOCK
                 flat = (Int64(expert) * num_nb + nb) * self.kb + kb
@@ -281,23 +303,17 @@ def _kernels():
                     flat_t = (Int64(expert) * self.kb + kb) * num_nb + nb
                     cute.make_tensor(scales_t + flat_t, cute.make_layout(1))[0] = scale
             if cutlass.const_expr(self.transposed):
-                cute.arch.barrier()
-                # Row kk of the transposed block is column kk of this one: lane (r0, c0) of the
-                # read layout gathers column r0 + i·row_step at rows c0 .. c0 + 7.
+                # Row col + j of wᵀ (N a multiple of 128: every row exists) holds column j's
+                # rows first .. first + 7: one 8-byte store each.
+                columns = transpose_8x8(words)
                 base_t = Int64(expert) * self.k * n.to(Int64)
-                for i in cutlass.range_constexpr(per_lane):
-                    kk = r0 + i * row_step
-                    # The 8 bytes of the column as two little-endian words: one 8-byte store
-                    # (byte-wise stores would issue 8x the store instructions).
-                    words = cute.make_rmem_tensor((2,), Uint32)
-                    for w_i in cutlass.range_constexpr(2):
-                        word = Uint32(0)
-                        for j in cutlass.range_constexpr(VEC // 2):
-                            byte = Uint32(tile[c0 + w_i * (VEC // 2) + j, kk])
-                            word = word | (byte << Uint32(8 * j))
-                        words[w_i] = word
-                    at = base_t + Int64(kb * BLOCK + kk) * n.to(Int64) + nb * BLOCK + c0
-                    cute.autovec_copy(words, cute.make_tensor(qt + at // 4, cute.make_layout(2)))
+                for j in cutlass.range_constexpr(VEC):
+                    at = base_t + Int64(col + j) * n.to(Int64) + first
+                    pair = cute.make_rmem_tensor((2,), Uint32)
+                    pair[0] = columns[2 * j]
+                    pair[1] = columns[2 * j + 1]
+                    cute.autovec_copy(pair, cute.make_tensor(
+                        qt + cute.assume(at // 4, divby=2), cute.make_layout(2)))
 
     class QuantizeColsKernel:
         """Rows of ``(rows, C)`` bf16 grouped by expert (gathered or not) → ``q_t (C, R)`` e4m3
@@ -325,9 +341,6 @@ def _kernels():
                    num_experts: Int32, k_rows: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             cb, kb, _ = cute.arch.block_idx()
-            warps = THREADS // 32
-            row_step = THREADS // LANES_PER_SLICE
-            per_lane = BLOCK // row_step
             off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
             k_off = cute.make_tensor(k_offsets, cute.make_layout(num_experts + 1))
             row0 = kb * BLOCK
@@ -345,82 +358,61 @@ def _kernels():
                     hi = mid - 1
             first = off[lo] + (row0 - k_off[lo])
             last = off[lo + 1]
-            r0 = tidx // LANES_PER_SLICE
-            c0 = (tidx % LANES_PER_SLICE) * VEC
+            # Lane (rg, h): rows 8·rg .. 8·rg + 7 of the block; warp w: columns
+            # 8·(2w + h) .. + 7. A warp holds all 128 rows of its 16 columns, so a column's
+            # amax needs only shuffles, and each thread's 8 x 8 bytes leave by rows of q_t.
+            lane = tidx % 32
+            r0 = (lane // 2) * VEC
+            c0 = ((tidx // 32) * 2 + lane % 2) * VEC
             col = cb * BLOCK + c0
-            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(per_lane)]
-            for i in cutlass.range_constexpr(per_lane):
+            frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)]
+            for i in cutlass.range_constexpr(VEC):
                 # Rows past the expert's end are the block's zero padding.
                 frags[i].fill(0.0)
-                p = first + r0 + i * row_step
+                p = first + r0 + i
                 if p < last:
                     src = Int64(p)
                     if cutlass.const_expr(self.gathered):
                         src = Int64(cute.make_tensor(gidx + p, cute.make_layout(1))[0])
                     cute.autovec_copy(cute.make_tensor(x + (src * self.cols + col),
                                                        cute.make_layout(VEC)), frags[i])
-            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(per_lane)]
-            col_max = cute.make_rmem_tensor((VEC,), Float32)
-            col_max.fill(0.0)
-            for i in cutlass.range_constexpr(per_lane):
+            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(VEC)]
+            col_scale = cute.make_rmem_tensor((VEC,), Float32)
+            col_scale.fill(0.0)
+            for i in cutlass.range_constexpr(VEC):
                 vals[i].store(frags[i].load().to(Float32))
                 for j in cutlass.range_constexpr(VEC):
-                    col_max[j] = cute.arch.fmax(col_max[j], cute.math.absf(vals[i][j]),
-                                                nan=True)
-            # Lanes l and l ^ 16 hold the same columns (other rows).
+                    col_scale[j] = cute.arch.fmax(col_scale[j], cute.math.absf(vals[i][j]),
+                                                  nan=True)
+            # Fold the 16 row groups (lanes of the same parity), then amax -> scale.
             for j in cutlass.range_constexpr(VEC):
-                col_max[j] = cute.arch.fmax(
-                    col_max[j], cute.arch.shuffle_sync_bfly(col_max[j], offset=16),
-                    nan=True)
-            smem = cutlass.utils.SmemAllocator()
-            warp_max = smem.allocate_tensor(Float32, cute.make_layout(
-                (warps, BLOCK), stride=(BLOCK, 1)), byte_alignment=16)
-            block_scales = smem.allocate_tensor(Float32, cute.make_layout(BLOCK),
-                                                byte_alignment=16)
-            stride = BLOCK + 8
-            tile = smem.allocate_tensor(Uint8, cute.make_layout((BLOCK, stride),
-                                                                stride=(stride, 1)),
-                                        byte_alignment=16)
-            if tidx % 32 < LANES_PER_SLICE:
+                amax = col_scale[j]
+                for offset in (2, 4, 8, 16):
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset),
+                                          nan=True)
+                col_scale[j] = scale_of(amax)
+            if lane < 2:
+                block_scales = cute.make_tensor(scales + (Int64(kb) * self.cols + col),
+                                                cute.make_layout(VEC))
                 for j in cutlass.range_constexpr(VEC):
-                    warp_max[tidx // 32, c0 + j] = col_max[j]
-            cute.arch.barrier()
-            # The 8 warps' maxima of column c, folded in a fixed order; both halves of the
-            # CTA do it and store the same values (cheaper than a branch).
-            c = tidx % BLOCK
-            amax = warp_max[0, c]
-            for w in cutlass.range_constexpr(1, warps):
-                amax = cute.arch.fmax(amax, warp_max[w, c], nan=True)
-            scale = scale_of(amax)
-            block_scales[c] = scale
-            cute.make_tensor(scales + Int64(kb) * self.cols,
-                             cute.make_layout(self.cols))[cb * BLOCK + c] = scale
-            cute.arch.barrier()
-            col_scale = cute.make_rmem_tensor((VEC,), Float32)
-            for j in cutlass.range_constexpr(VEC):
-                col_scale[j] = block_scales[c0 + j]
-            for i in cutlass.range_constexpr(per_lane):
+                    block_scales[j] = col_scale[j]
+            words = cute.make_rmem_tensor((2 * VEC,), Uint32)
+            for i in cutlass.range_constexpr(VEC):
                 vals[i].store(vals[i].load() / col_scale.load())
                 out = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
                 out.store(vals[i].load().to(Float8E4M3FN))
-                cute.autovec_copy(cute.recast_tensor(out, Uint8), cute.make_tensor(
-                    tile.iterator + ((r0 + i * row_step) * stride + c0),
-                    cute.make_layout(VEC)))
-            cute.arch.barrier()
-            # Row cb·128 + kk of q_t is column kk of the block: lane (r0, c0) stores its
-            # rows c0 .. c0 + 7 as two little-endian words (one 8-byte store).
-            for i in cutlass.range_constexpr(per_lane):
-                kk = r0 + i * row_step
-                words = cute.make_rmem_tensor((2,), Uint32)
-                for w_i in cutlass.range_constexpr(2):
-                    word = Uint32(0)
-                    for j in cutlass.range_constexpr(VEC // 2):
-                        byte = Uint32(tile[c0 + w_i * (VEC // 2) + j, kk])
-                        word = word | (byte << Uint32(8 * j))
-                    words[w_i] = word
-                at = Int64(cb * BLOCK + kk) * k_rows.to(Int64) + row0 + c0
-                cute.autovec_copy(words, cute.make_tensor(q_t + at // 4,
-                                                          cute.make_layout(2)))
+                packed = cute.recast_tensor(out, Uint32)
+                words[2 * i] = packed[0]
+                words[2 * i + 1] = packed[1]
+            columns = transpose_8x8(words)
+            for j in cutlass.range_constexpr(VEC):
+                # Column c0 + j's rows r0 .. r0 + 7: one 8-byte store into row col + j of q_t.
+                at = Int64(col + j) * k_rows.to(Int64) + row0 + r0
+                pair = cute.make_rmem_tensor((2,), Uint32)
+                pair[0] = columns[2 * j]
+                pair[1] = columns[2 * j + 1]
+                cute.autovec_copy(pair, cute.make_tensor(q_t + cute.assume(at // 4, divby=2),
+                                                         cute.make_layout(2)))
 
     return QuantizeRowsKernel, QuantizeBlocksKernel, DequantizeRowsKernel, QuantizeColsKernel
 

@@ -7,9 +7,13 @@ Tolerances, and why (as in ``test_grouped_gemm_fp8.py``):
 * Quantization: the same amax, IEEE division and e4m3 rounding as the reference, so bitwise
   (every column of the K-major copy, padding and the unused tail included).
 * GEMM against the reference on the same quantized operands: fp32 summation order and the
-  WGMMA's narrower accumulation inside a 128-row block differ, ~1e-5 relative, far below the
-  bf16 output rounding: Frobenius error against ``ref.bfloat16()`` < 2^-8 and every element
-  within one bf16 ulp (2^-7 relative) plus 1e-4 of the largest magnitude.
+  WGMMA's narrower accumulation inside a 128-row block (DeepSeek-V3 §3.3.2: about 14
+  significant bits) differ. In the Frobenius norm that is far below the bf16 output rounding:
+  error against ``ref.bfloat16()`` < 2^-8. Per element the accumulation error scales with the
+  block's sum of |products|, not with the result: rows here differ in magnitude by up to
+  ~50x, so a k-block's terms do too, and an element that cancels to near zero can err by
+  several percent of itself (7% seen on 2 of 262144 elements). So every element within one
+  bf16 ulp (2^-7 relative) plus 2^-12 of ``Σ |a|·|b|`` over its expert's rows.
 * Against the bf16 varlen-K kernel on the unquantized rows: two e4m3 roundings per product,
   ≈3.7–3.9% rms relative on this data; bound 6%.
 """
@@ -28,6 +32,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernels")]
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _abs(q: torch.Tensor) -> torch.Tensor:
+    """|q| of an e4m3 tensor (its sign bit cleared)."""
+    return (q.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
 
 
 def _rows(num_pairs, num_experts, cols, mode, gathered, seed):
@@ -114,8 +123,9 @@ def test_varlen_k_fp8(num_pairs, num_experts, dim_m, dim_n, mode):
     assert out.shape == (num_experts, dim_m, dim_n) and out.dtype == torch.bfloat16
     assert not out.isnan().any()
     assert _rel_err(out, ref.bfloat16()) < 2 ** -8
-    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7,
-                               atol=1e-4 * ref.abs().max().item())
+    magnitude = R.grouped_mm_varlen_k_fp8_reference(_abs(a_t[0]), a_t[1], _abs(b_t[0]), b_t[1],
+                                                    k_offsets, out_dtype=torch.float32)
+    assert ((out.float() - ref).abs() <= 2 ** -7 * ref.abs() + 2 ** -12 * magnitude).all()
     counts = (offsets[1:] - offsets[:-1]).tolist()
     for e, c in enumerate(counts):
         if c == 0:

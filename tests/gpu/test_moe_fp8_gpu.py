@@ -136,7 +136,50 @@ def test_fp8_cute_up_proj_differs_from_emulation_only_by_accumulation_and_roundi
         assert ((hc - ht).abs() <= bound).all(), e
 
 
-def test_fp8_training_step_makes_no_host_sync():
+@pytest.fixture(params=["bf16", "fp8"])
+def weight_grads(request):
+    """The test under both sonic.backend.set_fp8_weight_grads choices."""
+    from sonic.backend import set_fp8_weight_grads
+
+    previous = set_fp8_weight_grads(request.param)
+    yield request.param
+    set_fp8_weight_grads(previous)
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_fp8_weight_grads_cute_match_torch_emulation(router, weight_grads):
+    """The FP8 weight gradients (quantize_cols_grouped + the FP8 varlen-K GEMM) against the
+    torch emulation of the same math, and against the bf16 weight gradients (an FP8 rounding
+    apart, ~4%: so the setting took effect)."""
+    _require_hopper()
+    T, d, n, E, K = 3000, 512, 256, 16, 4
+    x, w1, w2, dout, logits = _problem(T, d, n, E, K, seed=2)
+    r = (sonic.topk_routing(logits, K) if router == "topk"
+         else sonic.token_rounding_routing(logits, K, tile=128, padded=True))
+    results = {}
+    for backend in ("cute", "torch"):
+        meta = sonic.routing_metadata(r, backend=backend)
+        leaves = [t.clone().requires_grad_() for t in (w1, w2)]
+        sonic.moe_experts(x, *leaves, r.scores.detach(), r.token_idx, r.expert_idx,
+                          backend=backend, metadata=meta, precision="fp8").backward(dout)
+        results[backend] = [t.grad for t in leaves]
+    for name, got, want in zip(("dw1", "dw2"), results["cute"], results["torch"]):
+        assert torch.isfinite(got).all(), name
+        assert _rel(got, want) <= 1e-2, (name, _rel(got, want))
+    from sonic.backend import set_fp8_weight_grads
+    other = set_fp8_weight_grads("bf16" if weight_grads == "fp8" else "fp8")
+    try:
+        meta = sonic.routing_metadata(r, backend="cute")
+        leaves = [t.clone().requires_grad_() for t in (w1, w2)]
+        sonic.moe_experts(x, *leaves, r.scores.detach(), r.token_idx, r.expert_idx,
+                          backend="cute", metadata=meta, precision="fp8").backward(dout)
+    finally:
+        set_fp8_weight_grads(other)
+    for got, alt in zip(results["cute"], (t.grad for t in leaves)):
+        assert 1e-2 < _rel(got, alt) < 0.08
+
+
+def test_fp8_training_step_makes_no_host_sync(weight_grads):
     _require_hopper()
     torch.manual_seed(0)
     layer = sonic.MoE(256, 256, 32, 4, router="token_rounding", tile=128, precision="fp8",
