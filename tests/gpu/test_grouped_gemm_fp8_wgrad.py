@@ -13,7 +13,9 @@ Tolerances, and why (as in ``test_grouped_gemm_fp8.py``):
   block's sum of |products|, not with the result: rows here differ in magnitude by up to
   ~50x, so a k-block's terms do too, and an element that cancels to near zero can err by
   several percent of itself (7% seen on 2 of 262144 elements). So every element within one
-  bf16 ulp (2^-7 relative) plus 2^-12 of ``Σ |a|·|b|`` over its expert's rows.
+  bf16 ulp (2^-7 relative) plus 2^-10 of ``Σ |a|·|b|`` over its expert's rows (measured on
+  the H200: at most 2^-11.2 on this data, 2^-13.3 on randn; 32 products per WGMMA each
+  truncated by up to 2^-14 of the largest would be 2^-9).
 * Against the bf16 varlen-K kernel on the unquantized rows: two e4m3 roundings per product,
   ≈3.7–3.9% rms relative on this data; bound 6%.
 """
@@ -125,7 +127,7 @@ def test_varlen_k_fp8(num_pairs, num_experts, dim_m, dim_n, mode):
     assert _rel_err(out, ref.bfloat16()) < 2 ** -8
     magnitude = R.grouped_mm_varlen_k_fp8_reference(_abs(a_t[0]), a_t[1], _abs(b_t[0]), b_t[1],
                                                     k_offsets, out_dtype=torch.float32)
-    assert ((out.float() - ref).abs() <= 2 ** -7 * ref.abs() + 2 ** -12 * magnitude).all()
+    assert ((out.float() - ref).abs() <= 2 ** -7 * ref.abs() + 2 ** -10 * magnitude).all()
     counts = (offsets[1:] - offsets[:-1]).tolist()
     for e, c in enumerate(counts):
         if c == 0:
