@@ -18,7 +18,9 @@ Variants: ``bf16``; ``fp8`` (``--precision fp8``, the store-GEMM path); ``fp8-qu
 ``("quantizing")`` / ``("fused")``: the SwiGLU kernel writing A quantized, bitwise ``fp8`` /
 the fused FP8 epilogue kernels, whose dSwiGLU takes the fp32 dA', emulated so on the
 ``torch`` backend too);
-``fp8c`` (bf16 GEMMs, H kept in e4m3: ``--activation-cache fp8``).
+``fp8-wgrad`` (``--precision fp8`` with :func:`sonic.backend.set_fp8_weight_grads`
+``("fp8")``: FP8 weight gradients too); ``fp8c`` (bf16 GEMMs, H kept in e4m3:
+``--activation-cache fp8``).
 Every run is in this process, one after the other; prints a table and one JSON line.
 """
 
@@ -29,15 +31,17 @@ import statistics
 import sys
 import time
 
-from sonic.backend import set_fp8_epilogues
+from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads
 from sonic.train.loop import TrainConfig, train
 
+# TrainConfig fields, set_fp8_epilogues and set_fp8_weight_grads choices of each variant.
 VARIANTS = {
-    "bf16": ({}, "store"),
-    "fp8": ({"precision": "fp8"}, "store"),
-    "fp8-quantizing": ({"precision": "fp8"}, "quantizing"),
-    "fp8-fused": ({"precision": "fp8"}, "fused"),
-    "fp8c": ({"activation_cache": "fp8"}, "store"),
+    "bf16": ({}, "store", "bf16"),
+    "fp8": ({"precision": "fp8"}, "store", "bf16"),
+    "fp8-quantizing": ({"precision": "fp8"}, "quantizing", "bf16"),
+    "fp8-fused": ({"precision": "fp8"}, "fused", "bf16"),
+    "fp8-wgrad": ({"precision": "fp8"}, "quantizing", "fp8"),
+    "fp8c": ({"activation_cache": "fp8"}, "store", "bf16"),
 }
 
 
@@ -63,8 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     extra = json.loads(args.config)
     losses, seconds = {}, {}
     for name in args.variants:
-        fields, epilogues = VARIANTS[name]
-        previous = set_fp8_epilogues(epilogues)
+        fields, epilogues, weight_grads = VARIANTS[name]
+        previous = (set_fp8_epilogues(epilogues), set_fp8_weight_grads(weight_grads))
         try:
             for seed in args.seeds:
                 config = TrainConfig(**{"steps": args.steps, "seed": seed, "device": args.device,
@@ -75,7 +79,8 @@ def run(args: argparse.Namespace) -> dict:
                 seconds[(name, seed)] = time.perf_counter() - start
                 losses.setdefault(name, {})[seed] = result["val_loss"]
         finally:
-            set_fp8_epilogues(previous)
+            set_fp8_epilogues(previous[0])
+            set_fp8_weight_grads(previous[1])
     summary = {"steps": args.steps, "seeds": args.seeds, "device": result["device"],
                "backend": result["backend"], "variants": {}}
     for name, by_seed in losses.items():
