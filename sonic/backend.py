@@ -177,15 +177,28 @@ def _warn_fallback(reason: str) -> None:
                   "backend", RuntimeWarning, stacklevel=3)
 
 
+class _ProcessChoice:
+    """A process-wide choice among ``choices`` (not a context: the backward runs on
+    autograd's device threads)."""
+
+    def __init__(self, choices: tuple, default: str):
+        self.choices, self.value = choices, default
+
+    def set(self, kind: str) -> str:
+        check_choice("kind", kind, self.choices)
+        previous, self.value = self.value, kind
+        return previous
+
+
 # Which kernels run the FP8 up-proj and dH steps on the CuTe backend (set_fp8_epilogues).
 FP8_EPILOGUES = ("store", "quantizing", "fused")
-_fp8_epilogues = "quantizing"
+_fp8_epilogues = _ProcessChoice(FP8_EPILOGUES, "quantizing")
 
 
 def _fused_dswiglu(gate_up: str, gather_idx) -> bool:
     """Whether the FP8 dH step takes dSwiGLU of the fp32 dA' (the fused kernel's math, which
     the reference then emulates) rather than of its bf16 rounding."""
-    return _fp8_epilogues == "fused" and gate_up == "concat" and gather_idx is not None
+    return _fp8_epilogues.value == "fused" and gate_up == "concat" and gather_idx is not None
 
 
 def set_fp8_epilogues(kind: str) -> str:
@@ -219,15 +232,17 @@ def set_fp8_epilogues(kind: str) -> str:
     Raises:
         ValueError: ``kind`` not in :data:`FP8_EPILOGUES`.
     """
-    global _fp8_epilogues
-    check_choice("kind", kind, FP8_EPILOGUES)
-    previous, _fp8_epilogues = _fp8_epilogues, kind
-    return previous
+    return _fp8_epilogues.set(kind)
+
+
+def fp8_epilogues() -> str:
+    """The current :func:`set_fp8_epilogues` choice."""
+    return _fp8_epilogues.value
 
 
 # Precision of the FP8 path's weight gradients (set_fp8_weight_grads).
 FP8_WEIGHT_GRADS = ("fp8", "bf16")
-_fp8_weight_grads = "bf16"
+_fp8_weight_grads = _ProcessChoice(FP8_WEIGHT_GRADS, "bf16")
 
 
 def set_fp8_weight_grads(kind: str) -> str:
@@ -254,15 +269,12 @@ def set_fp8_weight_grads(kind: str) -> str:
     Raises:
         ValueError: ``kind`` not in :data:`FP8_WEIGHT_GRADS`.
     """
-    global _fp8_weight_grads
-    check_choice("kind", kind, FP8_WEIGHT_GRADS)
-    previous, _fp8_weight_grads = _fp8_weight_grads, kind
-    return previous
+    return _fp8_weight_grads.set(kind)
 
 
 def fp8_weight_grads() -> str:
     """The current :func:`set_fp8_weight_grads` choice."""
-    return _fp8_weight_grads
+    return _fp8_weight_grads.value
 
 
 @contextlib.contextmanager
@@ -504,7 +516,7 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
     # set_fp8_epilogues: the fused kernel, or the FP8 GEMM with its store epilogue then the
     # one-pass SwiGLU kernel; A (and the fp8 cache's H) quantized after it, or by it
     # ("quantizing", the default).
-    if (_fp8_epilogues == "fused" and gather_idx is not None
+    if (_fp8_epilogues.value == "fused" and gather_idx is not None
             and _fp8_gemm_fits(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx)
             and (h_out is None or (h_out.is_contiguous() and h_out.data_ptr() % 16 == 0))):
         h, act = gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
@@ -513,7 +525,7 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
     h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
     if not _epilogue_kernel_fits(h):
         return with_h_q(h, *_cute_quantize_rows(reference.swiglu(h, gate_up)))
-    if _fp8_epilogues == "quantizing" and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0:
+    if _fp8_epilogues.value == "quantizing" and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0:
         return h, *kernels.swiglu(h, gate_up, quantize=True, quantize_h=quantize_h)
     return with_h_q(h, *_cute_quantize_rows(kernels.swiglu(h, gate_up)))
 
@@ -529,7 +541,7 @@ def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx
 
     # The fp8 cache's H: under "quantizing" the one-pass dSwiGLU kernel reads it in e4m3;
     # otherwise it is dequantized into a bf16 buffer of this step's own (dH may go over it).
-    if h_scales is not None and (_fp8_epilogues != "quantizing" or not (
+    if h_scales is not None and (_fp8_epilogues.value != "quantizing" or not (
             h.is_cuda and h.is_contiguous() and h.data_ptr() % 8 == 0
             and h_scales.is_contiguous())):
         h, h_scales, overwrite_h = _cute_dequantize_rows(h, h_scales), None, True
@@ -546,7 +558,7 @@ def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx
         return with_dh_q((dh, reference.copy_into(a_out, a_scaled), ds))
     # "quantizing": the one-pass kernel writes dH_q beside dH, so the dX GEMM's operand costs
     # no second read of dH.
-    in_kernel = (quantize_dh and _fp8_epilogues == "quantizing"
+    in_kernel = (quantize_dh and _fp8_epilogues.value == "quantizing"
                  and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0)
     step = _dswiglu_epilogue_kernel(da_prime, h, row_scores.float().contiguous(), gate_up,
                                     overwrite_h, a_out, quantize_dh=in_kernel,

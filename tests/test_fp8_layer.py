@@ -533,13 +533,14 @@ def test_train_seeds_benchmark_smoke(capsys):
     spec.loader.exec_module(bench)
     tiny = '{"eval_every": 0, "eval_batches": 1, "batch_size": 2, "seq_len": 16, "layers": 1}'
     assert bench.main(["--device", "cpu", "--backend", "torch", "--steps", "2", "--seeds", "0",
-                       "1", "--variants", "bf16", "fp8", "fp8-fused", "--config", tiny]) == 0
+                       "1", "--variants", "bf16", "fp8", "fp8-fused", "fp8-wgrad", "--config",
+                       tiny]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     variants = summary["variants"]
-    assert set(variants) == {"bf16", "fp8", "fp8-fused"}
+    assert set(variants) == {"bf16", "fp8", "fp8-fused", "fp8-wgrad"}
     assert variants["bf16"]["mean_gap"] == 0.0
-    for name in ("fp8", "fp8-fused"):
+    for name in ("fp8", "fp8-fused", "fp8-wgrad"):
         for seed in ("0", "1"):
             gap = variants[name]["val_loss"][seed] / variants["bf16"]["val_loss"][seed] - 1
             assert variants[name]["gap_to_bf16"][seed] == pytest.approx(gap)
-    assert backend._fp8_epilogues == "quantizing"
+    assert backend.fp8_epilogues() == "quantizing" and backend.fp8_weight_grads() == "bf16"

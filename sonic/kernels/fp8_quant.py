@@ -135,6 +135,8 @@ def _kernels():
     from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, cute
     from cuda.bindings import driver as cuda
 
+    from sonic.kernels.grouped_gemm.tile_scheduler import last_at_most
+
     fp8 = device_helpers()
     slice_amax, butterfly_max, scale_of = fp8.slice_amax, fp8.butterfly_max, fp8.scale_of
     quantize, quantize_store = fp8.quantize, fp8.quantize_store
@@ -348,16 +350,9 @@ def _kernels():
             # k_off[e] <= row0 (an empty expert shares its start with the next one).
             # Blocks past the last expert's padded rows land on expert E - 1 past its
             # rows: all padding, written as zeros with scale 1 like the reference's.
-            lo = Int32(0)
-            hi = num_experts - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if k_off[mid] <= row0:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            first = off[lo] + (row0 - k_off[lo])
-            last = off[lo + 1]
+            e = last_at_most(k_off, row0, num_experts)
+            first = off[e] + (row0 - k_off[e])
+            last = off[e + 1]
             # Lane (rg, h): rows 8·rg .. 8·rg + 7 of the block; warp w: columns
             # 8·(2w + h) .. + 7. A warp holds all 128 rows of its 16 columns, so a column's
             # amax needs only shuffles, and each thread's 8 x 8 bytes leave by rows of q_t.

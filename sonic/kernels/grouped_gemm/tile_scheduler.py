@@ -13,6 +13,22 @@ from cutlass import Int32, cute
 from sonic.kernels.grouped_gemm.config import TILE_M, GroupedGemmConfig
 
 
+@cute.jit
+def last_at_most(starts: cute.Tensor, value: Int32, count: Int32) -> Int32:
+    """The largest ``e < count`` with ``starts[e] <= value``, by binary search over the
+    non-decreasing ``starts`` (``starts[0] <= value``): which expert of a table of expert
+    starts (rows, tiles, padded rows) holds ``value``."""
+    lo = Int32(0)
+    hi = count - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if starts[mid] <= value:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class VarlenMScheduler:
     """varlen-M: linear m-tiles of all experts × n-tiles, via a per-CTA table in shared memory.
 
@@ -96,18 +112,10 @@ class VarlenMScheduler:
 
     @cute.jit
     def expert_of(self, mg: Int32, table: cute.Tensor, num_experts: Int32) -> Int32:
-        """The expert owning linear m-tile ``mg``: the largest ``e`` with ``table[e] <= mg``
+        """The expert owning linear m-tile ``mg``: :func:`last_at_most` of the tile table
         (empty experts share their start with the next expert, so the search lands on the
         one that owns the tile)."""
-        lo = Int32(0)
-        hi = num_experts - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if table[mid] <= mg:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return last_at_most(table, mg, num_experts)
 
     @cute.jit
     def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
