@@ -228,3 +228,82 @@ def test_error_bound_grows_with_accumulation_roundoff():
     assert bool((wgmma > fp32).all())
     with pytest.raises(ValueError, match="accum_roundoff must be in"):
         fp8_error_bound(x, w, a_s, b_s, accum_roundoff=1.5)
+
+
+def _expert_rows(counts, cols, gathered, seed):
+    g = torch.Generator().manual_seed(seed)
+    off = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    off[1:] = torch.tensor(counts).cumsum(0)
+    rows = int(off[-1])
+    x = torch.randn(max(rows // 2, 1) if gathered else rows, cols, generator=g)
+    x = (x * torch.exp(torch.randn(x.shape[0], 1, generator=g))).to(torch.bfloat16)
+    idx = (torch.randint(0, x.shape[0], (rows,), generator=g, dtype=torch.int32)
+           if gathered else None)
+    return x, off, idx
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("counts", [[1], [0, 300, 0, 128, 5], [257, 1, 0], [0, 0, 7]])
+def test_quantize_cols_grouped_is_per_expert_column_blocks(counts, gathered):
+    """Each expert's rows, transposed, quantized per 1 x 128 slice (= 128 x 1 blocks of the
+    rows), zero-padded to whole blocks, at the padded offsets; the tail zeros with scale 1."""
+    from sonic.reference.fp8 import padded_offsets, padded_rows_bound, quantize_cols_grouped
+
+    x, off, idx = _expert_rows(counts, 256, gathered, sum(counts))
+    k_off = padded_offsets(off)
+    assert k_off.dtype == torch.int32
+    assert (k_off[1:] - k_off[:-1]).tolist() == [-(-c // BLOCK) * BLOCK for c in counts]
+    q_t, scales = quantize_cols_grouped(x, off, k_off, idx)
+    bound = padded_rows_bound(int(off[-1]), len(counts))
+    assert q_t.shape == (256, bound) and scales.shape == (bound // BLOCK, 256)
+    rows = x if idx is None else x[idx.long()]
+    for e, c in enumerate(counts):
+        lo, k0 = int(off[e]), int(k_off[e])
+        padded = torch.zeros(-(-c // BLOCK) * BLOCK, 256, dtype=torch.bfloat16)
+        padded[:c] = rows[lo:lo + c]
+        want_q, want_s = quantize_rows(padded.t())
+        got = q_t[:, k0:k0 + padded.shape[0]]
+        assert torch.equal(got.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scales[k0 // BLOCK:k0 // BLOCK + want_s.shape[0]], want_s)
+    tail = int(k_off[-1])
+    assert not q_t[:, tail:].float().any() and (scales[tail // BLOCK:] == 1).all()
+
+
+def test_varlen_k_fp8_reference_against_fp32():
+    """The promoted reference equals the per-expert product of the dequantized copies (fp32
+    order aside), is an e4m3 rounding away from the unquantized product, and gives zeros for
+    an empty expert."""
+    from sonic.reference.fp8 import (grouped_mm_varlen_k_fp8_reference, padded_offsets,
+                                     quantize_cols_grouped)
+
+    counts = [300, 0, 129, 64]
+    a, off, _ = _expert_rows(counts, 256, False, 1)
+    b, _, _ = _expert_rows(counts, 128, False, 2)
+    k_off = padded_offsets(off)
+    a_t, b_t = quantize_cols_grouped(a, off, k_off), quantize_cols_grouped(b, off, k_off)
+    out = grouped_mm_varlen_k_fp8_reference(*a_t, *b_t, k_off, out_dtype=torch.float32)
+    assert out.shape == (4, 256, 128) and not out[1].any()
+    deq_a = a_t[0].float() * a_t[1].t().repeat_interleave(BLOCK, 1)
+    deq_b = b_t[0].float() * b_t[1].t().repeat_interleave(BLOCK, 1)
+    bounds = off.tolist()
+    for e in range(4):
+        lo, hi = int(k_off[e]), int(k_off[e + 1])
+        want = deq_a[:, lo:hi] @ deq_b[:, lo:hi].t()
+        torch.testing.assert_close(out[e], want, rtol=1e-4,
+                                   atol=1e-5 * want.abs().max().item())
+        if hi > lo:
+            exact = a[bounds[e]:bounds[e + 1]].float().t() @ b[bounds[e]:bounds[e + 1]].float()
+            rel = ((out[e] - exact).norm() / exact.norm()).item()
+            assert rel < 1.5 * FP8_RELATIVE_RMS_ERROR, (e, rel)
+    with pytest.raises(ValueError, match="must share R"):
+        grouped_mm_varlen_k_fp8_reference(a_t[0], a_t[1], b_t[0][:, :128], b_t[1][:1], k_off)
+
+
+def test_set_fp8_weight_grads_validates_and_returns_the_previous_choice():
+    from sonic.backend import fp8_weight_grads, set_fp8_weight_grads
+
+    assert fp8_weight_grads() == "bf16"
+    with pytest.raises(ValueError, match="kind"):
+        set_fp8_weight_grads("e4m3")
+    assert set_fp8_weight_grads("fp8") == "bf16" and fp8_weight_grads() == "fp8"
+    assert set_fp8_weight_grads("bf16") == "fp8"

@@ -21,7 +21,12 @@ def _fp8(**kw):
 @pytest.mark.parametrize("kw,match", [
     (dict(ab_dtype="e5m2"), "ab_dtype must be one of"),
     (dict(arch="sm_100a", cluster=1), "no FP8 grouped-GEMM mainloop for arch 'sm_100a'"),
-    (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False), "serves varlen-M"),
+    (dict(varlen_k=True, dim_m=512, dim_k=0), "reads K-major copies \\(no gather"),
+    (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False, transpose_c=True),
+     "reads K-major copies"),
+    (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False, tile_n=256),
+     "runs 128 x 128 tiles"),
+    (dict(varlen_k=True, dim_m=200, dim_k=0, gather_a=False, cluster=1), "runs 128 x 128 tiles"),
     (dict(b_n_major=True), "K-major B"),
     (dict(epilogue="dswiglu", gather_a=False), "serves the gathered dA' GEMM"),
     (dict(tile_n=256, dim_n=384), "256-wide tiles need N a multiple of 256"),
@@ -122,7 +127,8 @@ def test_fp8_variants_registered_for_sm90_only():
                                          "varlen_m_fp8_n384_k1536_gather_swiglu_concat",
                                          "varlen_m_fp8_n1024_k1536_gather_swiglu_concat",
                                          "varlen_m_fp8_n1024_k1536_gather_swiglu_interleaved",
-                                         "varlen_m_fp8_n1024_k2048_gather_dswiglu"}
+                                         "varlen_m_fp8_n1024_k2048_gather_dswiglu",
+                                         "varlen_k_fp8_m1536_n2048", "varlen_k_fp8_m384_n256"}
     for v in fp8:
         assert v.archs == ("sm_90a",)
         assert v.ptx_markers == interface._FP8_MARKERS
@@ -252,3 +258,32 @@ def test_fp8_dswiglu_validation(change, error, match):
     change(args)
     with pytest.raises(error, match=match):
         grouped_gemm_fp8_dswiglu(*args)
+
+
+def test_fp8_varlen_k_config_and_plan():
+    """FP8 varlen-K (the weight gradients on K-major copies): TMA tiles, not row copies, so
+    the 40/232 register split; no overlapped promotion (the k-loop is the expert's, not
+    unrollable); 128 x 128 tiles, a 2-CTA cluster exactly when M has an even m-tile count."""
+    cfg = heuristic.varlen_k_config(1536, 2048, False, False, ab_dtype="e4m3")
+    assert (cfg.varlen_k, cfg.fp8, cfg.tile_n, cfg.cluster) == (True, True, 128, CLUSTER)
+    assert not cfg.mn_major_k and not cfg.row_copies and not cfg.overlapped_promotion
+    assert (cfg.producer_regs, cfg.consumer_regs) == (40, 232)
+    assert cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"]
+    assert heuristic.varlen_k_config(384, 256, False, False, ab_dtype="e4m3").cluster == 1
+    bf16 = heuristic.varlen_k_config(1536, 2048, False, True)
+    assert bf16.mn_major_k and bf16.row_copies and not bf16.fp8
+
+
+def test_fp8_varlen_k_entry_points_validate_on_cpu():
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+    from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k_fp8
+
+    off = torch.tensor([0, 3, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        quantize_cols_grouped(torch.randn(10, 128, dtype=torch.bfloat16), off, off)
+    q = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    s = torch.ones(2, 128)
+    with pytest.raises(ValueError, match="a_t_q must be on a CUDA device"):
+        grouped_gemm_varlen_k_fp8(q, s, q, s, off)
+    with pytest.raises(TypeError, match="a_t_q must have dtype"):
+        grouped_gemm_varlen_k_fp8(q.float(), s, q, s, off)

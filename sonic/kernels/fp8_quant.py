@@ -582,8 +582,6 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
         ValueError: not contiguous CUDA tensors of the right rank on one device, ``C`` not a
             multiple of 128, or ``x`` not 16-byte aligned.
     """
-    from sonic.reference.fp8 import padded_rows_bound
-
     runtime.check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
     cols = x.shape[1]
     _check_k("x", cols)
@@ -597,7 +595,9 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
         runtime.check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1,
                              device=x.device)
     rows = x.shape[0] if gather_idx is None else gather_idx.numel()
-    k_rows = padded_rows_bound(rows, num_experts)
+    # sonic.reference.fp8.padded_rows_bound (kernels import nothing from the reference): each
+    # expert adds at most BLOCK - 1 rows of padding.
+    k_rows = (rows + (BLOCK - 1) * num_experts) // BLOCK * BLOCK
     q_t = torch.empty(cols, k_rows, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k_rows // BLOCK, cols, dtype=torch.float32, device=x.device)
     if k_rows == 0 or cols == 0 or x.shape[0] == 0:
@@ -614,14 +614,19 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
 # e4m3 conversion with saturation, IEEE division, 16-byte bf16 loads, 8-byte fp8 stores.
 _MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "ld.global.v4",
             ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64"))
+# Beyond them: the row slice's butterfly (rows); the block amax across warps (blocks); the
+# column amax's butterfly and the register transpose (cols, and the transposed blocks).
+_KIND_MARKERS = {"rows": ("shfl.sync.bfly",), "blocks": ("shfl.sync.bfly", "bar.sync"),
+                 "blocks_transposed": ("shfl.sync.bfly", "bar.sync", "prmt.b32"),
+                 "cols": ("shfl.sync.bfly", "prmt.b32"),
+                 "cols_gathered": ("shfl.sync.bfly", "prmt.b32")}
 for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 7168),
                   ("blocks_transposed", 2048), ("cols", 768), ("cols_gathered", 2048)):
     register(KernelVariant(
         kernel="fp8_quant",
         variant=f"quantize_{_kind}_k{_k}",
         compile_fake=lambda kind=_kind, k=_k: _compile(kind, k, keep_ptx=True),
-        ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _kind == "rows" else
-                                ("shfl.sync.bfly", "bar.sync"))))
+        ptx_markers=_MARKERS + _KIND_MARKERS[_kind]))
 # Dequantization: an 8-byte fp8 load, e4m3 -> fp32 conversion, fp32 multiply, a rounding to
 # bf16, a 16-byte store.
 for _k in (256, 2048):
