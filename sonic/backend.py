@@ -262,9 +262,10 @@ def set_fp8_weight_grads(kind: str) -> str:
       DeepSeek-V3 recipe's numerics, not for speed.
 
     Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
-    rather than a context: the backward runs on autograd's device threads. It is read when
-    the backward runs, or when ``torch.compile`` traces it: a compiled layer keeps the
-    choice it was compiled with (compile again after changing it).
+    rather than a context: the backward runs on autograd's device threads. Read when the
+    layer's forward runs, and carried to its backward as an argument of the op
+    ``sonic::moe_experts_fp8`` (and by expert parallelism's autograd function): a graph
+    built under one choice keeps it, and ``torch.compile`` recompiles when it changes.
 
     Raises:
         ValueError: ``kind`` not in :data:`FP8_WEIGHT_GRADS`.

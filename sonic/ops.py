@@ -29,7 +29,7 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
 
 * FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
   ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend,
-  activation_cache) -> (out, H, H_scales)`` with ``fp8_weights`` the eight tensors of
+  activation_cache, weight_grads) -> (out, H, H_scales)`` with ``fp8_weights`` the eight tensors of
   ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
   for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
   ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
@@ -618,13 +618,11 @@ def _(a_t_q, a_scales, b_t_q, b_scales, k_offsets, backend):
 def weight_grad_fn(offsets: torch.Tensor, backend: str, fp8: bool):
     """``weight_grad(a, b, gather_idx_a, gather_idx_b) = C[e] = A_eᵀ·B_e`` over the experts
     of ``offsets``, for :func:`_grads_after_dh` and expert parallelism's backward: the bf16
-    varlen-K op, or with ``fp8`` under :func:`sonic.backend.set_fp8_weight_grads` ``("fp8")``
-    both operands quantized per ``128 x 1`` block along the tokens into K-major copies, then
-    the FP8 varlen-K GEMM (bf16 out; the padded offsets made once, on the device, for both
-    weight gradients). Ops, so the traced backward sees them."""
-    from sonic.backend import fp8_weight_grads
-
-    if not fp8 or fp8_weight_grads() != "fp8":
+    varlen-K op, or with ``fp8`` (:func:`sonic.backend.set_fp8_weight_grads` ``("fp8")`` when
+    the layer ran forward) both operands quantized per ``128 x 1`` block along the tokens
+    into K-major copies, then the FP8 varlen-K GEMM (bf16 out; the padded offsets made once,
+    on the device, for both weight gradients). Ops, so the traced backward sees them."""
+    if not fp8:
         def weight_grad(a, b, gather_idx_a, gather_idx_b):
             return torch.ops.sonic.grouped_mm_varlen_k(a, b, offsets, gather_idx_a,
                                                        gather_idx_b, backend)
@@ -661,28 +659,32 @@ def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, ga
 def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         scores: torch.Tensor, meta: torch.Tensor,
                         fp8_weights: list[torch.Tensor], top_k: int, gate_up: str,
-                        backend: str, activation_cache: str
+                        backend: str, activation_cache: str, weight_grads: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # weight_grads (sonic.backend.set_fp8_weight_grads at the call) serves the backward; an
+    # argument, so the choice travels with the graph and keys what torch.compile caches.
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
     return experts_forward(x, w1, w2, scores, m, gate_up, backend,
                            activation_cache=activation_cache, fp8_weights=list(fp8_weights))
 
 
 @_moe_experts_fp8_op.register_fake
-def _(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend, activation_cache):
+def _(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend, activation_cache,
+      weight_grads):
     return (x.new_empty(x.shape),
             *activation_cache_fake((scores.shape[0], w1.shape[1]), x.dtype, activation_cache, x))
 
 
 def _experts_setup_fp8(ctx, inputs, output):
-    x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend, activation_cache = inputs
+    (x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend, activation_cache,
+     weight_grads) = inputs
     _out, h, h_scales = output
     # The FP8 weight copies are the caller's (a per-step cache or made per call from w1, w2):
     # saved by reference, like w1 and w2.
     ctx.save_for_backward(x, w1, w2, h, h_scales if activation_cache == "fp8" else None,
                           scores, meta, *fp8_weights)
     ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
-    ctx.activation_cache = activation_cache
+    ctx.activation_cache, ctx.weight_grads = activation_cache, weight_grads
     ctx.mark_non_differentiable(h, h_scales)
     ctx.set_materialize_grads(False)
 
@@ -692,7 +694,7 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
         raise _first_order_error()
     x, w1, w2, h, h_scales, scores, meta, *fp8_weights = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 5 + ([None] * len(fp8_weights), None, None, None, None)
+        return (None,) * 5 + ([None] * len(fp8_weights), None, None, None, None, None)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
     offsets = m.expert_offsets
@@ -716,10 +718,10 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
     grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
                             lambda dh, *dx_operand: dx_rows(dh, w1, fp8_weights, offsets,
                                                             backend, *dx_operand),
-                            fp8=True)
+                            fp8=ctx.weight_grads == "fp8")
     # No schema defaults: with a list input, torch checks that the gradients mirror the
     # arguments as dispatched, and the dispatcher drops those equal to their defaults.
-    return *grads, None, [None] * len(fp8_weights), None, None, None, None
+    return *grads, None, [None] * len(fp8_weights), None, None, None, None, None
 
 
 torch.library.register_autograd("sonic::moe_experts_fp8", _experts_backward_fp8,

@@ -242,7 +242,7 @@ def test_fp8_up_proj_within_worst_case_bound():
     meta = routing_metadata_op(tok, exp, T, E, None, "torch")
     fp8_w = sonic.quantize_expert_weights(w1, w2, backend="torch")
     _, h, _ = torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, meta.packed, list(fp8_w), 0,
-                                              "concat", "torch", "bf16")
+                                              "concat", "torch", "bf16", "bf16")
     x_scales = R.quantize_rows(x)[1]
     bounds = meta.expert_offsets.tolist()
     for e in range(E):
@@ -281,12 +281,13 @@ def test_opcheck_fp8_ops():
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.sonic.moe_experts_fp8.default,
                           (x.requires_grad_(), w1.requires_grad_(), w2, scores, meta.packed,
-                           fp8_w, 0, "concat", "torch", "bf16"), test_utils=utils)
+                           fp8_w, 0, "concat", "torch", "bf16", "bf16"), test_utils=utils)
     torch.library.opcheck(torch.ops.sonic.quantize_rows.default, (x.detach(), "torch"),
                           test_utils=utils)
     # With the fp8 cache, the fake kernel only: AOT's check sums every output, float8 included.
     torch.library.opcheck(torch.ops.sonic.moe_experts_fp8.default,
-                          (x, w1, w2, scores, meta.packed, fp8_w, 0, "concat", "torch", "fp8"),
+                          (x, w1, w2, scores, meta.packed, fp8_w, 0, "concat", "torch", "fp8",
+                           "fp8"),
                           test_utils=("test_faketensor",))
 
 
@@ -544,3 +545,35 @@ def test_train_seeds_benchmark_smoke(capsys):
             gap = variants[name]["val_loss"][seed] / variants["bf16"]["val_loss"][seed] - 1
             assert variants[name]["gap_to_bf16"][seed] == pytest.approx(gap)
     assert backend.fp8_epilogues() == "quantizing" and backend.fp8_weight_grads() == "bf16"
+
+
+def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
+    """set_fp8_weight_grads is read when the forward runs: a graph built under one choice
+    keeps it through its backward, and a compiled layer recompiles when it changes (its
+    gradients equal eager's under each choice)."""
+    x, w1, w2, _, _, _, dout = _problem(16, 128, 128, 4, "topk", seed=3)
+    r = sonic.topk_routing(torch.randn(16, 4), 2, backend="torch")
+
+    def layer(x, w1, w2, s):
+        return sonic.moe_experts(x, w1, w2, s, r.token_idx, r.expert_idx, backend="torch",
+                                 metadata=sonic.routing_metadata(r, backend="torch"),
+                                 precision="fp8")
+
+    def grads(fn, kind, switch_before_backward=None):
+        previous = sonic.backend.set_fp8_weight_grads(kind)
+        try:
+            leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
+            out = fn(*leaves)
+            if switch_before_backward:
+                sonic.backend.set_fp8_weight_grads(switch_before_backward)
+            out.backward(dout)
+            return [t.grad for t in leaves[1:3]]
+        finally:
+            sonic.backend.set_fp8_weight_grads(previous)
+
+    eager = {k: grads(layer, k) for k in ("bf16", "fp8")}
+    assert not torch.equal(eager["bf16"][0], eager["fp8"][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads(layer, "fp8", "bf16"), eager["fp8"]))
+    compiled = torch.compile(layer, fullgraph=True)
+    for kind in ("bf16", "fp8", "bf16"):
+        assert all(torch.equal(a, b) for a, b in zip(grads(compiled, kind), eager[kind])), kind

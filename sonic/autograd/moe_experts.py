@@ -57,7 +57,7 @@ import torch
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
                                check_same_device)
 from sonic.autograd.activation_cache import check_activation_cache
-from sonic.backend import BACKENDS, check_fp8_backend, resolve_backend
+from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads, resolve_backend
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import RoutingMetadata
 
@@ -279,7 +279,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             fp8_weights = quantize_expert_weights(w1, w2, backend)
         out, _cache, _scales = torch.ops.sonic.moe_experts_fp8(
             x, w1, w2, scores, packed, list(fp8_weights), top_k, gate_up, backend,
-            activation_cache)
+            activation_cache, fp8_weight_grads())
         return out
     out, _cache, _scales = torch.ops.sonic.moe_experts(x, w1, w2, scores, packed, top_k, gate_up,
                                                        backend, activation_cache)

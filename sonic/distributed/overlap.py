@@ -48,7 +48,7 @@ import torch
 
 from sonic.autograd.activation_cache import unpack as activation_cache_unpack
 from sonic.autograd.moe_experts import _graph_kept
-from sonic.backend import expert_ops, sm_margin
+from sonic.backend import expert_ops, fp8_weight_grads, sm_margin
 from sonic.distributed.comm import all_to_all
 from sonic.distributed.plan import DispatchPlan
 from sonic.ops import (_acc, _first_order_error, dh_step, dx_rows, experts_forward,
@@ -180,6 +180,8 @@ class ChunkedExperts(torch.autograd.Function):
                                *(m.packed for m in metadata), *kept_h, *(fp8_weights or ()))
         ctx.recompute_dispatch = recompute_dispatch
         ctx.activation_cache, ctx.fp8 = activation_cache, fp8_weights is not None
+        # The weight gradients' precision as set when the forward ran (as the layer's op).
+        ctx.fp8_weight_grads = ctx.fp8 and fp8_weight_grads() == "fp8"
         ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
         ctx.aggregate, ctx.margin = aggregate, margin
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
@@ -266,7 +268,8 @@ class ChunkedExperts(torch.autograd.Function):
                 for c in range(len(plan.chunks)):
                     resent = _send_token_rows(streams, x, plan, c, x_recv, rows_at)
             grad_w1, grad_w2 = _weight_grads(grad_y, a_scaled, dh_all, x_recv, weights,
-                                             backend, lambda: streams.wait(resent), ctx.fp8)
+                                             backend, lambda: streams.wait(resent),
+                                             ctx.fp8_weight_grads)
             del a_scaled, grad_y, dh_all, x_recv
         streams.wait(streams.event())
         grad_x = grad_scores = None

@@ -123,7 +123,7 @@ def test_fp8_cute_up_proj_differs_from_emulation_only_by_accumulation_and_roundi
     meta = routing_metadata_op(r.token_idx, r.expert_idx, T, E, K, "torch")
     fp8_w = sonic.quantize_expert_weights(w1, w2, backend="cute")
     h = {b: torch.ops.sonic.moe_experts_fp8(x, w1, w2, r.scores.detach(), meta.packed,
-                                            list(fp8_w), K, "concat", b, "bf16")[1]
+                                            list(fp8_w), K, "concat", b, "bf16", "bf16")[1]
          for b in ("cute", "torch")}
     x_hat = R.dequantize_rows(*R.quantize_rows(x)).abs()
     w_hat = R.dequantize_blocks(fp8_w.w1_q, fp8_w.w1_scales).abs()
