@@ -14,6 +14,9 @@ all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
   gathered rows and an expert's last partial k-tile as ``64 x 1`` row boxes, a row past the
   expert's end pointing out of bounds so TMA writes zeros and no stale value (possibly NaN)
   enters the reduction. A gathered operand's row indices are read one k-tile ahead.
+* FP8 varlen-K: both operands are K-major copies (columns of the expert-sorted rows, each
+  expert's rows padded to whole k-tiles), so a k-tile is one tile box of each, at the
+  expert's padded first row plus ``kt`` k-tiles: the contiguous varlen-M loader, offset.
 * 2-CTA clusters: when both CTAs' tiles are the same expert's, each loads half of the B tile and
   multicasts it, a third less L2→SM traffic per tile (128 x 256: A 128 + B 128 rows per k-tile
   instead of 128 + 256).

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) block-scaled FP8 mainloop of the varlen-M grouped GEMM (issue 18).
+"""Hopper (sm_90a) block-scaled FP8 mainloop of the grouped GEMM (issue 18).
 
 Recipe of DeepSeek-V3 (arXiv 2412.19437 §3.3.2, "increasing accumulation precision"), as
 DeepGEMM runs it: e4m3 operands, A scaled per ``1 x 128`` (row, k-block), B per ``128 x 128``
@@ -42,6 +42,15 @@ half is one sub-tile and one scale block; on a 128-wide one (n a multiple of 64 
 64-row half lies inside one block, but the two halves' blocks differ, so the promotion scales
 each column half by its own B scale. "interleaved" B rows are the weight's own rows, one
 scale block per 128-column sub-tile.
+varlen-K (the weight gradients, :func:`~.interface.grouped_gemm_varlen_k_fp8`) reads K-major
+copies of both operands (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`: scales per
+``128 x 1`` block along the tokens, each expert's rows padded to whole k-tiles), loaded as
+tiles from the expert's padded first row; both operands carry a scale per row of their copy,
+so each element of a partial is promoted with its row's A scale times its column's B scale
+(32 column scales per thread, loaded with the A scales before the k-tile's WGMMAs). On
+``128 x 128`` tiles with one partial accumulator (no room for the column scales beside a
+256-wide tile's accumulators; no overlapped promotion, the k-loop is the expert's): 579–630
+TFLOPS on the H200, no faster than the bf16 varlen-K GEMM (benchmarks/RESULTS.md).
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 
