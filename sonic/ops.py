@@ -29,8 +29,8 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
 
 * FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
   ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend,
-  activation_cache, weight_grads) -> (out, H, H_scales)`` with ``fp8_weights`` the eight tensors of
-  ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
+  activation_cache, weight_grads) -> (out, H, H_scales)`` with ``fp8_weights`` the eight
+  tensors of ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
   for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
   ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
   gradients; ``sonic::quantize_cols_grouped`` and ``sonic::grouped_mm_varlen_k_fp8`` under
@@ -53,6 +53,7 @@ import contextlib
 
 import torch
 
+from sonic._validation import check_choice
 from sonic.autograd.activation_cache import pack as activation_cache_pack
 from sonic.autograd.activation_cache import pack_fake as activation_cache_fake
 from sonic.autograd.activation_cache import unpack as activation_cache_unpack
@@ -663,6 +664,9 @@ def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # weight_grads (sonic.backend.set_fp8_weight_grads at the call) serves the backward; an
     # argument, so the choice travels with the graph and keys what torch.compile caches.
+    from sonic.backend import FP8_WEIGHT_GRADS
+
+    check_choice("weight_grads", weight_grads, FP8_WEIGHT_GRADS)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
     return experts_forward(x, w1, w2, scores, m, gate_up, backend,
                            activation_cache=activation_cache, fp8_weights=list(fp8_weights))

@@ -577,3 +577,12 @@ def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
     compiled = torch.compile(layer, fullgraph=True)
     for kind in ("bf16", "fp8", "bf16"):
         assert all(torch.equal(a, b) for a, b in zip(grads(compiled, kind), eager[kind])), kind
+
+
+def test_fp8_op_rejects_an_unknown_weight_grads_choice():
+    x, w1, w2, scores, tok, exp, _ = _problem(16, 128, 128, 4, "topk", seed=4)
+    meta = routing_metadata_op(tok, exp, 16, 4, None, "torch")
+    fp8_w = sonic.quantize_expert_weights(w1, w2, backend="torch")
+    with pytest.raises(ValueError, match="weight_grads must be one of"):
+        torch.ops.sonic.moe_experts_fp8(x, w1, w2, scores, meta.packed, list(fp8_w), 0,
+                                        "concat", "torch", "bf16", "e4m3")

@@ -40,8 +40,8 @@ index) × 128 columns, a scale per column from a butterfly over the 16 row group
 (a warp holds all 128 rows of its 16 columns: no shared memory), the transposed tile stored
 as above into the K-major copy.
 
-``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a ``ValueError`` names
-the argument otherwise.
+``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
+``ValueError`` names the argument otherwise.
 """
 
 import functools
@@ -558,10 +558,11 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
     expert's rows, into the K-major copy the FP8 varlen-K GEMM reads (issue 18; DeepSeek-V3
     §3.3: scales along the GEMM's reduction axis, here the tokens).
 
-    Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped` on the columns it
-    writes. One pass: a CTA reads one 128-row block of one expert (gathered rows included)
-    by 128 columns, folds each column's ``amax`` over 8 warps in shared memory, and leaves
-    through shared memory by rows of the transposed copy.
+    Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped`, padding and tail
+    included. One pass: a CTA reads one 128-row block of one expert (gathered rows
+    included) by 128 columns; a warp holds all 128 rows of its 16 columns, so a column's
+    ``amax`` is a butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves through a
+    byte transpose in registers as 8-byte pieces of rows of the copy.
 
     Args:
         x: ``(P, C)`` bf16 rows sorted by expert, or with ``gather_idx`` the ``(T, C)`` source
@@ -574,8 +575,7 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
 
     Returns:
         ``(q_t (C, R) float8_e4m3fn, scales (R/128, C) fp32)``, ``R =
-        padded_rows_bound(P, E)``; columns from ``k_offsets[E]`` on (and their scales) are
-        left unwritten.
+        padded_rows_bound(P, E)``; columns from ``k_offsets[E]`` on are zeros with scale 1.
 
     Raises:
         TypeError: wrong dtypes.
@@ -600,8 +600,10 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
     k_rows = (rows + (BLOCK - 1) * num_experts) // BLOCK * BLOCK
     q_t = torch.empty(cols, k_rows, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k_rows // BLOCK, cols, dtype=torch.float32, device=x.device)
-    if k_rows == 0 or cols == 0 or x.shape[0] == 0:
+    if k_rows == 0 or cols == 0:
         return q_t, scales
+    if x.shape[0] == 0:         # no rows (so no pairs): all padding
+        return q_t.zero_(), scales.fill_(1.0)
     kind = "cols" if gather_idx is None else "cols_gathered"
     fn = runtime.compiled(("fp8_quantize_" + kind, cols), lambda: _compile(kind, cols))
     offsets_addr = runtime.address(expert_offsets, 4)

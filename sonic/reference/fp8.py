@@ -293,8 +293,7 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
         ``(q_t, scales)``: ``q_t (C, R)`` float8_e4m3fn and ``scales (R / 128, C)`` fp32,
         contiguous, with ``R = padded_rows_bound(P, E)``: column ``j`` of ``q_t`` and row
         ``j // 128`` of ``scales`` belong to the rows of the expert whose padded range holds
-        ``j``. Columns from ``k_offsets[E]`` on are unspecified (the kernel leaves them
-        unwritten; here zeros with scale 1).
+        ``j``. Columns from ``k_offsets[E]`` on are zeros with scale 1.
 
     Raises:
         TypeError: ``x`` is not a bf16 / fp16 / fp32 tensor.

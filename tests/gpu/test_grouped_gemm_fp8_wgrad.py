@@ -93,6 +93,19 @@ def test_quantize_cols_grouped_exact_multiples_and_padded_routing():
     assert torch.isfinite(got[1]).all()
 
 
+def test_quantize_cols_grouped_without_rows():
+    """No rows at all: the copy is all padding, zeros with scale 1, as the reference's."""
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
+    offsets = _offsets(torch.zeros(3, dtype=torch.long))
+    k_offsets = R.padded_offsets(offsets)
+    got, want = (f(x, offsets, k_offsets) for f in (quantize_cols_grouped,
+                                                      R.quantize_cols_grouped))
+    assert got[0].shape == want[0].shape == (256, 256)
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
+
+
 def _wgrad_problem(num_pairs, num_experts, dim_m, dim_n, mode, seed):
     gen = torch.Generator().manual_seed(seed)
     offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))

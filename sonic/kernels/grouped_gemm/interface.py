@@ -684,10 +684,12 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
     runtime.check_tensor("b_t_q", b_t_q, dtypes=fp8, ndim=2, device=device)
     num_experts = _check_offsets(k_offsets, device)
     (dim_m, k_rows), dim_n = a_t_q.shape, b_t_q.shape[0]
-    for name, size in (("M (rows of a_t_q)", dim_m), ("N (rows of b_t_q)", dim_n),
-                       ("R (columns of a_t_q)", k_rows)):
-        if size <= 0 and name[0] != "R" or size % TILE_K_FP8:
+    for name, size in (("M (rows of a_t_q)", dim_m), ("N (rows of b_t_q)", dim_n)):
+        if size <= 0 or size % TILE_K_FP8:
             raise ValueError(f"{name} must be a positive multiple of {TILE_K_FP8}, got {size}")
+    if k_rows % TILE_K_FP8:
+        raise ValueError(f"R (columns of a_t_q) must be a multiple of {TILE_K_FP8}, got "
+                         f"{k_rows}")
     if b_t_q.shape[1] != k_rows:
         raise ValueError(f"b_t_q must have R = {k_rows} columns like a_t_q, got shape "
                          f"{tuple(b_t_q.shape)}")
