@@ -227,7 +227,10 @@ def set_fp8_epilogues(kind: str) -> str:
     dSwiGLU of the fp32 dA' wherever the fused kernel would run; the other two choices share
     one math.
 
-    Process-wide rather than a context: the backward runs on autograd's device threads.
+    Process-wide rather than a context: the backward runs on autograd's device threads. Read
+    inside the ops' implementations when they run (opaque to ``torch.compile``), so a
+    compiled layer follows a change without recompiling; a forward and its backward each
+    use the choice current when they run.
 
     Raises:
         ValueError: ``kind`` not in :data:`FP8_EPILOGUES`.

@@ -579,6 +579,34 @@ def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
         assert all(torch.equal(a, b) for a, b in zip(grads(compiled, kind), eager[kind])), kind
 
 
+def test_compiled_layer_follows_set_fp8_epilogues_at_run_time():
+    """set_fp8_epilogues is read inside the ops' implementations, which run opaque in a
+    compiled graph: switching it changes a compiled layer's math as it does eager's, with no
+    recompilation ("fused" takes dSwiGLU of the fp32 dA', so its gradients differ)."""
+    x, w1, w2, _, _, _, dout = _problem(16, 128, 128, 4, "topk", seed=3)
+    r = sonic.topk_routing(torch.randn(16, 4), 2, backend="torch")
+
+    def layer(x, w1, w2, s):
+        return sonic.moe_experts(x, w1, w2, s, r.token_idx, r.expert_idx, backend="torch",
+                                 metadata=sonic.routing_metadata(r, backend="torch"),
+                                 precision="fp8")
+
+    def grads(fn, kind):
+        previous = sonic.backend.set_fp8_epilogues(kind)
+        try:
+            leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
+            fn(*leaves).backward(dout)
+            return [t.grad for t in leaves]
+        finally:
+            sonic.backend.set_fp8_epilogues(previous)
+
+    eager = {k: grads(layer, k) for k in ("quantizing", "fused")}
+    assert not torch.equal(eager["quantizing"][0], eager["fused"][0])
+    compiled = torch.compile(layer, fullgraph=True)
+    for kind in ("quantizing", "fused", "quantizing"):
+        assert all(torch.equal(a, b) for a, b in zip(grads(compiled, kind), eager[kind])), kind
+
+
 def test_fp8_op_rejects_an_unknown_weight_grads_choice():
     x, w1, w2, scores, tok, exp, _ = _problem(16, 128, 128, 4, "topk", seed=4)
     meta = routing_metadata_op(tok, exp, 16, 4, None, "torch")

@@ -23,7 +23,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       at OLMoE/30B) and varlen-K when M has an even number of m-tiles. H100, 30B: up 558 →
       651, dA' 571 → 628, down 609 → 633, dX 603 → 674, dW1 481 → 577, dW2 531 → 626 TFLOPS
       (no cluster → cluster); contiguous A on ping-pong ``128 x 128`` tiles reached only 443
-      (down) and 327 (dX) there.
+      (down) and 327 (dX) there. The fused SwiGLU / dSwiGLU GEMMs on ping-pong tiles (H200,
+      with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower.
     * Contiguous A with K ≤ 512 (the 7B down-proj and dX̃): ping-pong ``128 x 128``, one
       warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2), because the
       mainloop is short — H100 7B down 456 vs 444 on a cluster.

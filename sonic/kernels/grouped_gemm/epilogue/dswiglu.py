@@ -10,9 +10,11 @@ this epilogue's :meth:`DswigluEpilogue.producer_loads`, which queues one stage p
 columns (the gate slab where A goes, the up slab at the start of B's space), so the loads
 overlap the tile's last k-tiles and the epilogue reads H pairs from shared memory (4-byte loads,
 swizzle-aware). Measured faster than the dA' GEMM followed by the standalone epilogue kernel
-(benchmarks/RESULTS.md). The epilogue is not hidden behind a mainloop: ping-pong would need
-``128 x 128`` tiles, which carry 2/3 of the FLOP per loaded byte of the clustered ``128 x 256``
-ones on an L2-bound mainloop (see :func:`sonic.kernels.grouped_gemm.heuristic.plan`).
+(benchmarks/RESULTS.md). The epilogue is not hidden behind a mainloop (on the H200 it adds
+18–36% to the dA' GEMM's time): ping-pong, each warpgroup on its own ``128 x 128`` tile, was
+built and measured with one CTA and with 2-CTA clusters, bitwise the same results but
+2.0–2.7× slower (half the FLOP per gathered row copy, and the epilogue spills at twice the
+rows per warpgroup; benchmarks/RESULTS.md).
 Imports ``cutlass``: only the kernel modules import this one.
 """
 
