@@ -1,6 +1,6 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
-    python benchmarks/bench_grouped_gemm.py [--gemm NAME ...]
+    python benchmarks/bench_grouped_gemm.py [--gemm NAME ...] [--ceiling] [--fp8]
 
 At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
@@ -23,6 +23,12 @@ the speedup and the kernel's relative error against torch:
   ``_grouped_mm`` of ``dHᵀ`` and the gathered rows;
 * ``dW2``: varlen-K, ``gather(dO)ᵀ·A'`` (M = d, N = n) — torch: ``index_select`` +
   ``_grouped_mm``.
+
+``--ceiling`` adds, per GEMM, what its work costs without what sonic's design adds to it:
+``/pre-gathered`` is sonic's kernel on rows gathered beforehand (the gather's cost), ``/bmm``
+is cuBLAS ``torch.bmm`` on perfectly balanced experts (``P / E`` rows each: no varlen, no
+gather, no epilogue), the ceiling of the GEMM on this machine; ``up`` vs ``up+act`` and
+``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
 OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
@@ -142,10 +148,55 @@ def fp8_rows(name, t, d, n, e, k):
     torch.cuda.empty_cache()
 
 
+def _ceiling_row(shape, gemm, flops, fn):
+    us = bench(fn)
+    print(f"{shape:<6} {gemm:<7} | {'':>9} {us:>9.1f} | {'':>7} {flops / us / 1e6:>7.0f}",
+          flush=True)
+
+
+def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
+    """``--ceiling`` rows of one shape (see the module docstring)."""
+    p, d, n = gather_idx.numel(), x.shape[1], act.shape[1]
+    rows = p // e
+    gidx_long = gather_idx.long()
+    xg, dog = x.index_select(0, gidx_long), do.index_select(0, gidx_long)
+
+    def balanced(m, k, n_out, transposed_a=False):
+        a = torch.randn(e, k, m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(e, k, n_out, device="cuda", dtype=torch.bfloat16)
+        if not transposed_a:
+            a = a.transpose(1, 2).contiguous()
+        return lambda: torch.bmm(a.transpose(1, 2) if transposed_a else a, b)
+
+    # gemm: (flops, sonic on pre-gathered rows or None, balanced bmm (M, K, N[, A K-major]))
+    cases = {
+        "up": (2 * p * 2 * n * d, lambda: grouped_gemm(xg, w1, offsets), (rows, d, 2 * n)),
+        "down": (2 * p * d * n, None, (rows, n, d)),
+        "dA'": (2 * p * d * n, lambda: grouped_gemm(dog, w2.transpose(1, 2), offsets),
+                (rows, d, n)),
+        "dX": (2 * p * 2 * n * d, None, (rows, 2 * n, d)),
+        "dW1": (2 * p * 2 * n * d, lambda: grouped_gemm_varlen_k(dh, xg, offsets),
+                (2 * n, rows, d, True)),
+        "dW2": (2 * p * d * n, lambda: grouped_gemm_varlen_k(dog, act, offsets),
+                (d, rows, n, True)),
+    }
+    for gemm, (flops, pre_gathered, bmm_shape) in cases.items():
+        if gemm not in only:
+            continue
+        if pre_gathered is not None:
+            _ceiling_row(name, gemm + "/pre-gathered", flops, pre_gathered)
+        _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
+        torch.cuda.empty_cache()
+    del xg, dog
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gemm", choices=GEMMS, action="append",
                         help="time only these GEMMs (repeatable; default: all)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time each GEMM on pre-gathered rows and cuBLAS bmm on "
+                             "balanced experts")
     parser.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 up, up+act, down and dA'+dH GEMMs beside "
                              "bf16 instead")
@@ -211,6 +262,8 @@ def main(argv=None):
         row("dW2", 2 * p * d * n,
              lambda: grouped_gemm_varlen_k(do, act, offsets, gather_idx_a=gather_idx),
              lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends))
+        if args.ceiling:
+            ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only)
         del x, w1, w2, act, dh, do
         torch.cuda.empty_cache()
 
