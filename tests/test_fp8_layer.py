@@ -547,10 +547,9 @@ def test_train_seeds_benchmark_smoke(capsys):
     assert backend.fp8_epilogues() == "quantizing" and backend.fp8_weight_grads() == "bf16"
 
 
-def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
-    """set_fp8_weight_grads is read when the forward runs: a graph built under one choice
-    keeps it through its backward, and a compiled layer recompiles when it changes (its
-    gradients equal eager's under each choice)."""
+def _compile_problem():
+    """A small FP8 expert layer on the torch backend with fixed routing, for the process-wide
+    FP8 choices under torch.compile: ``(layer, inputs, dout)``."""
     x, w1, w2, _, _, _, dout = _problem(16, 128, 128, 4, "topk", seed=3)
     r = sonic.topk_routing(torch.randn(16, 4), 2, backend="torch")
 
@@ -559,52 +558,52 @@ def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
                                  metadata=sonic.routing_metadata(r, backend="torch"),
                                  precision="fp8")
 
-    def grads(fn, kind, switch_before_backward=None):
-        previous = sonic.backend.set_fp8_weight_grads(kind)
-        try:
-            leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
-            out = fn(*leaves)
-            if switch_before_backward:
-                sonic.backend.set_fp8_weight_grads(switch_before_backward)
-            out.backward(dout)
-            return [t.grad for t in leaves[1:3]]
-        finally:
-            sonic.backend.set_fp8_weight_grads(previous)
+    return layer, (x, w1, w2, r.scores.detach()), dout
 
-    eager = {k: grads(layer, k) for k in ("bf16", "fp8")}
-    assert not torch.equal(eager["bf16"][0], eager["fp8"][0])
-    assert all(torch.equal(a, b) for a, b in zip(grads(layer, "fp8", "bf16"), eager["fp8"]))
+
+def _grads_under(setter, kind, fn, inputs, dout, switch_before_backward=None):
+    """Gradients of ``fn(*inputs)`` with ``setter(kind)`` (optionally switched between the
+    forward and the backward), the previous choice restored."""
+    previous = setter(kind)
+    try:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        if switch_before_backward:
+            setter(switch_before_backward)
+        out.backward(dout)
+        return [t.grad for t in leaves]
+    finally:
+        setter(previous)
+
+
+def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
+    """set_fp8_weight_grads is read when the forward runs: a graph built under one choice
+    keeps it through its backward, and a compiled layer recompiles when it changes (its
+    gradients equal eager's under each choice)."""
+    layer, inputs, dout = _compile_problem()
+    setter = sonic.backend.set_fp8_weight_grads
+    eager = {k: _grads_under(setter, k, layer, inputs, dout) for k in ("bf16", "fp8")}
+    assert not torch.equal(eager["bf16"][1], eager["fp8"][1])
+    switched = _grads_under(setter, "fp8", layer, inputs, dout, switch_before_backward="bf16")
+    assert all(torch.equal(a, b) for a, b in zip(switched, eager["fp8"]))
     compiled = torch.compile(layer, fullgraph=True)
     for kind in ("bf16", "fp8", "bf16"):
-        assert all(torch.equal(a, b) for a, b in zip(grads(compiled, kind), eager[kind])), kind
+        got = _grads_under(setter, kind, compiled, inputs, dout)
+        assert all(torch.equal(a, b) for a, b in zip(got, eager[kind])), kind
 
 
 def test_compiled_layer_follows_set_fp8_epilogues_at_run_time():
     """set_fp8_epilogues is read inside the ops' implementations, which run opaque in a
     compiled graph: switching it changes a compiled layer's math as it does eager's, with no
     recompilation ("fused" takes dSwiGLU of the fp32 dA', so its gradients differ)."""
-    x, w1, w2, _, _, _, dout = _problem(16, 128, 128, 4, "topk", seed=3)
-    r = sonic.topk_routing(torch.randn(16, 4), 2, backend="torch")
-
-    def layer(x, w1, w2, s):
-        return sonic.moe_experts(x, w1, w2, s, r.token_idx, r.expert_idx, backend="torch",
-                                 metadata=sonic.routing_metadata(r, backend="torch"),
-                                 precision="fp8")
-
-    def grads(fn, kind):
-        previous = sonic.backend.set_fp8_epilogues(kind)
-        try:
-            leaves = [t.clone().requires_grad_() for t in (x, w1, w2, r.scores.detach())]
-            fn(*leaves).backward(dout)
-            return [t.grad for t in leaves]
-        finally:
-            sonic.backend.set_fp8_epilogues(previous)
-
-    eager = {k: grads(layer, k) for k in ("quantizing", "fused")}
+    layer, inputs, dout = _compile_problem()
+    setter = sonic.backend.set_fp8_epilogues
+    eager = {k: _grads_under(setter, k, layer, inputs, dout) for k in ("quantizing", "fused")}
     assert not torch.equal(eager["quantizing"][0], eager["fused"][0])
     compiled = torch.compile(layer, fullgraph=True)
     for kind in ("quantizing", "fused", "quantizing"):
-        assert all(torch.equal(a, b) for a, b in zip(grads(compiled, kind), eager[kind])), kind
+        got = _grads_under(setter, kind, compiled, inputs, dout)
+        assert all(torch.equal(a, b) for a, b in zip(got, eager[kind])), kind
 
 
 def test_fp8_op_rejects_an_unknown_weight_grads_choice():
