@@ -27,7 +27,8 @@ the speedup and the kernel's relative error against torch:
 ``--ceiling`` adds, per GEMM, what its work costs without what sonic's design adds to it:
 ``/pre-gathered`` is sonic's kernel on rows gathered beforehand (the gather's cost), ``/bmm``
 is cuBLAS ``torch.bmm`` on perfectly balanced experts (``P / E`` rows each: no varlen, no
-gather, no epilogue), the ceiling of the GEMM on this machine; ``up`` vs ``up+act`` and
+gather, no epilogue), the same work as a dense library runs it — a reference, not a bound
+(sonic's clustered kernels beat it at times); ``up`` vs ``up+act`` and
 ``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
@@ -161,14 +162,15 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
     gidx_long = gather_idx.long()
     xg, dog = x.index_select(0, gidx_long), do.index_select(0, gidx_long)
 
-    def balanced(m, k, n_out, transposed_a=False):
-        a = torch.randn(e, k, m, device="cuda", dtype=torch.bfloat16)
+    def balanced(m, k, n_out, mn_major_a=False):
+        # mn_major_a: A is the transpose of a token-major tensor, as the weight gradients read.
+        shape = (e, k, m) if mn_major_a else (e, m, k)
+        a = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        a = a.transpose(1, 2) if mn_major_a else a
         b = torch.randn(e, k, n_out, device="cuda", dtype=torch.bfloat16)
-        if not transposed_a:
-            a = a.transpose(1, 2).contiguous()
-        return lambda: torch.bmm(a.transpose(1, 2) if transposed_a else a, b)
+        return lambda: torch.bmm(a, b)
 
-    # gemm: (flops, sonic on pre-gathered rows or None, balanced bmm (M, K, N[, A K-major]))
+    # gemm: (flops, sonic on pre-gathered rows or None, balanced bmm (M, K, N[, mn_major_a]))
     cases = {
         "up": (2 * p * 2 * n * d, lambda: grouped_gemm(xg, w1, offsets), (rows, d, 2 * n)),
         "down": (2 * p * d * n, None, (rows, n, d)),
@@ -187,7 +189,6 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
             _ceiling_row(name, gemm + "/pre-gathered", flops, pre_gathered)
         _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
         torch.cuda.empty_cache()
-    del xg, dog
 
 
 def main(argv=None):

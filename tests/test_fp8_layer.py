@@ -18,6 +18,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import sonic
 from sonic.ops import routing_metadata_op
@@ -586,10 +587,12 @@ def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
     assert not torch.equal(eager["bf16"][1], eager["fp8"][1])
     switched = _grads_under(setter, "fp8", layer, inputs, dout, switch_before_backward="bf16")
     assert all(torch.equal(a, b) for a, b in zip(switched, eager["fp8"]))
-    compiled = torch.compile(layer, fullgraph=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
     for kind in ("bf16", "fp8", "bf16"):
         got = _grads_under(setter, kind, compiled, inputs, dout)
         assert all(torch.equal(a, b) for a, b in zip(got, eager[kind])), kind
+    assert counter.frame_count == 2      # one graph per choice, the first one reused
 
 
 def test_compiled_layer_follows_set_fp8_epilogues_at_run_time():
@@ -600,10 +603,12 @@ def test_compiled_layer_follows_set_fp8_epilogues_at_run_time():
     setter = sonic.backend.set_fp8_epilogues
     eager = {k: _grads_under(setter, k, layer, inputs, dout) for k in ("quantizing", "fused")}
     assert not torch.equal(eager["quantizing"][0], eager["fused"][0])
-    compiled = torch.compile(layer, fullgraph=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
     for kind in ("quantizing", "fused", "quantizing"):
         got = _grads_under(setter, kind, compiled, inputs, dout)
         assert all(torch.equal(a, b) for a, b in zip(got, eager[kind])), kind
+    assert counter.frame_count == 1
 
 
 def test_fp8_op_rejects_an_unknown_weight_grads_choice():
