@@ -5,7 +5,9 @@ implementation for every device: it resolves ``backend`` on the tensors' device 
 CuTe kernels on a supported GPU, the PyTorch reference elsewhere), a fake implementation that
 gives output shapes only (so ``torch.compile``, ``torch.export`` and meta tensors see through the
 ops without reading pointers or values), and, for the differentiable ops, an autograd formula
-registered with :func:`torch.library.register_autograd`.
+registered with :func:`torch.library.register_autograd`. sonic calls them as ``call.<name>``:
+in plain eager execution that runs the same implementation and autograd formula without the
+dispatcher's host time (:mod:`sonic._custom_op`), everywhere else ``torch.ops.sonic.<name>``.
 
 Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.moe_experts`):
 
@@ -50,9 +52,11 @@ keeps ``P`` on the device, so it makes no host read and can be captured in a CUD
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 
+from sonic._custom_op import SonicOp
 from sonic._validation import check_choice
 from sonic.autograd.activation_cache import pack as activation_cache_pack
 from sonic.autograd.activation_cache import pack_fake as activation_cache_fake
@@ -62,6 +66,20 @@ from sonic.reference import ops as reference
 from sonic.routing.metadata import RoutingMetadata
 
 _INT32 = torch.int32
+
+# call.<name>(*args) runs torch.ops.sonic.<name>; in plain eager execution without the
+# dispatcher (sonic._custom_op). Filled by @_op.
+call = types.SimpleNamespace()
+
+
+def _op(name: str):
+    """Register the decorated implementation as ``torch.ops.sonic.<name>`` (no mutated
+    arguments) and as ``call.<name>``; returns the :class:`~sonic._custom_op.SonicOp`."""
+    def register(impl):
+        op = SonicOp(name, impl)
+        setattr(call, name, op)
+        return op
+    return register
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -129,7 +147,7 @@ def unpack_metadata(packed: torch.Tensor, num_tokens, num_experts, num_pairs,
                                         top_k=top_k or None)
 
 
-@torch.library.custom_op("sonic::routing_metadata", mutates_args=())
+@_op("routing_metadata")
 def _routing_metadata_op(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
                          num_experts: int, top_k: int, backend: str) -> torch.Tensor:
     ops = _impl(backend, expert_idx.device)
@@ -151,7 +169,7 @@ def routing_metadata_op(token_idx, expert_idx, num_tokens: int, num_experts: int
                         top_k: int | None, backend: str) -> RoutingMetadata:
     """:func:`sonic.routing_metadata` through ``torch.ops.sonic.routing_metadata``."""
     k = top_k or 0
-    packed = torch.ops.sonic.routing_metadata(token_idx, expert_idx, num_tokens, num_experts, k,
+    packed = call.routing_metadata(token_idx, expert_idx, num_tokens, num_experts, k,
                                               backend)
     return unpack_metadata(packed, num_tokens, num_experts, expert_idx.shape[0], k)
 
@@ -167,7 +185,7 @@ def _topk_forward(logits, k, score, renormalize, use_kernel):
     return _torch_topk_scores(logits.to(_acc(logits.dtype)), k, score, renormalize)
 
 
-@torch.library.custom_op("sonic::topk_routing", mutates_args=())
+@_op("topk_routing")
 def _topk_op(logits: torch.Tensor, k: int, score: str, renormalize: bool,
              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     from sonic.backend import resolve_backend
@@ -219,13 +237,13 @@ def _topk_backward(ctx, grad_scores, _grad_idx):
     return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-torch.library.register_autograd("sonic::topk_routing", _topk_backward, setup_context=_topk_setup)
+_topk_op.register_autograd(_topk_backward, setup_context=_topk_setup)
 
 
 # ------------------------------------------------------------------------------ expert kernels
 
 
-@torch.library.custom_op("sonic::grouped_mm", mutates_args=())
+@_op("grouped_mm")
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                    gather_idx: torch.Tensor | None, backend: str) -> torch.Tensor:
     with _no_autocast(a.device):
@@ -238,7 +256,7 @@ def _(a, b, offsets, gather_idx, backend):
     return a.new_empty(rows, b.shape[-1])
 
 
-@torch.library.custom_op("sonic::grouped_mm_varlen_k", mutates_args=())
+@_op("grouped_mm_varlen_k")
 def _grouped_mm_varlen_k_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                             gather_idx_a: torch.Tensor | None, gather_idx_b: torch.Tensor | None,
                             backend: str) -> torch.Tensor:
@@ -252,7 +270,7 @@ def _(a, b, offsets, gather_idx_a, gather_idx_b, backend):
     return a.new_empty(offsets.shape[0] - 1, a.shape[1], b.shape[1])
 
 
-@torch.library.custom_op("sonic::up_proj_swiglu", mutates_args=())
+@_op("up_proj_swiglu")
 def _up_proj_swiglu_op(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor,
                        gather_idx: torch.Tensor, gate_up: str,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +292,7 @@ def _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend, 
                                                       overwrite_h=overwrite_h, a_out=a_out)
 
 
-@torch.library.custom_op("sonic::dh_dswiglu", mutates_args=())
+@_op("dh_dswiglu")
 def _dh_dswiglu_op(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                    gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
                    gate_up: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -288,7 +306,7 @@ def _(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend):
     return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
 
 
-@torch.library.custom_op("sonic::aggregate", mutates_args=())
+@_op("aggregate")
 def _aggregate_op(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Tensor,
                   row_scores: torch.Tensor | None, backend: str) -> torch.Tensor:
     with _no_autocast(y.device):
@@ -303,7 +321,7 @@ def _(y, token_rows, token_offsets, row_scores, backend):
 # ------------------------------------------------------------------------------ expert forward
 
 
-@torch.library.custom_op("sonic::moe_experts", mutates_args=())
+@_op("moe_experts")
 def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                     meta: torch.Tensor, top_k: int, gate_up: str, backend: str,
                     activation_cache: str = "bf16"
@@ -395,9 +413,12 @@ def _traced(t: torch.Tensor) -> bool:
 def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dtype) -> torch.Tensor:
     """Per-pair score gradients from the dH kernel's per-row ``ds``: zero for the rows past
     ``expert_offsets[E]`` (a padded routing's padding, :attr:`sonic.Routing.num_valid`), which
-    no GEMM writes, so their ``ds`` is whatever that memory held (NaN included)."""
-    real = torch.arange(ds_rows.shape[0], device=ds_rows.device) < m.expert_offsets[-1]
-    return torch.where(real, ds_rows, 0).index_select(0, m.pair_rows).to(dtype)
+    no GEMM writes, so their ``ds`` is whatever that memory held (NaN included). Top-K
+    metadata (``m.top_k`` set) has no padding: its rows are taken as they are."""
+    if m.top_k is None:
+        real = torch.arange(ds_rows.shape[0], device=ds_rows.device) < m.expert_offsets[-1]
+        ds_rows = torch.where(real, ds_rows, 0)
+    return ds_rows.index_select(0, m.pair_rows).to(dtype)
 
 
 def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
@@ -423,7 +444,7 @@ def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
     if need_x:
         rows = dx_fn(dh, *dx_operand)
         dx_operand.clear()
-        grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
+        grad_x = call.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
         del rows
     if need_w1:
         grad_w1 = weight_grad(dh, x, None, m.gather_idx)
@@ -449,7 +470,7 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
         ctx, h, h_scales, x.dtype,
         lambda h, overwrite_h: dh_step(grad_out, w2, None, m, h, row_scores, gate_up, backend,
                                        overwrite_h=overwrite_h),
-        lambda h: torch.ops.sonic.dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
+        lambda h: call.dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
                                              gate_up, backend))
     del h, h_scales
     grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
@@ -492,8 +513,7 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
     return step
 
 
-torch.library.register_autograd("sonic::moe_experts", _experts_backward,
-                                setup_context=_experts_setup)
+_moe_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
 # ------------------------------------------------------------------------------ FP8 (issue 18)
@@ -505,7 +525,7 @@ def _fp8_scales_shape(rows: int, cols: int) -> tuple[int, int]:
     return -(-cols // 128), rows
 
 
-@torch.library.custom_op("sonic::quantize_rows", mutates_args=())
+@_op("quantize_rows")
 def _quantize_rows_op(x: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _impl(backend, x.device).quantize_rows(x)
 
@@ -516,7 +536,7 @@ def _(x, backend):
             x.new_empty(_fp8_scales_shape(*x.shape), dtype=torch.float32))
 
 
-@torch.library.custom_op("sonic::quantize_blocks", mutates_args=())
+@_op("quantize_blocks")
 def _quantize_blocks_op(w: torch.Tensor, backend: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 copies of ``w (E, N, K)`` and of ``wᵀ``: ``(q, scales, q_t, scales_t)``
@@ -532,7 +552,7 @@ def _(w, backend):
             w.new_empty(e, k, n, dtype=fp8), w.new_empty(e, k // 128, n // 128, dtype=f32))
 
 
-@torch.library.custom_op("sonic::grouped_mm_fp8", mutates_args=())
+@_op("grouped_mm_fp8")
 def _grouped_mm_fp8_op(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
                        b_scales: torch.Tensor, offsets: torch.Tensor,
                        gather_idx: torch.Tensor | None, backend: str) -> torch.Tensor:
@@ -569,7 +589,7 @@ def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_u
     if fp8_weights is None:
         return _dh_dswiglu(grad_out, w2, m.expert_offsets, m.gather_idx, h, row_scores,
                            gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
-    do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
+    do_q, do_scales = call.quantize_rows(grad_out, backend)
     return _dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], m.expert_offsets,
                            m.gather_idx, h, row_scores, gate_up, backend,
                            overwrite_h=overwrite_h, a_out=a_out, quantize_dh=for_dx,
@@ -581,13 +601,13 @@ def dx_rows(dh, w1, fp8_weights, offsets, backend: str, *dx_operand):
     ``dx_operand`` :func:`dh_step` already made) on W1ᵀ's copy ``fp8_weights[4:6]``. Ops, so
     the traced backward sees them."""
     if fp8_weights is None:
-        return torch.ops.sonic.grouped_mm(dh, w1, offsets, None, backend)
-    dh_q, dh_scales = dx_operand or torch.ops.sonic.quantize_rows(dh, backend)
-    return torch.ops.sonic.grouped_mm_fp8(dh_q, dh_scales, *fp8_weights[4:6], offsets, None,
+        return call.grouped_mm(dh, w1, offsets, None, backend)
+    dh_q, dh_scales = dx_operand or call.quantize_rows(dh, backend)
+    return call.grouped_mm_fp8(dh_q, dh_scales, *fp8_weights[4:6], offsets, None,
                                           backend)
 
 
-@torch.library.custom_op("sonic::quantize_cols_grouped", mutates_args=())
+@_op("quantize_cols_grouped")
 def _quantize_cols_grouped_op(x: torch.Tensor, offsets: torch.Tensor, k_offsets: torch.Tensor,
                               gather_idx: torch.Tensor | None, backend: str
                               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,7 +622,7 @@ def _(x, offsets, k_offsets, gather_idx, backend):
             x.new_empty(k_rows // 128, x.shape[1], dtype=torch.float32))
 
 
-@torch.library.custom_op("sonic::grouped_mm_varlen_k_fp8", mutates_args=())
+@_op("grouped_mm_varlen_k_fp8")
 def _grouped_mm_varlen_k_fp8_op(a_t_q: torch.Tensor, a_scales: torch.Tensor,
                                 b_t_q: torch.Tensor, b_scales: torch.Tensor,
                                 k_offsets: torch.Tensor, backend: str) -> torch.Tensor:
@@ -625,22 +645,22 @@ def weight_grad_fn(offsets: torch.Tensor, backend: str, fp8: bool):
     on the device, for both weight gradients). Ops, so the traced backward sees them."""
     if not fp8:
         def weight_grad(a, b, gather_idx_a, gather_idx_b):
-            return torch.ops.sonic.grouped_mm_varlen_k(a, b, offsets, gather_idx_a,
+            return call.grouped_mm_varlen_k(a, b, offsets, gather_idx_a,
                                                        gather_idx_b, backend)
         return weight_grad
     k_offsets = fp8_reference.padded_offsets(offsets)
 
     def weight_grad_fp8(a, b, gather_idx_a, gather_idx_b):
-        a_t = torch.ops.sonic.quantize_cols_grouped(a, offsets, k_offsets, gather_idx_a,
+        a_t = call.quantize_cols_grouped(a, offsets, k_offsets, gather_idx_a,
                                                     backend)
-        b_t = torch.ops.sonic.quantize_cols_grouped(b, offsets, k_offsets, gather_idx_b,
+        b_t = call.quantize_cols_grouped(b, offsets, k_offsets, gather_idx_b,
                                                     backend)
-        return torch.ops.sonic.grouped_mm_varlen_k_fp8(*a_t, *b_t, k_offsets, backend)
+        return call.grouped_mm_varlen_k_fp8(*a_t, *b_t, k_offsets, backend)
 
     return weight_grad_fp8
 
 
-@torch.library.custom_op("sonic::dh_dswiglu_fp8", mutates_args=())
+@_op("dh_dswiglu_fp8")
 def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Tensor,
                        w2t_scales: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
                        h: torch.Tensor, row_scores: torch.Tensor, gate_up: str,
@@ -656,7 +676,7 @@ def _(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, row_scores, ga
     return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
 
 
-@torch.library.custom_op("sonic::moe_experts_fp8", mutates_args=())
+@_op("moe_experts_fp8")
 def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         scores: torch.Tensor, meta: torch.Tensor,
                         fp8_weights: list[torch.Tensor], top_k: int, gate_up: str,
@@ -708,8 +728,8 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
     # dA' = gather(dO)·W2 in FP8 (dO quantized once per token, gathered with its scales),
     # then the dSwiGLU epilogue from the saved H (dequantized first with the fp8 cache).
     def traced(h):
-        do_q, do_scales = torch.ops.sonic.quantize_rows(grad_out, backend)
-        return torch.ops.sonic.dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], offsets,
+        do_q, do_scales = call.quantize_rows(grad_out, backend)
+        return call.dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], offsets,
                                               m.gather_idx, h, row_scores, gate_up, backend)
 
     step = _dh_on_saved_h(
@@ -728,5 +748,5 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
     return *grads, None, [None] * len(fp8_weights), None, None, None, None, None
 
 
-torch.library.register_autograd("sonic::moe_experts_fp8", _experts_backward_fp8,
-                                setup_context=_experts_setup_fp8)
+_moe_experts_fp8_op.register_autograd(_experts_backward_fp8,
+                                      setup_context=_experts_setup_fp8)

@@ -106,9 +106,11 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
         if w.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bfloat16 for FP8 copies, got {w.dtype}")
     check_fp8_sizes(w1.shape[2], w2.shape[2])
+    from sonic.ops import call
+
     with torch.no_grad():
-        w1_q, w1_s, w1t_q, w1t_s = torch.ops.sonic.quantize_blocks(w1.detach(), backend)
-        w2_q, w2_s, w2t_q, w2t_s = torch.ops.sonic.quantize_blocks(w2.detach(), backend)
+        w1_q, w1_s, w1t_q, w1t_s = call.quantize_blocks(w1.detach(), backend)
+        w2_q, w2_s, w2t_q, w2t_s = call.quantize_blocks(w2.detach(), backend)
     return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s, w1t_q, w1t_s, w2t_q, w2t_s)
 
 
@@ -224,7 +226,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
 
     Source: SonicMoE (arXiv 2512.14080) §3.2 and Appendix C.
     """
-    from sonic.ops import pack_metadata, routing_metadata_op
+    from sonic.ops import call, pack_metadata, routing_metadata_op
 
     check_float("x", x, ndim=2)
     check_float("w1", w1, ndim=3)
@@ -277,12 +279,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     if precision == "fp8":
         if fp8_weights is None:
             fp8_weights = quantize_expert_weights(w1, w2, backend)
-        out, _cache, _scales = torch.ops.sonic.moe_experts_fp8(
+        out, _cache, _scales = call.moe_experts_fp8(
             x, w1, w2, scores, packed, list(fp8_weights), top_k, gate_up, backend,
             activation_cache, fp8_weight_grads())
         return out
-    out, _cache, _scales = torch.ops.sonic.moe_experts(x, w1, w2, scores, packed, top_k, gate_up,
-                                                       backend, activation_cache)
+    out, _cache, _scales = call.moe_experts(x, w1, w2, scores, packed, top_k, gate_up, backend,
+                                            activation_cache)
     return out
 
 

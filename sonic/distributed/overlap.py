@@ -51,7 +51,7 @@ from sonic.autograd.moe_experts import _graph_kept
 from sonic.backend import expert_ops, fp8_weight_grads, sm_margin
 from sonic.distributed.comm import all_to_all
 from sonic.distributed.plan import DispatchPlan
-from sonic.ops import (_acc, _first_order_error, dh_step, dx_rows, experts_forward,
+from sonic.ops import (_acc, _first_order_error, call, dh_step, dx_rows, experts_forward,
                        pair_score_grads, routing_metadata_op, unpack_metadata, weight_grad_fn)
 
 
@@ -298,7 +298,7 @@ def _activation_grads(grad_y, w1, w2, fp8_weights, h, scores, m, gate_up, backen
     if need_x:
         rows = dx_rows(dh, w1, fp8_weights, m.expert_offsets, backend, *dx_operand)
         dx_operand.clear()
-        grad_x = torch.ops.sonic.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
+        grad_x = call.aggregate(rows, m.token_rows, m.token_offsets, None, backend)
     return grad_x, grad_s
 
 

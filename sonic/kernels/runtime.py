@@ -45,11 +45,23 @@ SUPPORTED_ARCHS = {9: "sm_90a", 10: "sm_100a"}
 DEFAULT_ARCH = "sm_90a"
 
 
+# Compute capability per CUDA device index: asked on every kernel call (backend resolution,
+# tile plans), and torch.cuda.get_device_capability costs several µs of host time each time.
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def device_capability(device: torch.device | str | int | None = None) -> tuple[int, int]:
     """Compute capability ``(major, minor)`` of a CUDA device (``None``: the current one)."""
-    if device is None:
-        device = torch.cuda.current_device()
-    return torch.cuda.get_device_capability(device)
+    if isinstance(device, torch.device) and device.index is not None:
+        index = device.index
+    elif device is None:
+        index = torch.cuda.current_device()
+    else:
+        index = torch.cuda._utils._get_device_index(device, optional=True)
+    capability = _CAPABILITY.get(index)
+    if capability is None:
+        capability = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return capability
 
 
 def device_arch(device: torch.device | str | int | None = None) -> str:
@@ -221,7 +233,8 @@ class Launcher:
         return self.fn.artifacts
 
     def __call__(self, *args):
-        handle = torch.cuda.current_stream().cuda_stream
+        # The raw handle, without building a torch.cuda.Stream object (µs of host time).
+        handle = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         if self.tvm_ffi:
             return self.fn(*args, handle)
         from cuda.bindings import driver

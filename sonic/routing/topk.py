@@ -73,7 +73,7 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         TypeError / ValueError: ``logits`` not a 2-D float tensor, ``k`` outside ``[1, E]``,
             ``renormalize`` not a bool, unknown ``score`` or ``backend``.
     """
-    import sonic.ops  # noqa: F401  (registers torch.ops.sonic)
+    import sonic.ops
     from sonic.backend import BACKENDS, resolve_backend
 
     check_router_args(logits, k)
@@ -83,9 +83,9 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
     if not torch.compiler.is_compiling():
         resolve_backend(backend, logits.device)   # backend="cute" that cannot run fails here
     num_tokens, num_experts = logits.shape
-    # torch.ops.sonic.topk_routing: the bitonic kernel where it serves the call, a stable sort
+    # The op topk_routing: the bitonic kernel where it serves the call, a stable sort
     # otherwise; backward (twice differentiable) registered with the op.
-    scores, idx = torch.ops.sonic.topk_routing(logits, k, score, renormalize, backend)
+    scores, idx = sonic.ops.call.topk_routing(logits, k, score, renormalize, backend)
     return Routing(
         token_idx=token_major_pairs(num_tokens, k, logits.device),
         expert_idx=idx.flatten(),
