@@ -20,6 +20,8 @@ echo "== bench_grouped_gemm --fp8 (block-scaled FP8 beside bf16)"
 python3 benchmarks/bench_grouped_gemm.py --fp8
 echo "== bench_moe (with the per-kernel breakdown of sonic's forward+backward)"
 python3 benchmarks/bench_moe.py --profile
+echo "== bench_host (host µs per call beside GPU time, 7B)"
+python3 benchmarks/bench_host.py
 echo "== bench_moe, sparse configs (E=256, K=8, n=1024): top-K and token rounding on the same data"
 python3 benchmarks/bench_moe.py --router both --config 8192,4096,1024,256,8 \
     --config 16384,4096,1024,256,8 --config 32768,1536,1024,256,8
