@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, device_name, graph_us  # noqa: E402
-from bench_moe import _sonic_layer, _steps  # noqa: E402
+from bench_moe import _sonic_layer, _steps, problem  # noqa: E402
 
 import sonic  # noqa: E402
 from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
@@ -46,13 +46,7 @@ def host_us(fn, calls: int = 20, rounds: int = 7) -> float:
 
 def measure(name: str, sizes) -> None:
     T, d, n, E, K = sizes
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
-    x = torch.randn(T, d, **kw).requires_grad_()
-    router_weight = (torch.randn(E, d, **kw) * d ** -0.5).requires_grad_()
-    w1 = (torch.randn(E, 2 * n, d, **kw) * d ** -0.5).requires_grad_()
-    w2 = (torch.randn(E, d, n, **kw) * n ** -0.5).requires_grad_()
-    grad = torch.randn(T, d, **kw)
+    x, router_weight, w1, w2, grad = problem(sizes)
     leaves = (x, router_weight, w1, w2)
     fwd, fwd_bwd = _steps(_sonic_layer("topk", 128), x, leaves[1:], K, grad)
     layer = sonic.MoE(d, n, E, K, device="cuda", dtype=torch.bfloat16)

@@ -132,17 +132,25 @@ def _steps(layer, x, params, k, grad):
     return fwd, fwd_bwd
 
 
-def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
-            precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
-            fp8_weight_grads=("bf16",)):
-    T, d, n, E, K = sizes
+def problem(sizes):
+    """The timed layer's bf16 CUDA tensors for ``(T, d, n, E, K)``, seed 0: ``x (T, d)``,
+    router weight ``(E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)`` (all requiring grad) and the
+    fixed random output gradient ``(T, d)``."""
+    T, d, n, E, _ = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
     x = torch.randn(T, d, **kw).requires_grad_()
     router_weight = (torch.randn(E, d, **kw) * d ** -0.5).requires_grad_()
     w1 = (torch.randn(E, 2 * n, d, **kw) * d ** -0.5).requires_grad_()
     w2 = (torch.randn(E, d, n, **kw) * n ** -0.5).requires_grad_()
-    grad = torch.randn(T, d, **kw)
+    return x, router_weight, w1, w2, torch.randn(T, d, **kw)
+
+
+def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
+            precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
+            fp8_weight_grads=("bf16",)):
+    T, d, n, E, K = sizes
+    x, router_weight, w1, w2, grad = problem(sizes)
     params = (router_weight, w1, w2)
     rows, steps = {}, {}
     routers = ("topk", "token_rounding") if router == "both" else (router,)

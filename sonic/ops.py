@@ -167,10 +167,9 @@ def _(token_idx, expert_idx, num_tokens, num_experts, top_k, backend):
 
 def routing_metadata_op(token_idx, expert_idx, num_tokens: int, num_experts: int,
                         top_k: int | None, backend: str) -> RoutingMetadata:
-    """:func:`sonic.routing_metadata` through ``torch.ops.sonic.routing_metadata``."""
+    """:func:`sonic.routing_metadata` through the op ``routing_metadata``."""
     k = top_k or 0
-    packed = call.routing_metadata(token_idx, expert_idx, num_tokens, num_experts, k,
-                                              backend)
+    packed = call.routing_metadata(token_idx, expert_idx, num_tokens, num_experts, k, backend)
     return unpack_metadata(packed, num_tokens, num_experts, expert_idx.shape[0], k)
 
 
@@ -471,7 +470,7 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
         lambda h, overwrite_h: dh_step(grad_out, w2, None, m, h, row_scores, gate_up, backend,
                                        overwrite_h=overwrite_h),
         lambda h: call.dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
-                                             gate_up, backend))
+                                  gate_up, backend))
     del h, h_scales
     grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
                             lambda dh: dx_rows(dh, w1, None, offsets, backend))
@@ -604,7 +603,7 @@ def dx_rows(dh, w1, fp8_weights, offsets, backend: str, *dx_operand):
         return call.grouped_mm(dh, w1, offsets, None, backend)
     dh_q, dh_scales = dx_operand or call.quantize_rows(dh, backend)
     return call.grouped_mm_fp8(dh_q, dh_scales, *fp8_weights[4:6], offsets, None,
-                                          backend)
+                               backend)
 
 
 @_op("quantize_cols_grouped")
@@ -645,16 +644,16 @@ def weight_grad_fn(offsets: torch.Tensor, backend: str, fp8: bool):
     on the device, for both weight gradients). Ops, so the traced backward sees them."""
     if not fp8:
         def weight_grad(a, b, gather_idx_a, gather_idx_b):
-            return call.grouped_mm_varlen_k(a, b, offsets, gather_idx_a,
-                                                       gather_idx_b, backend)
+            return call.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b,
+                                            backend)
         return weight_grad
     k_offsets = fp8_reference.padded_offsets(offsets)
 
     def weight_grad_fp8(a, b, gather_idx_a, gather_idx_b):
         a_t = call.quantize_cols_grouped(a, offsets, k_offsets, gather_idx_a,
-                                                    backend)
+                                         backend)
         b_t = call.quantize_cols_grouped(b, offsets, k_offsets, gather_idx_b,
-                                                    backend)
+                                         backend)
         return call.grouped_mm_varlen_k_fp8(*a_t, *b_t, k_offsets, backend)
 
     return weight_grad_fp8
@@ -730,7 +729,7 @@ def _experts_backward_fp8(ctx, grad_out, _grad_cache, _grad_scales):
     def traced(h):
         do_q, do_scales = call.quantize_rows(grad_out, backend)
         return call.dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], offsets,
-                                              m.gather_idx, h, row_scores, gate_up, backend)
+                                   m.gather_idx, h, row_scores, gate_up, backend)
 
     step = _dh_on_saved_h(
         ctx, h, h_scales, x.dtype,
