@@ -287,3 +287,20 @@ def test_fp8_varlen_k_entry_points_validate_on_cpu():
         grouped_gemm_varlen_k_fp8(q, s, q, s, off)
     with pytest.raises(TypeError, match="a_t_q must have dtype"):
         grouped_gemm_varlen_k_fp8(q.float(), s, q, s, off)
+
+
+def test_wgmma_turns_follow_the_measurements():
+    """The warpgroups queue their WGMMAs in turn on FP8 tiles with one partial accumulator
+    (measured faster or level), not with the fused SwiGLU epilogue (measured slower), not
+    where two partials already overlap the promotion, never on bf16."""
+    def plan(dim_n, gathered, **kw):
+        return heuristic.varlen_m_config(dim_n, 2048, gathered, **kw)
+
+    assert plan(2048, True, ab_dtype="e4m3").wgmma_turns
+    assert plan(2048, False, ab_dtype="e4m3").wgmma_turns
+    assert plan(1024, True, epilogue="dswiglu", ab_dtype="e4m3").wgmma_turns
+    assert not plan(2048, True, epilogue="swiglu", gate_up="concat",
+                    ab_dtype="e4m3").wgmma_turns
+    assert not plan(384, False, ab_dtype="e4m3").wgmma_turns    # overlapped promotion
+    assert heuristic.varlen_k_config(2048, 1024, False, False, ab_dtype="e4m3").wgmma_turns
+    assert not plan(2048, True).wgmma_turns
