@@ -213,27 +213,26 @@ def _topk_setup(ctx, inputs, output):
 
 def _topk_backward(ctx, grad_scores, _grad_idx):
     # Differentiable torch ops on the saved output and input: create_graph=True records them,
-    # so second derivatives are exact.
+    # so second derivatives are exact. Softmax's backward, p ⊙ (G − ⟨G, p⟩), is the fused aten
+    # op that autograd itself runs for softmax (twice differentiable), and the (T, E) gradient
+    # is made by one in-place scatter into zeros of the logits' dtype: a quarter of the small
+    # kernels and host calls of the elementwise form, which also copied and cast (T, E).
     scores, idx, logits = ctx.saved_tensors
     idx = idx.long()
     g = grad_scores.to(scores.dtype)
-    if ctx.renormalize and ctx.score == "topk_softmax":
-        # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs, with s recovered as r·Σs.
-        probs = torch.softmax(logits.to(scores.dtype), dim=-1)
+    if ctx.score == "softmax_topk":
+        grad = scores.new_zeros(idx.shape[0], ctx.num_experts, dtype=ctx.logits_dtype)
+        grad_selected = torch._softmax_backward_data(g, scores, -1, scores.dtype)
+        return grad.scatter_(1, idx, grad_selected.to(ctx.logits_dtype)), None, None, None, None
+    probs = torch.softmax(logits.to(scores.dtype), dim=-1)
+    if ctx.renormalize:
+        # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs.
         total = probs.gather(1, idx).sum(-1, keepdim=True)
         g = (g - (g * scores).sum(-1, keepdim=True)) / total
-        selected = scores * total
-    elif ctx.score == "topk_softmax":
-        probs = torch.softmax(logits.to(scores.dtype), dim=-1)
-        selected = scores
-    if ctx.score == "softmax_topk":
-        grad_selected = scores * (g - (g * scores).sum(-1, keepdim=True))
-        grad = scores.new_zeros(idx.shape[0], ctx.num_experts).scatter(1, idx, grad_selected)
-    else:
-        # softmax backward: p ⊙ (G − ⟨G, p⟩) with G the selected entries' gradient scattered.
-        grad = torch.zeros_like(probs).scatter(1, idx, g)
-        grad = probs * (grad - (g * selected).sum(-1, keepdim=True))
-    return grad.to(ctx.logits_dtype), None, None, None, None
+    # G: the selected entries' gradient scattered over all E experts.
+    grad = torch.zeros_like(probs).scatter_(1, idx, g)
+    return (torch._softmax_backward_data(grad, probs, -1, probs.dtype).to(ctx.logits_dtype),
+            None, None, None, None)
 
 
 _topk_op.register_autograd(_topk_backward, setup_context=_topk_setup)

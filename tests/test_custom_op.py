@@ -73,10 +73,12 @@ def test_eager_step_skips_the_dispatcher_and_equals_the_dispatched_step(router):
         assert torch.equal(a, b)
 
 
-def test_topk_scores_stay_twice_differentiable_on_the_eager_path():
+@pytest.mark.parametrize("score,renormalize", [("softmax_topk", False),
+                                                ("topk_softmax", False), ("topk_softmax", True)])
+def test_topk_scores_stay_twice_differentiable_on_the_eager_path(score, renormalize):
     logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradgradcheck(
-        lambda t: sonic.topk_routing(t, 3, score="topk_softmax", renormalize=True,
+        lambda t: sonic.topk_routing(t, 3, score=score, renormalize=renormalize,
                                      backend="torch").scores, (logits,))
 
 
