@@ -254,11 +254,11 @@ class GroupedGemmConfig:
     def wgmma_turns(self) -> bool:
         """FP8 with one partial accumulator: the two consumer warpgroups queue their WGMMAs in
         turn (named barriers), so one warpgroup's promotion runs while the tensor cores
-        work through the other's WGMMAs instead of both waiting at once. Same-run A/B on the
-        H200, four alternating rounds, mean time in turn / free: gathered up-proj 0.92-0.93,
-        dA' 0.91-0.94, fused dSwiGLU 0.94-0.96, down-proj 0.97-0.99, dX and the weight
-        gradients level (0.99-1.01), the layer's FP8 step 0.95-0.98; the fused SwiGLU
-        up-proj 1.00-1.06 slower, so not there (benchmarks/RESULTS.md)."""
+        work through the other's WGMMAs instead of both waiting at once. Same-run A/Bs on the
+        H200 (OLMoE and 30B shapes, time in turn / free): gathered up-proj 0.92-0.94, dA'
+        0.91-0.94, fused dSwiGLU 0.94-0.96, down-proj 0.97-0.99, dX and the weight gradients
+        level (0.99-1.01), the layer's FP8 step 0.95-0.98; the fused SwiGLU up-proj
+        1.00-1.06, slower, so not there (benchmarks/RESULTS.md, tenth session)."""
         return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
 
     @property
