@@ -649,10 +649,8 @@ def weight_grad_fn(offsets: torch.Tensor, backend: str, fp8: bool):
     k_offsets = fp8_reference.padded_offsets(offsets)
 
     def weight_grad_fp8(a, b, gather_idx_a, gather_idx_b):
-        a_t = call.quantize_cols_grouped(a, offsets, k_offsets, gather_idx_a,
-                                         backend)
-        b_t = call.quantize_cols_grouped(b, offsets, k_offsets, gather_idx_b,
-                                         backend)
+        a_t = call.quantize_cols_grouped(a, offsets, k_offsets, gather_idx_a, backend)
+        b_t = call.quantize_cols_grouped(b, offsets, k_offsets, gather_idx_b, backend)
         return call.grouped_mm_varlen_k_fp8(*a_t, *b_t, k_offsets, backend)
 
     return weight_grad_fp8

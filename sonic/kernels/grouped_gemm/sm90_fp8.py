@@ -23,13 +23,14 @@ Schedule: cooperative ``128 x tile_n`` tiles on 2-CTA clusters. The WGMMA is
 block. ``128 x 256`` tiles (N a multiple of 256) run each k-tile as two 128-column sub-tiles
 into one partial accumulator, each waited for and promoted into its half of the 128-register
 promoted accumulator before the next is queued; they read half the A bytes per FLOP of
-``128 x 128`` tiles. With one partial accumulator the two warpgroups queue their WGMMAs in
-turn (two named barriers, :attr:`~.config.GroupedGemmConfig.wgmma_turns`): left free, both
-queue theirs at once, the tensor cores interleave them, both wait and both promote while the
-tensor cores idle; in turn, one warpgroup promotes while the tensor cores run the other's
-(gathered GEMMs 6-9% faster on the H200). Same-run A/B on the H200 at
-the OLMoE and 30B shapes (benchmarks/RESULTS.md): the store and SwiGLU GEMMs 1.02–1.22×
-faster, the fused dSwiGLU one 0.97× (OLMoE) and 1.08× (30B), results bitwise the same.
+``128 x 128`` tiles. Same-run A/B of the two widths on the H200 at the OLMoE and 30B shapes
+(benchmarks/RESULTS.md): the store and SwiGLU GEMMs 1.02–1.22× faster on ``128 x 256``, the
+fused dSwiGLU one 0.97× (OLMoE) and 1.08× (30B), results bitwise the same.
+With one partial accumulator the two warpgroups queue their WGMMAs in turn (two named
+barriers, :attr:`~.config.GroupedGemmConfig.wgmma_turns`): left free, both queue theirs at
+once, the tensor cores interleave them, both wait and both promote while the tensor cores
+idle; in turn, one warpgroup promotes while the tensor cores run the other's (gathered GEMMs
+6–9% faster on the H200, results bitwise the same).
 ``128 x 128`` tiles (N not a multiple of 256) with contiguous A
 (:attr:`GroupedGemmConfig.overlapped_promotion`) alternate two partial accumulators over
 the k-tiles: the WGMMAs of k-tile ``kt`` are queued into one before the thread waits for
