@@ -58,6 +58,7 @@ import sonic  # noqa: E402
 from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads  # noqa: E402
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
+from sonic.routing.gate import router_logits  # noqa: E402
 
 MiB = float(1 << 20)
 
@@ -67,7 +68,8 @@ def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=No
     """sonic's layer; with ``precision="fp8"``, ``fp8_weights`` are the weights' FP8 copies,
     made once outside the timing, as :class:`sonic.MoE` makes them once per optimizer step."""
     def layer(x, router_weight, w1, w2, k, fp8_weights=fp8_weights):
-        logits = x @ router_weight.t()
+        # As sonic.MoE: the experts read x through the gate's autograd node (one dX GEMM).
+        logits, x = router_logits(x, router_weight)
         r = _route(router, tile, logits, k)
         # Token rounding's P stays on the device (a 0-d tensor), read after the timing.
         layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid

@@ -16,6 +16,7 @@ from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightC
                                         autocast_experts, check_fp8_sizes, moe_experts)
 from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
+from sonic.routing.gate import gate_logits
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
 from sonic.routing.topk import SCORES, topk_routing
@@ -335,7 +336,11 @@ class MoE(nn.Module):
             tokens, w1, w2 = autocast_experts(tokens, self.w1, self.w2)
         else:
             w1, w2 = self.w1, self.w2
-        logits = self.gate(tokens)
+        if type(self).experts is MoE.experts:
+            # sonic.moe_experts makes a fresh dX, which the gate's backward adds into.
+            logits, tokens = gate_logits(self.gate, tokens)
+        else:
+            logits = self.gate(tokens)
         routing = self.route(logits)
         out = self.experts(tokens, w1, w2, routing)
         if self.aux_loss_coef and self.training:
