@@ -23,8 +23,11 @@ ratios.
   process and prints fp8/bf16 ratios of forward and forward+backward time, saved and peak MiB.
 * ``--vs-sonicmoe FILE`` reads the JSON lines of ``shared/device/sonicmoe_bench.py`` (SonicMoE
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
-  same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm: the two torch-gmm
-  times cancel the machine, so the ratio of ratios compares sonic with SonicMoE.
+  same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm, and the two step
+  times themselves. Run at the same time on two GPUs of one machine, the two torch-gmm times
+  cancel the machine and the ratio of ratios compares sonic with SonicMoE; run one after the
+  other on one GPU they moved 1–7% apart (RESULTS.md, eleventh session), so compare the
+  step times there.
   With ``--router both`` it also times each router's routing phase (selection + metadata, the
   router GEMM excluded) and prints its share of that router's step.
 * ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``), and with
@@ -180,7 +183,9 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         for suffix, mode in extra:
             impl = f"{_impl_name(routers[0], router, 'fp8')}{suffix}"
             impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights), mode
-    impls["torch-gmm"] = torch_gmm_moe
+    # torch-gmm first, as sonicmoe_bench.py (ANCHORS.md) times it: under the power cap a GPU
+    # heated by the rows before runs slower, so the order must match for the ratios to compare.
+    impls = {"torch-gmm": torch_gmm_moe, **impls}
     leaves = (x, *params)
     defaults = (set_fp8_epilogues(default_mode[0]), set_fp8_weight_grads(default_mode[1]))
     for impl, layer in impls.items():
@@ -303,10 +308,11 @@ def compare_with_sonicmoe(results, path: str) -> None:
             if line.startswith("{"):
                 row = json.loads(line)
                 anchor[(row["config"], row["impl"])] = row
-    print(f"\nsonic beside SonicMoE ({path}): each ratio is to the torch-gmm of its own process")
+    print(f"\nsonic beside SonicMoE ({path}): each ratio is to the torch-gmm of its own process; "
+          f"ms: the steps themselves")
     print(f"  {'config':8s} {'f+b: sonic':>10s} {'SonicMoE':>9s} {'rel':>6s} | {'fwd: sonic':>10s} "
-          f"{'SonicMoE':>9s} {'rel':>6s} | {'peak MiB: sonic':>15s} {'SonicMoE':>9s} | "
-          f"{'saved: sonic':>12s} {'SonicMoE':>9s}")
+          f"{'SonicMoE':>9s} {'rel':>6s} | {'f+b ms: sonic':>13s} {'SonicMoE':>9s} | "
+          f"{'peak MiB: sonic':>15s} {'SonicMoE':>9s} | {'saved: sonic':>12s} {'SonicMoE':>9s}")
     for r in results:
         moe, gmm = anchor.get((r["config"], "sonicmoe")), anchor.get((r["config"], "torch-gmm"))
         if moe is None or gmm is None:
@@ -317,6 +323,7 @@ def compare_with_sonicmoe(results, path: str) -> None:
         print(f"  {r['config']:8s} {r['fwd_bwd_speedup']:9.3f}x {theirs:8.3f}x "
               f"{r['fwd_bwd_speedup'] / theirs:6.3f} | {r['fwd_speedup']:9.3f}x "
               f"{theirs_fwd:8.3f}x {r['fwd_speedup'] / theirs_fwd:6.3f} | "
+              f"{r['sonic']['fwd_bwd_us'] / 1e3:13.3f} {moe['fwdbwd_ms']:9.3f} | "
               f"{r['sonic']['peak_MiB']:15.1f} {moe['peak_MiB']:9.1f} | "
               f"{r['sonic']['saved_MiB']:12.1f} {moe['saved_MiB']:9.1f}")
 
