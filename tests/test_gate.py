@@ -174,3 +174,20 @@ def test_experts_of_a_subclass_get_the_plain_gate():
         assert not _graph_has_fused_gate(out)
         out.backward(g)
         assert torch.equal(g, g_before)
+
+
+def test_gate_under_torch_func_grad():
+    torch.manual_seed(6)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    weight = torch.randn(4, 6, dtype=torch.float64)
+    mix = torch.randn(6, 6, dtype=torch.float64)
+
+    def loss(x, weight):
+        logits, tokens = _GateAndInput.apply(x, weight, None)
+        return logits.tanh().sum() + (tokens @ mix).sin().sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1))(x, weight)
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

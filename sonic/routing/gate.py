@@ -24,10 +24,14 @@ class _GateAndInput(torch.autograd.Function):
     """``(x, weight, bias) → (x Wᵀ + b, x)``; backward sums x's two gradients in the GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(x, weight, bias):
+        return nn.functional.linear(x, weight, bias), x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return nn.functional.linear(x, weight, bias), x.view_as(x)
 
     @staticmethod
     def backward(ctx, d_logits, d_x):
