@@ -191,3 +191,13 @@ def test_gate_under_torch_func_grad():
     want = torch.autograd.grad(loss(*leaves), leaves)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_router_logits_names_a_wrong_argument():
+    weight = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="tokens"):
+        router_logits(torch.randn(2, 3, 8, requires_grad=True), weight)
+    with pytest.raises(TypeError, match="tokens"):
+        router_logits(torch.ones(3, 8, dtype=torch.int64), weight)
+    with pytest.raises(ValueError, match="weight"):
+        router_logits(torch.randn(3, 8), weight[None])
