@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sonic._custom_op import plain_eager
 from sonic._validation import check_float
 
 
@@ -60,16 +59,20 @@ _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
 
 def _fusable(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether summing X's gradients inside the gate's GEMM changes nothing observable and
-    saves the add: X needs a gradient, and the GEMM is ``F.linear`` in plain eager execution
-    on plain tensors of one dtype (sonic's ops skip the dispatcher under the same condition)."""
+    saves the add: X needs a gradient, and the GEMM is ``F.linear`` on plain tensors of one
+    dtype. Unlike :func:`sonic._custom_op.plain_eager`, dispatch modes and functorch
+    transforms may see it: the node runs aten ops, so what they see is still the step."""
     if not (torch.is_grad_enabled() and tokens.requires_grad):
         return False      # no dX: the experts must not be asked for one
-    if not plain_eager((tokens, weight, bias)):
-        return False
-    # Under autocast the GEMM runs in another dtype than its inputs'.
+    tensors = (tokens, weight) + (() if bias is None else (bias,))
+    if any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors):
+        return False      # DTensor, tensor subclasses: their own dispatch
+    # Under autocast the GEMM runs in another dtype than its inputs'; under torch.compile /
+    # export the compiler owns the backward graph.
     device = tokens.device.type
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
-    return tokens.dtype == weight.dtype and not autocast
+    return (tokens.dtype == weight.dtype and not autocast
+            and not torch.compiler.is_compiling())
 
 
 def router_logits(tokens: torch.Tensor, weight: torch.Tensor,
@@ -84,8 +87,7 @@ def router_logits(tokens: torch.Tensor, weight: torch.Tensor,
     Returns:
         ``(logits (T, E), tokens_for_experts (T, d))``, equal to
         ``(F.linear(tokens, weight, bias), tokens)``. When ``tokens`` requires grad (plain
-        tensors of one dtype off the meta device; no autocast, ``torch.compile``, dispatch
-        mode or functorch transform), both come from one autograd node
+        tensors of one dtype, no autocast, not compiling), both come from one autograd node
         whose backward adds ``dLogits · weight`` into the gradient of ``tokens_for_experts``
         in place; otherwise ``tokens_for_experts`` is ``tokens`` itself.
 
