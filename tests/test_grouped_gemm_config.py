@@ -24,10 +24,12 @@ def _m(**kw):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(tile_n=192), "tile_n must be 128 or 256"),
-    (dict(pingpong=True, cluster=1), "ping-pong schedule holds a 128 x 128"),
-    (dict(tile_n=128, pingpong=True), "2-CTA cluster serves the cooperative"),
-    (dict(cluster=4), "2-CTA cluster"),
+    (dict(tile_n=64), r"tile_n must be one of \(128, 192, 256\)"),
+    (dict(tile_n=192), "tile_n=192 serves the contiguous-A"),                 # gathered A
+    (dict(tile_n=192, gather_a=False, epilogue="dswiglu"), "tile_n=192 serves"),
+    (dict(tile_n=192, gather_a=False, ab_dtype="e4m3"), "tile_n=192 serves"),
+    (dict(pingpong=True, cluster=1), "ping-pong schedule holds a 128 x 128 or 128 x 192"),
+    (dict(cluster=4), "cluster must be 1 or 2"),
     (dict(gather_b=True), "gather_b serves the varlen-K"),
     (dict(transpose_c=True), "transposed C serves the cooperative varlen-K"),
     (dict(epilogue="gelu"), "epilogue must be one of"),
@@ -49,6 +51,9 @@ def test_config_varlen_k_cluster_needs_even_m_tiles():
     with pytest.raises(ValueError, match="pairs the m-tiles of M"):
         GroupedGemmConfig(varlen_k=True, tile_n=256, pingpong=False, cluster=CLUSTER,
                           dim_m=384, dim_n=256, dim_k=0, gather_a=True)
+    with pytest.raises(ValueError, match="ping-pong kernel on a 2-CTA cluster serves varlen-M"):
+        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=True, cluster=CLUSTER,
+                          dim_m=256, dim_n=256, dim_k=0, gather_a=True)
 
 
 def test_config_derived_sizes():
@@ -59,6 +64,9 @@ def test_config_derived_sizes():
     assert coop.tma_bytes == (128 + 256) * 64 * 2
     pp = _m(tile_n=128, pingpong=True, cluster=1, gather_a=False, dim_k=256)
     assert (pp.stages, pp.rows_wg, pp.producer_regs, pp.consumer_regs) == (5, 128, 40, 232)
+    # (128 + 192) x 64 bf16 stages beside two 128 x 72 staging blocks; 1536 = 8 tiles of 192.
+    wide = _m(tile_n=192, pingpong=True, cluster=CLUSTER, gather_a=False, dim_n=1536)
+    assert (wide.stages, wide.rows_wg, wide.n_tiles) == (4, 128, 8)
     assert _m(epilogue="swiglu", gate_up="concat").b_halves
     assert not _m(epilogue="swiglu", gate_up="interleaved").b_halves
 
@@ -75,7 +83,7 @@ def test_cache_key_is_the_config():
 
 
 @pytest.mark.parametrize("pingpong,cluster,expected", [(False, 1, 8), (False, CLUSTER, 16),
-                                                       (True, 1, 4)])
+                                                       (True, 1, 4), (True, CLUSTER, 8)])
 def test_barrier_contract(pingpong, cluster, expected):
     cfg = _m(tile_n=128 if pingpong else 256, pingpong=pingpong, cluster=cluster)
     assert barrier_contract(cfg).full == 1
@@ -87,10 +95,15 @@ def test_barrier_contract(pingpong, cluster, expected):
     ((False, 1024, True, 1536), (256, False, CLUSTER)),
     # N small and not a multiple of 256: 128-wide tiles
     ((False, 192, True, 4096), (128, False, CLUSTER)),
-    # contiguous A, K > 512 (down-proj / dX at OLMoE, 30B): cooperative on a cluster
-    ((False, 2048, False, 1024), (256, False, CLUSTER)),
-    # contiguous A, K <= 512 (7B down-proj / dX): ping-pong 128 x 128, no cluster
-    ((False, 4096, False, 256), (128, True, 1)),
+    # contiguous A, K > 512 (down-proj / dX at OLMoE, 30B): ping-pong 128 x 192 on a cluster
+    ((False, 2048, False, 1024), (192, True, CLUSTER)),
+    ((False, 4096, False, 2048), (192, True, CLUSTER)),
+    # contiguous A, K <= 512 (7B down-proj / dX): ping-pong 128 x 192, one CTA
+    ((False, 1536, False, 256), (192, True, 1)),
+    ((False, 1536, False, 512), (192, True, 1)),
+    # contiguous A where 192-wide tiles would mask more than 5% of N: the 128 / 256 plan
+    ((False, 1024, False, 1024), (256, False, CLUSTER)),
+    ((False, 512, False, 256), (128, True, 1)),
 ])
 def test_plan_varlen_m(args, expected):
     assert heuristic.plan(*args) == expected

@@ -13,7 +13,7 @@ Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contr
   produces: the TMA loads of A and B
   (:mod:`.load`) and an epilogue's own loads (dSwiGLU's H). Warpgroups 1..2 consume: the
   MMA mainloop over a tile's k-tiles, then the epilogue — cooperatively on one
-  ``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x 128`` tile.
+  ``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x tile_n`` tile.
 * ``full[s]`` (producer -> consumers), count ``barrier_contract(cfg).full`` = 1: one elected
   producer thread arrives with expect-tx for the stage's bytes; the stage is full once that
   arrival and all its bytes landed.

@@ -38,6 +38,8 @@ PAD = 8
 # Shared memory per CTA on sm_90 (227 KiB) less room for barriers and the tile table.
 SMEM_BYTES = 227 * 1024 - (MAX_EXPERTS + 1) * 4 - 1024
 MAX_STAGES = 8
+# N tiles of the grouped GEMM (192: contiguous-A bf16 varlen-M only, see GroupedGemmConfig).
+TILE_NS = (128, 192, 256)
 
 EPILOGUES = ("store", "swiglu", "dswiglu")
 # The kernel class of each architecture, "module:class", imported lazily by the dispatcher
@@ -57,11 +59,13 @@ class GroupedGemmConfig:
 
     Attributes:
         varlen_k: varlen-K (``C[e] = A_eᵀ·B_e``, weight gradients) instead of varlen-M.
-        tile_n: N tile (128 or 256); the M tile is :data:`TILE_M`, the K tile
+        tile_n: N tile, one of :data:`TILE_NS`; the M tile is :data:`TILE_M`, the K tile
             :attr:`tile_k`.
-        pingpong: ping-pong schedule (each consumer warpgroup owns a ``128 x 128`` tile)
-            instead of cooperative (both share one ``128 x tile_n`` tile, 64 rows each).
-        cluster: CTAs per cluster, 1 or :data:`CLUSTER` (B tile multicast).
+        pingpong: ping-pong schedule (each consumer warpgroup owns a ``128 x tile_n`` tile,
+            tile_n <= 192) instead of cooperative (both share one ``128 x tile_n`` tile, 64
+            rows each).
+        cluster: CTAs per cluster, 1 or :data:`CLUSTER` (B tile multicast between CTAs
+            taking consecutive m-tiles).
         dim_m: M (varlen-K only; 0 for varlen-M, where M is the runtime ``P``).
         dim_n: N.
         dim_k: K (varlen-M only; 0 for varlen-K, where K is each expert's row count).
@@ -107,12 +111,22 @@ class GroupedGemmConfig:
             raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {self.ab_dtype!r}")
         if self.fp8:
             self._check_fp8()
-        if self.tile_n not in (128, 256):
-            raise ValueError(f"tile_n must be 128 or 256, got {self.tile_n}")
-        if self.pingpong and self.tile_n != 128:
-            raise ValueError("the ping-pong schedule holds a 128 x 128 tile per warpgroup")
-        if self.cluster not in (1, CLUSTER) or (self.cluster > 1 and self.pingpong):
-            raise ValueError("a 2-CTA cluster serves the cooperative kernels")
+        if self.tile_n not in TILE_NS:
+            raise ValueError(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        # 192-wide tiles: the contiguous-A bf16 sm_90 varlen-M kernel with the store
+        # epilogue only, the one the plan runs them on and the GPU tests check (the fused
+        # epilogues and the FP8 scale blocks are laid out in 128-column halves).
+        if self.tile_n == 192 and (self.varlen_k or self.gather_a or self.epilogue != "store"
+                                   or self.fp8 or self.arch != "sm_90a"):
+            raise ValueError("tile_n=192 serves the contiguous-A bf16 sm_90a varlen-M kernel "
+                             "with the store epilogue")
+        if self.pingpong and self.tile_n > 192:
+            raise ValueError("the ping-pong schedule holds a 128 x 128 or 128 x 192 tile per "
+                             "warpgroup (its accumulator's registers)")
+        if self.cluster not in (1, CLUSTER):
+            raise ValueError(f"cluster must be 1 or {CLUSTER}, got {self.cluster}")
+        if self.pingpong and self.cluster > 1 and self.varlen_k:
+            raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")
         if self.varlen_k and self.cluster > 1 and self.m_tiles % self.cluster:
             raise ValueError("varlen-K on a cluster pairs the m-tiles of M")
         if self.gather_b and not self.varlen_k:

@@ -25,9 +25,18 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       (no cluster → cluster); contiguous A on ping-pong ``128 x 128`` tiles reached only 443
       (down) and 327 (dX) there. The fused SwiGLU / dSwiGLU GEMMs on ping-pong tiles (H200,
       with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower.
-    * Contiguous A with K ≤ 512 (the 7B down-proj and dX̃): ping-pong ``128 x 128``, one
-      warpgroup's epilogue hidden behind the other's mainloop (SonicMoE §4.2), because the
-      mainloop is short — H100 7B down 456 vs 444 on a cluster.
+    * Contiguous A (down-proj, dX̃) when 192-wide tiles mask at most 5% of N's columns
+      (N = 1536, 2048, 4096 at the ANCHORS shapes; not 1024: 12.5%): ping-pong, each
+      warpgroup on its own ``128 x 192`` tile, one warpgroup's epilogue hidden behind the
+      other's mainloop (SonicMoE §4.2); on a 2-CTA cluster when K > 512, on one CTA when K ≤
+      512 (short mainloops: the pair's lockstep costs more than the multicast saves). H200,
+      same run, two rounds, µs (cooperative ``128 x 256`` on a cluster before at K > 512,
+      ping-pong ``128 x 128`` on one CTA at K ≤ 512): 7B down 358/366 → 335/341, dX̃ 607/636
+      → 546/570; OLMoE down 1840/1832 → 1711/1761, dX̃ 3440/3427 → 3296/3384; 30B down
+      3751/3745 → 3525/3527, dX̃ 6985/7853 → 6908/7309. Ping-pong ``128 x 128`` tiles on a
+      cluster and cooperative ``128 x 192`` ones were slower than these at every shape
+      (benchmarks/RESULTS.md, twelfth session). Other N: ping-pong ``128 x 128`` on one CTA
+      at K ≤ 512, cooperative on a cluster above.
     * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
       has (no 2-CTA UMMA yet); untuned, no sm_100 measurement exists.
     * FP8 (``ab_dtype="e4m3"``, varlen-M): cooperative ``128 x 256`` tiles when N is a
@@ -49,8 +58,11 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
         return tile_n, False, 1
     if varlen_k:
         return tile_n, False, paired
-    if not gathered and dim_k <= 512:
-        return 128, True, 1
+    if not gathered:
+        if -(-dim_n // 192) * 192 * 20 <= dim_n * 21:
+            return 192, True, 1 if dim_k <= 512 else CLUSTER
+        if dim_k <= 512:
+            return 128, True, 1
     return tile_n, False, CLUSTER
 
 

@@ -1,7 +1,7 @@
 """Hopper (sm_90a) mainloop of the grouped GEMM: WGMMA with fp32 register accumulators.
 
 Two consumer warpgroups run WGMMA on the operand ring's stages, either cooperatively on one
-``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x 128`` tile, one
+``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x tile_n`` tile, one
 warpgroup's epilogue overlapping the other's mainloop (SonicMoE arXiv 2512.14080 §4.2). A finished
 accumulator goes to the epilogue as a :class:`WgmmaAccumulator`, which hides the WGMMA fragment
 layout behind sub-tiles of ``SLAB`` columns.
