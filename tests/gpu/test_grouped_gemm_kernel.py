@@ -52,6 +52,11 @@ def _ref_varlen_k(a_rows, b_rows, offsets):
     (1500, 64, 1024, 1096, "empty"),
     (2000, 8, 256, 4104, "ragged"),
     (300, 4, 8, 24, "ragged"),
+    # Contiguous A on ping-pong 128 x 192 tiles on a 2-CTA cluster (K > 512): a partial last
+    # n-tile (2048 = 10 x 192 + 128), whole n-tiles (384), and an odd m-tile count.
+    (2900, 16, 2048, 1024, "one"),
+    (1100, 8, 384, 1536, "empty"),
+    (129, 3, 4096, 576, "ragged"),
 ])
 def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_major):
     from sonic.kernels.grouped_gemm import grouped_gemm
