@@ -1,6 +1,6 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
-    python benchmarks/bench_grouped_gemm.py [--gemm NAME ...] [--ceiling] [--fp8]
+    python benchmarks/bench_grouped_gemm.py [--gemm NAME ...] [--ceiling] [--plans] [--fp8]
 
 At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
@@ -31,6 +31,12 @@ gather, no epilogue), the same work as a dense library runs it — a reference, 
 (sonic's clustered kernels beat it at times); ``up`` vs ``up+act`` and
 ``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
+``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) under every candidate tile
+plan, ``(tile_n, ping-pong, cluster)`` of ``PLAN_CANDIDATES``, in two alternating rounds — the
+same-run A/B behind ``heuristic.plan``'s choice for them — each candidate's relative error
+against torch beside its time. The candidate replaces ``heuristic.plan``'s answer for
+contiguous-A bf16 varlen-M GEMMs in this process only (:func:`forced_plan`).
+
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
 OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
 ``grouped_gemm_fp8_swiglu``, rel err on A), ``down`` (contiguous) and ``dA'+dH`` (the dH
@@ -41,6 +47,7 @@ same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -54,7 +61,8 @@ from _timing import bench, device_name  # noqa: E402
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
                                         grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
                                         grouped_gemm_fp8_swiglu, grouped_gemm_swiglu,
-                                        grouped_gemm_varlen_k)
+                                        grouped_gemm_varlen_k, heuristic)
+from sonic.kernels.grouped_gemm.config import CLUSTER  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
 from sonic.reference.fp8 import quantize_blocks, quantize_rows  # noqa: E402
@@ -149,6 +157,57 @@ def fp8_rows(name, t, d, n, e, k):
     torch.cuda.empty_cache()
 
 
+# (tile_n, ping-pong, cluster) candidates of the contiguous-A GEMMs; None: the plan itself.
+PLAN_CANDIDATES = (None, (128, True, 1), (128, True, CLUSTER), (192, True, 1),
+                   (192, True, CLUSTER), (192, False, CLUSTER), (256, False, CLUSTER))
+
+
+@contextlib.contextmanager
+def forced_plan(choice):
+    """Within the block, ``heuristic.plan`` answers ``choice`` for contiguous-A bf16 varlen-M
+    GEMMs (every other GEMM keeps its plan); ``None`` leaves the plan as it is. The compiled
+    kernels are cached per configuration, so each candidate compiles once."""
+    original = heuristic.plan
+
+    def plan(varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
+             ab_dtype="bf16"):
+        if choice is not None and not varlen_k and not gathered and ab_dtype == "bf16":
+            return choice
+        return original(varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype)
+
+    heuristic.plan = plan
+    try:
+        yield
+    finally:
+        heuristic.plan = original
+
+
+def plan_rows(name, t, d, n, e, k, rounds=2):
+    """``--plans`` rows of one shape: ``down`` and ``dX`` under every candidate plan."""
+    _, offsets = _routing(t, e, k)
+    p, ends = t * k, offsets[1:]
+    w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
+    w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
+    act = torch.randn(p, n, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
+    cases = {"down": (2 * p * d * n, lambda: grouped_gemm(act, w2, offsets),
+                      torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)),
+             "dX": (2 * p * 2 * n * d, lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
+                    torch._grouped_mm(dh, w1, offs=ends))}
+    for r in range(rounds):
+        for choice in PLAN_CANDIDATES:
+            label = "plan" if choice is None else "{}x{} {} c{}".format(
+                128, choice[0], "pp" if choice[1] else "coop", choice[2])
+            with forced_plan(choice):
+                for gemm, (flops, fn, ref) in cases.items():
+                    err = _rel_err(fn(), ref)
+                    us = bench(fn)
+                    print(f"{name:<6} {gemm:<5} r{r} {label:<16} | {us:>9.1f} us "
+                          f"{flops / us / 1e6:>7.0f} TF  rel err {err:.1e}", flush=True)
+    del w1, w2, act, dh, cases
+    torch.cuda.empty_cache()
+
+
 def _ceiling_row(shape, gemm, flops, fn):
     us = bench(fn)
     print(f"{shape:<6} {gemm:<7} | {'':>9} {us:>9.1f} | {'':>7} {flops / us / 1e6:>7.0f}",
@@ -198,6 +257,9 @@ def main(argv=None):
     parser.add_argument("--ceiling", action="store_true",
                         help="also time each GEMM on pre-gathered rows and cuBLAS bmm on "
                              "balanced experts")
+    parser.add_argument("--plans", action="store_true",
+                        help="time the contiguous-A down and dX GEMMs under every candidate "
+                             "tile plan instead")
     parser.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 up, up+act, down and dA'+dH GEMMs beside "
                              "bf16 instead")
@@ -206,6 +268,10 @@ def main(argv=None):
     print(f"device: {device_name()}")
     print(f"{'shape':<6} {'gemm':<7} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
           f"{'kern TF':>7} {'speedup':>7} {'rel err':>8}")
+    if args.plans:
+        for shape in SHAPES:
+            plan_rows(*shape)
+        return
     if args.fp8:
         for shape in SHAPES:
             if shape[0] in FP8_SHAPES:
