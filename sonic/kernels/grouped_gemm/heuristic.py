@@ -17,7 +17,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
 
     * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
-      mostly masked).
+      mostly masked); 192 for contiguous A (below).
     * Cooperative ``128 x tile_n`` tiles on 2-CTA clusters that multicast the shared B tile,
       for gathered varlen-M A (up-proj, ``dA'``), contiguous A with K > 512 (down-proj, ``dX̃``
       at OLMoE/30B) and varlen-K when M has an even number of m-tiles. H100, 30B: up 558 →
@@ -59,7 +59,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     if varlen_k:
         return tile_n, False, paired
     if not gathered:
-        if -(-dim_n // 192) * 192 * 20 <= dim_n * 21:
+        masked = -dim_n % 192          # columns of the last 192-wide tile past N
+        if masked * 20 <= dim_n:
             return 192, True, 1 if dim_k <= 512 else CLUSTER
         if dim_k <= 512:
             return 128, True, 1
