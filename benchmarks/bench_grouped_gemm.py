@@ -31,11 +31,12 @@ gather, no epilogue), the same work as a dense library runs it — a reference, 
 (sonic's clustered kernels beat it at times); ``up`` vs ``up+act`` and
 ``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
-``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) under every candidate tile
-plan, ``(tile_n, ping-pong, cluster)`` of ``PLAN_CANDIDATES``, in two alternating rounds — the
+``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) and the weight gradients
+(``dW1``, ``dW2``) under every candidate tile plan of ``PLAN_CANDIDATES`` (labelled ``tile_m x
+tile_n``, schedule, cluster, ``A`` when the cluster shares A), in two alternating rounds — the
 same-run A/B behind ``heuristic.plan``'s choice for them — each candidate's relative error
-against torch beside its time. The candidate replaces ``heuristic.plan``'s answer for
-contiguous-A bf16 varlen-M GEMMs in this process only (:func:`forced_plan`).
+against torch beside its time. The candidate replaces ``heuristic.plan``'s answer in this
+process only (:func:`forced_plan`).
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
 OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
@@ -157,23 +158,42 @@ def fp8_rows(name, t, d, n, e, k):
     torch.cuda.empty_cache()
 
 
-# (tile_n, ping-pong, cluster) candidates of the contiguous-A GEMMs; None: the plan itself.
-PLAN_CANDIDATES = (None, (128, True, 1), (128, True, CLUSTER), (192, True, 1),
-                   (192, True, CLUSTER), (192, False, CLUSTER), (256, False, CLUSTER))
+# Candidate tile plans of the contiguous-A varlen-M GEMMs and of the bf16 weight gradients;
+# None: the plan itself.
+T = heuristic.TilePlan
+PLAN_CANDIDATES = {
+    False: (None, T(128, True, 1), T(192, True, 1), T(192, True, CLUSTER),
+            T(192, True, CLUSTER, multicast_a=True), T(256, False, CLUSTER),
+            T(128, False, 1, tile_m=256), T(128, False, CLUSTER, tile_m=256),
+            T(128, False, CLUSTER, tile_m=256, multicast_a=True)),
+    True: (None, T(128, False, CLUSTER), T(128, False, 1, tile_m=256),
+           T(128, False, CLUSTER, tile_m=256)),
+}
+
+
+def _plan_label(tiles):
+    if tiles is None:
+        return "plan"
+    return "{}x{} {} c{}{}".format(tiles.tile_m, tiles.tile_n,
+                                   "pp" if tiles.pingpong else "coop", tiles.cluster,
+                                   "A" if tiles.multicast_a else "")
 
 
 @contextlib.contextmanager
-def forced_plan(choice):
-    """Within the block, ``heuristic.plan`` answers ``choice`` for contiguous-A bf16 varlen-M
-    GEMMs (every other GEMM keeps its plan); ``None`` leaves the plan as it is. The compiled
-    kernels are cached per configuration, so each candidate compiles once."""
+def forced_plan(choice, varlen_k=False):
+    """Within the block, ``heuristic.plan`` answers ``choice`` for bf16 varlen-K GEMMs
+    (``varlen_k``) or contiguous-A bf16 varlen-M GEMMs (every other GEMM keeps its plan; dW1
+    is then stored transposed unless ``choice`` has 256-row tiles, as with the plan's own);
+    ``None`` leaves the plan as it is. The compiled kernels are cached per configuration, so
+    each candidate compiles once."""
     original = heuristic.plan
 
-    def plan(varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
-             ab_dtype="bf16"):
-        if choice is not None and not varlen_k and not gathered and ab_dtype == "bf16":
+    def plan(is_varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
+             ab_dtype="bf16", gather_b=False):
+        if (choice is not None and is_varlen_k == varlen_k and ab_dtype == "bf16"
+                and (varlen_k or not gathered)):
             return choice
-        return original(varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype)
+        return original(is_varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype, gather_b)
 
     heuristic.plan = plan
     try:
@@ -183,28 +203,40 @@ def forced_plan(choice):
 
 
 def plan_rows(name, t, d, n, e, k, rounds=2):
-    """``--plans`` rows of one shape: ``down`` and ``dX`` under every candidate plan."""
-    _, offsets = _routing(t, e, k)
-    p, ends = t * k, offsets[1:]
+    """``--plans`` rows of one shape: ``down``, ``dX``, ``dW1`` and ``dW2`` under every
+    candidate plan of their mode."""
+    gather_idx, offsets = _routing(t, e, k)
+    p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
     w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
     act = torch.randn(p, n, device="cuda", dtype=torch.bfloat16)
     dh = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
-    cases = {"down": (2 * p * d * n, lambda: grouped_gemm(act, w2, offsets),
-                      torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)),
-             "dX": (2 * p * 2 * n * d, lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
-                    torch._grouped_mm(dh, w1, offs=ends))}
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    cases = {False: {"down": (2 * p * d * n, lambda: grouped_gemm(act, w2, offsets),
+                              torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)),
+                     "dX": (2 * p * 2 * n * d,
+                            lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
+                            torch._grouped_mm(dh, w1, offs=ends))},
+             True: {"dW1": (2 * p * 2 * n * d,
+                            lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
+                            torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends)),
+                    "dW2": (2 * p * d * n,
+                            lambda: grouped_gemm_varlen_k(do, act, offsets,
+                                                          gather_idx_a=gather_idx),
+                            torch._grouped_mm(do.index_select(0, gidx_long).t(), act,
+                                              offs=ends))}}
     for r in range(rounds):
-        for choice in PLAN_CANDIDATES:
-            label = "plan" if choice is None else "{}x{} {} c{}".format(
-                128, choice[0], "pp" if choice[1] else "coop", choice[2])
-            with forced_plan(choice):
-                for gemm, (flops, fn, ref) in cases.items():
-                    err = _rel_err(fn(), ref)
-                    us = bench(fn)
-                    print(f"{name:<6} {gemm:<5} r{r} {label:<16} | {us:>9.1f} us "
-                          f"{flops / us / 1e6:>7.0f} TF  rel err {err:.1e}", flush=True)
-    del w1, w2, act, dh, cases
+        for varlen_k, candidates in PLAN_CANDIDATES.items():
+            for choice in candidates:
+                with forced_plan(choice, varlen_k):
+                    for gemm, (flops, fn, ref) in cases[varlen_k].items():
+                        err = _rel_err(fn(), ref)
+                        us = bench(fn)
+                        print(f"{name:<6} {gemm:<5} r{r} {_plan_label(choice):<18} | "
+                              f"{us:>9.1f} us {flops / us / 1e6:>7.0f} TF  rel err {err:.1e}",
+                              flush=True)
+    del w1, w2, act, dh, x, do, cases
     torch.cuda.empty_cache()
 
 
@@ -258,7 +290,7 @@ def main(argv=None):
                         help="also time each GEMM on pre-gathered rows and cuBLAS bmm on "
                              "balanced experts")
     parser.add_argument("--plans", action="store_true",
-                        help="time the contiguous-A down and dX GEMMs under every candidate "
+                        help="time the down, dX, dW1 and dW2 GEMMs under every candidate "
                              "tile plan instead")
     parser.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 up, up+act, down and dA'+dH GEMMs beside "

@@ -41,6 +41,19 @@ def _m(**kw):
     (dict(arch="sm_120a"), "no grouped-GEMM mainloop for arch 'sm_120a'"),
     (dict(arch="sm_100a"), "sm_100a mainloop runs cooperative tiles on one CTA"),
     (dict(arch="sm_100a", cluster=1, tile_n=128, pingpong=True), "sm_100a mainloop"),
+    (dict(tile_m=192), r"tile_m must be one of \(128, 256\)"),
+    # 256-row tiles: cooperative bf16 sm_90a store kernels on tile_n=128, A not gathered
+    # (varlen-M), C not transposed.
+    (dict(tile_m=256, tile_n=128), "tile_m=256 serves the cooperative"),       # gathered A
+    (dict(tile_m=256, gather_a=False), "tile_m=256 serves"),                    # tile_n=256
+    (dict(tile_m=256, tile_n=128, gather_a=False, pingpong=True), "tile_m=256 serves"),
+    (dict(tile_m=256, tile_n=128, gather_a=False, ab_dtype="e4m3"), "tile_m=256 serves"),
+    (dict(tile_m=256, tile_n=128, epilogue="dswiglu", b_n_major=True), "tile_m=256 serves"),
+    (dict(tile_m=256, tile_n=128, gather_a=False, arch="sm_100a", cluster=1),
+     "tile_m=256 serves"),
+    (dict(multicast_a=True, gather_a=False, cluster=1), "multicast_a serves"),
+    (dict(multicast_a=True), "multicast_a serves"),                            # gathered A
+    (dict(multicast_a=True, gather_a=False, ab_dtype="e4m3"), "multicast_a serves"),
 ])
 def test_config_rejects_unsupported_combinations(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -51,6 +64,17 @@ def test_config_varlen_k_cluster_needs_even_m_tiles():
     with pytest.raises(ValueError, match="pairs the m-tiles of M"):
         GroupedGemmConfig(varlen_k=True, tile_n=256, pingpong=False, cluster=CLUSTER,
                           dim_m=384, dim_n=256, dim_k=0, gather_a=True)
+    # 768 rows: an even count of 128-row m-tiles, an odd one of 256-row m-tiles.
+    with pytest.raises(ValueError, match="pairs the m-tiles of M"):
+        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
+                          dim_m=768, dim_n=256, dim_k=0, gather_a=False, tile_m=256)
+    with pytest.raises(ValueError, match="multicast_a serves"):
+        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
+                          dim_m=512, dim_n=256, dim_k=0, gather_a=False, multicast_a=True)
+    with pytest.raises(ValueError, match="tile_m=256 serves"):
+        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
+                          dim_m=512, dim_n=256, dim_k=0, gather_a=True, transpose_c=True,
+                          tile_m=256)
     with pytest.raises(ValueError, match="ping-pong kernel on a 2-CTA cluster serves varlen-M"):
         GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=True, cluster=CLUSTER,
                           dim_m=256, dim_n=256, dim_k=0, gather_a=True)
@@ -67,6 +91,14 @@ def test_config_derived_sizes():
     # (128 + 192) x 64 bf16 stages beside two 128 x 72 staging blocks; 1536 = 8 tiles of 192.
     wide = _m(tile_n=192, pingpong=True, cluster=CLUSTER, gather_a=False, dim_n=1536)
     assert (wide.stages, wide.rows_wg, wide.n_tiles) == (4, 128, 8)
+    # 256 x 128: 128 rows per warpgroup, staged 64 at a time (2 x 64 x 72), so four
+    # (256 + 128) x 64 stages fit.
+    tall = _m(tile_n=128, gather_a=False, dim_n=640, tile_m=256, multicast_a=True)
+    assert (tall.rows_wg, tall.staged_rows, tall.stages) == (128, 64, 4)
+    assert tall.staging_elems == 2 * 64 * 72 and tall.tma_bytes == (256 + 128) * 64 * 2
+    # Work items: m-tiles x pairs of n-tiles (5 n-tiles: the third pair's second is phantom).
+    assert (tall.n_groups, tall.varlen_m_work_items(7)) == (3, 21)
+    assert (coop.n_groups, coop.varlen_m_work_items(7)) == (4, 16)
     assert _m(epilogue="swiglu", gate_up="concat").b_halves
     assert not _m(epilogue="swiglu", gate_up="interleaved").b_halves
 
@@ -106,13 +138,31 @@ def test_barrier_contract(pingpong, cluster, expected):
     ((False, 512, False, 256), (128, True, 1)),
 ])
 def test_plan_varlen_m(args, expected):
-    assert heuristic.plan(*args) == expected
+    assert heuristic.plan(*args) == heuristic.TilePlan(*expected)
 
 
 def test_plan_varlen_k_cluster_needs_even_m_tiles():
-    assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER)
-    assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1)
+    assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER, 128, False)
+    assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1, 128, False)
     assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
+
+
+@pytest.mark.parametrize("dim_m,dim_n,gather_a,expected", [
+    (512, 1536, False, (256, False)),       # 7B dW1: 256 x 128, B gathered on N
+    (2048, 2048, False, (256, False)),      # OLMoE dW1
+    (2048, 4096, False, (128, True)),       # 30B dW1 (N > 2048): transposed 128-row tiles
+    (768, 1536, False, (128, True)),        # 3 m-tiles of 256 rows do not pair
+    (2048, 2048, True, (128, False)),       # both gathered: neither
+])
+def test_plan_dw1(dim_m, dim_n, gather_a, expected):
+    transposed = heuristic.transpose_gathered_b(gather_a, True, "sm_90a", dim_m, dim_n)
+    tiles = heuristic.plan(True, dim_n, gather_a, dim_m=dim_m, gather_b=True)
+    assert (tiles.tile_m if not transposed else 128, transposed) == expected
+    if expected[0] == 256:
+        assert tiles == (128, False, CLUSTER, 256, False)
+        cfg = heuristic.varlen_k_config(dim_m, dim_n, False, True)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster, cfg.transpose_c) == (256, 128, CLUSTER,
+                                                                          False)
 
 
 def test_sm100_config_plan_and_contract():
@@ -123,9 +173,10 @@ def test_sm100_config_plan_and_contract():
     assert barrier_contract(cfg) == config.BarrierContract(full=1, empty=1)
     assert heuristic.varlen_m_config(1536, 256, False, arch="sm_100a").pingpong is False
     # dW1 gathers B directly on sm_100a (its epilogue cannot stage C transposed).
-    assert heuristic.transpose_gathered_b(False, True, "sm_90a")
-    assert not heuristic.transpose_gathered_b(False, True, "sm_100a")
-    assert not heuristic.transpose_gathered_b(True, False, "sm_90a")
+    assert heuristic.transpose_gathered_b(False, True, "sm_90a", 2048, 4096)
+    assert not heuristic.transpose_gathered_b(False, True, "sm_100a", 2048, 4096)
+    assert not heuristic.transpose_gathered_b(True, False, "sm_90a", 2048, 4096)
+    assert heuristic.varlen_k_config(512, 1536, False, True, arch="sm_100a").tile_m == 128
 
 
 def test_swiglu_concat_tile_keeps_gate_half_inside_n():

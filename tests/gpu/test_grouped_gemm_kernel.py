@@ -6,6 +6,9 @@ import torch
 
 from kernel_checks import (expert_counts as _counts, expert_offsets as _offsets,
                            poison_allocator, require_kernels)
+from sonic.kernels.grouped_gemm import heuristic
+from sonic.kernels.grouped_gemm.config import CLUSTER
+from sonic.kernels.grouped_gemm.heuristic import TilePlan
 
 pytestmark = pytest.mark.gpu
 
@@ -88,6 +91,71 @@ def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_majo
     assert again is preset and torch.equal(out, again)
     for before, after in zip(inputs, args):
         assert torch.equal(before, after)
+
+
+# Tile plans beside heuristic.plan's own: 256-row cooperative tiles and clusters sharing A
+# (multicast_a), so each stays correct whether or not the plan picks it today.
+M256 = dict(tile_m=256)
+VARLEN_M_PLANS = [
+    TilePlan(128, False, 1, **M256), TilePlan(128, False, CLUSTER, **M256),
+    TilePlan(128, False, CLUSTER, 256, True), TilePlan(192, True, CLUSTER, multicast_a=True),
+    TilePlan(128, True, CLUSTER, multicast_a=True), TilePlan(256, False, CLUSTER,
+                                                             multicast_a=True),
+]
+VARLEN_K_PLANS = [TilePlan(128, False, 1, **M256), TilePlan(128, False, CLUSTER, **M256)]
+
+
+@pytest.fixture
+def forced_plan(monkeypatch):
+    """Make ``heuristic.plan`` answer a given :class:`TilePlan` for bf16 GEMMs of one mode."""
+    def force(tiles, varlen_k):
+        original = heuristic.plan
+
+        def plan(is_varlen_k, *args, **kwargs):
+            if is_varlen_k == varlen_k and kwargs.get("ab_dtype", "bf16") == "bf16":
+                return tiles
+            return original(is_varlen_k, *args, **kwargs)
+        monkeypatch.setattr(heuristic, "plan", plan)
+    return force
+
+
+@pytest.mark.parametrize("tiles", VARLEN_M_PLANS, ids=str)
+@pytest.mark.parametrize("num_pairs,num_experts,dim_n,dim_k,mode", [
+    (1, 1, 64, 64, "ragged"),
+    (2900, 16, 2048, 1024, "one"),      # whole n-tile pairs
+    (3001, 16, 640, 576, "empty"),      # an odd n-tile count: the last pair's phantom half
+    (1100, 8, 200, 136, "ragged"),      # partial n-tile and k-tile
+    (20000, 512, 384, 128, "ragged"),
+])
+def test_varlen_m_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_n, dim_k, mode):
+    """Contiguous-A varlen-M under every candidate tile plan, against the fp32 reference."""
+    from sonic.kernels.grouped_gemm import grouped_gemm
+
+    forced_plan(tiles, varlen_k=False)
+    gen = torch.Generator().manual_seed(num_pairs + dim_n)
+    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
+    a, b = _rand(num_pairs, dim_k, gen=gen), _rand(num_experts, dim_n, dim_k, gen=gen)
+    ref = _ref_varlen_m(a, b, offsets)
+    poison_allocator(512 << 20)
+    out = grouped_gemm(a, b, offsets)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("tiles", VARLEN_K_PLANS, ids=str)
+@pytest.mark.parametrize("gather_a,gather_b", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("num_pairs,num_experts,dim_m,dim_n,mode", [
+    (1, 2, 512, 64, "ragged"),
+    (3001, 8, 1024, 1536, "ragged"),
+    (2000, 16, 512, 136, "empty"),
+    (777, 4, 1536, 512, "one"),
+])
+def test_varlen_k_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_m, dim_n, mode,
+                             gather_a, gather_b):
+    """varlen-K on 256-row tiles (one CTA, and clusters pairing m-tiles; B gathered on N, not
+    transposed), against fp32."""
+    forced_plan(tiles, varlen_k=True)
+    test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b)
 
 
 @pytest.mark.parametrize("gather_a,gather_b",

@@ -38,8 +38,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from sonic.kernels import runtime
-from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, TILE_M,
-                                               GroupedGemmConfig, barrier_contract)
+from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, GroupedGemmConfig,
+                                               barrier_contract)
 from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 from sonic.kernels.grouped_gemm.load import FULL_ARRIVALS, TmaProducers
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
@@ -96,7 +96,7 @@ class GroupedGemmKernel(TmaProducers):
         """``(a_smem, b_smem)``: staged, 128-byte-swizzled operand layouts of the ring (the
         WGMMA helpers' layouts, which UMMA reads unchanged)."""
         cfg = self.cfg
-        tile_mnk = (TILE_M, cfg.tile_n, cfg.tile_k)
+        tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         return (sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, self.ab_type, cfg.stages),
                 sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, self.ab_type, cfg.stages))
 
@@ -168,15 +168,15 @@ class GroupedGemmKernel(TmaProducers):
         tma["epi"] = self.epilogue.make_tma(h, rows_b, a_smem)
         self.storage_type = self.shared_storage(a_smem, b_smem)
         self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                    *tma["b_mc"], *tma["b_mc_row"], *tma["epi"], a_smem, b_smem, outs, gidx_a,
+                    *tma["mc"], *tma["mc_row"], *tma["epi"], a_smem, b_smem, outs, gidx_a,
                     gidx_b, offsets, rows_a, rows_b, num_experts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[cfg.cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
-               tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
-               tma_atom_b_mc_row, tma_b_mc_row, tma_atom_epi, tma_epi,
+               tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_mc, tma_mc,
+               tma_atom_mc_row, tma_mc_row, tma_atom_epi, tma_epi,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, outs: tuple,
                gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
                rows_a: Int32, rows_b: Int32, num_experts: Int32):
@@ -215,7 +215,8 @@ class GroupedGemmKernel(TmaProducers):
             self.setup_warp0(storage)
         self.ring.sync_cluster()
 
-        # Work items: tiles, or on a cluster pairs of m-tiles (one per CTA) of an n-tile.
+        # Work items: tiles, or on a cluster pairs of m-tiles (one per CTA) of an n-tile
+        # (multicast_a: pairs of n-tiles of an m-tile).
         first, step = bidx, grid
         if cutlass.const_expr(cfg.cluster > 1):
             first, step = bidx // cfg.cluster, grid // cfg.cluster
@@ -223,8 +224,8 @@ class GroupedGemmKernel(TmaProducers):
 
         self.run_roles(tidx, warp, first, step, total, tiled_mma, storage,
                        (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
-                       (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_b_mc, tma_b_mc,
-                        tma_atom_b_mc_row, tma_b_mc_row), (tma_atom_epi, tma_epi), a_smem,
+                       (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_mc, tma_mc,
+                        tma_atom_mc_row, tma_mc_row), (tma_atom_epi, tma_epi), a_smem,
                        b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b,
                        rows_a, rows_b, m_off, table, num_experts, full, empty)
         # On a cluster no CTA may exit while the other can still arrive on its barriers.

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from sonic.types import GATE_UP_LAYOUTS
 
 TILE_M = 128
+# M tiles: 256 rows (128 per consumer warpgroup) serve the cooperative bf16 sm_90a store
+# kernels only (see GroupedGemmConfig).
+TILE_MS = (TILE_M, 256)
 TILE_K = 64
 # FP8 k-tile: one 128-wide scale block per k-tile, so the mainloop promotes every k-tile; 128
 # e4m3 values are one 128-byte swizzle line, the bytes of a bf16 TILE_K row.
@@ -59,13 +62,13 @@ class GroupedGemmConfig:
 
     Attributes:
         varlen_k: varlen-K (``C[e] = A_eᵀ·B_e``, weight gradients) instead of varlen-M.
-        tile_n: N tile, one of :data:`TILE_NS`; the M tile is :data:`TILE_M`, the K tile
-            :attr:`tile_k`.
+        tile_n: N tile, one of :data:`TILE_NS`; the K tile is :attr:`tile_k`.
         pingpong: ping-pong schedule (each consumer warpgroup owns a ``128 x tile_n`` tile,
-            tile_n <= 192) instead of cooperative (both share one ``128 x tile_n`` tile, 64
-            rows each).
+            tile_n <= 192) instead of cooperative (both share one ``tile_m x tile_n`` tile,
+            ``tile_m / 2`` rows each).
         cluster: CTAs per cluster, 1 or :data:`CLUSTER` (B tile multicast between CTAs
-            taking consecutive m-tiles).
+            taking consecutive m-tiles, or with ``multicast_a`` A between CTAs taking
+            consecutive n-tiles).
         dim_m: M (varlen-K only; 0 for varlen-M, where M is the runtime ``P``).
         dim_n: N.
         dim_k: K (varlen-M only; 0 for varlen-K, where K is each expert's row count).
@@ -78,6 +81,12 @@ class GroupedGemmConfig:
         gate_up: gate/up layout of the ``"swiglu"`` epilogue (``"concat"`` or
             ``"interleaved"``), else None.
         arch: target architecture, a key of :data:`MAINLOOPS`.
+        tile_m: M tile, one of :data:`TILE_MS`; 256 (two 128-row warpgroup halves, ``128 x
+            128`` accumulators) only for the cooperative bf16 sm_90a store kernel on
+            ``tile_n=128``, varlen-M with contiguous A or varlen-K without a transposed C.
+        multicast_a: on a 2-CTA cluster, the CTAs take consecutive n-tiles of one m-tile and
+            each loads half of the shared A tile for both (CUTLASS cluster shape 1 x 2);
+            varlen-M with contiguous A, bf16, sm_90a.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -101,6 +110,8 @@ class GroupedGemmConfig:
     gate_up: str | None = None
     arch: str = "sm_90a"
     ab_dtype: str = "bf16"
+    tile_m: int = TILE_M
+    multicast_a: bool = False
 
     def __post_init__(self):
         if self.arch not in MAINLOOPS:
@@ -125,6 +136,11 @@ class GroupedGemmConfig:
                              "warpgroup (its accumulator's registers)")
         if self.cluster not in (1, CLUSTER):
             raise ValueError(f"cluster must be 1 or {CLUSTER}, got {self.cluster}")
+        self._check_tile_m()
+        if self.multicast_a and (self.cluster == 1 or self.varlen_k or self.gather_a
+                                 or self.fp8 or self.arch != "sm_90a"):
+            raise ValueError("multicast_a serves the contiguous-A bf16 sm_90a varlen-M kernel "
+                             f"on a {CLUSTER}-CTA cluster")
         if self.pingpong and self.cluster > 1 and self.varlen_k:
             raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")
         if self.varlen_k and self.cluster > 1 and self.m_tiles % self.cluster:
@@ -151,6 +167,21 @@ class GroupedGemmConfig:
                                            or self.pingpong or self.tile_n < TILE_M):
             raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
                              "(cooperative, tile_n >= 128)")
+
+    def _check_tile_m(self):
+        if self.tile_m not in TILE_MS:
+            raise ValueError(f"tile_m must be one of {TILE_MS}, got {self.tile_m}")
+        # 256 rows: each consumer warpgroup accumulates a 128 x 128 half (128 registers per
+        # thread); the fused epilogues, the row gathers of varlen-M A (four producer warps of
+        # 32 rows), the transposed staging (SLAB rows) and the FP8 / sm_100 mainloops are
+        # built around 128-row tiles.
+        if self.tile_m != TILE_M and (
+                self.pingpong or self.tile_n != 128 or self.epilogue != "store"
+                or self.fp8 or self.arch != "sm_90a" or self.transpose_c
+                or (self.gather_a and not self.varlen_k)):
+            raise ValueError(f"tile_m={self.tile_m} serves the cooperative bf16 sm_90a store "
+                             "kernel on tile_n=128 (varlen-M with contiguous A, or varlen-K "
+                             "without a transposed C)")
 
     def _check_fp8(self):
         if self.arch not in FP8_MAINLOOPS:
@@ -206,7 +237,23 @@ class GroupedGemmConfig:
 
     @property
     def m_tiles(self) -> int:
-        return (self.dim_m + TILE_M - 1) // TILE_M
+        return (self.dim_m + self.tile_m - 1) // self.tile_m
+
+    @property
+    def n_groups(self) -> int:
+        """varlen-M n-tile groups of a work item: n-tiles, or with ``multicast_a`` pairs of
+        them (the last one half phantom when the n-tile count is odd)."""
+        if self.multicast_a:
+            return (self.n_tiles + self.cluster - 1) // self.cluster
+        return self.n_tiles
+
+    def varlen_m_work_items(self, m_tiles):
+        """varlen-M work items over ``m_tiles`` linear m-tiles (a Python or a traced int):
+        m-tiles × n-tiles, in pairs of m-tiles on a cluster sharing B, of n-tiles on one
+        sharing A (``multicast_a``)."""
+        if self.multicast_a:
+            return m_tiles * self.n_groups
+        return (m_tiles + self.cluster - 1) // self.cluster * self.n_tiles
 
     @property
     def k_tiles(self) -> int:
@@ -216,8 +263,14 @@ class GroupedGemmConfig:
     def rows_wg(self) -> int:
         """Tile rows of one epilogue warpgroup's accumulator."""
         if self.pingpong:
-            return TILE_M
-        return TILE_M // EPILOGUE_WARPGROUPS[self.arch]
+            return self.tile_m
+        return self.tile_m // EPILOGUE_WARPGROUPS[self.arch]
+
+    @property
+    def staged_rows(self) -> int:
+        """Rows of a warpgroup's accumulator the epilogue stages at a time: all ``rows_wg``,
+        or on 256-row tiles one 64-row WGMMA block, so that the ring keeps four stages."""
+        return 64 if self.tile_m == 256 else self.rows_wg
 
     @property
     def stages(self) -> int:
@@ -226,15 +279,15 @@ class GroupedGemmConfig:
 
     @property
     def staging_elems(self) -> int:
-        """bf16 elements of the epilogue staging buffer (one ``rows_wg x SLAB`` block, padded,
-        per epilogue warpgroup)."""
-        return EPILOGUE_WARPGROUPS[self.arch] * self.rows_wg * (SLAB + PAD)
+        """bf16 elements of the epilogue staging buffer (one ``staged_rows x SLAB`` block,
+        padded, per epilogue warpgroup)."""
+        return EPILOGUE_WARPGROUPS[self.arch] * self.staged_rows * (SLAB + PAD)
 
     @property
     def tma_bytes(self) -> int:
         """Bytes of one operand stage: every operand arrives by TMA (out-of-bounds boxes are
         zero-filled and counted), so a stage is complete at one expect-tx and these bytes."""
-        return (self.tile_n + TILE_M) * self.tile_k * self.ab_bytes
+        return (self.tile_n + self.tile_m) * self.tile_k * self.ab_bytes
 
     @property
     def b_halves(self) -> bool:

@@ -8,13 +8,26 @@ maximises FLOP per loaded byte. Pure Python: no ``cutlass``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
 
 
+class TilePlan(NamedTuple):
+    """The tile choices of one grouped GEMM (fields as in :class:`GroupedGemmConfig`)."""
+
+    tile_n: int
+    pingpong: bool
+    cluster: int
+    tile_m: int = TILE_M
+    multicast_a: bool = False
+
+
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
-         dim_m: int = 0, arch: str = "sm_90a",
-         ab_dtype: str = "bf16") -> tuple[int, bool, int]:
-    """Tile N, schedule and cluster size: ``(tile_n, pingpong, cluster)``.
+         dim_m: int = 0, arch: str = "sm_90a", ab_dtype: str = "bf16",
+         gather_b: bool = False) -> TilePlan:
+    """Tile N, schedule, cluster size, tile M and the cluster's shared operand (``gathered``:
+    A's rows are gathered; ``gather_b``: varlen-K B's are).
 
     * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
       mostly masked); 192 for contiguous A (below).
@@ -37,6 +50,16 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       cluster and cooperative ``128 x 192`` ones were slower than these at every shape
       (benchmarks/RESULTS.md, twelfth session). Other N: ping-pong ``128 x 128`` on one CTA
       at K ≤ 512, cooperative on a cluster above.
+    * varlen-K with only B gathered (dW1 = dHᵀ·gather(X)) when N ≤ 2048 and M has an even
+      number of 256-row m-tiles: cooperative ``256 x 128`` tiles (128 rows per warpgroup,
+      staged one 64-row block at a time so the ring keeps four stages) on 2-CTA clusters
+      sharing B, B gathered on N; otherwise the transposed form
+      (:func:`transpose_gathered_b`). H200, same run, three rounds, µs (transposed ``128 x
+      256`` on a cluster → ``256 x 128``): 7B 568/578/645 → 550/552/562, OLMoE
+      3712/3729/3730 → 3486/3529/3783; 30B (N = 4096) 7333/7318/7614 → 7326/7697/7380, not
+      taken. ``256 x 128`` for dW2 (A gathered: 256 row copies per k-tile) ran 1.3–1.4×
+      slower, for the down-proj and dX̃ (also sharing A on a cluster along N, CUTLASS
+      1 x 2) 5–10% slower than the ping-pong plan (benchmarks/RESULTS.md, thirteenth session).
     * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
       has (no 2-CTA UMMA yet); untuned, no sm_100 measurement exists.
     * FP8 (``ab_dtype="e4m3"``, varlen-M): cooperative ``128 x 256`` tiles when N is a
@@ -51,20 +74,22 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     paired = CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
     if ab_dtype == "e4m3":
         if varlen_k:
-            return 128, False, paired
-        return 256 if dim_n % 256 == 0 else 128, False, CLUSTER
+            return TilePlan(128, False, paired)
+        return TilePlan(256 if dim_n % 256 == 0 else 128, False, CLUSTER)
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
     if arch == "sm_100a":
-        return tile_n, False, 1
+        return TilePlan(tile_n, False, 1)
     if varlen_k:
-        return tile_n, False, paired
+        if gather_b and not gathered and dim_n <= 2048 and (dim_m + 255) // 256 % CLUSTER == 0:
+            return TilePlan(128, False, CLUSTER, tile_m=256)
+        return TilePlan(tile_n, False, paired)
     if not gathered:
         masked = -dim_n % 192          # columns of the last 192-wide tile past N
         if masked * 20 <= dim_n:
-            return 192, True, 1 if dim_k <= 512 else CLUSTER
+            return TilePlan(192, True, 1 if dim_k <= 512 else CLUSTER)
         if dim_k <= 512:
-            return 128, True, 1
-    return tile_n, False, CLUSTER
+            return TilePlan(128, True, 1)
+    return TilePlan(tile_n, False, CLUSTER)
 
 
 def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,
@@ -78,14 +103,15 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tile_n, pingpong, cluster = plan(False, dim_n, gathered, dim_k, arch=arch,
-                                     ab_dtype=ab_dtype)
+    tiles = plan(False, dim_n, gathered, dim_k, arch=arch, ab_dtype=ab_dtype)
+    tile_n = tiles.tile_n
     if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128
-    return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
-                             dim_m=0, dim_n=dim_n, dim_k=dim_k, gather_a=gathered,
-                             b_n_major=b_n_major, epilogue=epilogue, gate_up=gate_up, arch=arch,
-                             ab_dtype=ab_dtype)
+    return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=tiles.pingpong,
+                             cluster=tiles.cluster, dim_m=0, dim_n=dim_n, dim_k=dim_k,
+                             gather_a=gathered, b_n_major=b_n_major, epilogue=epilogue,
+                             gate_up=gate_up, arch=arch, ab_dtype=ab_dtype,
+                             tile_m=tiles.tile_m, multicast_a=tiles.multicast_a)
 
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
@@ -96,17 +122,23 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tile_n, pingpong, cluster = plan(True, dim_n, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype)
-    return GroupedGemmConfig(varlen_k=True, tile_n=tile_n, pingpong=pingpong, cluster=cluster,
-                             dim_m=dim_m, dim_n=dim_n, dim_k=0, gather_a=gather_a,
-                             gather_b=gather_b, transpose_c=transpose_c, arch=arch,
-                             ab_dtype=ab_dtype)
+    tiles = plan(True, dim_n, gather_a, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype,
+                 gather_b=gather_b)
+    return GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
+                             cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
+                             gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,
+                             arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
+                             multicast_a=tiles.multicast_a)
 
 
-def transpose_gathered_b(gather_a: bool, gather_b: bool, arch: str) -> bool:
-    """Whether varlen-K with only B gathered (dW1 = dHᵀ·gather(X)) computes ``C[e]ᵀ = B_eᵀ·A_e``
-    instead, the gathered rows on the 128-wide M side, and stores it transposed: measured
-    faster at the ANCHORS shapes on sm_90. Not on sm_100a: its one epilogue warpgroup holds
-    all TILE_M rows of a tile, more than the transposed staging block (SLAB rows) takes, so
-    its producers gather B directly."""
-    return gather_b and not gather_a and arch == "sm_90a"
+def transpose_gathered_b(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
+                         dim_n: int) -> bool:
+    """Whether varlen-K ``(M, N)`` with only B gathered (dW1 = dHᵀ·gather(X)) computes
+    ``C[e]ᵀ = B_eᵀ·A_e`` instead, the gathered rows on the 128-row M side, and stores it
+    transposed: measured faster than ``128 x 256`` tiles gathering B at the ANCHORS shapes on
+    sm_90, so taken unless :func:`plan` gives the untransposed GEMM 256-row tiles (whose
+    staging is not transposed). Not on sm_100a: its one epilogue warpgroup holds all TILE_M
+    rows of a tile, more than the transposed staging block (SLAB rows) takes, so its
+    producers gather B directly."""
+    return (gather_b and not gather_a and arch == "sm_90a"
+            and plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True).tile_m == TILE_M)

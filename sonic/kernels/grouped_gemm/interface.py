@@ -17,8 +17,9 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm import heuristic
-from sonic.kernels.grouped_gemm.config import (LAUNCH_ADDRESSES, MAINLOOPS, MAX_EXPERTS,
-                                               TILE_K_FP8, TILE_M, VEC, GroupedGemmConfig)
+from sonic.kernels.grouped_gemm.config import (CLUSTER, LAUNCH_ADDRESSES, MAINLOOPS,
+                                               MAX_EXPERTS, TILE_K_FP8, VEC,
+                                               GroupedGemmConfig)
 from sonic.kernels.registry import KernelVariant, register
 from sonic.types import GATE_UP_LAYOUTS
 
@@ -323,9 +324,9 @@ def _launch_varlen_m(cfg: GroupedGemmConfig, device, num_pairs: int, num_experts
     """Launch varlen-M ``cfg`` over ``num_pairs`` rows on a persistent grid; ``args``: the
     :data:`~.config.LAUNCH_ADDRESSES` addresses and ``rows_a``, ``rows_b`` of
     :class:`.base.GroupedGemmKernel`."""
-    # Each expert adds at most one partial m-tile; a cluster takes two m-tiles at a time.
-    m_tiles_bound = (num_pairs + TILE_M - 1) // TILE_M + num_experts
-    work_items = (m_tiles_bound + cfg.cluster - 1) // cfg.cluster * cfg.n_tiles
+    # Each expert adds at most one partial m-tile.
+    m_tiles_bound = (num_pairs + cfg.tile_m - 1) // cfg.tile_m + num_experts
+    work_items = cfg.varlen_m_work_items(m_tiles_bound)
     _launcher(cfg)(*args, num_experts, _num_ctas(device, work_items, cfg.cluster))
 
 
@@ -624,7 +625,7 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
     arch = runtime.device_arch(device)
-    transpose_c = heuristic.transpose_gathered_b(ga, gb, arch)
+    transpose_c = heuristic.transpose_gathered_b(ga, gb, arch, dim_m, dim_n)
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
         dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
@@ -758,15 +759,23 @@ for _n in (1024, 192):
               lambda arch, n=_n: heuristic.varlen_m_config(n, 4096, True, True,
                                                            epilogue="dswiglu", arch=arch))
 # The backward's dW2 (gathered dO on the M side) and dW1: gathered X, on sm_90 as C stored
-# transposed, on sm_100 gathered on the B side (heuristic.transpose_gathered_b).
+# transposed (N > 2048) or on 256 x 128 tiles gathered on the B side, on sm_100 gathered on
+# the B side (heuristic.transpose_gathered_b).
 _register("varlen_k_m1536_n256_gather_a",
           lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch))
 _register("varlen_k_m1536_n512_gather_a_ct",
           lambda arch: heuristic.varlen_k_config(1536, 512, True, False, True, arch=arch),
           archs=("sm_90a",))
 _register("varlen_k_m512_n1536_gather_b",
-          lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch),
-          archs=("sm_100a",))
+          lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch))
+# Plans heuristic.plan does not pick today (bench_grouped_gemm.py --plans times them): a
+# 256-row contiguous-A varlen-M tile on a cluster sharing A.
+_register("varlen_m_n640_k576_contig_m256_share_a",
+          lambda arch: GroupedGemmConfig(varlen_k=False, tile_n=128, pingpong=False,
+                                         cluster=CLUSTER,
+                                         dim_m=0, dim_n=640, dim_k=576, gather_a=False,
+                                         arch=arch, tile_m=256, multicast_a=True),
+          archs=("sm_90a",))
 # Block-scaled FP8 (issue 18): the gathered up-proj and the contiguous down-proj / dX̃ on
 # 256-wide tiles, and the contiguous one on 128-wide tiles (N = 384: overlapped promotion).
 for _n, _k, _gather in ((512, 1536, True), (1536, 256, False), (384, 256, False)):

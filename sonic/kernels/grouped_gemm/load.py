@@ -19,7 +19,9 @@ all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
   expert's padded first row plus ``kt`` k-tiles: the contiguous varlen-M loader, offset.
 * 2-CTA clusters: when both CTAs' tiles are the same expert's, each loads half of the B tile and
   multicasts it, a third less L2→SM traffic per tile (128 x 256: A 128 + B 128 rows per k-tile
-  instead of 128 + 256).
+  instead of 128 + 256). With ``multicast_a`` the CTAs take neighbouring n-tiles of one
+  m-tile and each loads half of the A tile for both (256 x 128: A 128 + B 128 rows instead of
+  256 + 128).
 
 Imports ``cutlass``: only the kernel modules import this one.
 """
@@ -61,14 +63,14 @@ class TmaProducers:
         take an out-of-bounds row and so arrive as zeros).
         """
         cfg = self.cfg
-        tma = {"a_row": (None, None), "b_row": (None, None), "b_mc": (None, None),
-               "b_mc_row": (None, None)}
+        tma = {"a_row": (None, None), "b_row": (None, None), "mc": (None, None),
+               "mc_row": (None, None)}
         if cfg.mn_major_k:
             tma["a"], tma["a_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem)
             tma["b"], tma["b_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem)
             if cfg.cluster > 1:
-                tma["b_mc"], tma["b_mc_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem,
-                                                            multicast=True)
+                tma["mc"], tma["mc_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem,
+                                                        multicast=True)
             return tma
         if cfg.varlen_k:
             # FP8 varlen-K: K-major copies Aᵀ (M, R) and Bᵀ (N, R), R = rows_a = rows_b
@@ -86,7 +88,7 @@ class TmaProducers:
                 stride=(*b_stride, cfg.dim_n * cfg.dim_k)))
         # Gathered: a box of one row, written at the row's 128-byte line of the stage (the
         # 128-byte swizzle of a TMA write follows the shared-memory address).
-        a_box = ((1, cfg.tile_k) if cfg.gather_a else (TILE_M, cfg.tile_k))
+        a_box = ((1, cfg.tile_k) if cfg.gather_a else (cfg.tile_m, cfg.tile_k))
         a_box_smem = (cute.make_composed_layout(
             a_smem.inner, 0, cute.make_layout(a_box, stride=(cfg.tile_k, 1)))
             if cfg.gather_a else cute.slice_(a_smem, (None, None, 0)))
@@ -98,10 +100,15 @@ class TmaProducers:
             if cfg.b_halves else cute.slice_(b_smem, (None, None, 0)))
         tma["b"] = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
-        if cfg.cluster > 1:
+        if cfg.multicast_a:
+            # The shared A tile: each CTA multicasts half of its rows.
+            tma["mc"] = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), m_a, a_box_smem, a_box,
+                num_multicast=cfg.cluster)
+        elif cfg.cluster > 1:
             # A shared B tile: each CTA multicasts its half (a B tile of two half boxes is
             # split already, so each CTA multicasts one of them).
-            tma["b_mc"] = cpasync.make_tiled_tma_atom(
+            tma["mc"] = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b, b_box_smem, b_box,
                 num_multicast=1 if cfg.b_halves else cfg.cluster)
         return tma
@@ -116,7 +123,8 @@ class TmaProducers:
         """The producer warpgroup: the loader of the configuration's mode and gathers.
 
         ``tma_a``: A's ``(atom, tensor, row atom, row tensor)``; ``tma_b``: B's the same, then
-        its multicast ``(atom, tensor, row atom, row tensor)`` (see :meth:`make_operand_tmas`).
+        the cluster's multicast ``(atom, tensor, row atom, row tensor)`` of the shared operand,
+        B's or (``multicast_a``) A's (see :meth:`make_operand_tmas`).
         """
         s_a_base, s_b_base = stage_mem[0], stage_mem[1]
         if cutlass.const_expr(self.cfg.mn_major_k):
@@ -132,9 +140,14 @@ class TmaProducers:
                                   full, empty, epi_tma, stage_mem)
         else:
             if warp == 0:
-                self.produce_tma(first, step, total, tma_a[0], tma_a[1],
-                                 (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), s_a, s_b, m_off,
-                                 table, num_experts, full, empty)
+                if cutlass.const_expr(self.cfg.multicast_a):
+                    self.produce_tma(first, step, total, tma_b[4], tma_b[5],
+                                     (tma_b[0], tma_b[1], None, None), s_a, s_b, m_off,
+                                     table, num_experts, full, empty)
+                else:
+                    self.produce_tma(first, step, total, tma_a[0], tma_a[1],
+                                     (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), s_a, s_b, m_off,
+                                     table, num_experts, full, empty)
 
     @cute.jit
     def produce_tma(self, first: Int32, step: Int32, total: Int32, tma_atom_a, tma_a,
@@ -143,9 +156,14 @@ class TmaProducers:
                     full: cute.Pointer, empty: cute.Pointer):
         """varlen-M with contiguous A, or FP8 varlen-K: one warp issues the TMA loads of A
         and B tiles. FP8 varlen-K's expert ``e`` is the k-tiles from its padded first row
-        ``row0`` of the K-major copies: A tile rows ``mt·TILE_M ..``, B's of the one
-        ``(N, R)`` copy."""
+        ``row0`` of the K-major copies: A tile rows ``mt·tile_m ..``, B's of the one
+        ``(N, R)`` copy. With ``multicast_a``, ``tma_atom_a`` is A's multicast atom: this
+        CTA loads its rank's half of the A tile into both CTAs, and its whole B tile."""
         cfg = self.cfg
+        rank, a_ctas = 0, 1
+        if cutlass.const_expr(cfg.multicast_a):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            a_ctas = cfg.cluster
         stage = Int32(0)
         phase = Int32(1)
         t = first
@@ -154,19 +172,19 @@ class TmaProducers:
             origin = (row0, 0)
             k_tiles, kt0, e_b = Int32(cfg.k_tiles), Int32(0), e
             if cutlass.const_expr(cfg.varlen_k):
-                origin = (mt * TILE_M, row0)
+                origin = (mt * cfg.tile_m, row0)
                 k_tiles, kt0, e_b = rows // cfg.tile_k, row0 // cfg.tile_k, Int32(0)
             g_a = cute.local_tile(cute.domain_offset(origin, tma_a),
-                                  (TILE_M, cfg.tile_k), (0, None))
-            t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
+                                  (cfg.tile_m, cfg.tile_k), (0, None))
+            t_sa, t_ga = cpasync.tma_partition(tma_atom_a, rank, cute.make_layout(a_ctas),
                                                cute.group_modes(s_a, 0, 2),
                                                cute.group_modes(g_a, 0, 2))
             for kt in cutlass.range(k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(empty + stage, phase)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
-                cute.copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage],
-                          tma_bar_ptr=full + stage)
+                self.tma_copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage], full + stage,
+                              cfg.multicast_a)
                 self.load_b(tma_b, s_b, None, nt, kt0 + kt, e_b, stage, full, shared)
                 stage, phase = self.ring.next_stage(stage, phase)
             t += step
@@ -231,10 +249,11 @@ class TmaProducers:
         """varlen-M: B n-tile ``nt`` of expert ``e``, k-tile ``kt`` → ``stage``: one box, or
         with ``b_halves`` two half boxes (rows ``nt·tile_n/2 ..`` and ``N/2 + nt·tile_n/2 ..``).
         On a cluster with ``shared``, this CTA loads its share (its rank's half of the box, or
-        its rank's half box) and multicasts it to both CTAs."""
+        its rank's half box) and multicasts it to both CTAs (never with ``multicast_a``,
+        where the CTAs share A instead)."""
         atom, tensor, atom_mc, tensor_mc = tma_b
         bar = full + stage
-        if cutlass.const_expr(self.cfg.cluster > 1):
+        if cutlass.const_expr(self.cfg.cluster > 1 and not self.cfg.multicast_a):
             if shared:
                 rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
                 if cutlass.const_expr(self.cfg.b_halves):
@@ -328,7 +347,8 @@ class TmaProducers:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
                 whole = (kt + 1) * TILE_K <= rows
-                self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, TILE_M, mt * TILE_M,
+                self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, self.cfg.tile_m,
+                                 mt * self.cfg.tile_m,
                                  self.cfg.gather_a, whole, src_a, row0, kt, stage, full, False)
                 self.load_k_tile(warp, tma_b, b_smem.inner, s_b_base, self.cfg.tile_n,
                                  nt * self.cfg.tile_n, self.cfg.gather_b, whole, src_b, row0, kt,

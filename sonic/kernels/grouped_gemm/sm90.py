@@ -1,7 +1,7 @@
 """Hopper (sm_90a) mainloop of the grouped GEMM: WGMMA with fp32 register accumulators.
 
 Two consumer warpgroups run WGMMA on the operand ring's stages, either cooperatively on one
-``128 x tile_n`` tile (64 rows each) or ping-pong, each on its own ``128 x tile_n`` tile, one
+``tile_m x tile_n`` tile (``tile_m / 2`` rows each) or ping-pong, each on its own ``128 x tile_n`` tile, one
 warpgroup's epilogue overlapping the other's mainloop (SonicMoE arXiv 2512.14080 §4.2). A finished
 accumulator goes to the epilogue as a :class:`WgmmaAccumulator`, which hides the WGMMA fragment
 layout behind sub-tiles of ``SLAB`` columns.
@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
 from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, PRODUCER_THREADS,
-                                               SLAB, TILE_M)
+                                               SLAB)
 
 
 class ColumnPair(NamedTuple):
@@ -65,9 +65,10 @@ class WgmmaAccumulator:
         # 128-wide WGMMA on a 256-wide tile) repeats the fragment along mode 2.
         self.groups_per_rep = acc.shape[0][2]
 
-    def pairs(self, sl: int):
-        """This thread's column pairs of sub-tile ``sl``, in register order."""
-        for mm in range(self.row_blocks):
+    def pairs(self, sl: int, row_block: int | None = None):
+        """This thread's column pairs of sub-tile ``sl`` (of 64-row block ``row_block`` only,
+        if given), in register order."""
+        for mm in range(self.row_blocks) if row_block is None else (row_block,):
             for j in range(SLAB // 8):
                 for v1 in range(2):
                     yield ColumnPair(sl, mm, j, v1)
@@ -109,10 +110,20 @@ class Sm90GroupedGemm(GroupedGemmKernel):
 
     def make_tiled_mma(self):
         cfg = self.cfg
-        return sm90_utils.make_trivial_tiled_mma(
+        warpgroups = 1 if cfg.pingpong else CONSUMER_WARPGROUPS
+        tiled = sm90_utils.make_trivial_tiled_mma(
             self.ab_type, self.ab_type, self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(), F32,
-            (1 if cfg.pingpong else CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, cfg.tile_n))
+            self.b_layout.sm90_mma_major_mode(), F32, (warpgroups, 1, 1),
+            tiler_mn=(64, cfg.tile_n))
+        blocks = cfg.rows_wg // 64
+        if warpgroups == 1 or blocks == 1:
+            return tiled
+        # Two 64-row WGMMAs per cooperative warpgroup (256-row tiles): by default the
+        # warpgroups would interleave 64-row blocks; this M permutation gives warpgroup w the
+        # contiguous rows w·rows_wg .. , the block the epilogue stages.
+        return cute.make_tiled_mma(tiled.op, (warpgroups, 1, 1), permutation_mnk=(
+            cute.make_layout((64, warpgroups, blocks), stride=(1, cfg.rows_wg, 64)),
+            None, None))
 
     @cute.jit
     def run_roles(self, tidx: Int32, warp: Int32, first: Int32, step: Int32, total: Int32,
@@ -154,7 +165,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * (cfg.rows_wg * (SLAB + PAD))
+        stage_c = s_c + wg * (cfg.staged_rows * (SLAB + PAD))
         # First tile row of this warpgroup's accumulator.
         wg_row0 = wg * cfg.rows_wg
         mma_tid = ctid
@@ -168,9 +179,9 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         thr_mma = tiled_mma.get_slice(mma_tid)
         t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, cfg.tile_n)), F32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_m, cfg.tile_n)), F32)
         k_blocks = cute.size(t_ca, mode=[2])
-        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
+        coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         lane = cute.arch.lane_idx()
         stage = Int32(0)
         phase = Int32(0)

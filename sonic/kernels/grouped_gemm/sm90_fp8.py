@@ -108,7 +108,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * (cfg.rows_wg * (SLAB + PAD))
+        stage_c = s_c + wg * (cfg.staged_rows * (SLAB + PAD))
         wg_row0 = wg * cfg.rows_wg
         thr_mma = tiled_mma.get_slice(ctid)
         t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))

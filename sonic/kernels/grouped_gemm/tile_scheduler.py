@@ -10,7 +10,7 @@ Imports ``cutlass``: only the kernel modules import this one.
 import cutlass
 from cutlass import Int32, cute
 
-from sonic.kernels.grouped_gemm.config import TILE_M, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.config import GroupedGemmConfig
 
 
 @cute.jit
@@ -35,13 +35,16 @@ class VarlenMScheduler:
     ``table[e]`` is expert ``e``'s first linear m-tile (built from ``expert_offsets`` by one warp
     scan) and a binary search maps a linear m-tile back to its expert. On a 2-CTA cluster the
     CTAs take consecutive m-tiles of one n-tile; ``shared`` says both are the same expert's, so
-    the B tile can be multicast.
+    the B tile can be multicast. With ``multicast_a`` they take consecutive n-tiles of one
+    m-tile instead, and always share its A tile (``shared``, which is about B, stays False).
     """
 
     def __init__(self, cfg: GroupedGemmConfig):
+        self.cfg = cfg
         self.cluster = cfg.cluster
         self.n_tiles = cfg.n_tiles
         self.k_tiles = cfg.k_tiles
+        self.tile_m = cfg.tile_m
 
     @cute.jit
     def prepare(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
@@ -58,7 +61,7 @@ class VarlenMScheduler:
             hi = num_experts
         local = Int32(0)
         for e in cutlass.range(lo, hi, unroll=1):
-            local += (m_off[e + 1] - m_off[e] + TILE_M - 1) // TILE_M
+            local += (m_off[e + 1] - m_off[e] + self.tile_m - 1) // self.tile_m
         inclusive = local
         for i in cutlass.range_constexpr(5):
             other = cute.arch.shuffle_sync_up(inclusive, 1 << i)
@@ -67,13 +70,13 @@ class VarlenMScheduler:
         run = inclusive - local
         for e in cutlass.range(lo, hi, unroll=1):
             table[e] = run
-            run += (m_off[e + 1] - m_off[e] + TILE_M - 1) // TILE_M
+            run += (m_off[e + 1] - m_off[e] + self.tile_m - 1) // self.tile_m
         if lane == 31:
             table[num_experts] = inclusive
 
     def total(self, table: cute.Tensor, num_experts: Int32):
-        """Work items: all m-tiles (in cluster-sized groups) × n-tiles."""
-        return (table[num_experts] + self.cluster - 1) // self.cluster * self.n_tiles
+        """Work items: :meth:`GroupedGemmConfig.varlen_m_work_items` of all m-tiles."""
+        return self.cfg.varlen_m_work_items(table[num_experts])
 
     @cute.jit
     def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
@@ -82,14 +85,23 @@ class VarlenMScheduler:
         The first row is a row of ``P`` and ``rows`` the rows of the expert left from it. On a
         cluster, ``t`` is a pair of linear m-tiles and this CTA takes the one of its rank. With
         an odd m-tile count the last pair's second CTA repeats the first one's tile with no
-        rows (it loads its half of B and stores nothing).
+        rows (it loads its half of B and stores nothing). With ``multicast_a``, ``t`` is a pair
+        of n-tiles of one m-tile, and with an odd n-tile count the last pair's second CTA
+        takes the last n-tile with no rows (it loads its half of A and stores nothing).
         """
         shared = False
-        mg = t // self.n_tiles
-        nt = t - mg * self.n_tiles
+        n_groups = self.cfg.n_groups
+        mg = t // n_groups
+        nt = t - mg * n_groups
         phantom = False
         e_peer = Int32(0)
-        if cutlass.const_expr(self.cluster > 1):
+        if cutlass.const_expr(self.cfg.multicast_a):
+            nt = nt * self.cluster + cute.arch.make_warp_uniform(
+                cute.arch.block_idx_in_cluster())
+            if nt >= self.n_tiles:
+                phantom = True
+                nt = Int32(self.n_tiles - 1)
+        elif cutlass.const_expr(self.cluster > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             last = table[num_experts] - 1
             peer = mg * self.cluster + 1 - rank
@@ -102,10 +114,11 @@ class VarlenMScheduler:
             e_peer = self.expert_of(peer, table, num_experts)
         e = self.expert_of(mg, table, num_experts)
         mt = mg - table[e]
-        row0 = m_off[e] + mt * TILE_M
+        row0 = m_off[e] + mt * self.tile_m
         rows = m_off[e + 1] - row0
-        if cutlass.const_expr(self.cluster > 1):
+        if cutlass.const_expr(self.cluster > 1 and not self.cfg.multicast_a):
             shared = e == e_peer
+        if cutlass.const_expr(self.cluster > 1):
             if phantom:
                 rows = Int32(0)
         return e, row0, rows, nt, mt, shared

@@ -75,12 +75,13 @@ class Epilogue:
 
     @cute.jit
     def stage_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
-                   transposed: cutlass.Constexpr = False):
-        """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows → staging buffer
-        (``transposed``: staged row = column, staged column = row; rows_wg == SLAB)."""
+                   transposed: cutlass.Constexpr = False, row_block: int | None = None):
+        """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows (of its 64-row
+        block ``row_block`` only, if given, whose first row ``wg_row0`` then is) → staging
+        buffer (``transposed``: staged row = column, staged column = row; rows_wg == SLAB)."""
         pair_f32 = cute.make_rmem_tensor((2,), F32)
         pair = cute.make_rmem_tensor((2,), BF16)
-        for p in acc.pairs(sl):
+        for p in (acc.pairs(sl) if row_block is None else acc.pairs(sl, row_block)):
             m, n = acc.coord(p)
             pair_f32[0] = acc.value(p, 0)
             pair_f32[1] = acc.value(p, 1)
@@ -100,12 +101,12 @@ class Epilogue:
     def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
               dst: cute.Pointer, base: Int64, pitch: int, col0: int, col_limit: Int32,
               rows: Int32):
-        """Staged ``rows_wg x width`` block → ``dst[base + m·pitch + col0 + col]`` as 16-byte
-        row chunks, masked to tile rows ``< rows`` and to ``col0 + col < col_limit`` (widths
-        are multiples of 8, so a chunk is entirely inside or outside)."""
+        """Staged ``staged_rows x width`` block → ``dst[base + m·pitch + col0 + col]`` as
+        16-byte row chunks, masked to tile rows ``< rows`` and to ``col0 + col < col_limit``
+        (widths are multiples of 8, so a chunk is entirely inside or outside)."""
         chunk = cute.make_rmem_tensor((VEC,), BF16)
         chunks_per_row = width // VEC
-        for q in cutlass.range_constexpr(self.cfg.rows_wg * chunks_per_row // 128):
+        for q in cutlass.range_constexpr(self.cfg.staged_rows * chunks_per_row // 128):
             index = wg_tid + q * 128
             r = index // chunks_per_row
             col = (index - r * chunks_per_row) * VEC
@@ -138,10 +139,13 @@ class StoreEpilogue(Epilogue):
         c = outs[0]
         cols = cfg.dim_n - nt * cfg.tile_n
         if cutlass.const_expr(cfg.varlen_k):
-            rows = cfg.dim_m - mt * TILE_M
-            base = (Int64(e) * cfg.dim_m + mt * TILE_M) * cfg.dim_n + nt * cfg.tile_n
+            rows = cfg.dim_m - mt * cfg.tile_m
+            base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
         else:
             base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
+        if cutlass.const_expr(cfg.staged_rows < cfg.rows_wg):
+            self.store_row_blocks(acc, stage_c, wg_tid, wg, wg_row0, c, base, cols, rows)
+            return stage, phase
         for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
             self.stage_slab(acc, stage_c, wg_row0, sl, cfg.transpose_c)
             cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
@@ -157,3 +161,19 @@ class StoreEpilogue(Epilogue):
             # The next slab overwrites the staging buffer.
             cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
         return stage, phase
+
+    @cute.jit
+    def store_row_blocks(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32,
+                         wg_row0: Int32, c: cute.Pointer, base: Int64, cols: Int32,
+                         rows: Int32):
+        """The store of a warpgroup whose rows are staged one 64-row block at a time
+        (``staged_rows < rows_wg``: 256-row tiles)."""
+        cfg = self.cfg
+        for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
+            for mm in cutlass.range_constexpr(cfg.rows_wg // cfg.staged_rows):
+                row0 = wg_row0 + mm * cfg.staged_rows
+                self.stage_slab(acc, stage_c, row0, sl, False, mm)
+                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                self.flush(stage_c, wg_tid, row0, SLAB, c, base, cfg.dim_n, sl * SLAB, cols,
+                           rows)
+                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
