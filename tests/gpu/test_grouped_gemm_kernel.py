@@ -95,14 +95,13 @@ def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_majo
 
 # Tile plans beside heuristic.plan's own: 256-row cooperative tiles and clusters sharing A
 # (multicast_a), so each stays correct whether or not the plan picks it today.
-M256 = dict(tile_m=256)
 VARLEN_M_PLANS = [
-    TilePlan(128, False, 1, **M256), TilePlan(128, False, CLUSTER, **M256),
-    TilePlan(128, False, CLUSTER, 256, True), TilePlan(192, True, CLUSTER, multicast_a=True),
-    TilePlan(128, True, CLUSTER, multicast_a=True), TilePlan(256, False, CLUSTER,
-                                                             multicast_a=True),
+    TilePlan(128, False, 1, tile_m=256), TilePlan(128, False, CLUSTER, tile_m=256),
+    TilePlan(128, False, CLUSTER, tile_m=256, multicast_a=True),
+    TilePlan(192, True, CLUSTER, multicast_a=True), TilePlan(128, True, CLUSTER, multicast_a=True),
+    TilePlan(256, False, CLUSTER, multicast_a=True),
 ]
-VARLEN_K_PLANS = [TilePlan(128, False, 1, **M256), TilePlan(128, False, CLUSTER, **M256)]
+VARLEN_K_PLANS = [TilePlan(128, False, 1, tile_m=256), TilePlan(128, False, CLUSTER, tile_m=256)]
 
 
 @pytest.fixture
