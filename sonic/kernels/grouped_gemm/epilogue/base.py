@@ -143,37 +143,24 @@ class StoreEpilogue(Epilogue):
             base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
         else:
             base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
-        if cutlass.const_expr(cfg.staged_rows < cfg.rows_wg):
-            self.store_row_blocks(acc, stage_c, wg_tid, wg, wg_row0, c, base, cols, rows)
-            return stage, phase
+        # 256-row tiles stage a warpgroup's rows one 64-row block at a time.
+        blocks = cfg.rows_wg // cfg.staged_rows
         for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
-            self.stage_slab(acc, stage_c, wg_row0, sl, cfg.transpose_c)
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
-            if cutlass.const_expr(cfg.transpose_c):
-                # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
-                # whose warpgroup part starts at M index mt·TILE_M + wg_row0.
-                self.flush(stage_c, wg_tid, Int32(0), cfg.rows_wg, c,
-                           (Int64(e) * cfg.dim_n + nt * cfg.tile_n + sl * SLAB) * cfg.dim_m
-                           + mt * TILE_M, cfg.dim_m, wg_row0, rows, cols - sl * SLAB)
-            else:
-                self.flush(stage_c, wg_tid, wg_row0, SLAB, c, base, cfg.dim_n, sl * SLAB,
-                           cols, rows)
-            # The next slab overwrites the staging buffer.
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+            for mm in cutlass.range_constexpr(blocks):
+                block_row0 = wg_row0 if mm == 0 else wg_row0 + mm * cfg.staged_rows
+                self.stage_slab(acc, stage_c, block_row0, sl, cfg.transpose_c,
+                                None if blocks == 1 else mm)
+                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                if cutlass.const_expr(cfg.transpose_c):
+                    # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
+                    # whose warpgroup part starts at M index mt·TILE_M + wg_row0.
+                    self.flush(stage_c, wg_tid, Int32(0), cfg.rows_wg, c,
+                               (Int64(e) * cfg.dim_n + nt * cfg.tile_n + sl * SLAB)
+                               * cfg.dim_m + mt * TILE_M, cfg.dim_m, wg_row0, rows,
+                               cols - sl * SLAB)
+                else:
+                    self.flush(stage_c, wg_tid, block_row0, SLAB, c, base, cfg.dim_n,
+                               sl * SLAB, cols, rows)
+                # The next slab (or row block) overwrites the staging buffer.
+                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
         return stage, phase
-
-    @cute.jit
-    def store_row_blocks(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32,
-                         wg_row0: Int32, c: cute.Pointer, base: Int64, cols: Int32,
-                         rows: Int32):
-        """The store of a warpgroup whose rows are staged one 64-row block at a time
-        (``staged_rows < rows_wg``: 256-row tiles)."""
-        cfg = self.cfg
-        for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
-            for mm in cutlass.range_constexpr(cfg.rows_wg // cfg.staged_rows):
-                row0 = wg_row0 + mm * cfg.staged_rows
-                self.stage_slab(acc, stage_c, row0, sl, False, mm)
-                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
-                self.flush(stage_c, wg_tid, row0, SLAB, c, base, cfg.dim_n, sl * SLAB, cols,
-                           rows)
-                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
