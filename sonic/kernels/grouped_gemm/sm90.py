@@ -1,8 +1,9 @@
 """Hopper (sm_90a) mainloop of the grouped GEMM: WGMMA with fp32 register accumulators.
 
 Two consumer warpgroups run WGMMA on the operand ring's stages, either cooperatively on one
-``tile_m x tile_n`` tile (``tile_m / 2`` rows each) or ping-pong, each on its own ``128 x tile_n`` tile, one
-warpgroup's epilogue overlapping the other's mainloop (SonicMoE arXiv 2512.14080 §4.2). A finished
+``tile_m x tile_n`` tile (``tile_m / 2`` rows each) or ping-pong, each on its own
+``128 x tile_n`` tile, one warpgroup's epilogue overlapping the other's mainloop (SonicMoE
+arXiv 2512.14080 §4.2). A finished
 accumulator goes to the epilogue as a :class:`WgmmaAccumulator`, which hides the WGMMA fragment
 layout behind sub-tiles of ``SLAB`` columns.
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
