@@ -56,6 +56,13 @@ before it; before every repetition the L2 is flushed and the ranks meet at a bar
 CUDA events around the step. Every rank runs the same number of repetitions (collectives:
 adaptive counts could deadlock); the printed time is the median per rank, the slowest rank's.
 
+``--comm-priorities high,normal`` repeats the chunked runs with sonic's comm stream (highest
+priority) replaced by a normal-priority one (``... normal-prio``): the same-run A/B of that
+priority. ``--nccl-ctas``: each run with an SM margin ``m`` is repeated (``C=2 m=m ctas=m``) over a
+second NCCL group of the same ranks whose collectives take at most ``m`` CTAs (``ncclConfig_t.maxCTAs``, through
+``ProcessGroupNCCL.Options.config.max_ctas``): without it NCCL may launch more CTAs than the
+margin leaves SMs, and the rest wait for the persistent GEMM to end.
+
 NCCL: NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NVSHMEM_DISABLE_NVLS=1``, set here before the process group starts). NCCL's stream is
 created high-priority (``--nccl-priority high``, the default) so that its kernels get SMs as
@@ -110,6 +117,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="how both layers keep H for backward")
     parser.add_argument("--tol", type=float, default=2e-2)
     parser.add_argument("--nccl-priority", choices=("high", "normal"), default="high")
+    parser.add_argument("--nccl-ctas", action="store_true",
+                        help="repeat each run with an SM margin m over a second NCCL group "
+                             "whose kernels take at most m CTAs (ncclConfig maxCTAs): "
+                             "'C=2 m=m ctas=m'")
+    parser.add_argument("--comm-priorities", default="high",
+                        help="priorities of sonic's comm stream to time every run with "
+                             "(high: sonic's own; normal: runs named '... normal-prio')")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
@@ -121,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.sm_margins = [int(m) for m in args.sm_margins.split(",")]
+    args.comm_priorities = args.comm_priorities.split(",")
+    if not set(args.comm_priorities) <= {"high", "normal"}:
+        parser.error("--comm-priorities: a comma-separated list of high, normal")
     return args
 
 
@@ -200,8 +217,35 @@ def _data_all_to_alls(record: list | None = None, replay: list | None = None):
         experts.all_to_all = overlap.all_to_all = real
 
 
-def _run_name(chunks: int, margin: int, recompute: bool = False) -> str:
-    return f"C={chunks}" + (f" m={margin}" if margin else "") + (" rd" if recompute else "")
+def _nccl_group(max_ctas: int, priority: str):
+    """A NCCL group over every rank whose collectives take at most ``max_ctas`` CTAs (``None``:
+    0, the default group)."""
+    if not max_ctas:
+        return None
+    options = _nccl_options(priority)
+    options.config.max_ctas = max_ctas
+    return dist.new_group(backend="nccl", pg_options=options)
+
+
+def _comm_stream(device, priority: str):
+    """The stream sonic's chunked pipeline runs its all-to-alls on: its own (highest
+    priority) or one of normal priority (``None`` on the CPU)."""
+    if device.type != "cuda":
+        return None
+    if priority == "high":
+        return overlap._Streams(device).comm
+    return torch.cuda.Stream(device)
+
+
+def _nccl_options(priority: str):
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=priority == "high")
+
+
+def _run_name(chunks: int, margin: int, recompute: bool = False, ctas: int = 0,
+              comm_priority: str = "high") -> str:
+    return (f"C={chunks}" + (f" m={margin}" if margin else "") + (" rd" if recompute else "")
+            + (f" ctas={ctas}" if ctas else "")
+            + (f" {comm_priority}-prio" if comm_priority != "high" else ""))
 
 
 # Phase of an all-to-all, by the function that calls it (for the chunked path's token-row
@@ -366,11 +410,21 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     ep_params = [*layer.parameters(), x]
     ms = {"1gpu": {"fwd": timer(lambda: full(x), single_params),
                    "step": timer(lambda: full(x).backward(dout), single_params)}}
-    runs = ([(c, 0, r) for r in recomputes for c in args.chunks]
-            + [(2, m, False) for m in args.sm_margins if m and 2 in args.chunks])
+    margins = [m for m in args.sm_margins if m and 2 in args.chunks]
+    limits = (0, 1) if args.nccl_ctas and device.type == "cuda" else (0,)
+    # The comm stream's priority matters only to the chunked pipeline (C > 1).
+    runs = ([(c, 0, r, 0, p) for p in args.comm_priorities for r in recomputes
+             for c in args.chunks if c > 1 or p == "high"]
+            + [(2, m, False, m * k, p) for p in args.comm_priorities for m in margins
+               for k in limits])
     calls, peak = {}, {}
-    for c, margin, r in runs:
+    groups = {ctas: _nccl_group(ctas, args.nccl_priority) for *_, ctas, _ in runs}
+    comm_streams = {p: _comm_stream(device, p) for p in ("high", *args.comm_priorities)}
+    for c, margin, r, ctas, priority in runs:
         layer.num_chunks, layer.comm_sm_margin, layer.recompute_dispatch = c, margin, r
+        layer.group = groups[ctas]
+        if device.type == "cuda":
+            overlap._COMM_STREAMS[device.index] = comm_streams[priority]
         if (c, r) not in calls:     # one real step: the messages compute-only replays
             calls[(c, r)] = {"fwd": [], "bwd": []}
             with _data_all_to_alls(record=calls[(c, r)]["fwd"]):
@@ -378,14 +432,16 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             with _data_all_to_alls(record=calls[(c, r)]["bwd"]):
                 out.backward(dout)
             del out
-        name = _run_name(c, margin, r)
+        name = _run_name(c, margin, r, ctas, priority)
         peak[name] = _peak_mib(lambda: layer(x).backward(dout), ep_params, device)
         ms[f"ep {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
                             "step": timer(lambda: layer(x).backward(dout), ep_params)}
         with _data_all_to_alls(replay=calls[(c, r)]["fwd"] + calls[(c, r)]["bwd"]):
             ms[f"compute {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
                                      "step": timer(lambda: layer(x).backward(dout), ep_params)}
-    layer.recompute_dispatch = False
+    layer.recompute_dispatch, layer.group = False, None
+    if device.type == "cuda":
+        overlap._COMM_STREAMS[device.index] = comm_streams["high"]
 
     # The data all-to-alls of one unchunked step, replayed back to back.
     first = args.chunks[0]
@@ -456,18 +512,18 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
           f"activation cache {args.activation_cache}")
     print(f"max rel. error vs one process on the whole batch: {worst:.2e} (tol {args.tol:g})")
     ms = s["ms"]
-    print(f"{'':22s} {'fwd ms':>9s} {'step ms':>9s}")
-    print(f"{'1 GPU (same T/GPU)':22s} {ms['1gpu']['fwd']:9.3f} {ms['1gpu']['step']:9.3f}   "
+    print(f"{'':30s} {'fwd ms':>9s} {'step ms':>9s}")
+    print(f"{'1 GPU (same T/GPU)':30s} {ms['1gpu']['fwd']:9.3f} {ms['1gpu']['step']:9.3f}   "
           f"per rank: " + ", ".join(f"{t:.3f}" for t in s["ms_1gpu_per_rank"]))
-    print(f"{'a2a alone':22s} {ms['a2a']['fwd']:9.3f} {ms['a2a']['step']:9.3f}   bus bw "
+    print(f"{'a2a alone':30s} {ms['a2a']['fwd']:9.3f} {ms['a2a']['step']:9.3f}   bus bw "
           f"{s['a2a_busbw_GBps']['fwd']:.0f} / {s['a2a_busbw_GBps']['step']:.0f} GB/s")
-    print(f"{'':22s} {'ms':>9s} {'compute-only':>13s} {'exposed':>8s} {'hidden':>7s} "
+    print(f"{'':30s} {'ms':>9s} {'compute-only':>13s} {'exposed':>8s} {'hidden':>7s} "
           f"{'efficiency':>11s} {'peak MiB':>9s}")
     for name in (k[3:] for k in ms if k.startswith("ep ")):
         for p in ("fwd", "step"):
             key = f"{name} {p}"
             peak = f"{s['peak_MiB'][name]:9.1f}" if p == "step" else ""
-            print(f"{f'EP={world} {key}':22s} {ms[f'ep {name}'][p]:9.3f} "
+            print(f"{f'EP={world} {key}':30s} {ms[f'ep {name}'][p]:9.3f} "
                   f"{ms[f'compute {name}'][p]:13.3f} {s['exposed_ms'][key]:8.3f} "
                   f"{s['hidden'][key]:7.1%} {s['efficiency'][key]:11.1%} {peak}")
     print("exposed = ep - compute-only (no data moved); hidden = 1 - exposed / a2a alone")
@@ -493,9 +549,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        options = dist.ProcessGroupNCCL.Options(
-            is_high_priority_stream=args.nccl_priority == "high")
-        dist.init_process_group("nccl", device_id=device, pg_options=options)
+        dist.init_process_group("nccl", device_id=device,
+                                pg_options=_nccl_options(args.nccl_priority))
     try:
         summary = run(args, device)
     finally:

@@ -323,18 +323,22 @@ def _bench_smoke(rank, world):
     spec = importlib.util.spec_from_file_location("bench_ep", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2", "--recompute-dispatch"]),
+    return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2", "--recompute-dispatch",
+                                       "--comm-priorities", "high,normal", "--nccl-ctas"]),
                      torch.device("cpu"))
 
 
 def test_benchmark_smoke(tmp_path):
-    """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement is there, the
+    """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement (comm-stream
+    priority variants included) is there, the
     EP layer matches one process for each chunk count, the ranks agree on the summary, and
     rank 0's phase timelines name every phase of both paths."""
     r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=120)
     assert r0 == r1
     assert r0["ok"] and r0["max_rel_error"] < 1e-5
+    # The comm-stream priority variants of the chunked runs; on CPU ranks --nccl-ctas adds none.
     runs = ["C=1", "C=2", "C=1 rd", "C=2 rd", "C=2 m=8", "C=2 m=16"]
+    runs += [f"{r} normal-prio" for r in runs if r.startswith("C=2")]
     assert set(r0["ms"]) == {"1gpu", "a2a", *(f"{k} {r}" for k in ("ep", "compute") for r in runs)}
     assert all(t > 0 for m in r0["ms"].values() for t in m.values())
     assert set(r0["hidden"]) == {f"{r} {p}" for r in runs for p in ("fwd", "step")}
