@@ -32,7 +32,7 @@ gather, no epilogue), the same work as a dense library runs it — a reference, 
 ``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
 ``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) and the weight gradients
-(``dW1``, ``dW2``) under every candidate tile plan of ``PLAN_CANDIDATES`` (labelled ``tile_m x
+(``dW1``, ``dW2``; with ``--gemm``, those named) under every candidate tile plan of ``PLAN_CANDIDATES`` (labelled ``tile_m x
 tile_n``, schedule, cluster, ``A`` when the cluster shares A), in two alternating rounds — the
 same-run A/B behind ``heuristic.plan``'s choice for them — each candidate's relative error
 against torch beside its time. The candidate replaces ``heuristic.plan``'s answer in this
@@ -166,7 +166,7 @@ PLAN_CANDIDATES = {
             T(192, True, CLUSTER, multicast_a=True), T(256, False, CLUSTER),
             T(128, False, 1, tile_m=256), T(128, False, CLUSTER, tile_m=256),
             T(128, False, CLUSTER, tile_m=256, multicast_a=True)),
-    True: (None, T(128, False, CLUSTER), T(128, False, 1, tile_m=256),
+    True: (None, T(256, False, CLUSTER), T(128, False, 1, tile_m=256),
            T(128, False, CLUSTER, tile_m=256)),
 }
 
@@ -183,15 +183,18 @@ def _plan_label(tiles):
 def forced_plan(choice, varlen_k=False):
     """Within the block, ``heuristic.plan`` answers ``choice`` for bf16 varlen-K GEMMs
     (``varlen_k``) or contiguous-A bf16 varlen-M GEMMs (every other GEMM keeps its plan; dW1
-    is then stored transposed unless ``choice`` has 256-row tiles, as with the plan's own);
-    ``None`` leaves the plan as it is. The compiled kernels are cached per configuration, so
-    each candidate compiles once."""
+    is then stored transposed and dW2 not swapped unless ``choice`` has 256-row tiles, as
+    with the plan's own: ``heuristic.transpose_varlen_k``); ``None`` leaves the plan as it
+    is. A varlen-K cluster that cannot pair M's m-tiles becomes one CTA. The compiled kernels
+    are cached per configuration, so each candidate compiles once."""
     original = heuristic.plan
 
     def plan(is_varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
              ab_dtype="bf16", gather_b=False):
         if (choice is not None and is_varlen_k == varlen_k and ab_dtype == "bf16"
                 and (varlen_k or not gathered)):
+            if varlen_k and -(-dim_m // choice.tile_m) % choice.cluster:
+                return choice._replace(cluster=1)
             return choice
         return original(is_varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype, gather_b)
 
@@ -202,9 +205,9 @@ def forced_plan(choice, varlen_k=False):
         heuristic.plan = original
 
 
-def plan_rows(name, t, d, n, e, k, rounds=2):
-    """``--plans`` rows of one shape: ``down``, ``dX``, ``dW1`` and ``dW2`` under every
-    candidate plan of their mode."""
+def plan_rows(name, t, d, n, e, k, only, rounds=2):
+    """``--plans`` rows of one shape: those of ``down``, ``dX``, ``dW1`` and ``dW2`` in
+    ``only`` under every candidate plan of their mode."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
@@ -228,9 +231,13 @@ def plan_rows(name, t, d, n, e, k, rounds=2):
                                               offs=ends))}}
     for r in range(rounds):
         for varlen_k, candidates in PLAN_CANDIDATES.items():
+            if not only & set(cases[varlen_k]):
+                continue
             for choice in candidates:
                 with forced_plan(choice, varlen_k):
                     for gemm, (flops, fn, ref) in cases[varlen_k].items():
+                        if gemm not in only:
+                            continue
                         err = _rel_err(fn(), ref)
                         us = bench(fn)
                         print(f"{name:<6} {gemm:<5} r{r} {_plan_label(choice):<18} | "
@@ -302,7 +309,7 @@ def main(argv=None):
           f"{'kern TF':>7} {'speedup':>7} {'rel err':>8}")
     if args.plans:
         for shape in SHAPES:
-            plan_rows(*shape)
+            plan_rows(*shape, only)
         return
     if args.fp8:
         for shape in SHAPES:

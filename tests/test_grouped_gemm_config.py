@@ -71,10 +71,10 @@ def test_config_varlen_k_cluster_needs_even_m_tiles():
     with pytest.raises(ValueError, match="multicast_a serves"):
         GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
                           dim_m=512, dim_n=256, dim_k=0, gather_a=False, multicast_a=True)
-    with pytest.raises(ValueError, match="tile_m=256 serves"):
-        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
-                          dim_m=512, dim_n=256, dim_k=0, gather_a=True, transpose_c=True,
-                          tile_m=256)
+    # 256-row varlen-K tiles store C transposed too (the swapped dW2).
+    assert GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
+                             dim_m=512, dim_n=256, dim_k=0, gather_a=False, gather_b=True,
+                             transpose_c=True, tile_m=256).staged_rows == 64
     with pytest.raises(ValueError, match="ping-pong kernel on a 2-CTA cluster serves varlen-M"):
         GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=True, cluster=CLUSTER,
                           dim_m=256, dim_n=256, dim_k=0, gather_a=True)
@@ -147,22 +147,27 @@ def test_plan_varlen_k_cluster_needs_even_m_tiles():
     assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
 
 
-@pytest.mark.parametrize("dim_m,dim_n,gather_a,expected", [
-    (512, 1536, False, (256, False)),       # 7B dW1: 256 x 128, B gathered on N
-    (2048, 2048, False, (256, False)),      # OLMoE dW1
-    (2048, 4096, False, (128, True)),       # 30B dW1 (N > 2048): transposed 128-row tiles
-    (768, 1536, False, (128, True)),        # 3 m-tiles of 256 rows do not pair
-    (2048, 2048, True, (128, False)),       # both gathered: neither
+@pytest.mark.parametrize("dim_m,dim_n,gather_a,gather_b,expected", [
+    (512, 1536, False, True, (256, False)),     # 7B dW1: 256 x 128, B gathered on N
+    (2048, 2048, False, True, (256, False)),    # OLMoE dW1
+    (2048, 4096, False, True, (128, True)),     # 30B dW1 (N > 2048): transposed 128-row tiles
+    (768, 1536, False, True, (128, True)),      # 3 m-tiles of 256 rows do not pair
+    (2048, 2048, True, True, (128, False)),     # both gathered: neither
+    (2048, 1024, True, False, (256, True)),     # OLMoE dW2: swapped, dO gathered on N
+    (4096, 1024, True, False, (128, False)),    # 30B dW2 (d > 2048): dO gathered on M
+    (1536, 256, True, False, (128, False)),     # 7B dW2: one 256-row m-tile does not pair
 ])
-def test_plan_dw1(dim_m, dim_n, gather_a, expected):
-    transposed = heuristic.transpose_gathered_b(gather_a, True, "sm_90a", dim_m, dim_n)
-    tiles = heuristic.plan(True, dim_n, gather_a, dim_m=dim_m, gather_b=True)
-    assert (tiles.tile_m if not transposed else 128, transposed) == expected
+def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
+    """dW1 / dW2 (one operand gathered): which side the gathered rows go on, and the tile M
+    of the GEMM that runs (swapped: M and N, and the gathers, trade places)."""
+    transposed = heuristic.transpose_varlen_k(gather_a, gather_b, "sm_90a", dim_m, dim_n)
+    if transposed:
+        dim_m, dim_n, gather_a, gather_b = dim_n, dim_m, gather_b, gather_a
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, gather_a, gather_b, transposed)
+    assert (cfg.tile_m, transposed) == expected
     if expected[0] == 256:
-        assert tiles == (128, False, CLUSTER, 256, False)
-        cfg = heuristic.varlen_k_config(dim_m, dim_n, False, True)
-        assert (cfg.tile_m, cfg.tile_n, cfg.cluster, cfg.transpose_c) == (256, 128, CLUSTER,
-                                                                          False)
+        assert (cfg.tile_n, cfg.cluster, cfg.gather_a, cfg.gather_b) == (128, CLUSTER, False,
+                                                                         True)
 
 
 def test_sm100_config_plan_and_contract():
@@ -173,9 +178,11 @@ def test_sm100_config_plan_and_contract():
     assert barrier_contract(cfg) == config.BarrierContract(full=1, empty=1)
     assert heuristic.varlen_m_config(1536, 256, False, arch="sm_100a").pingpong is False
     # dW1 gathers B directly on sm_100a (its epilogue cannot stage C transposed).
-    assert heuristic.transpose_gathered_b(False, True, "sm_90a", 2048, 4096)
-    assert not heuristic.transpose_gathered_b(False, True, "sm_100a", 2048, 4096)
-    assert not heuristic.transpose_gathered_b(True, False, "sm_90a", 2048, 4096)
+    assert heuristic.transpose_varlen_k(False, True, "sm_90a", 2048, 4096)
+    assert not heuristic.transpose_varlen_k(False, True, "sm_100a", 2048, 4096)
+    assert not heuristic.transpose_varlen_k(True, False, "sm_90a", 4096, 1024)
+    assert heuristic.transpose_varlen_k(True, False, "sm_90a", 2048, 1024)
+    assert not heuristic.transpose_varlen_k(True, False, "sm_100a", 2048, 1024)
     assert heuristic.varlen_k_config(512, 1536, False, True, arch="sm_100a").tile_m == 128
 
 

@@ -143,16 +143,18 @@ def test_varlen_m_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_n, 
 
 @pytest.mark.parametrize("tiles", VARLEN_K_PLANS, ids=str)
 @pytest.mark.parametrize("gather_a,gather_b", [(False, False), (True, False), (False, True)])
+# M and N both take an even number of 256-row tiles: with A gathered the GEMM runs swapped
+# (N on the 256-row side, C stored transposed), 264 and 776 with an 8-row last tile.
 @pytest.mark.parametrize("num_pairs,num_experts,dim_m,dim_n,mode", [
-    (1, 2, 512, 64, "ragged"),
+    (1, 2, 512, 264, "ragged"),
     (3001, 8, 1024, 1536, "ragged"),
-    (2000, 16, 512, 136, "empty"),
+    (2000, 16, 512, 776, "empty"),
     (777, 4, 1536, 512, "one"),
 ])
 def test_varlen_k_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_m, dim_n, mode,
                              gather_a, gather_b):
-    """varlen-K on 256-row tiles (one CTA, and clusters pairing m-tiles; B gathered on N, not
-    transposed), against fp32."""
+    """varlen-K on 256-row tiles (one CTA, and clusters pairing m-tiles; B gathered on N; A
+    gathered: swapped, C stored transposed from 64-row staged blocks), against fp32."""
     forced_plan(tiles, varlen_k=True)
     test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b)
 

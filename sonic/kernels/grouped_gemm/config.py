@@ -83,7 +83,7 @@ class GroupedGemmConfig:
         arch: target architecture, a key of :data:`MAINLOOPS`.
         tile_m: M tile, one of :data:`TILE_MS`; 256 (two 128-row warpgroup halves, ``128 x
             128`` accumulators) only for the cooperative bf16 sm_90a store kernel on
-            ``tile_n=128``, varlen-M with contiguous A or varlen-K without a transposed C.
+            ``tile_n=128``, varlen-M with contiguous A or varlen-K.
         multicast_a: on a 2-CTA cluster, the CTAs take consecutive n-tiles of one m-tile and
             each loads half of the shared A tile for both (CUTLASS cluster shape 1 x 2);
             varlen-M with contiguous A, bf16, sm_90a.
@@ -173,15 +173,13 @@ class GroupedGemmConfig:
             raise ValueError(f"tile_m must be one of {TILE_MS}, got {self.tile_m}")
         # 256 rows: each consumer warpgroup accumulates a 128 x 128 half (128 registers per
         # thread); the fused epilogues, the row gathers of varlen-M A (four producer warps of
-        # 32 rows), the transposed staging (SLAB rows) and the FP8 / sm_100 mainloops are
-        # built around 128-row tiles.
+        # 32 rows) and the FP8 / sm_100 mainloops are built around 128-row tiles.
         if self.tile_m != TILE_M and (
                 self.pingpong or self.tile_n != 128 or self.epilogue != "store"
-                or self.fp8 or self.arch != "sm_90a" or self.transpose_c
+                or self.fp8 or self.arch != "sm_90a"
                 or (self.gather_a and not self.varlen_k)):
             raise ValueError(f"tile_m={self.tile_m} serves the cooperative bf16 sm_90a store "
-                             "kernel on tile_n=128 (varlen-M with contiguous A, or varlen-K "
-                             "without a transposed C)")
+                             "kernel on tile_n=128 (varlen-M with contiguous A, or varlen-K)")
 
     def _check_fp8(self):
         if self.arch not in FP8_MAINLOOPS:

@@ -54,12 +54,18 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       number of 256-row m-tiles: cooperative ``256 x 128`` tiles (128 rows per warpgroup,
       staged one 64-row block at a time so the ring keeps four stages) on 2-CTA clusters
       sharing B, B gathered on N; otherwise the transposed form
-      (:func:`transpose_gathered_b`). H200, same run, three rounds, µs (transposed ``128 x
+      (:func:`transpose_varlen_k`). H200, same run, three rounds, µs (transposed ``128 x
       256`` on a cluster → ``256 x 128``): 7B 568/578/645 → 550/552/562, OLMoE
       3712/3729/3730 → 3486/3529/3783; 30B (N = 4096) 7333/7318/7614 → 7326/7697/7380, not
-      taken. ``256 x 128`` for dW2 (A gathered: 256 row copies per k-tile) ran 1.3–1.4×
-      slower, for the down-proj and dX̃ (also sharing A on a cluster along N, CUTLASS
-      1 x 2) 5–10% slower than the ping-pong plan (benchmarks/RESULTS.md, thirteenth session).
+      taken. ``256 x 128`` for the down-proj and dX̃ (also sharing A on a cluster along N,
+      CUTLASS 1 x 2) ran 5–10% slower than the ping-pong plan (benchmarks/RESULTS.md,
+      thirteenth session).
+    * dW2 (only A gathered) runs swapped on the same terms (:func:`transpose_varlen_k`):
+      ``256 x 128`` tiles with A gathered on M ran 1.3–1.4× slower (256 unshared row copies
+      per k-tile), but swapped, dO gathered on N and shared by the cluster: H200, same run,
+      two rounds, µs (``128 x 256`` on a cluster → swapped ``256 x 128``): OLMoE 1833/1929
+      → 1739/1785; 30B 3580–4091 against 3619–3893 over two runs (level: not taken, as for
+      dW1).
     * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
       has (no 2-CTA UMMA yet); untuned, no sm_100 measurement exists.
     * FP8 (``ab_dtype="e4m3"``, varlen-M): cooperative ``128 x 256`` tiles when N is a
@@ -131,14 +137,24 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
                              multicast_a=tiles.multicast_a)
 
 
-def transpose_gathered_b(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
-                         dim_n: int) -> bool:
-    """Whether varlen-K ``(M, N)`` with only B gathered (dW1 = dHᵀ·gather(X)) computes
-    ``C[e]ᵀ = B_eᵀ·A_e`` instead, the gathered rows on the 128-row M side, and stores it
-    transposed: measured faster than ``128 x 256`` tiles gathering B at the ANCHORS shapes on
-    sm_90, so taken unless :func:`plan` gives the untransposed GEMM 256-row tiles (whose
-    staging is not transposed). Not on sm_100a: its one epilogue warpgroup holds all TILE_M
-    rows of a tile, more than the transposed staging block (SLAB rows) takes, so its
-    producers gather B directly."""
-    return (gather_b and not gather_a and arch == "sm_90a"
-            and plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True).tile_m == TILE_M)
+def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
+                       dim_n: int) -> bool:
+    """Whether varlen-K ``(M, N)`` with one operand gathered computes ``C[e]ᵀ = B_eᵀ·A_e``
+    instead (operands swapped) and stores it transposed, so that the gathered rows sit on the
+    side where :func:`plan` loads them best.
+
+    * Only B gathered (dW1 = dHᵀ·gather(X)): swapped, the gathered rows on the 128-row M side,
+      unless the plan gives the untransposed GEMM 256-row tiles (B gathered on N, shared by
+      the cluster): measured faster than ``128 x 256`` tiles gathering B at the ANCHORS
+      shapes on sm_90 where 256-row tiles are not planned (30B).
+    * Only A gathered (dW2 = gather(dO)ᵀ·A'): swapped when the plan gives the swapped GEMM
+      256-row tiles, i.e. on the same terms as dW1 (the gathered dO then on N, shared by
+      the cluster, instead of 128 unshared row copies per k-tile on M).
+
+    Not on sm_100a: its one epilogue warpgroup holds all TILE_M rows of a tile, more than the
+    transposed staging block (SLAB rows) takes, so its producers gather B directly."""
+    if gather_a == gather_b or arch != "sm_90a":
+        return False
+    if gather_b:
+        return plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True).tile_m == TILE_M
+    return plan(True, dim_m, False, dim_m=dim_n, arch=arch, gather_b=True).tile_m != TILE_M

@@ -625,10 +625,10 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
     arch = runtime.device_arch(device)
-    transpose_c = heuristic.transpose_gathered_b(ga, gb, arch, dim_m, dim_n)
+    transpose_c = heuristic.transpose_varlen_k(ga, gb, arch, dim_m, dim_n)
     if transpose_c:
-        a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, None
-        dim_m, dim_n, ga, gb = dim_n, dim_m, True, False
+        a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, gather_idx_a
+        dim_m, dim_n, ga, gb = dim_n, dim_m, gb, ga
     cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
     fn = _launcher(cfg)
     work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
@@ -758,13 +758,17 @@ for _n in (1024, 192):
     _register(f"varlen_m_n{_n}_k4096_gather_bn_dswiglu",
               lambda arch, n=_n: heuristic.varlen_m_config(n, 4096, True, True,
                                                            epilogue="dswiglu", arch=arch))
-# The backward's dW2 (gathered dO on the M side) and dW1: gathered X, on sm_90 as C stored
-# transposed (N > 2048) or on 256 x 128 tiles gathered on the B side, on sm_100 gathered on
-# the B side (heuristic.transpose_gathered_b).
+# The backward's dW2 (gathered dO on the M side, or on sm_90 swapped: C stored transposed
+# from 256 x 128 tiles gathering dO on N) and dW1 (gathered X, on sm_90 as C stored
+# transposed when N > 2048, or on 256 x 128 tiles gathered on the B side; on sm_100 gathered
+# on the B side): heuristic.transpose_varlen_k.
 _register("varlen_k_m1536_n256_gather_a",
           lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch))
 _register("varlen_k_m1536_n512_gather_a_ct",
           lambda arch: heuristic.varlen_k_config(1536, 512, True, False, True, arch=arch),
+          archs=("sm_90a",))
+_register("varlen_k_m1024_n2048_gather_b_ct",
+          lambda arch: heuristic.varlen_k_config(1024, 2048, False, True, True, arch=arch),
           archs=("sm_90a",))
 _register("varlen_k_m512_n1536_gather_b",
           lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch))

@@ -78,7 +78,7 @@ class Epilogue:
                    transposed: cutlass.Constexpr = False, row_block: int | None = None):
         """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows (of its 64-row
         block ``row_block`` only, if given, whose first row ``wg_row0`` then is) → staging
-        buffer (``transposed``: staged row = column, staged column = row; rows_wg == SLAB)."""
+        buffer (``transposed``: staged row = column, staged column = row; staged_rows == SLAB)."""
         pair_f32 = cute.make_rmem_tensor((2,), F32)
         pair = cute.make_rmem_tensor((2,), BF16)
         for p in (acc.pairs(sl) if row_block is None else acc.pairs(sl, row_block)):
@@ -153,10 +153,10 @@ class StoreEpilogue(Epilogue):
                 cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
                 if cutlass.const_expr(cfg.transpose_c):
                     # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
-                    # whose warpgroup part starts at M index mt·TILE_M + wg_row0.
-                    self.flush(stage_c, wg_tid, Int32(0), cfg.rows_wg, c,
+                    # whose staged part starts at M index mt·tile_m + block_row0.
+                    self.flush(stage_c, wg_tid, Int32(0), cfg.staged_rows, c,
                                (Int64(e) * cfg.dim_n + nt * cfg.tile_n + sl * SLAB)
-                               * cfg.dim_m + mt * TILE_M, cfg.dim_m, wg_row0, rows,
+                               * cfg.dim_m + mt * cfg.tile_m, cfg.dim_m, block_row0, rows,
                                cols - sl * SLAB)
                 else:
                     self.flush(stage_c, wg_tid, block_row0, SLAB, c, base, cfg.dim_n,
