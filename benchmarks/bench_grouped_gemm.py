@@ -32,11 +32,10 @@ gather, no epilogue), the same work as a dense library runs it — a reference, 
 ``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
 ``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) and the weight gradients
-(``dW1``, ``dW2``; with ``--gemm``, those named) under every candidate tile plan of
-``PLAN_CANDIDATES`` (labelled ``tile_m x tile_n``, schedule, cluster, ``A`` when the cluster
-shares A, ``tma`` with TMA stores), in two alternating rounds — the same-run A/B behind
-``heuristic.plan``'s choice for them — each candidate's relative error against torch beside
-its time. The candidate replaces ``heuristic.plan``'s answer in this
+(``dW1``, ``dW2``; with ``--gemm``, those named) under every candidate tile plan of ``PLAN_CANDIDATES`` (labelled ``tile_m x
+tile_n``, schedule, cluster, ``A`` when the cluster shares A), in two alternating rounds — the
+same-run A/B behind ``heuristic.plan``'s choice for them — each candidate's relative error
+against torch beside its time. The candidate replaces ``heuristic.plan``'s answer in this
 process only (:func:`forced_plan`).
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
@@ -163,13 +162,11 @@ def fp8_rows(name, t, d, n, e, k):
 # None: the plan itself.
 T = heuristic.TilePlan
 PLAN_CANDIDATES = {
-    False: (None, T(192, True, 1, tma_store=False), T(192, True, 1),
-            T(192, True, CLUSTER, tma_store=False), T(192, True, CLUSTER),
-            T(256, False, CLUSTER, tma_store=False), T(256, False, CLUSTER),
-            T(128, False, CLUSTER, tile_m=256, multicast_a=True, tma_store=False),
+    False: (None, T(128, True, 1), T(192, True, 1), T(192, True, CLUSTER),
+            T(192, True, CLUSTER, multicast_a=True), T(256, False, CLUSTER),
+            T(128, False, 1, tile_m=256), T(128, False, CLUSTER, tile_m=256),
             T(128, False, CLUSTER, tile_m=256, multicast_a=True)),
-    True: (None, T(256, False, CLUSTER, tma_store=False), T(256, False, CLUSTER),
-           T(128, False, CLUSTER, tile_m=256, tma_store=False),
+    True: (None, T(256, False, CLUSTER), T(128, False, 1, tile_m=256),
            T(128, False, CLUSTER, tile_m=256)),
 }
 
@@ -177,10 +174,9 @@ PLAN_CANDIDATES = {
 def _plan_label(tiles):
     if tiles is None:
         return "plan"
-    return "{}x{} {} c{}{}{}".format(tiles.tile_m, tiles.tile_n,
-                                     "pp" if tiles.pingpong else "coop", tiles.cluster,
-                                     "A" if tiles.multicast_a else "",
-                                     " tma" if tiles.tma_store else "")
+    return "{}x{} {} c{}{}".format(tiles.tile_m, tiles.tile_n,
+                                   "pp" if tiles.pingpong else "coop", tiles.cluster,
+                                   "A" if tiles.multicast_a else "")
 
 
 @contextlib.contextmanager

@@ -142,8 +142,8 @@ def test_plan_varlen_m(args, expected):
 
 
 def test_plan_varlen_k_cluster_needs_even_m_tiles():
-    assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER, 128, False, True)
-    assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1, 128, False, True)
+    assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER, 128, False)
+    assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1, 128, False)
     assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
 
 
@@ -252,31 +252,3 @@ def test_sm_margin_shrinks_the_persistent_grid(monkeypatch):
     with pytest.raises(ValueError, match="num_sms"):
         with sm_margin(-1):
             pass
-
-
-def test_tma_store_where_planned_and_supported():
-    """TMA stores: planned for the bf16 sm_90a store epilogue on contiguous-A varlen-M and
-    untransposed varlen-K, 64-row staged blocks, a second staging buffer only where the ring
-    keeps its four stages; refused elsewhere."""
-    pp = heuristic.varlen_m_config(2048, 1024, False)          # down-proj: ping-pong 128 x 192
-    assert (pp.tma_store, pp.staged_rows, pp.epilogue_buffers, pp.stages) == (True, 64, 2, 4)
-    assert pp.staging_elems == 2 * 2 * 64 * 64                 # dense rows, two per warpgroup
-    dw1 = heuristic.varlen_k_config(2048, 2048, False, True)   # 256 x 128: one buffer
-    assert (dw1.tma_store, dw1.epilogue_buffers, dw1.stages) == (True, 1, 4)
-    assert heuristic.varlen_k_config(4096, 1024, True, False).tma_store
-    for cfg in (heuristic.varlen_m_config(2048, 1024, True),                   # gathered A
-                heuristic.varlen_m_config(2048, 1024, False, ab_dtype="e4m3"),
-                heuristic.varlen_k_config(1024, 2048, False, True, True),     # C transposed
-                heuristic.varlen_m_config(2048, 1024, False, arch="sm_100a"),
-                heuristic.varlen_m_config(1024, 2048, True, epilogue="swiglu",
-                                          gate_up="concat")):
-        assert not cfg.tma_store and cfg.epilogue_buffers == 1
-    forced_off = heuristic._with_tma_store(
-        dataclasses.replace(pp, tma_store=False), heuristic.TilePlan(192, True, CLUSTER,
-                                                                     tma_store=False))
-    assert not forced_off.tma_store and forced_off.staged_rows == 128
-    with pytest.raises(ValueError, match="tma_store serves"):
-        _m(gather_a=True, tma_store=True)
-    with pytest.raises(ValueError, match="tma_store serves"):
-        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=1, dim_m=512,
-                          dim_n=256, dim_k=0, gather_a=True, transpose_c=True, tma_store=True)

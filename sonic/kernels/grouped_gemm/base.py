@@ -118,10 +118,8 @@ class GroupedGemmKernel(TmaProducers):
                                     1024],
             "sB": cute.struct.Align[cute.struct.MemRange[self.ab_type, cute.cosize(b_smem)],
                                     1024],
-            # 1024-byte aligned: TMA stores read it with the 128-byte swizzle, whose pattern
-            # repeats every 1024 bytes of address.
             "sC": cute.struct.Align[cute.struct.MemRange[
-                BF16, self.epilogue.staging_elems()], 1024],
+                BF16, self.epilogue.staging_elems()], 128],
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -166,7 +164,8 @@ class GroupedGemmKernel(TmaProducers):
         self.check_contract(tiled_mma)
         a_smem, b_smem = self.make_smem_layouts()
         tma = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
-        tma["epi"] = self.epilogue.make_tma(h, c, rows_a, rows_b, num_experts, a_smem)
+        # dSwiGLU reads H (P, 2n) with P passed as rows_b.
+        tma["epi"] = self.epilogue.make_tma(h, rows_b, a_smem)
         self.storage_type = self.shared_storage(a_smem, b_smem)
         self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
                     *tma["mc"], *tma["mc_row"], *tma["epi"], a_smem, b_smem, outs, gidx_a,

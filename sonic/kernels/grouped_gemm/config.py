@@ -41,9 +41,6 @@ PAD = 8
 # Shared memory per CTA on sm_90 (227 KiB) less room for barriers and the tile table.
 SMEM_BYTES = 227 * 1024 - (MAX_EXPERTS + 1) * 4 - 1024
 MAX_STAGES = 8
-# Ring stages every bf16 plan runs with today; a second TMA-store staging buffer may not cost
-# one of them.
-MIN_STAGES = 4
 # N tiles of the grouped GEMM (192: contiguous-A bf16 varlen-M only, see GroupedGemmConfig).
 TILE_NS = (128, 192, 256)
 
@@ -90,11 +87,6 @@ class GroupedGemmConfig:
         multicast_a: on a 2-CTA cluster, the CTAs take consecutive n-tiles of one m-tile and
             each loads half of the shared A tile for both (CUTLASS cluster shape 1 x 2);
             varlen-M with contiguous A, bf16, sm_90a.
-        tma_store: the store epilogue writes each staged block with one TMA store (128-byte
-            swizzled staging, :attr:`epilogue_buffers` buffers per warpgroup) instead of
-            16-byte stores from every thread; a block reaching past the tile's valid rows
-            (the expert's end, or M) is still stored by the threads, masked. bf16 sm_90a
-            store epilogue, varlen-M with contiguous A or varlen-K, C not transposed.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -120,7 +112,6 @@ class GroupedGemmConfig:
     ab_dtype: str = "bf16"
     tile_m: int = TILE_M
     multicast_a: bool = False
-    tma_store: bool = False
 
     def __post_init__(self):
         if self.arch not in MAINLOOPS:
@@ -165,9 +156,6 @@ class GroupedGemmConfig:
         if self.arch == "sm_100a" and (self.pingpong or self.cluster > 1 or self.transpose_c):
             raise ValueError("the sm_100a mainloop runs cooperative tiles on one CTA (no "
                              "ping-pong, no 2-CTA cluster, no transposed C)")
-        if self.tma_store and not self.tma_store_supported:
-            raise ValueError("tma_store serves the bf16 sm_90a store epilogue (varlen-M with "
-                             "contiguous A, or varlen-K), C not transposed")
         if self.gate_up is not None and self.gate_up not in GATE_UP_LAYOUTS:
             raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {self.gate_up!r}")
         if self.epilogue == "swiglu" and (self.varlen_k or not self.gather_a or self.b_n_major
@@ -277,47 +265,21 @@ class GroupedGemmConfig:
         return self.tile_m // EPILOGUE_WARPGROUPS[self.arch]
 
     @property
-    def tma_store_supported(self) -> bool:
-        """Whether :attr:`tma_store` may be set: the bf16 sm_90a store epilogue, varlen-M with
-        contiguous A (C has ``rows_a`` rows) or varlen-K (``E·M``), C not transposed."""
-        return (self.arch == "sm_90a" and self.epilogue == "store" and not self.fp8
-                and not self.transpose_c and (self.varlen_k or not self.gather_a))
-
-    @property
     def staged_rows(self) -> int:
         """Rows of a warpgroup's accumulator the epilogue stages at a time: all ``rows_wg``,
-        or on 256-row tiles and with TMA stores one 64-row WGMMA block, so that the ring keeps
-        its stages."""
-        return 64 if self.tile_m == 256 or self.tma_store else self.rows_wg
+        or on 256-row tiles one 64-row WGMMA block, so that the ring keeps four stages."""
+        return 64 if self.tile_m == 256 else self.rows_wg
 
     @property
     def stages(self) -> int:
         """Ring stages: as many ``A + B`` k-tiles as fit beside the epilogue's staging buffer."""
-        return self._stages(self.staging_elems)
-
-    def _stages(self, staging_elems: int) -> int:
-        return min(MAX_STAGES, (SMEM_BYTES - staging_elems * 2) // self.tma_bytes)
-
-    @property
-    def epilogue_buffers(self) -> int:
-        """Staging buffers per epilogue warpgroup: with TMA stores two (one block is staged
-        while the previous one's store reads the other) when the ring keeps
-        :data:`MIN_STAGES` stages beside them, else one."""
-        if not self.tma_store:
-            return 1
-        return 2 if self._stages(2 * self._buffer_elems()) >= MIN_STAGES else 1
-
-    def _buffer_elems(self) -> int:
-        # TMA stores read dense 128-byte rows (the staging is swizzled instead of padded).
-        width = SLAB if self.tma_store else SLAB + PAD
-        return EPILOGUE_WARPGROUPS[self.arch] * self.staged_rows * width
+        return min(MAX_STAGES, (SMEM_BYTES - self.staging_elems * 2) // self.tma_bytes)
 
     @property
     def staging_elems(self) -> int:
-        """bf16 elements of the epilogue staging buffers: per epilogue warpgroup,
-        :attr:`epilogue_buffers` blocks of ``staged_rows x SLAB`` (padded rows, or with TMA
-        stores swizzled dense ones)."""
-        return self.epilogue_buffers * self._buffer_elems()
+        """bf16 elements of the epilogue staging buffer (one ``staged_rows x SLAB`` block,
+        padded, per epilogue warpgroup)."""
+        return EPILOGUE_WARPGROUPS[self.arch] * self.staged_rows * (SLAB + PAD)
 
     @property
     def tma_bytes(self) -> int:

@@ -8,22 +8,19 @@ maximises FLOP per loaded byte. Pure Python: no ``cutlass``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
 
 
 class TilePlan(NamedTuple):
-    """The tile choices of one grouped GEMM (fields as in :class:`GroupedGemmConfig`;
-    ``tma_store`` where the configuration supports it)."""
+    """The tile choices of one grouped GEMM (fields as in :class:`GroupedGemmConfig`)."""
 
     tile_n: int
     pingpong: bool
     cluster: int
     tile_m: int = TILE_M
     multicast_a: bool = False
-    tma_store: bool = True
 
 
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
@@ -116,11 +113,11 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
     tile_n = tiles.tile_n
     if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128
-    return _with_tma_store(GroupedGemmConfig(
-        varlen_k=False, tile_n=tile_n, pingpong=tiles.pingpong, cluster=tiles.cluster, dim_m=0,
-        dim_n=dim_n, dim_k=dim_k, gather_a=gathered, b_n_major=b_n_major, epilogue=epilogue,
-        gate_up=gate_up, arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
-        multicast_a=tiles.multicast_a), tiles)
+    return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=tiles.pingpong,
+                             cluster=tiles.cluster, dim_m=0, dim_n=dim_n, dim_k=dim_k,
+                             gather_a=gathered, b_n_major=b_n_major, epilogue=epilogue,
+                             gate_up=gate_up, arch=arch, ab_dtype=ab_dtype,
+                             tile_m=tiles.tile_m, multicast_a=tiles.multicast_a)
 
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
@@ -133,18 +130,11 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
     """
     tiles = plan(True, dim_n, gather_a, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype,
                  gather_b=gather_b)
-    return _with_tma_store(GroupedGemmConfig(
-        varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong, cluster=tiles.cluster,
-        dim_m=dim_m, dim_n=dim_n, dim_k=0, gather_a=gather_a, gather_b=gather_b,
-        transpose_c=transpose_c, arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
-        multicast_a=tiles.multicast_a), tiles)
-
-
-def _with_tma_store(cfg: GroupedGemmConfig, tiles: TilePlan) -> GroupedGemmConfig:
-    """``cfg`` with TMA stores where the plan asks for them and the configuration has them."""
-    if tiles.tma_store and cfg.tma_store_supported:
-        return dataclasses.replace(cfg, tma_store=True)
-    return cfg
+    return GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
+                             cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
+                             gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,
+                             arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
+                             multicast_a=tiles.multicast_a)
 
 
 def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,

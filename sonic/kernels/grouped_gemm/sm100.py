@@ -311,8 +311,8 @@ class Sm100GroupedGemm(GroupedGemmKernel):
             # wg 0, first row 0; the thread index stands for the lane so that one thread
             # releases an H stage (the empty barriers expect one arrival).
             stage, phase = self.epilogue.visit(
-                view, s_c, tidx, Int32(0), Int32(0), tidx, outs, (None, None), e, row0, rows,
-                nt, mt, stage_mem, stage, phase, full, empty)
+                view, s_c, tidx, Int32(0), Int32(0), tidx, outs, e, row0, rows, nt, mt,
+                stage_mem, stage, phase, full, empty)
             # Every TMEM load of the tile was waited for inside the view.
             if lane == 0:
                 cute.arch.mbarrier_arrive(acc_empty + acc_stage)

@@ -17,7 +17,8 @@ from cutlass import Float32 as F32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, PRODUCER_THREADS, SLAB
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, PRODUCER_THREADS,
+                                               SLAB)
 
 
 class ColumnPair(NamedTuple):
@@ -144,17 +145,16 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
-                         storage.sC.data_ptr(), outs, tma_epi, m_off, table, num_experts, full,
-                         empty, stage_mem, gidx_a, rows_a)
+                         storage.sC.data_ptr(), outs, m_off, table, num_experts, full, empty,
+                         stage_mem, gidx_a, rows_a)
 
     @cute.jit
     def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                 tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
-                s_c: cute.Pointer, outs: tuple, epi_tma: tuple, m_off: cute.Tensor,
-                table: cute.Tensor, num_experts: Int32, full: cute.Pointer,
-                empty: cute.Pointer, stage_mem: tuple, gidx_a: cute.Pointer, rows_a: Int32):
-        """WGMMA over the k-tiles of each tile, then the epilogue (``epi_tma``: its TMA
-        atom and tensor, the store's with ``tma_store``). ``gidx_a``, ``rows_a``
+                s_c: cute.Pointer, outs: tuple, m_off: cute.Tensor, table: cute.Tensor,
+                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple,
+                gidx_a: cute.Pointer, rows_a: Int32):
+        """WGMMA over the k-tiles of each tile, then the epilogue. ``gidx_a``, ``rows_a``
         (A's row sources) serve subclasses whose mainloop reads per-row data (the FP8
         mainloop's A scales); this one loads rows through the producers only.
 
@@ -166,7 +166,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * (cfg.staging_elems // CONSUMER_WARPGROUPS)
+        stage_c = s_c + wg * (cfg.staged_rows * (SLAB + PAD))
         # First tile row of this warpgroup's accumulator.
         wg_row0 = wg * cfg.rows_wg
         mma_tid = ctid
@@ -224,7 +224,6 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                         stage, phase, self.scheduler.tile_k_tiles(t + stride, m_off,
                                                                   num_experts))
             stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
-                epi_tma, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
+                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e,
+                row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
-        self.epilogue.finish(wg_tid)

@@ -11,7 +11,6 @@ Imports ``cutlass``: only the kernel modules import this one.
 
 import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
-from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M, VEC, GroupedGemmConfig
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
@@ -42,22 +41,17 @@ class Epilogue:
         """bf16 elements of shared memory the epilogue stages its stores in."""
         return self.cfg.staging_elems
 
-    def make_tma(self, h, c, rows_a, rows_b, num_experts, a_smem) -> tuple:
-        """Host side: ``(atom, tensor)`` of the epilogue's own TMA copies, or ``(None, None)``
-        (``h``, ``c``: H and C; ``rows_a``, ``rows_b``, ``num_experts``: the launch's row
-        counts; ``a_smem``: A's staged layout, whose 128-byte swizzle the copies share)."""
+    def make_tma(self, h, rows, a_smem) -> tuple:
+        """Host side: ``(atom, tensor)`` of the epilogue's own TMA loads, or ``(None, None)``."""
         return (None, None)
-
-    def finish(self, wg_tid: Int32):
-        """Each epilogue thread after its last tile (sm_90 consumers)."""
 
     def prefetch(self, tma: tuple):
         """Prefetch the descriptor of the epilogue's TMA loads (producer warp 0)."""
 
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
+              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
+              empty: cute.Pointer):
         """The one hook: store this warpgroup's part of a finished tile.
 
         Args:
@@ -71,7 +65,6 @@ class Epilogue:
                 one arrival per stage).
             outs: the global pointers ``(c, act, scores, ds)`` (FP8 configurations: then
                 A's and B's block scales, read by the mainloop).
-            epi_tma: :meth:`make_tma`'s ``(atom, tensor)`` as kernel parameters.
             e, row0, rows, nt, mt: the scheduler's tile coordinates.
             stage_mem, stage, phase, full, empty: the operand ring.
 
@@ -79,15 +72,6 @@ class Epilogue:
             The ring position ``(stage, phase)`` after the epilogue.
         """
         raise NotImplementedError
-
-    def staged_offset(self, r, c):
-        """Element offset of staged row ``r``, column ``c`` (of SLAB): rows padded by PAD
-        elements, or with TMA stores dense 128-byte rows whose 16-byte chunks are swizzled
-        by the row (chunk ``c // 8`` XOR ``r mod 8``, the 128-byte swizzle TMA reads), which
-        spreads a quad's column pairs over 8 rows across the banks as the padding does."""
-        if cutlass.const_expr(self.cfg.tma_store):
-            return r * SLAB + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7))
-        return r * (SLAB + PAD) + c
 
     @cute.jit
     def stage_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
@@ -109,7 +93,7 @@ class Epilogue:
                         stage_c + (n + v0 - sl * SLAB) * (SLAB + PAD) + (m - wg_row0),
                         cute.make_layout(1))[0] = pair[v0]
             else:
-                offset = self.staged_offset(m - wg_row0, n - sl * SLAB)
+                offset = (m - wg_row0) * (SLAB + PAD) + (n - sl * SLAB)
                 cute.autovec_copy(pair, cute.make_tensor(
                     stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
 
@@ -129,7 +113,7 @@ class Epilogue:
             m = wg_row0 + r
             if m < rows and col0 + col < col_limit:
                 cute.autovec_copy(cute.make_tensor(
-                    stage_c + cute.assume(self.staged_offset(r, col), divby=VEC),
+                    stage_c + cute.assume(r * (SLAB + PAD) + col, divby=VEC),
                     cute.make_layout(VEC)), chunk)
                 cute.autovec_copy(chunk, cute.make_tensor(
                     dst + cute.assume(base + (Int64(m) * pitch + col0 + col), divby=VEC),
@@ -139,113 +123,44 @@ class Epilogue:
 class StoreEpilogue(Epilogue):
     """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``)."""
 
-    def make_tma(self, h, c, rows_a, rows_b, num_experts, a_smem) -> tuple:
-        """With ``tma_store``: TMA stores of ``staged_rows x SLAB`` blocks into C — varlen-M
-        ``(P, N)`` (``P`` = ``rows_a``, contiguous A), varlen-K ``(E·M, N)`` — from staging
-        swizzled like the bf16 operands (128 bytes)."""
-        cfg = self.cfg
-        if cutlass.const_expr(not cfg.tma_store):
-            return (None, None)
-        rows = num_experts * cfg.dim_m if cfg.varlen_k else rows_a
-        m_c = cute.make_tensor(c, cute.make_layout((rows, cfg.dim_n), stride=(cfg.dim_n, 1)))
-        box = (cfg.staged_rows, SLAB)
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), m_c,
-            cute.make_composed_layout(a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))),
-            box)
-
-    @cute.jit
-    def finish(self, wg_tid: Int32):
-        """With ``tma_store``: the issuing warp waits for its TMA stores to complete before the
-        kernel ends."""
-        if cutlass.const_expr(self.cfg.tma_store):
-            if wg_tid < 32:
-                cute.arch.cp_async_bulk_wait_group(0)
-
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
+              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
+              empty: cute.Pointer):
         """bf16 store of this warpgroup's rows of the tile, masked to the expert's rows
         (varlen-M) or to M (varlen-K), and to N.
 
         A row of a slab is one 128-byte line. With ``transpose_c`` the slab is staged
         transposed, so the chunks are 8 consecutive rows of one column — contiguous in
-        ``C[e]ᵀ``, 8 threads covering a 128-byte line of it. With ``tma_store`` a staged
-        block whose rows are all valid leaves by one TMA store issued by the warpgroup's first
-        warp (columns past N are clipped by TMA), the threads stage the next block into the
-        other buffer meanwhile; a block reaching past the valid rows is stored by the threads
-        as without it.
+        ``C[e]ᵀ``, 8 threads covering a 128-byte line of it.
         """
         cfg = self.cfg
         c = outs[0]
         cols = cfg.dim_n - nt * cfg.tile_n
-        c_row0 = row0
         if cutlass.const_expr(cfg.varlen_k):
             rows = cfg.dim_m - mt * cfg.tile_m
-            c_row0 = e * cfg.dim_m + mt * cfg.tile_m
             base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
         else:
             base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
-        # 256-row tiles (and TMA stores) stage a warpgroup's rows one 64-row block at a time.
+        # 256-row tiles stage a warpgroup's rows one 64-row block at a time.
         blocks = cfg.rows_wg // cfg.staged_rows
-        steps = cfg.tile_n // SLAB * blocks
-        buffers = cfg.epilogue_buffers
         for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
             for mm in cutlass.range_constexpr(blocks):
-                i = sl * blocks + mm
                 block_row0 = wg_row0 if mm == 0 else wg_row0 + mm * cfg.staged_rows
-                buf = stage_c
-                if cutlass.const_expr(i % buffers):
-                    buf = stage_c + (i % buffers) * (cfg.staged_rows * SLAB)
-                self.stage_slab(acc, buf, block_row0, sl, cfg.transpose_c,
+                self.stage_slab(acc, stage_c, block_row0, sl, cfg.transpose_c,
                                 None if blocks == 1 else mm)
-                if cutlass.const_expr(cfg.tma_store):
-                    # The threads' shared-memory writes, then the TMA unit's reads.
-                    cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
                 if cutlass.const_expr(cfg.transpose_c):
                     # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
                     # whose staged part starts at M index mt·tile_m + block_row0.
-                    self.flush(buf, wg_tid, Int32(0), cfg.staged_rows, c,
+                    self.flush(stage_c, wg_tid, Int32(0), cfg.staged_rows, c,
                                (Int64(e) * cfg.dim_n + nt * cfg.tile_n + sl * SLAB)
                                * cfg.dim_m + mt * cfg.tile_m, cfg.dim_m, block_row0, rows,
                                cols - sl * SLAB)
-                elif cutlass.const_expr(cfg.tma_store):
-                    if block_row0 + cfg.staged_rows <= rows:
-                        if wg_tid < 32:
-                            self.tma_store_block(epi_tma, stage_mem[2], buf,
-                                                 c_row0 + block_row0,
-                                                 nt * cfg.tile_n + sl * SLAB)
-                    else:
-                        self.flush(buf, wg_tid, block_row0, SLAB, c, base, cfg.dim_n,
-                                   sl * SLAB, cols, rows)
-                    if wg_tid < 32:
-                        # The buffer staged next is free once at most buffers - 1 stores
-                        # still read; after the tile's last block, every buffer is.
-                        cute.arch.cp_async_bulk_wait_group(
-                            buffers - 1 if i + 1 < steps else 0, read=True)
                 else:
-                    self.flush(buf, wg_tid, block_row0, SLAB, c, base, cfg.dim_n,
+                    self.flush(stage_c, wg_tid, block_row0, SLAB, c, base, cfg.dim_n,
                                sl * SLAB, cols, rows)
-                # The next slab (or row block) overwrites a staging buffer.
+                # The next slab (or row block) overwrites the staging buffer.
                 cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
         return stage, phase
-
-    @cute.jit
-    def tma_store_block(self, epi_tma: tuple, swizzle, buf: cute.Pointer, row: Int32,
-                        col: Int32):
-        """One TMA store of the staged ``staged_rows x SLAB`` block ``buf`` (``swizzle``d) to
-        C rows ``row ..``, columns ``col ..`` (issued by one lane of the calling warp),
-        committed as its own bulk group."""
-        atom, tensor = epi_tma
-        box = (self.cfg.staged_rows, SLAB)
-        src = cute.make_tensor(cute.recast_ptr(buf, swizzle),
-                               cute.make_layout(box, stride=(SLAB, 1)))
-        dst = cute.local_tile(cute.domain_offset((row, col), tensor), box, (0, 0))
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                         cute.group_modes(src, 0, 2),
-                                         cute.group_modes(dst, 0, 2))
-        cute.copy(atom, t_s, t_g)
-        cute.arch.cp_async_bulk_commit_group()

@@ -40,11 +40,11 @@ class DswigluEpilogue(Epilogue):
         """Ring stages :meth:`producer_loads` queues per tile: one per SLAB of columns."""
         return self.cfg.tile_n // SLAB
 
-    def make_tma(self, h, c, rows_a, rows_b, num_experts, a_smem) -> tuple:
-        """H ``(P, 2n)`` (``P`` = ``rows_b``): ``TILE_M x SLAB`` boxes, 128-byte swizzled like A
+    def make_tma(self, h, rows, a_smem) -> tuple:
+        """H ``(P, 2n)`` (``P`` = ``rows``): ``TILE_M x SLAB`` boxes, 128-byte swizzled like A
         (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8 rows hit
         distinct banks."""
-        m_h = cute.make_tensor(h, cute.make_layout((rows_b, 2 * self.cfg.dim_n),
+        m_h = cute.make_tensor(h, cute.make_layout((rows, 2 * self.cfg.dim_n),
                                                    stride=(2 * self.cfg.dim_n, 1)))
         return cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.make_composed_layout(
@@ -100,9 +100,9 @@ class DswigluEpilogue(Epilogue):
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
+              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
+              empty: cute.Pointer):
         """Per SLAB of columns, this thread's gate and up values of H are read from the slab's
         ring stage (which is then released to the producer), and dH's gate half, dH's up half
         and A' are staged and stored in turn from fp32 dA', g, u and s; the ds partial of each
