@@ -56,9 +56,9 @@ before it; before every repetition the L2 is flushed and the ranks meet at a bar
 CUDA events around the step. Every rank runs the same number of repetitions (collectives:
 adaptive counts could deadlock); the printed time is the median per rank, the slowest rank's.
 
-``--comm-priorities high,normal`` repeats the chunked runs with sonic's comm stream (highest
-priority) replaced by a normal-priority one (``... normal-prio``): the same-run A/B of that
-priority. ``--nccl-ctas``: each run with an SM margin ``m`` is repeated (``C=2 m=m ctas=m``) over a
+``--comm-priorities normal,high`` repeats the chunked runs with sonic's comm stream (normal
+priority) replaced by one of the highest priority (``... high-prio``), whose gathers and copies
+then get the SMs first when compute CTAs end: the same-run A/B of that priority. ``--nccl-ctas``: each run with an SM margin ``m`` is repeated (``C=2 m=m ctas=m``) over a
 second NCCL group of the same ranks whose collectives take at most ``m`` CTAs (``ncclConfig_t.maxCTAs``, through
 ``ProcessGroupNCCL.Options.config.max_ctas``): without it NCCL may launch more CTAs than the
 margin leaves SMs, and the rest wait for the persistent GEMM to end.
@@ -121,9 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="repeat each run with an SM margin m over a second NCCL group "
                              "whose kernels take at most m CTAs (ncclConfig maxCTAs): "
                              "'C=2 m=m ctas=m'")
-    parser.add_argument("--comm-priorities", default="high",
-                        help="priorities of sonic's comm stream to time every run with "
-                             "(high: sonic's own; normal: runs named '... normal-prio')")
+    parser.add_argument("--comm-priorities", default="normal",
+                        help="priorities of the comm stream to time the chunked runs with "
+                             "(normal: sonic's own; high: runs named '... high-prio')")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
@@ -228,13 +228,13 @@ def _nccl_group(max_ctas: int, priority: str):
 
 
 def _comm_stream(device, priority: str):
-    """The stream sonic's chunked pipeline runs its all-to-alls on: its own (highest
-    priority) or one of normal priority (``None`` on the CPU)."""
+    """The stream sonic's chunked pipeline runs its all-to-alls on: its own (normal
+    priority) or one of the highest priority (``None`` on the CPU)."""
     if device.type != "cuda":
         return None
-    if priority == "high":
+    if priority == "normal":
         return overlap._Streams(device).comm
-    return torch.cuda.Stream(device)
+    return torch.cuda.Stream(device, priority=-64)    # clamped to the highest there is
 
 
 def _nccl_options(priority: str):
@@ -242,10 +242,10 @@ def _nccl_options(priority: str):
 
 
 def _run_name(chunks: int, margin: int, recompute: bool = False, ctas: int = 0,
-              comm_priority: str = "high") -> str:
+              comm_priority: str = "normal") -> str:
     return (f"C={chunks}" + (f" m={margin}" if margin else "") + (" rd" if recompute else "")
             + (f" ctas={ctas}" if ctas else "")
-            + (f" {comm_priority}-prio" if comm_priority != "high" else ""))
+            + (f" {comm_priority}-prio" if comm_priority != "normal" else ""))
 
 
 # Phase of an all-to-all, by the function that calls it (for the chunked path's token-row
@@ -414,12 +414,12 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     limits = (0, 1) if args.nccl_ctas and device.type == "cuda" else (0,)
     # The comm stream's priority matters only to the chunked pipeline (C > 1).
     runs = ([(c, 0, r, 0, p) for p in args.comm_priorities for r in recomputes
-             for c in args.chunks if c > 1 or p == "high"]
+             for c in args.chunks if c > 1 or p == "normal"]
             + [(2, m, False, m * k, p) for p in args.comm_priorities for m in margins
                for k in limits])
     calls, peak = {}, {}
     groups = {ctas: _nccl_group(ctas, args.nccl_priority) for *_, ctas, _ in runs}
-    comm_streams = {p: _comm_stream(device, p) for p in ("high", *args.comm_priorities)}
+    comm_streams = {p: _comm_stream(device, p) for p in ("normal", *args.comm_priorities)}
     for c, margin, r, ctas, priority in runs:
         layer.num_chunks, layer.comm_sm_margin, layer.recompute_dispatch = c, margin, r
         layer.group = groups[ctas]
@@ -441,7 +441,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
                                      "step": timer(lambda: layer(x).backward(dout), ep_params)}
     layer.recompute_dispatch, layer.group = False, None
     if device.type == "cuda":
-        overlap._COMM_STREAMS[device.index] = comm_streams["high"]
+        overlap._COMM_STREAMS[device.index] = comm_streams["normal"]
 
     # The data all-to-alls of one unchunked step, replayed back to back.
     first = args.chunks[0]

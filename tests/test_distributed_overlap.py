@@ -324,7 +324,7 @@ def _bench_smoke(rank, world):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2", "--recompute-dispatch",
-                                       "--comm-priorities", "high,normal", "--nccl-ctas"]),
+                                       "--comm-priorities", "normal,high", "--nccl-ctas"]),
                      torch.device("cpu"))
 
 
@@ -338,7 +338,7 @@ def test_benchmark_smoke(tmp_path):
     assert r0["ok"] and r0["max_rel_error"] < 1e-5
     # The comm-stream priority variants of the chunked runs; on CPU ranks --nccl-ctas adds none.
     runs = ["C=1", "C=2", "C=1 rd", "C=2 rd", "C=2 m=8", "C=2 m=16"]
-    runs += [f"{r} normal-prio" for r in runs if r.startswith("C=2")]
+    runs += [f"{r} high-prio" for r in runs if r.startswith("C=2")]
     assert set(r0["ms"]) == {"1gpu", "a2a", *(f"{k} {r}" for k in ("ep", "compute") for r in runs)}
     assert all(t > 0 for m in r0["ms"].values() for t in m.values())
     assert set(r0["hidden"]) == {f"{r} {p}" for r in runs for p in ("fwd", "step")}

@@ -68,9 +68,7 @@ class _Streams:
             self.compute = torch.cuda.current_stream(device)
             index = self.compute.device_index
             if index not in _COMM_STREAMS:
-                # Highest priority: when a compute kernel's CTAs end, the SMs go to the
-                # gathers and copies that feed the link first.
-                _COMM_STREAMS[index] = torch.cuda.Stream(device, priority=-64)
+                _COMM_STREAMS[index] = torch.cuda.Stream(device)
             self.comm = _COMM_STREAMS[index]
 
     def on_comm(self, *made_on_compute: torch.Tensor):
