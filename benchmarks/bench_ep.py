@@ -58,10 +58,12 @@ adaptive counts could deadlock); the printed time is the median per rank, the sl
 
 ``--comm-priorities normal,high`` repeats the chunked runs with sonic's comm stream (normal
 priority) replaced by one of the highest priority (``... high-prio``), whose gathers and copies
-then get the SMs first when compute CTAs end: the same-run A/B of that priority. ``--nccl-ctas``: each run with an SM margin ``m`` is repeated (``C=2 m=m ctas=m``) over a
-second NCCL group of the same ranks whose collectives take at most ``m`` CTAs (``ncclConfig_t.maxCTAs``, through
-``ProcessGroupNCCL.Options.config.max_ctas``): without it NCCL may launch more CTAs than the
-margin leaves SMs, and the rest wait for the persistent GEMM to end.
+then get the SMs first when compute CTAs end: the same-run A/B of that priority.
+``--nccl-ctas`` repeats each run with an SM margin ``m`` (``C=2 m=m ctas=m``) over a second
+NCCL group of the same ranks whose collectives take at most ``m`` CTAs
+(``ncclConfig_t.maxCTAs``, through ``ProcessGroupNCCL.Options.config.max_ctas``): without it
+NCCL may launch more CTAs than the margin leaves SMs, and the rest wait for the persistent GEMM
+to end.
 
 NCCL: NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NVSHMEM_DISABLE_NVLS=1``, set here before the process group starts). NCCL's stream is

@@ -32,11 +32,11 @@ gather, no epilogue), the same work as a dense library runs it — a reference, 
 ``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
 
 ``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) and the weight gradients
-(``dW1``, ``dW2``; with ``--gemm``, those named) under every candidate tile plan of ``PLAN_CANDIDATES`` (labelled ``tile_m x
-tile_n``, schedule, cluster, ``A`` when the cluster shares A), in two alternating rounds — the
-same-run A/B behind ``heuristic.plan``'s choice for them — each candidate's relative error
-against torch beside its time. The candidate replaces ``heuristic.plan``'s answer in this
-process only (:func:`forced_plan`).
+(``dW1``, ``dW2``; with ``--gemm``, those named) under every candidate tile plan of
+``PLAN_CANDIDATES`` (labelled ``tile_m x tile_n``, schedule, cluster, ``A`` when the cluster
+shares A), in two alternating rounds — the same-run A/B behind ``heuristic.plan``'s choice for
+them — each candidate's relative error against torch beside its time. The candidate replaces
+``heuristic.plan``'s answer in this process only (:func:`forced_plan`).
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
 OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:

@@ -330,9 +330,9 @@ def _bench_smoke(rank, world):
 
 def test_benchmark_smoke(tmp_path):
     """``benchmarks/bench_ep.py --smoke`` on two gloo ranks: every measurement (comm-stream
-    priority variants included) is there, the
-    EP layer matches one process for each chunk count, the ranks agree on the summary, and
-    rank 0's phase timelines name every phase of both paths."""
+    priority variants included) is there, the EP layer matches one process for each chunk
+    count, the ranks agree on the summary, and rank 0's phase timelines name every phase of
+    both paths."""
     r0, r1 = _spawn(2, _bench_smoke, tmp_path, timeout=120)
     assert r0 == r1
     assert r0["ok"] and r0["max_rel_error"] < 1e-5

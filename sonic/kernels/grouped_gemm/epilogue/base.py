@@ -78,7 +78,8 @@ class Epilogue:
                    transposed: cutlass.Constexpr = False, row_block: int | None = None):
         """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows (of its 64-row
         block ``row_block`` only, if given, whose first row ``wg_row0`` then is) → staging
-        buffer (``transposed``: staged row = column, staged column = row; staged_rows == SLAB)."""
+        buffer (``transposed``: staged row = column, staged column = row;
+        staged_rows == SLAB)."""
         pair_f32 = cute.make_rmem_tensor((2,), F32)
         pair = cute.make_rmem_tensor((2,), BF16)
         for p in (acc.pairs(sl) if row_block is None else acc.pairs(sl, row_block)):
