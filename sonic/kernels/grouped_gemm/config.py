@@ -254,6 +254,11 @@ class GroupedGemmConfig:
         return (m_tiles + self.cluster - 1) // self.cluster * self.n_tiles
 
     @property
+    def varlen_k_items_per_expert(self) -> int:
+        """varlen-K work items of one expert: m-tiles (in pairs on a cluster) × n-tiles."""
+        return self.m_tiles // self.cluster * self.n_tiles
+
+    @property
     def k_tiles(self) -> int:
         return (self.dim_k + self.tile_k - 1) // self.tile_k
 
@@ -277,9 +282,14 @@ class GroupedGemmConfig:
 
     @property
     def staging_elems(self) -> int:
-        """bf16 elements of the epilogue staging buffer (one ``staged_rows x SLAB`` block,
-        padded, per epilogue warpgroup)."""
-        return EPILOGUE_WARPGROUPS[self.arch] * self.staged_rows * (SLAB + PAD)
+        """bf16 elements of the epilogue staging buffer (one :attr:`staged_block_elems` block
+        per epilogue warpgroup)."""
+        return EPILOGUE_WARPGROUPS[self.arch] * self.staged_block_elems
+
+    @property
+    def staged_block_elems(self) -> int:
+        """bf16 elements of one warpgroup's staging block: ``staged_rows x SLAB``, padded."""
+        return self.staged_rows * (SLAB + PAD)
 
     @property
     def tma_bytes(self) -> int:

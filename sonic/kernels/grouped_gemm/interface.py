@@ -631,7 +631,7 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
         dim_m, dim_n, ga, gb = dim_n, dim_m, gb, ga
     cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
     fn = _launcher(cfg)
-    work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
+    work_items = num_experts * cfg.varlen_k_items_per_expert
     addr = runtime.address
     offsets_addr = addr(expert_offsets, 4)
     # An index address that is not gathered is never read; expert_offsets' stands in for it.
@@ -704,7 +704,7 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
     out = torch.empty(num_experts, dim_m, dim_n, dtype=torch.bfloat16, device=device)
     if k_rows == 0:
         return out.zero_()
-    work_items = num_experts * (cfg.m_tiles // cfg.cluster) * cfg.n_tiles
+    work_items = num_experts * cfg.varlen_k_items_per_expert
     addr = runtime.address
     offsets_addr, out_addr = addr(k_offsets, 4), addr(out, 16)
     # Slots this configuration never reads: out's and the offsets' addresses stand in.

@@ -17,8 +17,7 @@ from cutlass import Float32 as F32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, PRODUCER_THREADS,
-                                               SLAB)
+from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, PRODUCER_THREADS, SLAB
 
 
 class ColumnPair(NamedTuple):
@@ -166,7 +165,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * (cfg.staged_rows * (SLAB + PAD))
+        stage_c = s_c + wg * cfg.staged_block_elems
         # First tile row of this warpgroup's accumulator.
         wg_row0 = wg * cfg.rows_wg
         mma_tid = ctid

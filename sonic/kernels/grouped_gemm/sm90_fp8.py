@@ -64,8 +64,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import warpgroup
 
-from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PAD, SLAB, TILE_K_FP8,
-                                               TILE_M)
+from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, SLAB, TILE_K_FP8, TILE_M
 from sonic.kernels.grouped_gemm.sm90 import ColumnPair, Sm90GroupedGemm, WgmmaAccumulator
 
 # N of one WGMMA and of a partial accumulator: one B scale block.
@@ -108,7 +107,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * (cfg.staged_rows * (SLAB + PAD))
+        stage_c = s_c + wg * cfg.staged_block_elems
         wg_row0 = wg * cfg.rows_wg
         thr_mma = tiled_mma.get_slice(ctid)
         t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))

@@ -146,7 +146,7 @@ class VarlenKScheduler:
     def __init__(self, cfg: GroupedGemmConfig):
         self.cluster = cfg.cluster
         self.n_tiles = cfg.n_tiles
-        self.per_expert = cfg.m_tiles // cfg.cluster * cfg.n_tiles
+        self.per_expert = cfg.varlen_k_items_per_expert
         self.tile_k = cfg.tile_k
 
     @cute.jit
