@@ -102,6 +102,9 @@ class TmemAccumulator:
 
     rows_per_thread = 1
     pairs_per_slab = SLAB // 2
+    # One thread releases an H ring stage for the four epilogue warps: they synchronise as a
+    # warpgroup before it does.
+    warp_private = False
 
     def __init__(self, copy, t_acc: cute.Tensor, m, written, buffers: tuple):
         self.copy = copy

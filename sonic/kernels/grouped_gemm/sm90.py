@@ -55,6 +55,10 @@ class WgmmaAccumulator:
         pairs_per_slab: column pairs this thread holds per sub-tile.
     """
 
+    # A warp holds whole rows (16 of every 64-row block), so an epilogue may stage and store
+    # them without the warpgroup's other warps (Epilogue.flush ``private``).
+    warp_private = True
+
     def __init__(self, acc: cute.Tensor, coords: cute.Tensor):
         self.acc = acc
         self.coords = coords

@@ -17,6 +17,8 @@ from sonic.kernels.grouped_gemm.pipeline import OperandRing
 
 # Named barrier of consumer warpgroup ``wg``'s epilogue: 3 + wg (1 and 2 are ping-pong's).
 BARRIER = 3
+# Rows of each 64-row block one warp holds in an accumulator with ``warp_private`` rows.
+WARP_ROWS = 16
 
 
 class Epilogue:
@@ -99,26 +101,49 @@ class Epilogue:
                     stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
 
     @cute.jit
+    def sync(self, wg: Int32, private: bool):
+        """Order a staging buffer's writes before its reads (and the reads before the next
+        writes): among the warp when ``private``, else among the warpgroup."""
+        if cutlass.const_expr(private):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+
+    @cute.jit
     def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
               dst: cute.Pointer, base: Int64, pitch: int, col0: int, col_limit: Int32,
-              rows: Int32):
+              rows: Int32, private: bool = False):
         """Staged ``staged_rows x width`` block → ``dst[base + m·pitch + col0 + col]`` as
         16-byte row chunks, masked to tile rows ``< rows`` and to ``col0 + col < col_limit``
-        (widths are multiples of 8, so a chunk is entirely inside or outside)."""
+        (widths are multiples of 8, so a chunk is entirely inside or outside).
+
+        ``private`` (an accumulator whose ``warp_private`` is true): each warp stores only
+        the staged rows it wrote itself, its ``WARP_ROWS`` of every 64-row block, so it
+        synchronises with itself only (:meth:`sync`) and the warpgroup's four warps run
+        their compute and store phases out of step; else the warpgroup's 128 threads store
+        the whole block."""
         chunk = cute.make_rmem_tensor((VEC,), BF16)
         chunks_per_row = width // VEC
-        for q in cutlass.range_constexpr(self.cfg.staged_rows * chunks_per_row // 128):
-            index = wg_tid + q * 128
-            r = index // chunks_per_row
-            col = (index - r * chunks_per_row) * VEC
-            m = wg_row0 + r
-            if m < rows and col0 + col < col_limit:
-                cute.autovec_copy(cute.make_tensor(
-                    stage_c + cute.assume(r * (SLAB + PAD) + col, divby=VEC),
-                    cute.make_layout(VEC)), chunk)
-                cute.autovec_copy(chunk, cute.make_tensor(
-                    dst + cute.assume(base + (Int64(m) * pitch + col0 + col), divby=VEC),
-                    cute.make_layout(VEC)))
+        # (first staged row, rows) of each group of rows this thread's threads store.
+        threads, tid, groups = 128, wg_tid, ((Int32(0), self.cfg.staged_rows),)
+        if cutlass.const_expr(private):
+            warp = wg_tid // 32
+            threads, tid = 32, wg_tid - warp * 32
+            groups = tuple((block * 64 + warp * WARP_ROWS, WARP_ROWS)
+                           for block in range(self.cfg.staged_rows // 64))
+        for first, count in groups:
+            for q in cutlass.range_constexpr(count * chunks_per_row // threads):
+                index = tid + q * threads
+                r = first + index // chunks_per_row
+                col = (index % chunks_per_row) * VEC
+                m = wg_row0 + r
+                if m < rows and col0 + col < col_limit:
+                    cute.autovec_copy(cute.make_tensor(
+                        stage_c + cute.assume(r * (SLAB + PAD) + col, divby=VEC),
+                        cute.make_layout(VEC)), chunk)
+                    cute.autovec_copy(chunk, cute.make_tensor(
+                        dst + cute.assume(base + (Int64(m) * pitch + col0 + col), divby=VEC),
+                        cute.make_layout(VEC)))
 
 
 class StoreEpilogue(Epilogue):
@@ -146,12 +171,14 @@ class StoreEpilogue(Epilogue):
             base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
         # 256-row tiles stage a warpgroup's rows one 64-row block at a time.
         blocks = cfg.rows_wg // cfg.staged_rows
+        # A transposed block's staged rows are columns: every warp wrote part of each.
+        private = acc.warp_private and not cfg.transpose_c
         for sl in cutlass.range_constexpr(cfg.tile_n // SLAB):
             for mm in cutlass.range_constexpr(blocks):
                 block_row0 = wg_row0 if mm == 0 else wg_row0 + mm * cfg.staged_rows
                 self.stage_slab(acc, stage_c, block_row0, sl, cfg.transpose_c,
                                 None if blocks == 1 else mm)
-                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                self.sync(wg, private)
                 if cutlass.const_expr(cfg.transpose_c):
                     # Staged row r is column nt·tile_n + sl·SLAB + r of C[e]: a row of C[e]ᵀ,
                     # whose staged part starts at M index mt·tile_m + block_row0.
@@ -161,7 +188,7 @@ class StoreEpilogue(Epilogue):
                                cols - sl * SLAB)
                 else:
                     self.flush(stage_c, wg_tid, block_row0, SLAB, c, base, cfg.dim_n,
-                               sl * SLAB, cols, rows)
+                               sl * SLAB, cols, rows, private)
                 # The next slab (or row block) overwrites the staging buffer.
-                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                self.sync(wg, private)
         return stage, phase

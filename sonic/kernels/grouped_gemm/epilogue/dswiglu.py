@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels import activation
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M
-from sonic.kernels.grouped_gemm.epilogue.base import BARRIER, Epilogue
+from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
 
 # Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
 H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
@@ -121,6 +121,7 @@ class DswigluEpilogue(Epilogue):
             if m < rows:
                 s_row[i] = cute.make_tensor(scores + row0, cute.make_layout(TILE_M))[m]
         silu = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
+        private = acc.warp_private
         cols = n - nt * self.cfg.tile_n
         for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
             cute.arch.mbarrier_wait(full + stage, phase)
@@ -129,17 +130,18 @@ class DswigluEpilogue(Epilogue):
             for part in cutlass.range_constexpr(3):
                 self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, silu, s_row,
                                         partial, part)
-                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                self.sync(wg, private)
                 if cutlass.const_expr(part == 2):
-                    # The warpgroup has read the slab's H: the stage can be refilled.
+                    # The warp (private) or warpgroup has read its rows of the slab's H: the
+                    # stage is refilled once every reader has released it.
                     self.ring.release(empty + stage, lane)
                     stage, phase = self.ring.next_stage(stage, phase)
                     self.flush(stage_c, wg_tid, wg_row0, SLAB, a_scaled, Int64(row0) * n, n,
-                               col0, n, rows)
+                               col0, n, rows, private)
                 else:
                     self.flush(stage_c, wg_tid, wg_row0, SLAB, dh, Int64(row0) * (2 * n),
-                               2 * n, col0 + part * n, (part + 1) * n, rows)
-                cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                               2 * n, col0 + part * n, (part + 1) * n, rows, private)
+                self.sync(wg, private)
         n_tiles = self.cfg.n_tiles
         for i in cutlass.range_constexpr(row_count):
             total = acc.reduce_row(partial[i])

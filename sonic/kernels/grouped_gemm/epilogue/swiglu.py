@@ -13,7 +13,7 @@ from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 
 from sonic.kernels import activation
 from sonic.kernels.grouped_gemm.config import PAD, SLAB
-from sonic.kernels.grouped_gemm.epilogue.base import BARRIER, Epilogue
+from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
 
 
 class SwigluEpilogue(Epilogue):
@@ -42,18 +42,18 @@ class SwigluEpilogue(Epilogue):
                 half = slabs // 2
                 h_col0 = (sl // half) * n + nt * (cfg.tile_n // 2) + (sl % half) * SLAB
             self.stage_slab(acc, stage_c, wg_row0, sl)
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+            self.sync(wg, acc.warp_private)
             self.flush(stage_c, wg_tid, wg_row0, SLAB, h_out, h_base, cfg.dim_n, h_col0,
-                       cfg.dim_n, rows)
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                       cfg.dim_n, rows, acc.warp_private)
+            self.sync(wg, acc.warp_private)
         # A: per slab of A columns (concat: the gate slab's 64; interleaved: a slab's 32).
         a_width = SLAB if concat else SLAB // 2
         for sl in cutlass.range_constexpr(slabs // 2 if concat else slabs):
             self.stage_swiglu_slab(acc, stage_c, wg_row0, sl, concat, slabs)
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+            self.sync(wg, acc.warp_private)
             self.flush(stage_c, wg_tid, wg_row0, a_width, act, a_base, n,
-                       nt * (cfg.tile_n // 2) + sl * a_width, n, rows)
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+                       nt * (cfg.tile_n // 2) + sl * a_width, n, rows, acc.warp_private)
+            self.sync(wg, acc.warp_private)
         return stage, phase
 
     @cute.jit
