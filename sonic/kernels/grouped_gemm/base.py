@@ -118,8 +118,9 @@ class GroupedGemmKernel(TmaProducers):
                                     1024],
             "sB": cute.struct.Align[cute.struct.MemRange[self.ab_type, cute.cosize(b_smem)],
                                     1024],
+            # 1024-byte aligned: a staging block may be a TMA store's swizzled source.
             "sC": cute.struct.Align[cute.struct.MemRange[
-                BF16, self.epilogue.staging_elems()], 128],
+                BF16, self.epilogue.staging_elems()], 1024],
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -164,11 +165,11 @@ class GroupedGemmKernel(TmaProducers):
         self.check_contract(tiled_mma)
         a_smem, b_smem = self.make_smem_layouts()
         tma = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
-        # dSwiGLU reads H (P, 2n) with P passed as rows_b.
-        tma["epi"] = self.epilogue.make_tma(h, rows_b, a_smem)
+        # dSwiGLU reads H (P, 2n) and writes dH and A' (P rows), with P passed as rows_b.
+        tma["epi"] = self.epilogue.make_tma(h, c, act, rows_b, a_smem)
         self.storage_type = self.shared_storage(a_smem, b_smem)
         self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                    *tma["mc"], *tma["mc_row"], *tma["epi"], a_smem, b_smem, outs, gidx_a,
+                    *tma["mc"], *tma["mc_row"], tma["epi"], a_smem, b_smem, outs, gidx_a,
                     gidx_b, offsets, rows_a, rows_b, num_experts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[cfg.cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream)
@@ -176,7 +177,7 @@ class GroupedGemmKernel(TmaProducers):
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
                tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_mc, tma_mc,
-               tma_atom_mc_row, tma_mc_row, tma_atom_epi, tma_epi,
+               tma_atom_mc_row, tma_mc_row, tma_epi: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, outs: tuple,
                gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
                rows_a: Int32, rows_b: Int32, num_experts: Int32):
@@ -204,7 +205,7 @@ class GroupedGemmKernel(TmaProducers):
                 cpasync.prefetch_descriptor(tma_atom_a_row)
                 cpasync.prefetch_descriptor(tma_atom_b_row)
             if cutlass.const_expr(self.epilogue.has_producer_loads):
-                self.epilogue.prefetch((tma_atom_epi, tma_epi))
+                self.epilogue.prefetch(tma_epi)
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
                     cute.arch.mbarrier_init(full + s, self.contract.full)
@@ -225,7 +226,7 @@ class GroupedGemmKernel(TmaProducers):
         self.run_roles(tidx, warp, first, step, total, tiled_mma, storage,
                        (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
                        (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_mc, tma_mc,
-                        tma_atom_mc_row, tma_mc_row), (tma_atom_epi, tma_epi), a_smem,
+                        tma_atom_mc_row, tma_mc_row), tma_epi, a_smem,
                        b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b,
                        rows_a, rows_b, m_off, table, num_experts, full, empty)
         # On a cluster no CTA may exit while the other can still arrive on its barriers.

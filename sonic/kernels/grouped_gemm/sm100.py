@@ -219,8 +219,8 @@ class Sm100GroupedGemm(GroupedGemmKernel):
                      empty, acc_bars)
         else:
             self.epilogue_warps(tidx, first, step, total, tiled_mma, acc, storage.sC.data_ptr(),
-                                outs, m_off, table, num_experts, stage_mem, full, empty,
-                                acc_bars)
+                                outs, tma_epi, m_off, table, num_experts, stage_mem, full,
+                                empty, acc_bars)
             cute.arch.barrier(barrier_id=BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
             if warp == 0:
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
@@ -275,9 +275,9 @@ class Sm100GroupedGemm(GroupedGemmKernel):
     @cute.jit
     def epilogue_warps(self, tidx: Int32, first: Int32, step: Int32, total: Int32,
                        tiled_mma: cute.TiledMma, acc: cute.Tensor, s_c: cute.Pointer,
-                       outs: tuple, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                       stage_mem: tuple, full: cute.Pointer, empty: cute.Pointer,
-                       acc_bars: tuple):
+                       outs: tuple, tma_epi: tuple, m_off: cute.Tensor, table: cute.Tensor,
+                       num_experts: Int32, stage_mem: tuple, full: cute.Pointer,
+                       empty: cute.Pointer, acc_bars: tuple):
         """Per tile: wait for its accumulator, run the epilogue on a :class:`TmemAccumulator`
         (the ring position follows the producers' when the epilogue reads ring stages), then
         hand the accumulator back to the MMA warp."""
@@ -314,8 +314,8 @@ class Sm100GroupedGemm(GroupedGemmKernel):
             # wg 0, first row 0; the thread index stands for the lane so that one thread
             # releases an H stage (the empty barriers expect one arrival).
             stage, phase = self.epilogue.visit(
-                view, s_c, tidx, Int32(0), Int32(0), tidx, outs, e, row0, rows, nt, mt,
-                stage_mem, stage, phase, full, empty)
+                view, s_c, tidx, Int32(0), Int32(0), tidx, outs, tma_epi, e, row0, rows, nt,
+                mt, stage_mem, stage, phase, full, empty)
             # Every TMEM load of the tile was waited for inside the view.
             if lane == 0:
                 cute.arch.mbarrier_arrive(acc_empty + acc_stage)

@@ -148,13 +148,14 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
-                         storage.sC.data_ptr(), outs, m_off, table, num_experts, full, empty,
-                         stage_mem, gidx_a, rows_a)
+                         storage.sC.data_ptr(), outs, tma_epi, m_off, table, num_experts,
+                         full, empty, stage_mem, gidx_a, rows_a)
 
     @cute.jit
     def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                 tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
-                s_c: cute.Pointer, outs: tuple, m_off: cute.Tensor, table: cute.Tensor,
+                s_c: cute.Pointer, outs: tuple, tma_epi: tuple, m_off: cute.Tensor,
+                table: cute.Tensor,
                 num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple,
                 gidx_a: cute.Pointer, rows_a: Int32):
         """WGMMA over the k-tiles of each tile, then the epilogue. ``gidx_a``, ``rows_a``
@@ -227,6 +228,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                         stage, phase, self.scheduler.tile_k_tiles(t + stride, m_off,
                                                                   num_experts))
             stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e,
-                row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
+                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
+                tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
+        self.epilogue.finish(lane)

@@ -89,9 +89,9 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     @cute.jit
     def consume(self, ctid: Int32, first: Int32, step: Int32, total: Int32,
                 tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, s_c: cute.Pointer,
-                outs: tuple, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple, gidx: cute.Pointer,
-                rows_a: Int32):
+                outs: tuple, tma_epi: tuple, m_off: cute.Tensor, table: cute.Tensor,
+                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple,
+                gidx: cute.Pointer, rows_a: Int32):
         """Per tile: for each k-tile and 128-column sub-tile, WGMMA into a partial accumulator,
         promote it with the k-block's scales (overlapped with the next k-tile's WGMMAs where
         :attr:`~.config.GroupedGemmConfig.overlapped_promotion`); then the epilogue on the
@@ -218,9 +218,10 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                                     b_cols if cfg.varlen_k else None)
                     stage, phase = self.ring.next_stage(stage, phase)
             stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs, e, row0,
-                rows, nt, mt, stage_mem, stage, phase, full, empty)
+                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
+                tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
+        self.epilogue.finish(lane)
         if cutlass.const_expr(in_turn):
             # Warpgroup 1's arrival after its last WGMMAs.
             if wg == 0:

@@ -21,6 +21,13 @@ BARRIER = 3
 WARP_ROWS = 16
 
 
+def swizzled(r, c):
+    """Element offset of bf16 column ``c`` of row ``r`` in shared memory of 128-byte rows
+    swizzled as TMA's 128-byte mode does (16-byte chunk ``c // 8`` at ``c // 8 ^ r mod 8``;
+    bases 1024-byte aligned): a thread quad's column pairs over 8 rows hit distinct banks."""
+    return r * SLAB + ((c // 8) ^ (r % 8)) * 8 + c % 8
+
+
 class Epilogue:
     """Hooks with their defaults; subclasses implement :meth:`visit`.
 
@@ -43,17 +50,22 @@ class Epilogue:
         """bf16 elements of shared memory the epilogue stages its stores in."""
         return self.cfg.staging_elems
 
-    def make_tma(self, h, rows, a_smem) -> tuple:
-        """Host side: ``(atom, tensor)`` of the epilogue's own TMA loads, or ``(None, None)``."""
-        return (None, None)
+    def make_tma(self, h, c, act, rows, a_smem) -> tuple:
+        """Host side: the ``(atom, tensor)`` pairs of the epilogue's own TMA copies, or one
+        ``(None, None)`` (``h``, ``c``, ``act``: H, C and act; ``rows``: their rows;
+        ``a_smem``: A's staged layout, whose 128-byte swizzle the copies share)."""
+        return ((None, None),)
 
     def prefetch(self, tma: tuple):
-        """Prefetch the descriptor of the epilogue's TMA loads (producer warp 0)."""
+        """Prefetch the descriptors of the epilogue's TMA copies (warp 0)."""
+
+    def finish(self, lane: Int32):
+        """Each consumer warp after its last tile (sm_90)."""
 
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
-              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
-              empty: cute.Pointer):
+              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
+              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
+              full: cute.Pointer, empty: cute.Pointer):
         """The one hook: store this warpgroup's part of a finished tile.
 
         Args:
@@ -67,6 +79,7 @@ class Epilogue:
                 one arrival per stage).
             outs: the global pointers ``(c, act, scores, ds)`` (FP8 configurations: then
                 A's and B's block scales, read by the mainloop).
+            epi_tma: :meth:`make_tma`'s pairs as kernel parameters.
             e, row0, rows, nt, mt: the scheduler's tile coordinates.
             stage_mem, stage, phase, full, empty: the operand ring.
 
@@ -112,7 +125,7 @@ class Epilogue:
     @cute.jit
     def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
               dst: cute.Pointer, base: Int64, pitch: int, col0: int, col_limit: Int32,
-              rows: Int32, private: bool = False):
+              rows: Int32, private: bool = False, swizzled_rows: bool = False):
         """Staged ``staged_rows x width`` block → ``dst[base + m·pitch + col0 + col]`` as
         16-byte row chunks, masked to tile rows ``< rows`` and to ``col0 + col < col_limit``
         (widths are multiples of 8, so a chunk is entirely inside or outside).
@@ -121,7 +134,8 @@ class Epilogue:
         the staged rows it wrote itself, its ``WARP_ROWS`` of every 64-row block, so it
         synchronises with itself only (:meth:`sync`) and the warpgroup's four warps run
         their compute and store phases out of step; else the warpgroup's 128 threads store
-        the whole block."""
+        the whole block. ``swizzled_rows``: the block's rows are dense 128-byte lines
+        swizzled like the operand stages (:func:`swizzled`) instead of padded."""
         chunk = cute.make_rmem_tensor((VEC,), BF16)
         chunks_per_row = width // VEC
         # (first staged row, rows) of each group of rows this thread's threads store.
@@ -138,9 +152,11 @@ class Epilogue:
                 col = (index % chunks_per_row) * VEC
                 m = wg_row0 + r
                 if m < rows and col0 + col < col_limit:
+                    offset = r * (SLAB + PAD) + col
+                    if cutlass.const_expr(swizzled_rows):
+                        offset = swizzled(r, col)
                     cute.autovec_copy(cute.make_tensor(
-                        stage_c + cute.assume(r * (SLAB + PAD) + col, divby=VEC),
-                        cute.make_layout(VEC)), chunk)
+                        stage_c + cute.assume(offset, divby=VEC), cute.make_layout(VEC)), chunk)
                     cute.autovec_copy(chunk, cute.make_tensor(
                         dst + cute.assume(base + (Int64(m) * pitch + col0 + col), divby=VEC),
                         cute.make_layout(VEC)))
@@ -151,9 +167,9 @@ class StoreEpilogue(Epilogue):
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
-              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
-              empty: cute.Pointer):
+              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
+              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
+              full: cute.Pointer, empty: cute.Pointer):
         """bf16 store of this warpgroup's rows of the tile, masked to the expert's rows
         (varlen-M) or to M (varlen-K), and to N.
 

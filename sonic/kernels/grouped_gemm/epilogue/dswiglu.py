@@ -10,8 +10,15 @@ this epilogue's :meth:`DswigluEpilogue.producer_loads`, which queues one stage p
 columns (the gate slab where A goes, the up slab at the start of B's space), so the loads
 overlap the tile's last k-tiles and the epilogue reads H pairs from shared memory (4-byte loads,
 swizzle-aware). Measured faster than the dA' GEMM followed by the standalone epilogue kernel
-(benchmarks/RESULTS.md). The epilogue is not hidden behind a mainloop (on the H200 it adds
-18–36% to the dA' GEMM's time): ping-pong, each warpgroup on its own ``128 x 128`` tile, was
+(benchmarks/RESULTS.md).
+
+bf16 on sm_90 each warp makes one pass per slab over its own rows, writing dH over the slab's
+H in the ring stage and A' beside it, and its first lane TMA-stores the three boxes; the
+global writes drain while the next slab and the next tile's mainloop run (7% faster at the 7B
+shape, level to 5% faster at OLMoE / 30B, H200). The FP8 mainloop and sm_100 stage the three
+outputs in turn and store them with their threads. The epilogue is still not overlapped with
+MMAs (on the H200 it adds 18–36% to the dA' GEMM's time): ping-pong, each warpgroup on its own
+``128 x 128`` tile, was
 built and measured with one CTA and with 2-CTA clusters, bitwise the same results but
 2.0–2.7× slower (half the FLOP per gathered row copy, and the epilogue spills at twice the
 rows per warpgroup; benchmarks/RESULTS.md).
@@ -24,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels import activation
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M
-from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
+from sonic.kernels.grouped_gemm.epilogue.base import WARP_ROWS, Epilogue, swizzled
 
 # Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
 H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
@@ -40,19 +47,45 @@ class DswigluEpilogue(Epilogue):
         """Ring stages :meth:`producer_loads` queues per tile: one per SLAB of columns."""
         return self.cfg.tile_n // SLAB
 
-    def make_tma(self, h, rows, a_smem) -> tuple:
-        """H ``(P, 2n)`` (``P`` = ``rows``): ``TILE_M x SLAB`` boxes, 128-byte swizzled like A
-        (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8 rows hit
-        distinct banks."""
-        m_h = cute.make_tensor(h, cute.make_layout((rows, 2 * self.cfg.dim_n),
-                                                   stride=(2 * self.cfg.dim_n, 1)))
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_h, cute.make_composed_layout(
-                a_smem.inner, 0, cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1))),
-            (TILE_M, SLAB))
+    @property
+    def tma_store(self) -> bool:
+        """bf16 sm_90: one pass per slab writes dH and A' in shared memory (dH over the slab's
+        H in its ring stage) and TMA stores them. The FP8 mainloop (it spills with this
+        epilogue and measured slower) and sm_100 (one thread per row, one release per stage)
+        stage and store them with their threads."""
+        return self.cfg.arch == "sm_90a" and not self.cfg.fp8
+
+    def make_tma(self, h, c, act, rows, a_smem) -> tuple:
+        """H ``(P, 2n)`` (``P`` = ``rows``): loads of ``TILE_M x SLAB`` boxes, 128-byte
+        swizzled like A (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8
+        rows hit distinct banks. With :attr:`tma_store` also the stores of ``WARP_ROWS x SLAB``
+        boxes, swizzled the same way, into dH's gate half, dH's up half (``(P, n)`` views of
+        pitch 2n, so TMA clips a box at column n) and A' ``(P, n)`` (``c``: dH, ``act``: A')."""
+        n = self.cfg.dim_n
+
+        def tma(op, ptr, width, pitch, box):
+            tensor = cute.make_tensor(ptr, cute.make_layout((rows, width), stride=(pitch, 1)))
+            return cpasync.make_tiled_tma_atom(op, tensor, cute.make_composed_layout(
+                a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box)
+
+        load = tma(cpasync.CopyBulkTensorTileG2SOp(), h, 2 * n, 2 * n, (TILE_M, SLAB))
+        if not self.tma_store:
+            return (load,)
+        box = (WARP_ROWS, SLAB)
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        return (load, tma(store, c, n, 2 * n, box), tma(store, c + n, n, 2 * n, box),
+                tma(store, act, n, n, box))
 
     def prefetch(self, tma: tuple):
-        cpasync.prefetch_descriptor(tma[0])
+        for atom, _ in tma:
+            cpasync.prefetch_descriptor(atom)
+
+    @cute.jit
+    def finish(self, lane: Int32):
+        """sm_90: each consumer warp's TMA stores complete before the kernel ends."""
+        if cutlass.const_expr(self.tma_store):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def h_slabs(self, stage_mem: tuple, stage: Int32):
@@ -78,7 +111,7 @@ class DswigluEpilogue(Epilogue):
         ``nt·tile_n + sl·SLAB ..`` and the matching up columns ``n + ..``). Rows past P and
         columns past 2n arrive as zeros; the rest beyond the tile's expert or n only reach
         masked outputs. Returns the producer's ring position after them."""
-        atom, tensor = tma_h
+        atom, tensor = tma_h[0]
         for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
             cute.arch.mbarrier_wait(empty + stage, phase)
             if warp == 0:
@@ -100,16 +133,16 @@ class DswigluEpilogue(Epilogue):
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
-              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
-              empty: cute.Pointer):
+              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
+              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
+              full: cute.Pointer, empty: cute.Pointer):
         """Per SLAB of columns, this thread's gate and up values of H are read from the slab's
-        ring stage (which is then released to the producer), and dH's gate half, dH's up half
-        and A' are staged and stored in turn from fp32 dA', g, u and s; the ds partial of each
-        of the thread's rows is reduced over the quad of threads holding the row and stored
-        once per tile. Returns the ring position after the tile's H stages."""
-        dh, a_scaled, scores, ds = outs[:4]
-        n = self.cfg.dim_n
+        ring stage (which is then released to the producer) and dH's gate half, dH's up half
+        and A' are computed from fp32 dA', g, u and s and stored (:meth:`store_slabs` or
+        :meth:`stage_slabs`); the ds partial of each of the thread's rows is reduced over the
+        quad of threads holding the row and stored once per tile. Returns the ring position
+        after the tile's H stages."""
+        scores, ds = outs[2], outs[3]
         row_count = acc.rows_per_thread
         # Score of each of this thread's rows, zero past the expert.
         s_row = cute.make_rmem_tensor((row_count,), F32)
@@ -120,6 +153,165 @@ class DswigluEpilogue(Epilogue):
             s_row[i] = 0.0
             if m < rows:
                 s_row[i] = cute.make_tensor(scores + row0, cute.make_layout(TILE_M))[m]
+        if cutlass.const_expr(self.tma_store):
+            stage, phase = self.store_slabs(acc, stage_c, wg_tid, wg_row0, lane, outs, epi_tma,
+                                            row0, rows, nt, stage_mem, stage, phase, full,
+                                            empty, s_row, partial)
+        else:
+            stage, phase = self.stage_slabs(acc, stage_c, wg_tid, wg, wg_row0, lane, outs,
+                                            row0, rows, nt, stage_mem, stage, phase, full,
+                                            empty, s_row, partial)
+        n_tiles = self.cfg.n_tiles
+        for i in cutlass.range_constexpr(row_count):
+            total = acc.reduce_row(partial[i])
+            m = acc.row_coord(i)
+            if acc.writes_row_total(lane):
+                if m < rows:
+                    cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
+                                     cute.make_layout(1))[0] = total
+        return stage, phase
+
+    @cute.jit
+    def store_slabs(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32,
+                    lane: Int32, outs: tuple, epi_tma: tuple, row0: Int32, rows: Int32,
+                    nt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
+                    full: cute.Pointer, empty: cute.Pointer, s_row: cute.Tensor,
+                    partial: cute.Tensor):
+        """sm_90, warp by warp (each warp holds ``WARP_ROWS`` whole rows of the tile): one
+        pass per slab writes d_gate over g and d_up over u in the slab's ring stage and A' into
+        the warpgroup's staging block, all swizzled like the stage; then the warp's first lane
+        stores its three ``WARP_ROWS x SLAB`` boxes by TMA and waits only until TMA has read
+        them, so the ring stage and the staging block can be reused while the global writes
+        drain behind the next slab and the next tile's mainloop. A warp whose rows reach past
+        the expert's end (they belong to the next expert's tiles) stores its valid rows with
+        its threads instead."""
+        assert acc.warp_private, "TMA-stored dSwiGLU slabs need warp-private accumulator rows"
+        dh, a_scaled = outs[0], outs[1]
+        n = self.cfg.dim_n
+        cols = n - nt * self.cfg.tile_n
+        warp = cute.arch.make_warp_uniform(wg_tid // 32)
+        warp_row0 = wg_row0 + warp * WARP_ROWS
+        whole = warp_row0 + WARP_ROWS <= rows
+        # Rows the threads store: none when TMA stores the warp's whole rows.
+        thread_rows = rows
+        if whole:
+            thread_rows = warp_row0
+        # 256-wide tiles: A' fits in the stage beside up (B's k-tile is 256 rows), so a
+        # stage is released one slab later, once TMA has read it, and the next slab is
+        # computed meanwhile; else A' shares the staging block and each slab waits.
+        deferred = self.cfg.tile_n >= 2 * TILE_M
+        prev = stage
+        for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
+            cute.arch.mbarrier_wait(full + stage, phase)
+            gate, up = self.h_slabs(stage_mem, stage)
+            # A' block and the tile row of its first row.
+            act_block, act_row0 = stage_c, wg_row0
+            if cutlass.const_expr(deferred):
+                act_block, act_row0 = up + TILE_M * SLAB, Int32(0)
+            col0 = nt * self.cfg.tile_n + sl * SLAB
+            self.dswiglu_slab_in_place(acc, gate, up, act_block, act_row0, sl, cols, s_row,
+                                       partial)
+            # The threads' shared-memory writes, then the TMA unit's reads.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            if whole:
+                with cute.arch.elect_one():
+                    row = row0 + warp_row0
+                    self.store_box(epi_tma[1], stage_mem[2], gate + warp_row0 * SLAB, row, col0)
+                    self.store_box(epi_tma[2], stage_mem[2], up + warp_row0 * SLAB, row, col0)
+                    self.store_box(epi_tma[3], stage_mem[2],
+                                   act_block + (warp_row0 - act_row0) * SLAB, row, col0)
+                    cute.arch.cp_async_bulk_commit_group()
+                    # Deferred: the previous slab's boxes have been read; else this one's.
+                    if cutlass.const_expr(not deferred):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    elif cutlass.const_expr(sl > 0):
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+            # Not under a branch: a divergent region here makes ptxas serialize the WGMMAs.
+            self.flush(gate + wg_row0 * SLAB, wg_tid, wg_row0, SLAB, dh,
+                       Int64(row0) * (2 * n), 2 * n, col0, n, thread_rows, True, True)
+            self.flush(up + wg_row0 * SLAB, wg_tid, wg_row0, SLAB, dh,
+                       Int64(row0) * (2 * n), 2 * n, col0 + n, 2 * n, thread_rows, True, True)
+            self.flush(act_block + (wg_row0 - act_row0) * SLAB, wg_tid, wg_row0, SLAB,
+                       a_scaled, Int64(row0) * n, n, col0, n, thread_rows, True, True)
+            # The warp's rows of the released stage have been read (by TMA and the threads).
+            cute.arch.sync_warp()
+            if cutlass.const_expr(not deferred):
+                self.ring.release(empty + stage, lane)
+            elif cutlass.const_expr(sl > 0):
+                self.ring.release(empty + prev, lane)
+            prev = stage
+            stage, phase = self.ring.next_stage(stage, phase)
+        if cutlass.const_expr(deferred):
+            if whole:
+                with cute.arch.elect_one():
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            self.ring.release(empty + prev, lane)
+        return stage, phase
+
+    @cute.jit
+    def store_box(self, tma: tuple, swizzle, src: cute.Pointer, row: Int32, col: Int32):
+        """TMA store of the swizzled ``WARP_ROWS x SLAB`` box at ``src`` to rows ``row ..``,
+        columns ``col ..`` of ``tma``'s tensor (one lane)."""
+        atom, tensor = tma
+        box = (WARP_ROWS, SLAB)
+        s_box = cute.make_tensor(cute.recast_ptr(src, swizzle),
+                                 cute.make_layout(box, stride=(SLAB, 1)))
+        g_box = cute.local_tile(cute.domain_offset((row, col), tensor), box, (0, 0))
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                         cute.group_modes(s_box, 0, 2),
+                                         cute.group_modes(g_box, 0, 2))
+        cute.copy(atom, t_s, t_g)
+
+    @cute.jit
+    def dswiglu_slab_in_place(self, acc, gate: cute.Pointer, up: cute.Pointer,
+                              act_block: cute.Pointer, act_row0: Int32, sl: int, cols: Int32,
+                              s_row: cute.Tensor, partial: cute.Tensor):
+        """One pass over this thread's column pairs of slab ``sl``: g and u are read from the
+        slab's ring stage and replaced there by d_gate and d_up; A' goes to ``act_block``
+        (row ``m - act_row0``) at the same swizzled position; ``dA'·A`` is added to the row
+        partials. The formulas and their order are :meth:`stage_dswiglu_slab`'s,
+        so the outputs are bitwise the same."""
+        g_pair = cute.make_rmem_tensor((2,), BF16)
+        u_pair = cute.make_rmem_tensor((2,), BF16)
+        d_gate = cute.make_rmem_tensor((2,), F32)
+        d_up = cute.make_rmem_tensor((2,), F32)
+        a_out = cute.make_rmem_tensor((2,), F32)
+        for p in acc.pairs(sl):
+            s = s_row[p.row]
+            m, col = acc.coord(p)
+            c = col - sl * SLAB
+            self.h_pair(gate, m, c, col < cols, g_pair)
+            self.h_pair(up, m, c, col < cols, u_pair)
+            for v0 in cutlass.range_constexpr(2):
+                dap = acc.value(p, v0)
+                g = g_pair[v0].to(F32)
+                u = u_pair[v0].to(F32)
+                sig = activation.sigmoid(g)
+                silu = activation.silu(g, sig)
+                d_gate[v0] = activation.dswiglu_gate(s * dap, g, u, sig)
+                d_up[v0] = (s * dap) * silu
+                act = silu * u
+                partial[p.row] = partial[p.row] + dap * act
+                a_out[v0] = act * s
+            for dst, row, values in ((gate, m, d_gate), (up, m, d_up),
+                                     (act_block, m - act_row0, a_out)):
+                g_pair.store(values.load().to(BF16))
+                cute.autovec_copy(g_pair, cute.make_tensor(
+                    dst + cute.assume(swizzled(row, c), divby=2), cute.make_layout(2)))
+
+    @cute.jit
+    def stage_slabs(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32,
+                    wg_row0: Int32, lane: Int32, outs: tuple, row0: Int32, rows: Int32,
+                    nt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
+                    full: cute.Pointer, empty: cute.Pointer, s_row: cute.Tensor,
+                    partial: cute.Tensor):
+        """sm_100: per slab, dH's gate half, dH's up half and A' staged (padded) and stored by
+        the threads in turn (:meth:`stage_dswiglu_slab`), the slab's ring stage released
+        after the last."""
+        dh, a_scaled = outs[0], outs[1]
+        n = self.cfg.dim_n
         silu = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
         private = acc.warp_private
         cols = n - nt * self.cfg.tile_n
@@ -142,14 +334,6 @@ class DswigluEpilogue(Epilogue):
                     self.flush(stage_c, wg_tid, wg_row0, SLAB, dh, Int64(row0) * (2 * n),
                                2 * n, col0 + part * n, (part + 1) * n, rows, private)
                 self.sync(wg, private)
-        n_tiles = self.cfg.n_tiles
-        for i in cutlass.range_constexpr(row_count):
-            total = acc.reduce_row(partial[i])
-            m = acc.row_coord(i)
-            if acc.writes_row_total(lane):
-                if m < rows:
-                    cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
-                                     cute.make_layout(1))[0] = total
         return stage, phase
 
     @cute.jit
@@ -160,8 +344,7 @@ class DswigluEpilogue(Epilogue):
         (chunk ``c`` at ``c ^ (m mod 8)``; stage bases are 1024-byte aligned)."""
         pair.fill(0.0)
         if inside:
-            offset = m * SLAB + ((col // 8) ^ (m % 8)) * 8 + col % 8
-            cute.autovec_copy(cute.make_tensor(slab + cute.assume(offset, divby=2),
+            cute.autovec_copy(cute.make_tensor(slab + cute.assume(swizzled(m, col), divby=2),
                                                cute.make_layout(2)), pair)
 
     @cute.jit

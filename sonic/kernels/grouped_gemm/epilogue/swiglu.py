@@ -21,9 +21,9 @@ class SwigluEpilogue(Epilogue):
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, e: Int32, row0: Int32, rows: Int32, nt: Int32,
-              mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32, full: cute.Pointer,
-              empty: cute.Pointer):
+              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
+              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
+              full: cute.Pointer, empty: cute.Pointer):
         """Store H, then A, slab by slab through the staging buffer.
 
         A is computed from the bf16-rounded H values with the standalone SwiGLU kernel's
