@@ -8,12 +8,62 @@ The compile check sets ``CUTE_DSL_ARCH`` itself, compiles every variant of that 
 (the CUDA-core kernels for both, each architecture's grouped-GEMM mainloop for its own) with
 placeholder arguments, prints kernel, variant, compile seconds and the count of each PTX marker, and exits
 non-zero if a variant fails to compile or lacks a marker.
+
+Where a ``ptxas`` is found (``SONIC_PTXAS``, ``PATH``, or the one Triton bundles) the sm_90a
+WGMMA kernels are also assembled, and a variant fails if ptxas serializes its WGMMAs (its
+``C7520`` advisory): the kernel then still runs correctly, but its mainloop at about half speed
+(the fifteenth session's dSwiGLU epilogue, benchmarks/RESULTS.md). Without a ptxas the check
+says so above its summary line.
 """
 
 import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+
+# ptxas's advisory that it serialized a kernel's wgmma.mma_async instructions.
+WGMMA_SERIALIZED = "C7520"
+
+
+def find_ptxas() -> str | None:
+    """The ptxas to assemble with: ``SONIC_PTXAS``, ``ptxas`` on ``PATH``, else Triton's."""
+    found = os.environ.get("SONIC_PTXAS") or shutil.which("ptxas")
+    if found:
+        return found
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin:
+        bundled = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "ptxas")
+        if os.access(bundled, os.X_OK):
+            return bundled
+    return None
+
+
+def wgmma_serialized(ptxas: str, ptx: str, arch: str) -> bool | str:
+    """Assemble ``ptx`` for ``arch``: whether ptxas serialized its WGMMAs, or why it could not
+    assemble. A ptxas older than the DSL's PTX ISA is retried at the version it names (the
+    kernels use nothing newer)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        for _ in range(2):
+            with open(path, "w") as f:
+                f.write(ptx)
+            run = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull],
+                                 capture_output=True, text=True, timeout=600)
+            out = run.stdout + run.stderr
+            if run.returncode == 0:
+                return WGMMA_SERIALIZED in out
+            older = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", out)
+            if older is None:
+                break
+            ptx = re.sub(r"^\.version \S+", f".version {older.group(1)}", ptx, count=1,
+                         flags=re.M)
+    return out.strip().splitlines()[0] if out.strip() else f"ptxas exit {run.returncode}"
 
 
 def compile_check(arch: str, out=sys.stdout) -> int:
@@ -27,6 +77,8 @@ def compile_check(arch: str, out=sys.stdout) -> int:
     if arch not in registry.ARCHS:
         raise ValueError(f"arch must be one of {registry.ARCHS}, got {arch!r}")
     runtime.set_compile_arch(arch)
+    ptxas = find_ptxas()
+    assembled = serialized_count = 0
     failures = 0
     rows = []
     for v in registry.variants(arch):
@@ -41,13 +93,28 @@ def compile_check(arch: str, out=sys.stdout) -> int:
         seconds = time.perf_counter() - start
         counts = v.marker_counts(ptx)
         missing = [m for m, c in counts.items() if c == 0]
-        failures += bool(missing)
         status = "ok" if not missing else "MISSING " + ", ".join(missing)
+        if ptxas and arch == "sm_90a" and "wgmma.mma_async" in ptx:
+            serialized = wgmma_serialized(ptxas, ptx, arch)
+            if serialized is True:
+                missing.append(WGMMA_SERIALIZED)
+                serialized_count += 1
+                status = f"WGMMA SERIALIZED (ptxas {WGMMA_SERIALIZED})"
+            elif serialized is False:
+                assembled += 1
+            else:
+                status = f"ptxas could not assemble: {serialized}  " + status
+        failures += bool(missing)
         rows.append((v.kernel, v.variant, seconds,
                      " ".join(f"{m}={c}" for m, c in counts.items()) + "  " + status))
     print(f"{'kernel':<18} {'variant':<46} {'compile s':>9}  PTX markers", file=out)
     for kernel, variant, seconds, detail in rows:
         print(f"{kernel:<18} {variant:<46} {seconds:>9.2f}  {detail}", file=out)
+    if arch == "sm_90a":
+        print(f"ptxas {ptxas}: {assembled} WGMMA kernel(s) assembled unserialized, "
+              f"{serialized_count} serialized" if ptxas
+              else "no ptxas found (SONIC_PTXAS, PATH, Triton): WGMMA serialization not checked",
+              file=out)
     print(f"{len(rows)} variant(s), {failures} failure(s), arch {arch}", file=out)
     return failures
 
