@@ -6,8 +6,8 @@
 
 The compile check sets ``CUTE_DSL_ARCH`` itself, compiles every variant of that architecture
 (the CUDA-core kernels for both, each architecture's grouped-GEMM mainloop for its own) with
-placeholder arguments, prints kernel, variant, compile seconds and the count of each PTX marker, and exits
-non-zero if a variant fails to compile or lacks a marker.
+placeholder arguments, prints kernel, variant, compile seconds and the count of each PTX
+marker, and exits non-zero if a variant fails to compile or lacks a marker.
 
 Where a ``ptxas`` is found (``SONIC_PTXAS``, ``PATH``, or the one Triton bundles) the sm_90a
 WGMMA kernels are also assembled, and a variant fails if ptxas serializes its WGMMAs (its

@@ -308,9 +308,9 @@ class DswigluEpilogue(Epilogue):
                     nt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
                     full: cute.Pointer, empty: cute.Pointer, s_row: cute.Tensor,
                     partial: cute.Tensor):
-        """sm_100: per slab, dH's gate half, dH's up half and A' staged (padded) and stored by
-        the threads in turn (:meth:`stage_dswiglu_slab`), the slab's ring stage released
-        after the last."""
+        """FP8 and sm_100: per slab, dH's gate half, dH's up half and A' staged (padded) and
+        stored by the threads in turn (:meth:`stage_dswiglu_slab`), the slab's ring stage
+        released after the last."""
         dh, a_scaled = outs[0], outs[1]
         n = self.cfg.dim_n
         silu = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
