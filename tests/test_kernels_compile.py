@@ -73,3 +73,31 @@ def test_entry_points_reject_bad_input():
         aggregate(y.half(), rows, rows)
     with pytest.raises(ValueError, match="y must be on a CUDA device"):
         aggregate(y, rows, rows)
+
+
+def _fake_ptxas(tmp_path, script):
+    path = tmp_path / "ptxas"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_wgmma_serialized_reads_ptxas_advisory(tmp_path, monkeypatch):
+    from sonic.kernels.__main__ import find_ptxas, wgmma_serialized
+
+    ptx = ".version 9.4\n.target sm_90a\n"
+    # A ptxas older than the PTX: retried at the version it names, then its advisory read.
+    older = _fake_ptxas(tmp_path, """
+if grep -q '^.version 9.4' "$3"; then
+  echo "ptxas $3, line 1; fatal   : Unsupported .version 9.4; current version is '9.0'" >&2
+  exit 255
+fi
+echo "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized" >&2
+""")
+    assert wgmma_serialized(older, ptx, "sm_90a") is True
+    clean = _fake_ptxas(tmp_path, "echo 'ptxas info    : Used 168 registers' >&2\n")
+    assert wgmma_serialized(clean, ptx, "sm_90a") is False
+    broken = _fake_ptxas(tmp_path, "echo 'ptxas fatal   : Unknown option' >&2; exit 1\n")
+    assert wgmma_serialized(broken, ptx, "sm_90a") == "ptxas fatal   : Unknown option"
+    monkeypatch.setenv("SONIC_PTXAS", broken)
+    assert find_ptxas() == broken
