@@ -22,7 +22,9 @@ Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contr
   on the stage's barrier in every CTA of the cluster when done reading it (on a cluster both
   CTAs' producers write into the stage of both).
 * Named barriers: 1 + wg / 2 - wg hand the tensor cores between ping-pong warpgroups
-  (256 threads); 3 + wg orders a warpgroup's epilogue staging (128 threads).
+  (256 threads); 3 + wg orders a warpgroup's epilogue staging (128 threads) where its warps
+  share staged rows (transposed varlen-K blocks, sm_100); otherwise each warp stages its own
+  rows and synchronises with itself.
 * Cluster sync after barrier init and tile-table build, and before exit (no CTA leaves while
   its peer can still arrive on its barriers).
 

@@ -155,9 +155,8 @@ class Sm90GroupedGemm(GroupedGemmKernel):
     def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
                 tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
                 s_c: cute.Pointer, outs: tuple, tma_epi: tuple, m_off: cute.Tensor,
-                table: cute.Tensor,
-                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple,
-                gidx_a: cute.Pointer, rows_a: Int32):
+                table: cute.Tensor, num_experts: Int32, full: cute.Pointer,
+                empty: cute.Pointer, stage_mem: tuple, gidx_a: cute.Pointer, rows_a: Int32):
         """WGMMA over the k-tiles of each tile, then the epilogue. ``gidx_a``, ``rows_a``
         (A's row sources) serve subclasses whose mainloop reads per-row data (the FP8
         mainloop's A scales); this one loads rows through the producers only.
