@@ -342,11 +342,13 @@ class DswigluEpilogue(Epilogue):
         """The H values at row ``m``, columns ``col, col + 1`` (``col`` even) of a slab in
         a ring stage, one 4-byte load, or zeros when not ``inside``. The slab's rows are
         128-byte lines whose 16-byte chunks TMA's 128-byte swizzle permutes by the row
-        (chunk ``c`` at ``c ^ (m mod 8)``; stage bases are 1024-byte aligned)."""
-        pair.fill(0.0)
-        if inside:
-            cute.autovec_copy(cute.make_tensor(slab + cute.assume(swizzled(m, col), divby=2),
-                                               cute.make_layout(2)), pair)
+        (chunk ``c`` at ``c ^ (m mod 8)``; stage bases are 1024-byte aligned). The load is
+        not under the branch (the address is inside the stage either way), so the compiler
+        can issue a slab's loads together instead of one branch at a time."""
+        cute.autovec_copy(cute.make_tensor(slab + cute.assume(swizzled(m, col), divby=2),
+                                           cute.make_layout(2)), pair)
+        if not inside:
+            pair.fill(0.0)
 
     @cute.jit
     def stage_dswiglu_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
