@@ -15,8 +15,8 @@ swizzle-aware). Measured faster than the dA' GEMM followed by the standalone epi
 bf16 on sm_90 each warp makes one pass per slab over its own rows, writing dH over the slab's
 H in the ring stage and A' beside it, and its first lane TMA-stores the three boxes; the
 global writes drain while the next slab and the next tile's mainloop run (H200, same-run A/B:
-7% faster at the 7B shape; at OLMoE / 30B from 5% faster to 8% slower by round, level on
-average; the layer step level or faster). The FP8 mainloop and sm_100 stage the three
+7% faster at the 7B shape, 4–5% at OLMoE, 1–2% at 30B, leaving out rounds the benchmark's
+order slowed; the layer step level or faster). The FP8 mainloop and sm_100 stage the three
 outputs in turn and store them with their threads. The epilogue is still not overlapped with
 MMAs (on the H200 it adds 18–36% to the dA' GEMM's time): ping-pong, each warpgroup on its own
 ``128 x 128`` tile, was
