@@ -83,9 +83,10 @@ class DswigluEpilogue(Epilogue):
 
     @cute.jit
     def finish(self, lane: Int32):
-        """sm_90: each consumer warp's TMA stores complete before the kernel ends."""
+        """bf16 sm_90: each consumer warp's TMA stores complete before the kernel ends (waited
+        for by the elected lane that issued them: election is deterministic for a full warp)."""
         if cutlass.const_expr(self.tma_store):
-            if lane == 0:
+            with cute.arch.elect_one():
                 cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
