@@ -3,9 +3,11 @@
 Each epilogue receives the accumulator through one hook, :meth:`Epilogue.visit`, as an
 architecture-neutral view of fp32 sub-tiles of ``SLAB`` columns (on sm_90 read from WGMMA
 registers, :class:`sonic.kernels.grouped_gemm.sm90.WgmmaAccumulator`), and declares what else it
-needs: its shared-memory staging buffer, extra TMA loads queued by the producer into the
-operand ring (dSwiGLU's H), and constraints on the B load (SwiGLU "concat" halves, see
-:attr:`sonic.kernels.grouped_gemm.config.GroupedGemmConfig.b_halves`).
+needs: its shared-memory staging buffer, its own TMA copies (:meth:`Epilogue.make_tma`:
+dSwiGLU's H loads, queued by the producer into the operand ring, and on bf16 sm_90 its dH and A'
+stores), and constraints on the B load (SwiGLU "concat" halves, see
+:attr:`sonic.kernels.grouped_gemm.config.GroupedGemmConfig.b_halves`). On sm_90 a warp holds
+whole accumulator rows, so the epilogues stage and store warp by warp.
 
 * :mod:`.base` — the hook contract and the plain masked bf16 store (C, or ``C[e]ᵀ``).
 * :mod:`.swiglu` — up-proj: H and ``A = SwiGLU(H)``.
