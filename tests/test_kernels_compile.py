@@ -101,3 +101,6 @@ echo "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instru
     assert wgmma_serialized(broken, ptx, "sm_90a") == "ptxas fatal   : Unknown option"
     monkeypatch.setenv("SONIC_PTXAS", broken)
     assert find_ptxas() == broken
+    monkeypatch.setenv("SONIC_PTXAS", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="SONIC_PTXAS must name an executable ptxas"):
+        find_ptxas()

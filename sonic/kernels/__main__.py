@@ -32,8 +32,17 @@ WGMMA_SERIALIZED = "C7520"
 
 
 def find_ptxas() -> str | None:
-    """The ptxas to assemble with: ``SONIC_PTXAS``, ``ptxas`` on ``PATH``, else Triton's."""
-    found = os.environ.get("SONIC_PTXAS") or shutil.which("ptxas")
+    """The ptxas to assemble with: ``SONIC_PTXAS``, ``ptxas`` on ``PATH``, else Triton's.
+
+    Raises:
+        ValueError: ``SONIC_PTXAS`` is set but names no executable file.
+    """
+    chosen = os.environ.get("SONIC_PTXAS")
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise ValueError(f"SONIC_PTXAS must name an executable ptxas, got {chosen!r}")
+        return chosen
+    found = shutil.which("ptxas")
     if found:
         return found
     spec = importlib.util.find_spec("triton")
