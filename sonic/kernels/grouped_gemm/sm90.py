@@ -230,4 +230,4 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                 WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
                 tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
-        self.epilogue.finish(lane)
+        self.epilogue.finish()

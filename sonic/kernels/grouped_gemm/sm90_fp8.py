@@ -221,7 +221,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
                 tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
-        self.epilogue.finish(lane)
+        self.epilogue.finish()
         if cutlass.const_expr(in_turn):
             # Warpgroup 1's arrival after its last WGMMAs.
             if wg == 0:

@@ -59,7 +59,7 @@ class Epilogue:
     def prefetch(self, tma: tuple):
         """Prefetch the descriptors of the epilogue's TMA copies (warp 0)."""
 
-    def finish(self, lane: Int32):
+    def finish(self):
         """Each consumer warp after its last tile (sm_90)."""
 
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,

@@ -82,7 +82,7 @@ class DswigluEpilogue(Epilogue):
             cpasync.prefetch_descriptor(atom)
 
     @cute.jit
-    def finish(self, lane: Int32):
+    def finish(self):
         """bf16 sm_90: each consumer warp's TMA stores complete before the kernel ends (waited
         for by the elected lane that issued them: election is deterministic for a full warp)."""
         if cutlass.const_expr(self.tma_store):
