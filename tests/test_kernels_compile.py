@@ -95,6 +95,11 @@ fi
 echo "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized" >&2
 """)
     assert wgmma_serialized(older, ptx, "sm_90a") is True
+    # The other serializing advisory: an accumulator read while its WGMMAs are in flight.
+    reads_acc = _fake_ptxas(tmp_path, "echo 'ptxas info    : (C7514) Potential Performance Loss: "
+                                      "wgmma.mma_async instructions are serialized due to non "
+                                      "wgmma instructions reading accumulator registers' >&2\n")
+    assert wgmma_serialized(reads_acc, ptx, "sm_90a") is True
     clean = _fake_ptxas(tmp_path, "echo 'ptxas info    : Used 168 registers' >&2\n")
     assert wgmma_serialized(clean, ptx, "sm_90a") is False
     broken = _fake_ptxas(tmp_path, "echo 'ptxas fatal   : Unknown option' >&2; exit 1\n")

@@ -11,7 +11,7 @@ marker, and exits non-zero if a variant fails to compile or lacks a marker.
 
 Where a ``ptxas`` is found (``SONIC_PTXAS``, ``PATH``, or the one Triton bundles) the sm_90a
 WGMMA kernels are also assembled, and a variant fails if ptxas serializes its WGMMAs (its
-``C7520`` advisory): the kernel then still runs correctly, but its mainloop at about half speed
+``C7520`` or ``C7514`` advisory): the kernel then still runs correctly, but its mainloop at about half speed
 (the fifteenth session's dSwiGLU epilogue, benchmarks/RESULTS.md). Without a ptxas the check
 says so above its summary line.
 """
@@ -27,8 +27,10 @@ import tempfile
 import time
 import traceback
 
-# ptxas's advisory that it serialized a kernel's wgmma.mma_async instructions.
-WGMMA_SERIALIZED = "C7520"
+# The text of ptxas's advisories that it serialized a kernel's wgmma.mma_async instructions
+# (C7520: a compiler-inserted wait in a divergent path; C7514: non-WGMMA instructions reading
+# an accumulator while its WGMMAs are in flight).
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 def find_ptxas() -> str | None:
@@ -106,9 +108,9 @@ def compile_check(arch: str, out=sys.stdout) -> int:
         if ptxas and arch == "sm_90a" and "wgmma.mma_async" in ptx:
             serialized = wgmma_serialized(ptxas, ptx, arch)
             if serialized is True:
-                missing.append(WGMMA_SERIALIZED)
+                missing.append("serialized WGMMAs")
                 serialized_count += 1
-                status = f"WGMMA SERIALIZED (ptxas {WGMMA_SERIALIZED})"
+                status = "WGMMA SERIALIZED (ptxas: " + WGMMA_SERIALIZED + ")"
             elif serialized is False:
                 assembled += 1
             else:

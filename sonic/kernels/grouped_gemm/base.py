@@ -56,7 +56,7 @@ class GroupedGemmKernel(TmaProducers):
     arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
     dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``, A's and B's
     FP8 block scales; then
-    ``rows_a``, ``rows_b`` (varlen-K: the source row counts; dSwiGLU: ``rows_b`` = P),
+    ``rows_a``, ``rows_b`` (varlen-K: the source row counts; varlen-M: ``rows_b`` = P),
     ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
     be any value. The epilogue's global pointers reach the kernel as one tuple ``outs``:
     ``(C, act, scores, ds)``, and for the FP8 configurations (``cfg.fp8``: e4m3 A and B) also

@@ -33,23 +33,31 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       mostly masked); 192 for contiguous A (below).
     * Cooperative ``128 x tile_n`` tiles on 2-CTA clusters that multicast the shared B tile,
       for gathered varlen-M A (up-proj, ``dA'``), contiguous A with K > 512 (down-proj, ``dX̃``
-      at OLMoE/30B) and varlen-K when M has an even number of m-tiles. H100, 30B: up 558 →
+      at OLMoE/30B; their stores deferred into the next tile's mainloop, see below) and
+      varlen-K when M has an even number of m-tiles. H100, 30B: up 558 →
       651, dA' 571 → 628, down 609 → 633, dX 603 → 674, dW1 481 → 577, dW2 531 → 626 TFLOPS
       (no cluster → cluster); contiguous A on ping-pong ``128 x 128`` tiles reached only 443
       (down) and 327 (dX) there. The fused SwiGLU / dSwiGLU GEMMs on ping-pong tiles (H200,
       with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower.
-    * Contiguous A (down-proj, dX̃) when 192-wide tiles mask at most 5% of N's columns
+    * Contiguous A (down-proj, dX̃) with K > 512: cooperative ``128 x tile_n`` on a cluster,
+      its varlen-M stores deferred (:class:`.epilogue.base.StoreEpilogue`: each warp
+      TMA-stores the previous tile one box per k-tile behind the WGMMAs), which beat the
+      ping-pong ``128 x 192`` cluster plan before it. H200, same run, two rounds, µs
+      (ping-pong 192 cluster → cooperative 256 deferred; the same tile with its stores after
+      the mainloop in brackets): OLMoE down 1716/1718 → 1678/1856 (1765/1799), dX̃
+      3306/3449 → 3263/3289 (3376/3491); 30B down 3597/3523 → 3427/3475 (3642/3638), dX̃
+      6975/7380 → 6727/6729 (6858/7012); 7B down 330/337 → 314/332 (K ≤ 512: not taken).
+    * Contiguous A with K ≤ 512, when 192-wide tiles mask at most 5% of N's columns
       (N = 1536, 2048, 4096 at the ANCHORS shapes; not 1024: 12.5%): ping-pong, each
       warpgroup on its own ``128 x 192`` tile, one warpgroup's epilogue hidden behind the
-      other's mainloop (SonicMoE §4.2); on a 2-CTA cluster when K > 512, on one CTA when K ≤
-      512 (short mainloops: the pair's lockstep costs more than the multicast saves). H200,
+      other's mainloop (SonicMoE §4.2), on one CTA (short mainloops: a cluster's lockstep
+      costs more than the multicast saves). Before the deferred stores, H200,
       same run, two rounds, µs (cooperative ``128 x 256`` on a cluster before at K > 512,
       ping-pong ``128 x 128`` on one CTA at K ≤ 512): 7B down 358/366 → 335/341, dX̃ 607/636
       → 546/570; OLMoE down 1840/1832 → 1711/1761, dX̃ 3440/3427 → 3296/3384; 30B down
       3751/3745 → 3525/3527, dX̃ 6985/7853 → 6908/7309. Ping-pong ``128 x 128`` tiles on a
       cluster and cooperative ``128 x 192`` ones were slower than these at every shape
-      (benchmarks/RESULTS.md, twelfth session). Other N: ping-pong ``128 x 128`` on one CTA
-      at K ≤ 512, cooperative on a cluster above.
+      (benchmarks/RESULTS.md, twelfth session). Other N: ping-pong ``128 x 128`` on one CTA.
     * varlen-K with only B gathered (dW1 = dHᵀ·gather(X)) when N ≤ 2048 and M has an even
       number of 256-row m-tiles: cooperative ``256 x 128`` tiles (128 rows per warpgroup,
       staged one 64-row block at a time so the ring keeps four stages) on 2-CTA clusters
@@ -89,12 +97,9 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
         if gather_b and not gathered and dim_n <= 2048 and (dim_m + 255) // 256 % CLUSTER == 0:
             return TilePlan(128, False, CLUSTER, tile_m=256)
         return TilePlan(tile_n, False, paired)
-    if not gathered:
+    if not gathered and dim_k <= 512:
         masked = -dim_n % 192          # columns of the last 192-wide tile past N
-        if masked * 20 <= dim_n:
-            return TilePlan(192, True, 1 if dim_k <= 512 else CLUSTER)
-        if dim_k <= 512:
-            return TilePlan(128, True, 1)
+        return TilePlan(192 if masked * 20 <= dim_n else 128, True, 1)
     return TilePlan(tile_n, False, CLUSTER)
 
 

@@ -313,7 +313,7 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
     _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a, 16), addr(b, 16), out_addr,
                      addr(act, 16) if act is not None else out_addr, h_addr, scores_addr,
                      ds_addr, idx, idx, offsets_addr, out_addr, out_addr, a.shape[0],
-                     num_pairs if dswiglu is not None else 0)
+                     num_pairs)
     if dswiglu is not None:
         return out, act, ds_parts.sum(1)
     return out, act

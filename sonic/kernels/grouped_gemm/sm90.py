@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32 as F32, Int32, cute
+from cutlass import BFloat16 as BF16, Float32 as F32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
@@ -189,6 +189,13 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         lane = cute.arch.lane_idx()
         stage = Int32(0)
         phase = Int32(0)
+        deferred = self.epilogue.deferred
+        if cutlass.const_expr(deferred):
+            # The previous tile in bf16 and where it goes; nothing pending while rows == 0.
+            packed = cute.make_rmem_tensor_like(acc, BF16)
+            held = WgmmaAccumulator(packed, coords)
+            held_row0, held_rows, held_nt = Int32(0), Int32(0), Int32(0)
+            swizzle = stage_mem[2]
         if cutlass.const_expr(cfg.pingpong):
             if wg == 1:
                 if first < total:
@@ -210,6 +217,14 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                     cute.gemm(tiled_mma, acc, t_ca[None, None, kb, stage],
                               t_cb[None, None, kb, stage], acc)
                 warpgroup.commit_group()
+                if cutlass.const_expr(deferred):
+                    # One part of the previous tile's stores behind each of the first
+                    # k-tiles' WGMMAs.
+                    for part in cutlass.range_constexpr(self.epilogue.parts):
+                        if kt == part:
+                            self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0,
+                                                     outs[0], tma_epi[0], swizzle, held_row0,
+                                                     held_rows, held_nt)
                 # Keep one WGMMA batch in flight; the previous stage is then free.
                 warpgroup.wait_group(1)
                 if kt > 0:
@@ -226,8 +241,22 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                     stage, phase = self.ring.skip(
                         stage, phase, self.scheduler.tile_k_tiles(t + stride, m_off,
                                                                   num_experts))
-            stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
-                tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
+            if cutlass.const_expr(deferred):
+                # Parts this tile's k-tiles did not reach, then hold this tile.
+                for part in cutlass.range_constexpr(self.epilogue.parts):
+                    if part >= k_tiles:
+                        self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0,
+                                                 outs[0], tma_epi[0], swizzle, held_row0,
+                                                 held_rows, held_nt)
+                packed.store(acc.load().to(BF16))
+                held_row0, held_rows, held_nt = row0, rows, nt
+            else:
+                stage, phase = self.epilogue.visit(
+                    WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
+                    tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
             t += step
+        if cutlass.const_expr(deferred):
+            for part in cutlass.range_constexpr(self.epilogue.parts):
+                self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0, outs[0],
+                                         tma_epi[0], swizzle, held_row0, held_rows, held_nt)
         self.epilogue.finish()

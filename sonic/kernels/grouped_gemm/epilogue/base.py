@@ -11,6 +11,7 @@ Imports ``cutlass``: only the kernel modules import this one.
 
 import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M, VEC, GroupedGemmConfig
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
@@ -39,6 +40,9 @@ class Epilogue:
     """
 
     has_producer_loads = False
+    # The consumer stores tiles itself, deferred into the next tile's mainloop
+    # (StoreEpilogue.deferred), instead of calling visit.
+    deferred = False
     # Ring stages the producer queues per tile through producer_loads.
     producer_stages = 0
 
@@ -163,7 +167,111 @@ class Epilogue:
 
 
 class StoreEpilogue(Epilogue):
-    """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``)."""
+    """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``).
+
+    Cooperative sm_90 varlen-M tiles are *deferred* (:attr:`deferred`): the consumer rounds
+    the finished accumulator to bf16 registers and stores it during its next tile's mainloop,
+    one ``WARP_ROWS x SLAB`` box per warp after each of the first k-tiles' WGMMAs (staged
+    128-byte swizzled, then TMA-stored), so a tile's stores drain while the tensor cores
+    run instead of between tiles.
+    """
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the consumer defers this configuration's stores (see the class)."""
+        cfg = self.cfg
+        return (cfg.arch == "sm_90a" and not cfg.pingpong and not cfg.varlen_k
+                and not cfg.fp8)
+
+    @property
+    def parts(self) -> int:
+        """Boxes a warp stores per deferred tile: its 64-row blocks × SLAB-column slabs."""
+        return self.cfg.rows_wg // 64 * (self.cfg.tile_n // SLAB)
+
+    def make_tma(self, h, c, act, rows, a_smem) -> tuple:
+        """Deferred: the TMA store of ``WARP_ROWS x SLAB`` boxes into C ``(P, N)`` (``rows``
+        = P), 128-byte swizzled like the operand stages."""
+        if not self.deferred:
+            return ((None, None),)
+        box = (WARP_ROWS, SLAB)
+        tensor = cute.make_tensor(c, cute.make_layout((rows, self.cfg.dim_n),
+                                                      stride=(self.cfg.dim_n, 1)))
+        return (cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), tensor, cute.make_composed_layout(
+                a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box),)
+
+    @cute.jit
+    def finish(self):
+        """Deferred: each consumer warp's TMA stores complete before the kernel ends."""
+        if cutlass.const_expr(self.deferred):
+            with cute.arch.elect_one():
+                cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def origin(self, e: Int32, row0: Int32, rows: Int32, nt: Int32, mt: Int32):
+        """``(base, rows, cols)``: element offset of the tile's first element in C and its
+        valid rows and columns (varlen-M: the expert's rows from ``row0``; varlen-K: M)."""
+        cfg = self.cfg
+        cols = cfg.dim_n - nt * cfg.tile_n
+        if cutlass.const_expr(cfg.varlen_k):
+            rows = cfg.dim_m - mt * cfg.tile_m
+            base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
+        else:
+            base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
+        return base, rows, cols
+
+    @cute.jit
+    def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
+                   wg_row0: Int32, c: cute.Pointer, tma_c: tuple, swizzle, row0: Int32,
+                   rows: Int32, nt: Int32):
+        """Box ``part`` (:attr:`parts`) of this warp's rows of a deferred tile: its bf16
+        column pairs (``packed``: the accumulator view of the rounded registers) go to the
+        warp's rows of the warpgroup's staging block, 128-byte swizzled, once TMA has read
+        the warp's previous box; then the warp's first lane TMA-stores them. A warp whose
+        rows reach past the expert's end (``rows``) stores its valid rows with its threads
+        instead; TMA clips columns past N."""
+        cfg = self.cfg
+        slabs = cfg.tile_n // SLAB
+        mm, sl = part // slabs, part % slabs
+        block_row0 = wg_row0 + mm * 64
+        warp = cute.arch.make_warp_uniform(wg_tid // 32)
+        warp_row0 = block_row0 + warp * WARP_ROWS
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+        pair = cute.make_rmem_tensor((2,), BF16)
+        for p in packed.pairs(sl, mm):
+            m, n = packed.coord(p)
+            pair[0] = packed.value(p, 0)
+            pair[1] = packed.value(p, 1)
+            cute.autovec_copy(pair, cute.make_tensor(
+                stage_c + cute.assume(swizzled(m - block_row0, n - sl * SLAB), divby=2),
+                cute.make_layout(2)))
+        # The threads' shared-memory writes, then the TMA unit's reads.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        whole = warp_row0 + WARP_ROWS <= rows
+        thread_rows = rows
+        if whole:
+            thread_rows = warp_row0
+        col0 = nt * cfg.tile_n + sl * SLAB
+        if whole:
+            with cute.arch.elect_one():
+                atom, tensor = tma_c
+                box = (WARP_ROWS, SLAB)
+                s_box = cute.make_tensor(
+                    cute.recast_ptr(stage_c + (warp_row0 - block_row0) * SLAB, swizzle),
+                    cute.make_layout(box, stride=(SLAB, 1)))
+                g_box = cute.local_tile(cute.domain_offset((row0 + warp_row0, col0), tensor),
+                                        box, (0, 0))
+                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                 cute.group_modes(s_box, 0, 2),
+                                                 cute.group_modes(g_box, 0, 2))
+                cute.copy(atom, t_s, t_g)
+                cute.arch.cp_async_bulk_commit_group()
+        # Not under a branch: a divergent region here makes ptxas serialize the WGMMAs.
+        self.flush(stage_c, wg_tid, block_row0, SLAB, c, Int64(row0) * cfg.dim_n,
+                   cfg.dim_n, col0, cfg.dim_n, thread_rows, True, True)
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
@@ -179,12 +287,7 @@ class StoreEpilogue(Epilogue):
         """
         cfg = self.cfg
         c = outs[0]
-        cols = cfg.dim_n - nt * cfg.tile_n
-        if cutlass.const_expr(cfg.varlen_k):
-            rows = cfg.dim_m - mt * cfg.tile_m
-            base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
-        else:
-            base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
+        base, rows, cols = self.origin(e, row0, rows, nt, mt)
         # 256-row tiles stage a warpgroup's rows one 64-row block at a time.
         blocks = cfg.rows_wg // cfg.staged_rows
         # A transposed block's staged rows are columns: every warp wrote part of each.
