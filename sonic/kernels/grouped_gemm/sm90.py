@@ -223,7 +223,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                     for part in cutlass.range_constexpr(self.epilogue.parts):
                         if kt == part:
                             self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0,
-                                                     outs[0], tma_epi[0], swizzle, held_row0,
+                                                     outs, tma_epi, swizzle, held_row0,
                                                      held_rows, held_nt)
                 # Keep one WGMMA batch in flight; the previous stage is then free.
                 warpgroup.wait_group(1)
@@ -246,7 +246,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                 for part in cutlass.range_constexpr(self.epilogue.parts):
                     if part >= k_tiles:
                         self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0,
-                                                 outs[0], tma_epi[0], swizzle, held_row0,
+                                                 outs, tma_epi, swizzle, held_row0,
                                                  held_rows, held_nt)
                 packed.store(acc.load().to(BF16))
                 held_row0, held_rows, held_nt = row0, rows, nt
@@ -257,6 +257,6 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             t += step
         if cutlass.const_expr(deferred):
             for part in cutlass.range_constexpr(self.epilogue.parts):
-                self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0, outs[0],
-                                         tma_epi[0], swizzle, held_row0, held_rows, held_nt)
+                self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0, outs,
+                                         tma_epi, swizzle, held_row0, held_rows, held_nt)
         self.epilogue.finish()

@@ -40,8 +40,8 @@ class Epilogue:
     """
 
     has_producer_loads = False
-    # The consumer stores tiles itself, deferred into the next tile's mainloop
-    # (StoreEpilogue.deferred), instead of calling visit.
+    # Whether the consumer defers this epilogue into the next tile's mainloop (calls
+    # store_part for each of ``parts`` boxes instead of visit); see defers().
     deferred = False
     # Ring stages the producer queues per tile through producer_loads.
     producer_stages = 0
@@ -63,8 +63,87 @@ class Epilogue:
     def prefetch(self, tma: tuple):
         """Prefetch the descriptors of the epilogue's TMA copies (warp 0)."""
 
+    @cute.jit
     def finish(self):
-        """Each consumer warp after its last tile (sm_90)."""
+        """Each consumer warp after its last tile (sm_90): a deferring epilogue's TMA stores
+        complete before the kernel ends (waited for by the lane that issued them: election
+        is deterministic for a full warp)."""
+        if cutlass.const_expr(self.deferred):
+            with cute.arch.elect_one():
+                cute.arch.cp_async_bulk_wait_group(0)
+
+    def defers(self) -> bool:
+        """Whether this configuration can defer its stores: cooperative bf16 sm_90 varlen-M
+        tiles. Deferred, the consumer rounds a finished accumulator to bf16 registers and
+        stores it during its next tile's mainloop, one ``WARP_ROWS x SLAB`` box per warp
+        after each of the first k-tiles' WGMMAs (:meth:`store_part`: staged 128-byte
+        swizzled, then TMA-stored), so a tile's stores drain while the tensor cores run
+        instead of between tiles. varlen-K is left out: its long reductions leave little to
+        hide, and with a per-expert k-tile count ptxas serialized the WGMMAs (C7514)."""
+        cfg = self.cfg
+        return (cfg.arch == "sm_90a" and not cfg.pingpong and not cfg.varlen_k
+                and not cfg.fp8)
+
+    def box_tma(self, ptr, rows, width: int, pitch: int, a_smem):
+        """``(atom, tensor)``: TMA stores of ``WARP_ROWS x SLAB`` boxes into ``(rows, width)``
+        of row pitch ``pitch`` at ``ptr``, 128-byte swizzled like the operand stages (TMA
+        clips a box at ``width`` and ``rows``)."""
+        box = (WARP_ROWS, SLAB)
+        tensor = cute.make_tensor(ptr, cute.make_layout((rows, width), stride=(pitch, 1)))
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), tensor, cute.make_composed_layout(
+                a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box)
+
+    def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
+                   wg_row0: Int32, outs: tuple, epi_tma: tuple, swizzle, row0: Int32,
+                   rows: Int32, nt: Int32):
+        """Deferred: box ``part`` of ``parts`` of this warp's rows of the held tile
+        (``packed``: the accumulator view of its bf16-rounded registers; ``row0``, ``rows``,
+        ``nt``: its scheduler coordinates)."""
+        raise NotImplementedError
+
+    @cute.jit
+    def begin_box(self):
+        """Before a warp stages a deferred box: TMA has read the warp's previous one."""
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def store_warp_box(self, stage_c: cute.Pointer, wg_tid: Int32, block_row0: Int32,
+                       tma: tuple, swizzle, dst: cute.Pointer, pitch: int, row0: Int32,
+                       rows: Int32, col0: Int32, col_limit):
+        """After a warp staged its ``WARP_ROWS x SLAB`` box of the 64-row staging block of
+        tile rows ``block_row0 ..`` (swizzled, :func:`swizzled`): its first lane TMA-stores
+        it to ``dst`` rows ``row0 + ..``, columns ``col0 ..``. A warp whose rows reach past
+        the expert's end (``rows``) stores its valid rows with its threads instead, masked to
+        ``col_limit``."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        warp = cute.arch.make_warp_uniform(wg_tid // 32)
+        warp_row0 = block_row0 + warp * WARP_ROWS
+        whole = warp_row0 + WARP_ROWS <= rows
+        # Rows the threads store: none when TMA stores the warp's whole rows.
+        thread_rows = rows
+        if whole:
+            thread_rows = warp_row0
+        if whole:
+            with cute.arch.elect_one():
+                atom, tensor = tma
+                box = (WARP_ROWS, SLAB)
+                s_box = cute.make_tensor(
+                    cute.recast_ptr(stage_c + (warp_row0 - block_row0) * SLAB, swizzle),
+                    cute.make_layout(box, stride=(SLAB, 1)))
+                g_box = cute.local_tile(cute.domain_offset((row0 + warp_row0, col0), tensor),
+                                        box, (0, 0))
+                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                 cute.group_modes(s_box, 0, 2),
+                                                 cute.group_modes(g_box, 0, 2))
+                cute.copy(atom, t_s, t_g)
+                cute.arch.cp_async_bulk_commit_group()
+        # Not under a branch: a divergent region here makes ptxas serialize the WGMMAs.
+        self.flush(stage_c, wg_tid, block_row0, SLAB, dst, Int64(row0) * pitch, pitch, col0,
+                   col_limit, thread_rows, True, True)
 
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
               lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
@@ -167,21 +246,12 @@ class Epilogue:
 
 
 class StoreEpilogue(Epilogue):
-    """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``).
+    """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``);
+    deferred where :meth:`Epilogue.defers`."""
 
-    Cooperative sm_90 varlen-M tiles are *deferred* (:attr:`deferred`): the consumer rounds
-    the finished accumulator to bf16 registers and stores it during its next tile's mainloop,
-    one ``WARP_ROWS x SLAB`` box per warp after each of the first k-tiles' WGMMAs (staged
-    128-byte swizzled, then TMA-stored), so a tile's stores drain while the tensor cores
-    run instead of between tiles.
-    """
-
-    @property
-    def deferred(self) -> bool:
-        """Whether the consumer defers this configuration's stores (see the class)."""
-        cfg = self.cfg
-        return (cfg.arch == "sm_90a" and not cfg.pingpong and not cfg.varlen_k
-                and not cfg.fp8)
+    def __init__(self, cfg: GroupedGemmConfig, ring: OperandRing):
+        super().__init__(cfg, ring)
+        self.deferred = self.defers()
 
     @property
     def parts(self) -> int:
@@ -189,23 +259,10 @@ class StoreEpilogue(Epilogue):
         return self.cfg.rows_wg // 64 * (self.cfg.tile_n // SLAB)
 
     def make_tma(self, h, c, act, rows, a_smem) -> tuple:
-        """Deferred: the TMA store of ``WARP_ROWS x SLAB`` boxes into C ``(P, N)`` (``rows``
-        = P), 128-byte swizzled like the operand stages."""
+        """Deferred: the box stores into C ``(P, N)`` (``rows`` = P)."""
         if not self.deferred:
             return ((None, None),)
-        box = (WARP_ROWS, SLAB)
-        tensor = cute.make_tensor(c, cute.make_layout((rows, self.cfg.dim_n),
-                                                      stride=(self.cfg.dim_n, 1)))
-        return (cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), tensor, cute.make_composed_layout(
-                a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box),)
-
-    @cute.jit
-    def finish(self):
-        """Deferred: each consumer warp's TMA stores complete before the kernel ends."""
-        if cutlass.const_expr(self.deferred):
-            with cute.arch.elect_one():
-                cute.arch.cp_async_bulk_wait_group(0)
+        return (self.box_tma(c, rows, self.cfg.dim_n, self.cfg.dim_n, a_smem),)
 
     @cute.jit
     def origin(self, e: Int32, row0: Int32, rows: Int32, nt: Int32, mt: Int32):
@@ -222,23 +279,14 @@ class StoreEpilogue(Epilogue):
 
     @cute.jit
     def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
-                   wg_row0: Int32, c: cute.Pointer, tma_c: tuple, swizzle, row0: Int32,
+                   wg_row0: Int32, outs: tuple, epi_tma: tuple, swizzle, row0: Int32,
                    rows: Int32, nt: Int32):
-        """Box ``part`` (:attr:`parts`) of this warp's rows of a deferred tile: its bf16
-        column pairs (``packed``: the accumulator view of the rounded registers) go to the
-        warp's rows of the warpgroup's staging block, 128-byte swizzled, once TMA has read
-        the warp's previous box; then the warp's first lane TMA-stores them. A warp whose
-        rows reach past the expert's end (``rows``) stores its valid rows with its threads
-        instead; TMA clips columns past N."""
+        """Box ``part``: 64-row block ``part // slabs``, slab ``part % slabs`` of C."""
         cfg = self.cfg
         slabs = cfg.tile_n // SLAB
         mm, sl = part // slabs, part % slabs
         block_row0 = wg_row0 + mm * 64
-        warp = cute.arch.make_warp_uniform(wg_tid // 32)
-        warp_row0 = block_row0 + warp * WARP_ROWS
-        with cute.arch.elect_one():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.sync_warp()
+        self.begin_box()
         pair = cute.make_rmem_tensor((2,), BF16)
         for p in packed.pairs(sl, mm):
             m, n = packed.coord(p)
@@ -247,31 +295,8 @@ class StoreEpilogue(Epilogue):
             cute.autovec_copy(pair, cute.make_tensor(
                 stage_c + cute.assume(swizzled(m - block_row0, n - sl * SLAB), divby=2),
                 cute.make_layout(2)))
-        # The threads' shared-memory writes, then the TMA unit's reads.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
-        whole = warp_row0 + WARP_ROWS <= rows
-        thread_rows = rows
-        if whole:
-            thread_rows = warp_row0
-        col0 = nt * cfg.tile_n + sl * SLAB
-        if whole:
-            with cute.arch.elect_one():
-                atom, tensor = tma_c
-                box = (WARP_ROWS, SLAB)
-                s_box = cute.make_tensor(
-                    cute.recast_ptr(stage_c + (warp_row0 - block_row0) * SLAB, swizzle),
-                    cute.make_layout(box, stride=(SLAB, 1)))
-                g_box = cute.local_tile(cute.domain_offset((row0 + warp_row0, col0), tensor),
-                                        box, (0, 0))
-                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                 cute.group_modes(s_box, 0, 2),
-                                                 cute.group_modes(g_box, 0, 2))
-                cute.copy(atom, t_s, t_g)
-                cute.arch.cp_async_bulk_commit_group()
-        # Not under a branch: a divergent region here makes ptxas serialize the WGMMAs.
-        self.flush(stage_c, wg_tid, block_row0, SLAB, c, Int64(row0) * cfg.dim_n,
-                   cfg.dim_n, col0, cfg.dim_n, thread_rows, True, True)
+        self.store_warp_box(stage_c, wg_tid, block_row0, epi_tma[0], swizzle, outs[0], cfg.dim_n,
+                       row0, rows, nt * cfg.tile_n + sl * SLAB, cfg.dim_n)
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,

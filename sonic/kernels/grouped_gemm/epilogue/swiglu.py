@@ -17,7 +17,11 @@ from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
 
 
 class SwigluEpilogue(Epilogue):
-    """H ``(P, 2n)`` (the tile, bf16) and ``A = silu(gate) ⊙ up`` ``(P, n)``."""
+    """H ``(P, 2n)`` (the tile, bf16) and ``A = silu(gate) ⊙ up`` ``(P, n)``.
+
+    Not deferred (:meth:`Epilogue.defers`): held in bf16 registers beside the next tile's
+    accumulator, the H and A boxes spilled (740–832 bytes) and ran 1.2–1.6× slower (H200,
+    benchmarks/RESULTS.md, sixteenth session)."""
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
