@@ -161,7 +161,10 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         (A's row sources) serve subclasses whose mainloop reads per-row data (the FP8
         mainloop's A scales); this one loads rows through the producers only.
 
-        Cooperative: both warpgroups run every tile of the CTA. Ping-pong: warpgroup ``w``
+        Cooperative: both warpgroups run every tile of the CTA; a deferring epilogue
+        (:meth:`.epilogue.base.Epilogue.defers`) gets the tile in bf16 registers and stores it
+        box by box after the next tile's first k-tiles' WGMMAs (the parts those k-tiles do
+        not reach after its mainloop, the last tile's after the loop). Ping-pong: warpgroup ``w``
         runs the CTA's tiles ``w, w+2, ...``; two named barriers hand the tensor cores from
         one warpgroup's mainloop to the other's, so one warpgroup's epilogue overlaps the
         other's mainloop (SonicMoE §4.2). A warpgroup skips the stages of the other's tiles.

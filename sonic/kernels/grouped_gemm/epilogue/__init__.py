@@ -7,7 +7,10 @@ needs: its shared-memory staging buffer, its own TMA copies (:meth:`Epilogue.mak
 dSwiGLU's H loads, queued by the producer into the operand ring, and on bf16 sm_90 its dH and A'
 stores), and constraints on the B load (SwiGLU "concat" halves, see
 :attr:`sonic.kernels.grouped_gemm.config.GroupedGemmConfig.b_halves`). On sm_90 a warp holds
-whole accumulator rows, so the epilogues stage and store warp by warp.
+whole accumulator rows, so the epilogues stage and store warp by warp. An epilogue may instead
+be *deferred* (:meth:`Epilogue.defers`; the plain store on cooperative bf16 varlen-M tiles):
+the consumer holds the tile in bf16 registers and calls :meth:`Epilogue.store_part` for one
+TMA-stored box per warp after each of its next tile's first k-tiles.
 
 * :mod:`.base` — the hook contract and the plain masked bf16 store (C, or ``C[e]ᵀ``).
 * :mod:`.swiglu` — up-proj: H and ``A = SwiGLU(H)``.
