@@ -120,30 +120,43 @@ class Epilogue:
         ``col_limit``."""
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
-        warp = cute.arch.make_warp_uniform(wg_tid // 32)
-        warp_row0 = block_row0 + warp * WARP_ROWS
-        whole = warp_row0 + WARP_ROWS <= rows
-        # Rows the threads store: none when TMA stores the warp's whole rows.
-        thread_rows = rows
-        if whole:
-            thread_rows = warp_row0
+        warp_row0, whole, thread_rows = self.warp_rows(wg_tid, block_row0, rows)
         if whole:
             with cute.arch.elect_one():
-                atom, tensor = tma
-                box = (WARP_ROWS, SLAB)
-                s_box = cute.make_tensor(
-                    cute.recast_ptr(stage_c + (warp_row0 - block_row0) * SLAB, swizzle),
-                    cute.make_layout(box, stride=(SLAB, 1)))
-                g_box = cute.local_tile(cute.domain_offset((row0 + warp_row0, col0), tensor),
-                                        box, (0, 0))
-                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                 cute.group_modes(s_box, 0, 2),
-                                                 cute.group_modes(g_box, 0, 2))
-                cute.copy(atom, t_s, t_g)
+                self.tma_box(tma, swizzle, stage_c + (warp_row0 - block_row0) * SLAB,
+                             row0 + warp_row0, col0)
                 cute.arch.cp_async_bulk_commit_group()
         # Not under a branch: a divergent region here makes ptxas serialize the WGMMAs.
         self.flush(stage_c, wg_tid, block_row0, SLAB, dst, Int64(row0) * pitch, pitch, col0,
                    col_limit, thread_rows, True, True)
+
+    @cute.jit
+    def warp_rows(self, wg_tid: Int32, block_row0: Int32, rows: Int32):
+        """``(warp_row0, whole, thread_rows)`` of this warp's ``WARP_ROWS`` rows of the 64-row
+        block at tile row ``block_row0``: its first tile row, whether all its rows are the
+        expert's (``< rows``: TMA may store them), and the row bound of the threads' own
+        stores (none of its rows when whole: later rows belong to the next expert's tiles)."""
+        warp = cute.arch.make_warp_uniform(wg_tid // 32)
+        warp_row0 = block_row0 + warp * WARP_ROWS
+        whole = warp_row0 + WARP_ROWS <= rows
+        thread_rows = rows
+        if whole:
+            thread_rows = warp_row0
+        return warp_row0, whole, thread_rows
+
+    @cute.jit
+    def tma_box(self, tma: tuple, swizzle, src: cute.Pointer, row: Int32, col: Int32):
+        """TMA store of the swizzled ``WARP_ROWS x SLAB`` box at ``src`` to rows ``row ..``,
+        columns ``col ..`` of ``tma``'s tensor (one lane)."""
+        atom, tensor = tma
+        box = (WARP_ROWS, SLAB)
+        s_box = cute.make_tensor(cute.recast_ptr(src, swizzle),
+                                 cute.make_layout(box, stride=(SLAB, 1)))
+        g_box = cute.local_tile(cute.domain_offset((row, col), tensor), box, (0, 0))
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                         cute.group_modes(s_box, 0, 2),
+                                         cute.group_modes(g_box, 0, 2))
+        cute.copy(atom, t_s, t_g)
 
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
               lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,

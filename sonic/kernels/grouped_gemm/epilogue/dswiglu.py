@@ -191,13 +191,7 @@ class DswigluEpilogue(Epilogue):
         dh, a_scaled = outs[0], outs[1]
         n = self.cfg.dim_n
         cols = n - nt * self.cfg.tile_n
-        warp = cute.arch.make_warp_uniform(wg_tid // 32)
-        warp_row0 = wg_row0 + warp * WARP_ROWS
-        whole = warp_row0 + WARP_ROWS <= rows
-        # Rows the threads store: none when TMA stores the warp's whole rows.
-        thread_rows = rows
-        if whole:
-            thread_rows = warp_row0
+        warp_row0, whole, thread_rows = self.warp_rows(wg_tid, wg_row0, rows)
         # 256-wide tiles: A' fits in the stage beside up (B's k-tile is 256 rows), so a
         # stage is released one slab later, once TMA has read it, and the next slab is
         # computed meanwhile; else A' shares the staging block and each slab waits.
@@ -219,10 +213,10 @@ class DswigluEpilogue(Epilogue):
             if whole:
                 with cute.arch.elect_one():
                     row = row0 + warp_row0
-                    self.store_box(epi_tma[1], stage_mem[2], gate + warp_row0 * SLAB, row, col0)
-                    self.store_box(epi_tma[2], stage_mem[2], up + warp_row0 * SLAB, row, col0)
-                    self.store_box(epi_tma[3], stage_mem[2],
-                                   act_block + (warp_row0 - act_row0) * SLAB, row, col0)
+                    self.tma_box(epi_tma[1], stage_mem[2], gate + warp_row0 * SLAB, row, col0)
+                    self.tma_box(epi_tma[2], stage_mem[2], up + warp_row0 * SLAB, row, col0)
+                    self.tma_box(epi_tma[3], stage_mem[2],
+                                 act_block + (warp_row0 - act_row0) * SLAB, row, col0)
                     cute.arch.cp_async_bulk_commit_group()
                     # Deferred: the previous slab's boxes have been read; else this one's.
                     if cutlass.const_expr(not deferred):
@@ -251,20 +245,6 @@ class DswigluEpilogue(Epilogue):
             cute.arch.sync_warp()
             self.ring.release(empty + prev, lane)
         return stage, phase
-
-    @cute.jit
-    def store_box(self, tma: tuple, swizzle, src: cute.Pointer, row: Int32, col: Int32):
-        """TMA store of the swizzled ``WARP_ROWS x SLAB`` box at ``src`` to rows ``row ..``,
-        columns ``col ..`` of ``tma``'s tensor (one lane)."""
-        atom, tensor = tma
-        box = (WARP_ROWS, SLAB)
-        s_box = cute.make_tensor(cute.recast_ptr(src, swizzle),
-                                 cute.make_layout(box, stride=(SLAB, 1)))
-        g_box = cute.local_tile(cute.domain_offset((row, col), tensor), box, (0, 0))
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                         cute.group_modes(s_box, 0, 2),
-                                         cute.group_modes(g_box, 0, 2))
-        cute.copy(atom, t_s, t_g)
 
     @cute.jit
     def dswiglu_slab_in_place(self, acc, gate: cute.Pointer, up: cute.Pointer,
