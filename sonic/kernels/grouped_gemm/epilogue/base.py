@@ -41,8 +41,9 @@ class Epilogue:
 
     has_producer_loads = False
     # Whether the consumer defers this epilogue into the next tile's mainloop (calls
-    # store_part for each of ``parts`` boxes instead of visit); see defers().
+    # store_part for each of its ``parts`` boxes per tile instead of visit); see defers().
     deferred = False
+    parts = 0
     # Ring stages the producer queues per tile through producer_loads.
     producer_stages = 0
 
@@ -278,19 +279,6 @@ class StoreEpilogue(Epilogue):
         return (self.box_tma(c, rows, self.cfg.dim_n, self.cfg.dim_n, a_smem),)
 
     @cute.jit
-    def origin(self, e: Int32, row0: Int32, rows: Int32, nt: Int32, mt: Int32):
-        """``(base, rows, cols)``: element offset of the tile's first element in C and its
-        valid rows and columns (varlen-M: the expert's rows from ``row0``; varlen-K: M)."""
-        cfg = self.cfg
-        cols = cfg.dim_n - nt * cfg.tile_n
-        if cutlass.const_expr(cfg.varlen_k):
-            rows = cfg.dim_m - mt * cfg.tile_m
-            base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
-        else:
-            base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
-        return base, rows, cols
-
-    @cute.jit
     def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
                    wg_row0: Int32, outs: tuple, epi_tma: tuple, swizzle, row0: Int32,
                    rows: Int32, nt: Int32):
@@ -308,8 +296,8 @@ class StoreEpilogue(Epilogue):
             cute.autovec_copy(pair, cute.make_tensor(
                 stage_c + cute.assume(swizzled(m - block_row0, n - sl * SLAB), divby=2),
                 cute.make_layout(2)))
-        self.store_warp_box(stage_c, wg_tid, block_row0, epi_tma[0], swizzle, outs[0], cfg.dim_n,
-                       row0, rows, nt * cfg.tile_n + sl * SLAB, cfg.dim_n)
+        self.store_warp_box(stage_c, wg_tid, block_row0, epi_tma[0], swizzle, outs[0],
+                            cfg.dim_n, row0, rows, nt * cfg.tile_n + sl * SLAB, cfg.dim_n)
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
@@ -325,7 +313,12 @@ class StoreEpilogue(Epilogue):
         """
         cfg = self.cfg
         c = outs[0]
-        base, rows, cols = self.origin(e, row0, rows, nt, mt)
+        cols = cfg.dim_n - nt * cfg.tile_n
+        if cutlass.const_expr(cfg.varlen_k):
+            rows = cfg.dim_m - mt * cfg.tile_m
+            base = (Int64(e) * cfg.dim_m + mt * cfg.tile_m) * cfg.dim_n + nt * cfg.tile_n
+        else:
+            base = Int64(row0) * cfg.dim_n + nt * cfg.tile_n
         # 256-row tiles stage a warpgroup's rows one 64-row block at a time.
         blocks = cfg.rows_wg // cfg.staged_rows
         # A transposed block's staged rows are columns: every warp wrote part of each.
