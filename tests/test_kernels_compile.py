@@ -109,3 +109,29 @@ echo "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instru
     monkeypatch.setenv("SONIC_PTXAS", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="SONIC_PTXAS must name an executable ptxas"):
         find_ptxas()
+
+
+@pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl, the 'gpu' extra) "
+                                            "is not importable")
+@pytest.mark.parametrize("changes,deferred,parts", [
+    (dict(), True, 4),                                          # 128 x 256 coop: 4 slabs
+    (dict(tile_n=128, tile_m=256), True, 4),                    # 2 row blocks x 2 slabs
+    (dict(tile_n=128), True, 2),
+    (dict(tile_n=192, pingpong=True), False, None),             # ping-pong hides its stores
+    (dict(varlen_k=True, dim_m=512), False, None),              # serialized WGMMAs (C7514)
+    (dict(ab_dtype="e4m3"), False, None),                       # the FP8 mainloop's own loop
+    (dict(arch="sm_100a", cluster=1), False, None),             # TMEM epilogue warps
+    (dict(epilogue="swiglu", gate_up="concat", gather_a=True), False, None),  # spilled
+])
+def test_deferred_stores_where_measured(changes, deferred, parts):
+    """The consumer defers the stores of the cooperative bf16 sm_90 varlen-M store GEMMs only
+    (benchmarks/RESULTS.md, sixteenth session), in one box per 64-row block and slab."""
+    from sonic.kernels.grouped_gemm.config import CLUSTER, GroupedGemmConfig
+    from sonic.kernels.grouped_gemm.epilogue import make_epilogue
+
+    fields = dict(varlen_k=False, tile_n=256, pingpong=False, cluster=CLUSTER, dim_m=0,
+                  dim_n=2048, dim_k=1024, gather_a=False)
+    epilogue = make_epilogue(GroupedGemmConfig(**{**fields, **changes}), ring=None)
+    assert epilogue.deferred is deferred
+    if deferred:
+        assert epilogue.parts == parts
