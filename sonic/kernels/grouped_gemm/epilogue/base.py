@@ -13,7 +13,7 @@ import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
-from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M, VEC, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, VEC, GroupedGemmConfig
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
 
 # Named barrier of consumer warpgroup ``wg``'s epilogue: 3 + wg (1 and 2 are ping-pong's).
@@ -85,15 +85,14 @@ class Epilogue:
         return (cfg.arch == "sm_90a" and not cfg.pingpong and not cfg.varlen_k
                 and not cfg.fp8)
 
-    def box_tma(self, ptr, rows, width: int, pitch: int, a_smem):
-        """``(atom, tensor)``: TMA stores of ``WARP_ROWS x SLAB`` boxes into ``(rows, width)``
-        of row pitch ``pitch`` at ``ptr``, 128-byte swizzled like the operand stages (TMA
-        clips a box at ``width`` and ``rows``)."""
-        box = (WARP_ROWS, SLAB)
+    def tma_atom(self, op, ptr, rows, width: int, pitch: int, a_smem,
+                 box: tuple = (WARP_ROWS, SLAB)):
+        """``(atom, tensor)``: TMA copies ``op`` of ``box`` boxes (rows x SLAB columns) of
+        ``(rows, width)`` of row pitch ``pitch`` at ``ptr``, 128-byte swizzled like the
+        operand stages (``a_smem``'s swizzle; TMA clips a box at ``width`` and ``rows``)."""
         tensor = cute.make_tensor(ptr, cute.make_layout((rows, width), stride=(pitch, 1)))
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), tensor, cute.make_composed_layout(
-                a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box)
+        return cpasync.make_tiled_tma_atom(op, tensor, cute.make_composed_layout(
+            a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box)
 
     def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
                    wg_row0: Int32, outs: tuple, epi_tma: tuple, swizzle, row0: Int32,
@@ -276,7 +275,8 @@ class StoreEpilogue(Epilogue):
         """Deferred: the box stores into C ``(P, N)`` (``rows`` = P)."""
         if not self.deferred:
             return ((None, None),)
-        return (self.box_tma(c, rows, self.cfg.dim_n, self.cfg.dim_n, a_smem),)
+        return (self.tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c, rows, self.cfg.dim_n,
+                              self.cfg.dim_n, a_smem),)
 
     @cute.jit
     def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,

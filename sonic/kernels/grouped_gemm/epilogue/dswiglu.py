@@ -32,7 +32,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels import activation
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M
-from sonic.kernels.grouped_gemm.epilogue.base import WARP_ROWS, Epilogue, swizzled
+from sonic.kernels.grouped_gemm.epilogue.base import Epilogue, swizzled
 
 # Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
 H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
@@ -63,19 +63,14 @@ class DswigluEpilogue(Epilogue):
         boxes, swizzled the same way, into dH's gate half, dH's up half (``(P, n)`` views of
         pitch 2n, so TMA clips a box at column n) and A' ``(P, n)`` (``c``: dH, ``act``: A')."""
         n = self.cfg.dim_n
-
-        def tma(op, ptr, width, pitch, box):
-            tensor = cute.make_tensor(ptr, cute.make_layout((rows, width), stride=(pitch, 1)))
-            return cpasync.make_tiled_tma_atom(op, tensor, cute.make_composed_layout(
-                a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box)
-
-        load = tma(cpasync.CopyBulkTensorTileG2SOp(), h, 2 * n, 2 * n, (TILE_M, SLAB))
+        load = self.tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, rows, 2 * n, 2 * n, a_smem,
+                             (TILE_M, SLAB))
         if not self.tma_store:
             return (load,)
-        box = (WARP_ROWS, SLAB)
         store = cpasync.CopyBulkTensorTileS2GOp()
-        return (load, tma(store, c, n, 2 * n, box), tma(store, c + n, n, 2 * n, box),
-                tma(store, act, n, n, box))
+        return (load, self.tma_atom(store, c, rows, n, 2 * n, a_smem),
+                self.tma_atom(store, c + n, rows, n, 2 * n, a_smem),
+                self.tma_atom(store, act, rows, n, n, a_smem))
 
     def prefetch(self, tma: tuple):
         for atom, _ in tma:
