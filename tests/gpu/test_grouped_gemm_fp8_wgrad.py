@@ -186,3 +186,8 @@ def test_varlen_k_fp8_validation_on_device():
         grouped_gemm_varlen_k_fp8(a_t[0].float(), a_t[1], *b_t, k_offsets)
     with pytest.raises(ValueError, match="must be a multiple of 128"):
         quantize_cols_grouped(a[:, :200].contiguous(), offsets, k_offsets)
+    # B's scales are bulk-copied into the operand stages: 16-byte aligned.
+    shifted = torch.empty(b_t[1].numel() + 1, dtype=torch.float32, device="cuda")[1:]
+    shifted = shifted.view_as(b_t[1]).copy_(b_t[1])
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        grouped_gemm_varlen_k_fp8(*a_t, b_t[0], shifted, k_offsets)

@@ -107,6 +107,11 @@ class GroupedGemmKernel(TmaProducers):
         barriers."""
         return {}
 
+    def col_scale_stages(self, storage):
+        """Shared memory of the ring stages' B column scales (an :meth:`extra_storage`
+        field of the FP8 varlen-K mainloop), or None."""
+        return None
+
     def shared_storage(self, a_smem, b_smem):
         """The CTA's shared-memory struct: ring barriers, :meth:`extra_storage`, tile table,
         operand stages, the epilogue's staging buffer."""
@@ -162,7 +167,8 @@ class GroupedGemmKernel(TmaProducers):
         offsets = gmem(Int32, offsets_addr, 4)
         outs = (c, act, scores, ds)
         if cutlass.const_expr(cfg.fp8):
-            outs = outs + (gmem(F32, a_scales_addr, 4), gmem(F32, b_scales_addr, 4))
+            outs = outs + (gmem(F32, a_scales_addr, 4),
+                           gmem(F32, b_scales_addr, cfg.b_scales_align))
         tiled_mma = self.make_tiled_mma()
         self.check_contract(tiled_mma)
         a_smem, b_smem = self.make_smem_layouts()
@@ -195,8 +201,10 @@ class GroupedGemmKernel(TmaProducers):
         empty = storage.empty.data_ptr()
         table = storage.tile_start.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
         s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        # Raw stage memory (A space, B space, swizzle) for an epilogue's own loads.
-        stage_mem = (storage.sA.data_ptr(), storage.sB.data_ptr(), a_smem.inner)
+        # Raw stage memory (A space, B space, swizzle) for an epilogue's own loads, and the
+        # stages' B column scales (FP8 varlen-K; :meth:`col_scale_stages`).
+        stage_mem = (storage.sA.data_ptr(), storage.sB.data_ptr(), a_smem.inner,
+                     self.col_scale_stages(storage))
         s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
 

@@ -295,7 +295,19 @@ class GroupedGemmConfig:
     def tma_bytes(self) -> int:
         """Bytes of one operand stage: every operand arrives by TMA (out-of-bounds boxes are
         zero-filled and counted), so a stage is complete at one expect-tx and these bytes."""
-        return (self.tile_n + self.tile_m) * self.tile_k * self.ab_bytes
+        return (self.tile_n + self.tile_m) * self.tile_k * self.ab_bytes + self.col_scale_bytes
+
+    @property
+    def col_scale_bytes(self) -> int:
+        """FP8 varlen-K: bytes of a stage's B column scales (the k-tile's fp32 scale of each
+        of the tile's ``tile_n`` columns), loaded by the producer with the operands."""
+        return self.tile_n * 4 if self.fp8 and self.varlen_k else 0
+
+    @property
+    def b_scales_align(self) -> int:
+        """Byte alignment the kernel assumes of B's FP8 scales: 16 where they are bulk-copied
+        (:attr:`col_scale_bytes`), else 4."""
+        return 16 if self.col_scale_bytes else 4
 
     @property
     def b_halves(self) -> bool:

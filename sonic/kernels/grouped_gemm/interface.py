@@ -710,7 +710,7 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
     # Slots this configuration never reads: out's and the offsets' addresses stand in.
     _launcher(cfg)(addr(a_t_q, 16), addr(b_t_q, 16), out_addr, out_addr, out_addr, out_addr,
                    out_addr, offsets_addr, offsets_addr, offsets_addr, addr(a_scales, 4),
-                   addr(b_scales, 4), k_rows, k_rows, num_experts,
+                   addr(b_scales, cfg.b_scales_align), k_rows, k_rows, num_experts,
                    _num_ctas(device, work_items, cfg.cluster))
     return out
 

@@ -27,7 +27,7 @@ Imports ``cutlass``: only the kernel modules import this one.
 """
 
 import cutlass
-from cutlass import Int32, cute
+from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels.grouped_gemm.config import TILE_K, TILE_K_FP8, TILE_M
@@ -117,14 +117,15 @@ class TmaProducers:
     def produce(self, warp: Int32, first: Int32, step: Int32, total: Int32, tma_a: tuple,
                 tma_b: tuple, epi_tma: tuple, a_smem: cute.ComposedLayout,
                 b_smem: cute.ComposedLayout, s_a: cute.Tensor, s_b: cute.Tensor,
-                stage_mem: tuple, gidx_a: cute.Pointer, gidx_b: cute.Pointer, rows_a: Int32,
-                rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                full: cute.Pointer, empty: cute.Pointer):
+                stage_mem: tuple, outs: tuple, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
+                rows_a: Int32, rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor,
+                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
         """The producer warpgroup: the loader of the configuration's mode and gathers.
 
         ``tma_a``: A's ``(atom, tensor, row atom, row tensor)``; ``tma_b``: B's the same, then
         the cluster's multicast ``(atom, tensor, row atom, row tensor)`` of the shared operand,
-        B's or (``multicast_a``) A's (see :meth:`make_operand_tmas`).
+        B's or (``multicast_a``) A's (see :meth:`make_operand_tmas`). ``outs``: the kernel's
+        global pointers (FP8 varlen-K: B's scales, ``outs[5]``, go into ``stage_mem[3]``).
         """
         s_a_base, s_b_base = stage_mem[0], stage_mem[1]
         if cutlass.const_expr(self.cfg.mn_major_k):
@@ -145,20 +146,25 @@ class TmaProducers:
                                      (tma_b[0], tma_b[1], None, None), s_a, s_b, m_off,
                                      table, num_experts, full, empty)
                 else:
+                    col_scales = None
+                    if cutlass.const_expr(self.cfg.col_scale_bytes):
+                        col_scales = (outs[5], stage_mem[3])
                     self.produce_tma(first, step, total, tma_a[0], tma_a[1],
                                      (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), s_a, s_b, m_off,
-                                     table, num_experts, full, empty)
+                                     table, num_experts, full, empty, col_scales)
 
     @cute.jit
     def produce_tma(self, first: Int32, step: Int32, total: Int32, tma_atom_a, tma_a,
                     tma_b: tuple, s_a: cute.Tensor, s_b: cute.Tensor,
                     m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                    full: cute.Pointer, empty: cute.Pointer):
+                    full: cute.Pointer, empty: cute.Pointer, col_scales=None):
         """varlen-M with contiguous A, or FP8 varlen-K: one warp issues the TMA loads of A
         and B tiles. FP8 varlen-K's expert ``e`` is the k-tiles from its padded first row
         ``row0`` of the K-major copies: A tile rows ``mt·tile_m ..``, B's of the one
-        ``(N, R)`` copy. With ``multicast_a``, ``tma_atom_a`` is A's multicast atom: this
-        CTA loads its rank's half of the A tile into both CTAs, and its whole B tile."""
+        ``(N, R)`` copy, and (``col_scales``: B's scales ``(R/128, N)`` and the stages'
+        scale slots) the k-tile's scales of the tile's columns. With ``multicast_a``,
+        ``tma_atom_a`` is A's multicast atom: this CTA loads its rank's half of the A tile into
+        both CTAs, and its whole B tile."""
         cfg = self.cfg
         rank, a_ctas = 0, 1
         if cutlass.const_expr(cfg.multicast_a):
@@ -186,8 +192,28 @@ class TmaProducers:
                 self.tma_copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage], full + stage,
                               cfg.multicast_a)
                 self.load_b(tma_b, s_b, None, nt, kt0 + kt, e_b, stage, full, shared)
+                if cutlass.const_expr(col_scales is not None):
+                    self.copy_col_scales(col_scales, nt, kt0 + kt, stage, full)
                 stage, phase = self.ring.next_stage(stage, phase)
             t += step
+
+    @cute.jit
+    def copy_col_scales(self, col_scales: tuple, nt: Int32, kt: Int32, stage: Int32,
+                        full: cute.Pointer):
+        """FP8 varlen-K: k-tile ``kt``'s B scales of n-tile ``nt``'s columns (``tile_n``
+        contiguous fp32 of row ``kt`` of ``(R/128, N)``) into ring stage ``stage``'s scale slot,
+        one bulk copy completing on the stage's full barrier (each CTA of a cluster loads its
+        own). In the stage, the consumers read them from shared memory instead of ``tile_n /
+        4`` scalar global loads per thread per k-tile, whose latency the k-tile's WGMMAs did
+        not hide."""
+        src, slots = col_scales
+        n = self.cfg.tile_n
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32, num_bits_per_copy=n * 32)
+        g = cute.make_tensor(src + (Int64(kt) * self.cfg.dim_n + nt * n), cute.make_layout(n))
+        s = cute.make_tensor(slots + stage * n, cute.make_layout(n))
+        # Bulk copies do no thread election.
+        with cute.arch.elect_one():
+            cute.copy(atom, g, s, mbar_ptr=full + stage)
 
     @cute.jit
     def produce_gather_m(self, warp: Int32, first: Int32, step: Int32, total: Int32,

@@ -212,8 +212,8 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         acc_bars = (storage.acc_full.data_ptr(), storage.acc_empty.data_ptr())
         if warp >= EPILOGUE_WARPS and warp < MMA_WARP:
             self.produce(warp - EPILOGUE_WARPS, first, step, total, tma_a, tma_b, tma_epi,
-                         a_smem, b_smem, s_a, s_b, stage_mem, gidx_a, gidx_b, rows_a, rows_b,
-                         m_off, table, num_experts, full, empty)
+                         a_smem, b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b, rows_a,
+                         rows_b, m_off, table, num_experts, full, empty)
         elif warp == MMA_WARP:
             self.mma(first, step, total, tiled_mma, s_a, s_b, acc, m_off, num_experts, full,
                      empty, acc_bars)

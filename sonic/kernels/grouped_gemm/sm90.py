@@ -143,7 +143,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         if tidx < PRODUCER_THREADS:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             self.produce(warp, first, step, total, tma_a, tma_b, tma_epi, a_smem, b_smem, s_a,
-                         s_b, stage_mem, gidx_a, gidx_b, rows_a, rows_b, m_off, table,
+                         s_b, stage_mem, outs, gidx_a, gidx_b, rows_a, rows_b, m_off, table,
                          num_experts, full, empty)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)

@@ -52,10 +52,14 @@ copies of both operands (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`: 
 ``128 x 1`` block along the tokens, each expert's rows padded to whole k-tiles), loaded as
 tiles from the expert's padded first row; both operands carry a scale per row of their copy,
 so each element of a partial is promoted with its row's A scale times its column's B scale
-(32 column scales per thread, loaded with the A scales before the k-tile's WGMMAs). On
-``128 x 128`` tiles with one partial accumulator (no room for the column scales beside a
-256-wide tile's accumulators; no overlapped promotion, the k-loop is the expert's): 579–630
-TFLOPS on the H200, no faster than the bf16 varlen-K GEMM (benchmarks/RESULTS.md).
+(32 column scales per thread). The producer bulk-copies the k-tile's ``tile_n`` column scales
+into the ring stage with its operands (:attr:`~.config.GroupedGemmConfig.col_scale_bytes`),
+and the consumers read them from shared memory once the stage is full: loaded per thread
+from global memory (32 scalar loads per k-tile) their latency stalled the promotion, 1.13–1.36×
+slower (H200, same run, bitwise the same results; the kernel then ran no faster than the bf16
+varlen-K GEMM, benchmarks/RESULTS.md). On ``128 x 128`` tiles with one partial accumulator
+(no room for the column scales beside a 256-wide tile's accumulators; no overlapped
+promotion, the k-loop is the expert's): 700–784 TFLOPS at the OLMoE and 30B shapes.
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 
@@ -76,6 +80,18 @@ TURN = 1
 
 class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     """varlen-M grouped GEMM on e4m3 operands with per-k-tile fp32 promotion (cooperative)."""
+
+    def extra_storage(self) -> dict:
+        """varlen-K: the B column scales of each ring stage (:attr:`~.config.GroupedGemmConfig.
+        col_scale_bytes`), which the producer loads with the stage's operands."""
+        cfg = self.cfg
+        if not cfg.col_scale_bytes:
+            return {}
+        return {"sBs": cute.struct.Align[cute.struct.MemRange[
+            F32, cfg.stages * cfg.col_scale_bytes // 4], 128]}
+
+    def col_scale_stages(self, storage):
+        return storage.sBs.data_ptr() if self.cfg.col_scale_bytes else None
 
     def make_tiled_mma(self):
         """``m64n128k32`` per warpgroup whatever the tile width: one WGMMA's N is one B scale
@@ -102,7 +118,8 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         per k-tile and sub-tile, or with ``b_halves`` on a 128-wide tile one per column half.
         varlen-K (K-major copies ``(M, R)``, ``(N, R)``): A's ``(R/128, M)`` and B's
         ``(R/128, N)``, one scale per k-tile and row of each copy, so the promotion scales
-        each column by its own B scale (32 per thread, loaded with the A scales).
+        each column by its own B scale (32 per thread, read from the stage's copy,
+        ``stage_mem[3]``).
         """
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctid // 128)
@@ -202,10 +219,10 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 # other warpgroup's WGMMAs fill the gap.
                 for kt in cutlass.range(tile_k_tiles, unroll=1):
                     self.load_scales(a_sc, b_sc, 0, kt0 + kt, src, a_scales, b_rows, a_stride)
-                    if cutlass.const_expr(cfg.varlen_k):
-                        self.load_col_scales(b_cols, b_scales + Int64(kt0 + kt) * cfg.dim_n
-                                             + nt * cfg.tile_n, parts[0], part_coords)
                     cute.arch.mbarrier_wait(full + stage, phase)
+                    if cutlass.const_expr(cfg.varlen_k):
+                        self.load_col_scales(b_cols, stage_mem[3] + stage * cfg.tile_n,
+                                             parts[0], part_coords)
                     for g in cutlass.range_constexpr(subs):
                         if cutlass.const_expr(in_turn):
                             cute.arch.barrier(barrier_id=TURN + wg, number_of_threads=256)
@@ -246,7 +263,8 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     def load_col_scales(self, b_cols: cute.Tensor, row: cute.Pointer, partial: cute.Tensor,
                         part_coords: cute.Tensor):
         """varlen-K: the B scales of this thread's columns of the sub-tile from ``row`` (the
-        k-tile's scales of the tile's first column), into ``b_cols``."""
+        stage's copy of the k-tile's scales, from the tile's first column), into
+        ``b_cols``."""
         view = WgmmaAccumulator(partial, part_coords)
         for sl in cutlass.range_constexpr(SUB_N // SLAB):
             for j in cutlass.range_constexpr(SLAB // 8):
