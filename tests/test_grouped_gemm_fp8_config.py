@@ -274,6 +274,17 @@ def test_fp8_varlen_k_config_and_plan():
     assert bf16.mn_major_k and bf16.row_copies and not bf16.fp8
 
 
+def test_fp8_varlen_k_stages_carry_the_column_scales():
+    """FP8 varlen-K stages carry the k-tile's fp32 B scale of each of the tile's columns
+    (bulk-copied, so B's scales are 16-byte aligned); no other configuration has them."""
+    cfg = heuristic.varlen_k_config(1536, 2048, False, False, ab_dtype="e4m3")
+    assert cfg.col_scale_bytes == 128 * 4 and cfg.b_scales_align == 16
+    assert cfg.tma_bytes == (128 + 128) * 128 + 128 * 4
+    assert cfg.stages * cfg.tma_bytes + cfg.staging_elems * 2 <= config.SMEM_BYTES
+    for other in (_fp8(), heuristic.varlen_k_config(1536, 2048, False, True)):
+        assert other.col_scale_bytes == 0 and other.b_scales_align == 4
+
+
 def test_fp8_varlen_k_entry_points_validate_on_cpu():
     from sonic.kernels.fp8_quant import quantize_cols_grouped
     from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k_fp8
