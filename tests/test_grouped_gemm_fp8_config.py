@@ -24,9 +24,10 @@ def _fp8(**kw):
     (dict(varlen_k=True, dim_m=512, dim_k=0), "reads K-major copies \\(no gather"),
     (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False, transpose_c=True),
      "reads K-major copies"),
-    (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False, tile_n=256),
-     "runs 128 x 128 tiles"),
-    (dict(varlen_k=True, dim_m=200, dim_k=0, gather_a=False, cluster=1), "runs 128 x 128 tiles"),
+    (dict(varlen_k=True, dim_m=512, dim_k=0, gather_a=False, tile_n=256, dim_n=384),
+     "runs 128 x 128 or 128 x 256 tiles"),
+    (dict(varlen_k=True, dim_m=200, dim_k=0, gather_a=False, cluster=1),
+     "runs 128 x 128 or 128 x 256 tiles"),
     (dict(b_n_major=True), "K-major B"),
     (dict(epilogue="dswiglu", gather_a=False), "serves the gathered dA' GEMM"),
     (dict(tile_n=256, dim_n=384), "256-wide tiles need N a multiple of 256"),
@@ -263,9 +264,11 @@ def test_fp8_dswiglu_validation(change, error, match):
 def test_fp8_varlen_k_config_and_plan():
     """FP8 varlen-K (the weight gradients on K-major copies): TMA tiles, not row copies, so
     the 40/232 register split; no overlapped promotion (the k-loop is the expert's, not
-    unrollable); 128 x 128 tiles, a 2-CTA cluster exactly when M has an even m-tile count."""
+    unrollable); 128 x 256 tiles where N is a multiple of 256, else 128 x 128; a 2-CTA
+    cluster exactly when M has an even m-tile count."""
     cfg = heuristic.varlen_k_config(1536, 2048, False, False, ab_dtype="e4m3")
-    assert (cfg.varlen_k, cfg.fp8, cfg.tile_n, cfg.cluster) == (True, True, 128, CLUSTER)
+    assert (cfg.varlen_k, cfg.fp8, cfg.tile_n, cfg.cluster) == (True, True, 256, CLUSTER)
+    assert heuristic.varlen_k_config(1536, 384, False, False, ab_dtype="e4m3").tile_n == 128
     assert not cfg.mn_major_k and not cfg.row_copies and not cfg.overlapped_promotion
     assert (cfg.producer_regs, cfg.consumer_regs) == (40, 232)
     assert cfg.mainloop == config.FP8_MAINLOOPS["sm_90a"]
@@ -277,10 +280,13 @@ def test_fp8_varlen_k_config_and_plan():
 def test_fp8_varlen_k_stages_carry_the_column_scales():
     """FP8 varlen-K stages carry the k-tile's fp32 B scale of each of the tile's columns
     (bulk-copied, so B's scales are 16-byte aligned); no other configuration has them."""
-    cfg = heuristic.varlen_k_config(1536, 2048, False, False, ab_dtype="e4m3")
-    assert cfg.col_scale_bytes == 128 * 4 and cfg.b_scales_align == 16
-    assert cfg.tma_bytes == (128 + 128) * 128 + 128 * 4
-    assert cfg.stages * cfg.tma_bytes + cfg.staging_elems * 2 <= config.SMEM_BYTES
+    for n, tile_n in ((384, 128), (2048, 256)):
+        cfg = heuristic.varlen_k_config(1536, n, False, False, ab_dtype="e4m3")
+        assert cfg.tile_n == tile_n and cfg.b_scales_align == 16
+        assert cfg.col_scale_bytes == tile_n * 4
+        assert cfg.tma_bytes == (128 + tile_n) * 128 + tile_n * 4
+        assert cfg.stages >= 4
+        assert cfg.stages * cfg.tma_bytes + cfg.staging_elems * 2 <= config.SMEM_BYTES
     for other in (_fp8(), heuristic.varlen_k_config(1536, 2048, False, True)):
         assert other.col_scale_bytes == 0 and other.b_scales_align == 4
 

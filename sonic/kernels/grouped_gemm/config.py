@@ -196,10 +196,11 @@ class GroupedGemmConfig:
             if self.gather_a or self.gather_b or self.transpose_c:
                 raise ValueError("the FP8 varlen-K mainloop reads K-major copies (no gather, "
                                  "no transposed C)")
-            if self.tile_n != 128 or self.dim_m % TILE_M or self.dim_n % TILE_K_FP8:
-                raise ValueError(f"the FP8 varlen-K mainloop runs 128 x 128 tiles on M and N "
-                                 f"multiples of 128, got tile_n={self.tile_n}, M={self.dim_m}, "
-                                 f"N={self.dim_n}")
+            if (self.tile_n == 192 or self.dim_m % TILE_M or self.dim_n % TILE_K_FP8
+                    or self.dim_n % self.tile_n):
+                raise ValueError(f"the FP8 varlen-K mainloop runs 128 x 128 or 128 x 256 tiles "
+                                 f"on M and N multiples of 128 and of the tile, got "
+                                 f"tile_n={self.tile_n}, M={self.dim_m}, N={self.dim_n}")
             return
         # A 256-wide tile's second 128-column sub-tile must lie inside N: its B scale block
         # is read whether or not its columns are stored.

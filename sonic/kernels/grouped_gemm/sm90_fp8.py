@@ -51,15 +51,16 @@ varlen-K (the weight gradients, :func:`~.interface.grouped_gemm_varlen_k_fp8`) r
 copies of both operands (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`: scales per
 ``128 x 1`` block along the tokens, each expert's rows padded to whole k-tiles), loaded as
 tiles from the expert's padded first row; both operands carry a scale per row of their copy,
-so each element of a partial is promoted with its row's A scale times its column's B scale
-(32 column scales per thread). The producer bulk-copies the k-tile's ``tile_n`` column scales
-into the ring stage with its operands (:attr:`~.config.GroupedGemmConfig.col_scale_bytes`),
-and the consumers read them from shared memory once the stage is full: loaded per thread
-from global memory (32 scalar loads per k-tile) their latency stalled the promotion, 1.13–1.36×
-slower (H200, same run, bitwise the same results; the kernel then ran no faster than the bf16
-varlen-K GEMM, benchmarks/RESULTS.md). On ``128 x 128`` tiles with one partial accumulator
-(no room for the column scales beside a 256-wide tile's accumulators; no overlapped
-promotion, the k-loop is the expert's): 700–784 TFLOPS at the OLMoE and 30B shapes.
+so each element of a partial is promoted with its row's A scale times its column's B scale.
+The producer bulk-copies the k-tile's ``tile_n`` column scales into the ring stage with its
+operands (:attr:`~.config.GroupedGemmConfig.col_scale_bytes`), and the promotion reads each
+column pair's two scales from there as it reaches them (the stage is handed back after the
+promotion): loaded per thread from global memory (32 scalar loads per k-tile) their latency
+stalled the promotion, 1.13–1.36× slower, and held in registers for a whole sub-tile they
+spilled beside a 256-wide tile's accumulators. One partial accumulator, as the 256-wide
+varlen-M tiles (no overlapped promotion: the k-loop is the expert's); ``128 x 256`` tiles
+where N is a multiple of 256: 770–834 TFLOPS at the OLMoE and 30B shapes on the H200, against
+the bf16 varlen-K GEMM's 620–680 in the same run (benchmarks/RESULTS.md).
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 
@@ -152,9 +153,6 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         # Scale of (row i, column half h) of the partial being promoted, at i * halves + h.
         row_scale = cute.make_rmem_tensor((n_rows * (segs // subs),), F32)
         n_blocks, k_tiles = cfg.dim_n // SUB_N, cfg.k_tiles
-        # varlen-K: the B scale of each of this thread's columns of the sub-tile, at
-        # (slab, 8-column group, v0) of its column pairs.
-        b_cols = cute.make_rmem_tensor((SUB_N // 4,), F32)
         a_stride = rows_a
         if cutlass.const_expr(cfg.varlen_k):
             a_stride = Int32(cfg.dim_m)
@@ -220,9 +218,6 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 for kt in cutlass.range(tile_k_tiles, unroll=1):
                     self.load_scales(a_sc, b_sc, 0, kt0 + kt, src, a_scales, b_rows, a_stride)
                     cute.arch.mbarrier_wait(full + stage, phase)
-                    if cutlass.const_expr(cfg.varlen_k):
-                        self.load_col_scales(b_cols, stage_mem[3] + stage * cfg.tile_n,
-                                             parts[0], part_coords)
                     for g in cutlass.range_constexpr(subs):
                         if cutlass.const_expr(in_turn):
                             cute.arch.barrier(barrier_id=TURN + wg, number_of_threads=256)
@@ -230,9 +225,11 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                         if cutlass.const_expr(in_turn):
                             cute.arch.barrier_arrive(barrier_id=TURN + 1 - wg,
                                                      number_of_threads=256)
+                        col_scales = None
+                        if cutlass.const_expr(cfg.varlen_k):
+                            col_scales = stage_mem[3] + stage * cfg.tile_n + g * SUB_N
                         self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, part_coords, g, 0,
-                                    empty + stage if g == subs - 1 else None, lane,
-                                    b_cols if cfg.varlen_k else None)
+                                    empty + stage if g == subs - 1 else None, lane, col_scales)
                     stage, phase = self.ring.next_stage(stage, phase)
             stage, phase = self.epilogue.visit(
                 WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
@@ -260,20 +257,6 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
             b_sc[h * segs + g] = cute.make_tensor(b_rows[g] + kt, cute.make_layout(1))[0]
 
     @cute.jit
-    def load_col_scales(self, b_cols: cute.Tensor, row: cute.Pointer, partial: cute.Tensor,
-                        part_coords: cute.Tensor):
-        """varlen-K: the B scales of this thread's columns of the sub-tile from ``row`` (the
-        stage's copy of the k-tile's scales, from the tile's first column), into
-        ``b_cols``."""
-        view = WgmmaAccumulator(partial, part_coords)
-        for sl in cutlass.range_constexpr(SUB_N // SLAB):
-            for j in cutlass.range_constexpr(SLAB // 8):
-                for v0 in cutlass.range_constexpr(2):
-                    _, n = view.coord(ColumnPair(sl, 0, j, 0), v0)
-                    b_cols[(sl * (SLAB // 8) + j) * 2 + v0] = cute.make_tensor(
-                        row + n, cute.make_layout(1))[0]
-
-    @cute.jit
     def issue(self, tiled_mma: cute.TiledMma, partial: cute.Tensor, t_ca: cute.Tensor,
               t_cb: cute.Tensor, sub: cutlass.Constexpr, stage: Int32):
         """Queue the WGMMAs of stage ``stage``'s A and B sub-tile ``sub`` into ``partial`` as
@@ -296,17 +279,20 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     def retire(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
                b_sc: cute.Tensor, h: cutlass.Constexpr, row_scale: cute.Tensor,
                part_coords: cute.Tensor, sub: cutlass.Constexpr, pending: cutlass.Constexpr,
-               empty_stage, lane: Int32, b_cols=None):
+               empty_stage, lane: Int32, col_scales=None):
         """Wait until at most ``pending`` WGMMA groups remain (the oldest, ``partial``'s, is
         done), hand its operand stage back to the producers (unless ``empty_stage`` is None:
         a later sub-tile still reads it) and promote ``partial`` into sub-tile ``sub`` with
-        the scales of slot ``h`` (varlen-K: A's row scales and the per-column ``b_cols``)."""
+        the scales of slot ``h`` (varlen-K: A's row scales and the stage's column scales at
+        ``col_scales``, read during the promotion, so the stage is handed back after it)."""
         warpgroup.wait_group(pending)
-        if cutlass.const_expr(empty_stage is not None):
-            self.ring.release(empty_stage, lane)
-        if cutlass.const_expr(b_cols is not None):
-            self.promote_cols(acc, partial, a_sc, b_cols, part_coords)
+        if cutlass.const_expr(col_scales is not None):
+            self.promote_cols(acc, partial, a_sc, col_scales, part_coords, sub)
+            if cutlass.const_expr(empty_stage is not None):
+                self.ring.release(empty_stage, lane)
         else:
+            if cutlass.const_expr(empty_stage is not None):
+                self.ring.release(empty_stage, lane)
             segs = cute.size(b_sc) // 2
             halves = cute.size(row_scale) * 2 // cute.size(a_sc)
             n_rows = cute.size(a_sc) // 2
@@ -338,13 +324,26 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
 
     @cute.jit
     def promote_cols(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
-                     b_cols: cute.Tensor, part_coords: cute.Tensor):
-        """varlen-K: ``acc += partial · (a_scale[row] · b_scale[column])`` over the thread's
-        fragment (slot 0's A scales; one fp32 multiply and one FMA each)."""
+                     col_scales: cute.Pointer, part_coords: cute.Tensor, sub: cutlass.Constexpr):
+        """varlen-K: ``acc[sub-tile sub] += partial · (a_scale[row] · b_scale[column])`` over
+        the thread's fragment (slot 0's A scales; one fp32 multiply and one FMA each), the B
+        scales of each column pair read from the stage's copy ``col_scales`` (the sub-tile's
+        first column) as it is reached: held in registers for the whole sub-tile, 32 of them
+        beside a 256-wide tile's accumulators spilled."""
         view = WgmmaAccumulator(partial, part_coords)
+        pair = cute.make_rmem_tensor((2,), F32)
         for sl in cutlass.range_constexpr(SUB_N // SLAB):
-            for p in view.pairs(sl):
-                for v0 in cutlass.range_constexpr(2):
-                    mode = view.mode(p, v0)
-                    scale = a_sc[p.row] * b_cols[(sl * (SLAB // 8) + p.j) * 2 + v0]
-                    acc[mode] = acc[mode] + partial[mode] * scale
+            for j in cutlass.range_constexpr(SLAB // 8):
+                _, n = view.coord(ColumnPair(sl, 0, j, 0))
+                cute.autovec_copy(cute.make_tensor(col_scales + cute.assume(n, divby=2),
+                                                   cute.make_layout(2)), pair)
+                for mm in cutlass.range_constexpr(view.row_blocks):
+                    for v1 in cutlass.range_constexpr(2):
+                        p = ColumnPair(sl, mm, j, v1)
+                        for v0 in cutlass.range_constexpr(2):
+                            mode = view.mode(p, v0)
+                            # The partial's fragment is the accumulator's at MMA N repeat
+                            # ``sub``.
+                            acc_mode = (mode[0], mode[1], sub)
+                            acc[acc_mode] = (acc[acc_mode]
+                                             + partial[mode] * (a_sc[p.row] * pair[v0]))
