@@ -38,7 +38,9 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       651, dA' 571 → 628, down 609 → 633, dX 603 → 674, dW1 481 → 577, dW2 531 → 626 TFLOPS
       (no cluster → cluster); contiguous A on ping-pong ``128 x 128`` tiles reached only 443
       (down) and 327 (dX) there. The fused SwiGLU / dSwiGLU GEMMs on ping-pong tiles (H200,
-      with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower.
+      with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower; the gathered GEMMs with
+      the plain store epilogue on ping-pong ``128 x 128`` tiles are already 1.0–1.4× slower
+      than the fused kernels on this plan (seventeenth session).
     * Contiguous A (down-proj, dX̃) with K > 512: cooperative ``128 x tile_n`` on a cluster,
       its varlen-M stores deferred (:class:`.epilogue.base.StoreEpilogue`: each warp
       TMA-stores the previous tile one box per k-tile behind the WGMMAs), which beat the

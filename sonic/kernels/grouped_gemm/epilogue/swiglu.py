@@ -19,9 +19,11 @@ from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
 class SwigluEpilogue(Epilogue):
     """H ``(P, 2n)`` (the tile, bf16) and ``A = silu(gate) ⊙ up`` ``(P, n)``.
 
-    Not deferred (:meth:`Epilogue.defers`): held in bf16 registers beside the next tile's
-    accumulator, the H and A boxes spilled (740–832 bytes) and ran 1.2–1.6× slower (H200,
-    benchmarks/RESULTS.md, sixteenth session)."""
+    Not deferred (:meth:`Epilogue.defers`): with the tile held in bf16 registers beside the
+    next tile's accumulator and its H and A boxes stored during that tile's k-tiles, the
+    outputs were bitwise the same but the kernel 1–2% ("concat") and 3–7% ("interleaved")
+    slower, even once the spills (LLVM hoisting the held tile's SwiGLU out of the k-loop) were
+    gone (H200, benchmarks/RESULTS.md, sixteenth and seventeenth sessions)."""
 
     @cute.jit
     def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
