@@ -36,9 +36,13 @@ conflicts.
 
 ``quantize_cols_grouped`` (the FP8 weight gradients' operands): the same 8 × 8 thread tiles
 over 128 rows of one expert (padded with zeros past its end; gathered rows read through the
-index) × 128 columns, a scale per column from a butterfly over the 16 row groups of a warp
-(a warp holds all 128 rows of its 16 columns: no shared memory), the transposed tile stored
-as above into the K-major copy.
+index) × 64 columns per CTA of four warps, a scale per column from a butterfly over the 16
+row groups of a warp (a warp holds all 128 rows of its 16 columns: no shared memory), the
+transposed tile stored as above into the K-major copy. The tile stays bf16 in registers until
+each row is quantized: 89 registers per thread, five 128-thread CTAs per SM, where 128 columns
+per CTA of eight warps with fp32 copies of the tile (128 registers, two CTAs per SM) ran
+1.25–1.33× slower (H200, same run, bitwise the same copies; 1.7–2.5 TB/s of bf16 read + e4m3
+written at the ANCHORS shapes, benchmarks/RESULTS.md).
 
 ``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
 ``ValueError`` names the argument otherwise.
@@ -62,6 +66,8 @@ THREADS = 256
 # quantize_rows: rows per lane (issued together) and rows per CTA.
 ROWS_PER_LANE = 2
 ROWS_PER_CTA = THREADS // LANES_PER_SLICE * ROWS_PER_LANE
+# quantize_cols_grouped: columns per CTA (a warp holds 16, with all 128 rows of the block).
+COLS_PER_CTA = 64
 FP8_MAX = 448.0
 
 
@@ -334,7 +340,8 @@ def _kernels():
             self.kernel(gmem(BFloat16, x, 16), gmem(Uint32, q_t, 16), gmem(Float32, scales, 4),
                         gmem(Int32, gidx, 4), gmem(Int32, offsets, 4),
                         gmem(Int32, k_offsets, 4), num_experts, k_rows).launch(
-                grid=[self.cols // BLOCK, k_rows // BLOCK, 1], block=[THREADS, 1, 1],
+                grid=[self.cols // COLS_PER_CTA, k_rows // BLOCK, 1],
+                block=[COLS_PER_CTA // 16 * 32, 1, 1],
                 stream=stream)
 
         @cute.kernel
@@ -359,7 +366,7 @@ def _kernels():
             lane = tidx % 32
             r0 = (lane // 2) * VEC
             c0 = ((tidx // 32) * 2 + lane % 2) * VEC
-            col = cb * BLOCK + c0
+            col = cb * COLS_PER_CTA + c0
             frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)]
             for i in cutlass.range_constexpr(VEC):
                 # Rows past the expert's end are the block's zero padding.
@@ -371,13 +378,14 @@ def _kernels():
                         src = Int64(cute.make_tensor(gidx + p, cute.make_layout(1))[0])
                     cute.autovec_copy(cute.make_tensor(x + (src * self.cols + col),
                                                        cute.make_layout(VEC)), frags[i])
-            vals = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(VEC)]
+            # The rows stay bf16 until each is quantized (fp32 copies of all 64 values took
+            # a third of the registers).
             col_scale = cute.make_rmem_tensor((VEC,), Float32)
             col_scale.fill(0.0)
             for i in cutlass.range_constexpr(VEC):
-                vals[i].store(frags[i].load().to(Float32))
                 for j in cutlass.range_constexpr(VEC):
-                    col_scale[j] = cute.arch.fmax(col_scale[j], cute.math.absf(vals[i][j]),
+                    col_scale[j] = cute.arch.fmax(col_scale[j],
+                                                  cute.math.absf(frags[i][j].to(Float32)),
                                                   nan=True)
             # Fold the 16 row groups (lanes of the same parity), then amax -> scale.
             for j in cutlass.range_constexpr(VEC):
@@ -393,9 +401,10 @@ def _kernels():
                     block_scales[j] = col_scale[j]
             words = cute.make_rmem_tensor((2 * VEC,), Uint32)
             for i in cutlass.range_constexpr(VEC):
-                vals[i].store(vals[i].load() / col_scale.load())
+                vals = cute.make_rmem_tensor((VEC,), Float32)
+                vals.store(frags[i].load().to(Float32) / col_scale.load())
                 out = cute.make_rmem_tensor((VEC,), Float8E4M3FN)
-                out.store(vals[i].load().to(Float8E4M3FN))
+                out.store(vals.load().to(Float8E4M3FN))
                 packed = cute.recast_tensor(out, Uint32)
                 words[2 * i] = packed[0]
                 words[2 * i + 1] = packed[1]
@@ -560,7 +569,7 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
 
     Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped`, padding and tail
     included. One pass: a CTA reads one 128-row block of one expert (gathered rows
-    included) by 128 columns; a warp holds all 128 rows of its 16 columns, so a column's
+    included) by 64 columns; a warp holds all 128 rows of its 16 columns, so a column's
     ``amax`` is a butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves through a
     byte transpose in registers as 8-byte pieces of rows of the copy.
 
