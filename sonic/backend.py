@@ -261,8 +261,8 @@ def set_fp8_weight_grads(kind: str) -> str:
       Same validation loss as bf16 weight gradients in the CPU emulation (RESULTS.md), but
       slower on the H200 (same run: the layer's step 16.0 vs 14.7 ms at OLMoE, 32.7 vs
       31.3 ms at 30B): the FP8 varlen-K GEMMs (770–834 TFLOPS) beat the bf16 ones (620–680)
-      by less than the four column-wise quantization passes add (2.5 / 4.5 ms). An opt-in for the DeepSeek-V3 recipe's
-      numerics, not for speed.
+      by less than the four column-wise quantization passes add (2.5 / 4.5 ms). An opt-in
+      for the DeepSeek-V3 recipe's numerics, not for speed.
 
     Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
     rather than a context: the backward runs on autograd's device threads. Read when the

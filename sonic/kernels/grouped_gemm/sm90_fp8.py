@@ -80,7 +80,8 @@ TURN = 1
 
 
 class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
-    """varlen-M grouped GEMM on e4m3 operands with per-k-tile fp32 promotion (cooperative)."""
+    """Grouped GEMM (varlen-M, and varlen-K on K-major copies) on e4m3 operands with
+    per-k-tile fp32 promotion (cooperative)."""
 
     def extra_storage(self) -> dict:
         """varlen-K: the B column scales of each ring stage (:attr:`~.config.GroupedGemmConfig.
