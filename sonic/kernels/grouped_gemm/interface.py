@@ -800,8 +800,9 @@ for _n, _gate_up in ((384, "concat"), (1024, "concat"), (1024, "interleaved")):
                   n, 1536, True, epilogue="swiglu", gate_up=gu, ab_dtype="e4m3", arch=arch),
               archs=("sm_90a",), markers=_FP8_MARKERS)
 # Block-scaled FP8 varlen-K (the weight gradients on K-major copies): M with an even
-# m-tile count (2-CTA cluster) and an odd one (one CTA).
-for _m, _n in ((1536, 2048), (384, 256)):
+# m-tile count (2-CTA cluster) on 128 x 256 tiles, an odd one (one CTA) on 128 x 128 tiles
+# (N not a multiple of 256).
+for _m, _n in ((1536, 2048), (384, 384)):
     _register(f"varlen_k_fp8_m{_m}_n{_n}",
               lambda arch, m=_m, n=_n: heuristic.varlen_k_config(m, n, False, False,
                                                                  ab_dtype="e4m3", arch=arch),
