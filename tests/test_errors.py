@@ -106,3 +106,17 @@ def test_routing_metadata_checks_hand_built_pairs(problem):
         sonic.routing_metadata(sonic.Routing(tok, exp + 1, s, 10, 3))
     with pytest.raises(ValueError, match=r"token_idx values must be in \[0, 10\)"):
         sonic.routing_metadata(sonic.Routing(tok - 1, exp, s, 10, 3))
+
+
+def test_kernel_address_checks_name_the_argument():
+    """A misaligned tensor handed to a kernel launch is named in the error (CPU: the check is
+    on the address alone)."""
+    from sonic.kernels import runtime
+
+    storage = torch.zeros(9, dtype=torch.float32)
+    shifted = storage[1:]
+    assert runtime.address(storage, 16, "b_scales") == storage.data_ptr()
+    with pytest.raises(ValueError, match="b_scales data at .* is not 16-byte aligned"):
+        runtime.address(shifted, 16, "b_scales")
+    with pytest.raises(ValueError, match="tensor data at .* is not 16-byte aligned"):
+        runtime.address(shifted)

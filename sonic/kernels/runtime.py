@@ -256,17 +256,18 @@ def compile_launcher(fn, *args, keep_ptx: bool = False) -> Launcher:
     return Launcher(cute.compile(fn, *args, make_fake_stream(), options=options), tvm_ffi)
 
 
-def address(t: torch.Tensor, align: int = 16) -> int:
+def address(t: torch.Tensor, align: int = 16, name: str = "tensor") -> int:
     """Device address of ``t``'s data, checked to be ``align``-byte aligned.
 
-    The alignment must match the one the kernel assumes (:func:`gmem_ptr`).
+    The alignment must match the one the kernel assumes (:func:`gmem_ptr`); ``name`` is the
+    argument the error message names.
 
     Raises:
         ValueError: the address is not ``align``-byte aligned.
     """
     a = t.data_ptr()
     if a % align:
-        raise ValueError(f"tensor data at {a:#x} is not {align}-byte aligned; pass a tensor "
+        raise ValueError(f"{name} data at {a:#x} is not {align}-byte aligned; pass a tensor "
                          "that owns its storage (e.g. .clone())")
     return a
 

@@ -665,7 +665,8 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
             of 128.
         a_scales: ``(R/128, M)`` fp32, contiguous.
         b_t_q: ``(N, R)`` float8_e4m3fn, contiguous, 16-byte aligned.
-        b_scales: ``(R/128, N)`` fp32, contiguous.
+        b_scales: ``(R/128, N)`` fp32, contiguous, 16-byte aligned (bulk-copied into the
+            operand stages).
         k_offsets: ``(E+1,)`` int32, contiguous: expert ``e``'s padded rows ``[k_offsets[e],
             k_offsets[e+1])``, multiples of 128, non-decreasing from 0, at most ``R``
             (:func:`sonic.reference.fp8.padded_offsets`). Read on the device only.
@@ -677,7 +678,8 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
         TypeError: a tensor has the wrong dtype.
         ValueError: ``M`` or ``N`` not a positive multiple of 128, ``R`` not a multiple of 128,
             shapes disagree, a tensor is not a contiguous CUDA tensor of the right rank,
-            devices differ, ``E`` exceeds 1024, or the device is not sm_90a.
+            devices differ, ``E`` exceeds 1024, the device is not sm_90a, or ``a_t_q``,
+            ``b_t_q`` or ``b_scales`` is not 16-byte aligned.
     """
     fp8 = (torch.float8_e4m3fn,)
     runtime.check_tensor("a_t_q", a_t_q, dtypes=fp8, ndim=2)
@@ -708,9 +710,10 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
     addr = runtime.address
     offsets_addr, out_addr = addr(k_offsets, 4), addr(out, 16)
     # Slots this configuration never reads: out's and the offsets' addresses stand in.
-    _launcher(cfg)(addr(a_t_q, 16), addr(b_t_q, 16), out_addr, out_addr, out_addr, out_addr,
-                   out_addr, offsets_addr, offsets_addr, offsets_addr, addr(a_scales, 4),
-                   addr(b_scales, cfg.b_scales_align), k_rows, k_rows, num_experts,
+    _launcher(cfg)(addr(a_t_q, 16, "a_t_q"), addr(b_t_q, 16, "b_t_q"), out_addr, out_addr,
+                   out_addr, out_addr, out_addr, offsets_addr, offsets_addr, offsets_addr,
+                   addr(a_scales, 4),
+                   addr(b_scales, cfg.b_scales_align, "b_scales"), k_rows, k_rows, num_experts,
                    _num_ctas(device, work_items, cfg.cluster))
     return out
 
