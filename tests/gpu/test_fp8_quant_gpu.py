@@ -4,7 +4,8 @@ The kernels and :mod:`sonic.reference.fp8` make the same fp32 operations (amax, 
 IEEE ``x / scale``, round-to-nearest-even e4m3 with saturation), so ``q`` (compared as bytes)
 and the scales must be equal, not close. Inputs: bf16 normals with 1 % outliers ×1000, a zero
 row and a zero block, a row of large values (~1e30), a row of tiny ones (~1e-30, whose small
-elements fall in e4m3's subnormal range) and bf16 subnormals (fp32-subnormal scales).
+elements fall in e4m3's subnormal range) and bf16 subnormals (fp32-subnormal scales), 1 % negative
+zeros.
 Outputs are poisoned first (0xFF is NaN in e4m3 and fp32), and every launch is run twice.
 """
 
@@ -20,6 +21,8 @@ def _inputs(*shape, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=gen)
     x = torch.where(torch.rand(*shape, generator=gen) < 0.01, x * 1000.0, x)
+    # Negative zeros: the GPU's quotient keeps a zero's sign (fp8_quant.quotient).
+    x = torch.where(torch.rand(*shape, generator=gen) < 0.01, torch.full_like(x, -0.0), x)
     rows = x.view(-1, shape[-1])
     specials = [0.0, None, 1e30, 1e-30, 1e-39]   # zero row, zero block, large, tiny, subnormal
     for i, factor in enumerate(specials[:rows.shape[0]]):

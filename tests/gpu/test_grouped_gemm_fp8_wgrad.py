@@ -65,6 +65,8 @@ def test_quantize_cols_grouped_bitwise(num_pairs, num_experts, cols, mode, gathe
 
     x, offsets, idx = _rows(num_pairs, num_experts, cols, mode, gathered, num_pairs + cols)
     x[0, :5] *= 300.0                                 # an outlier column block
+    x[:, 8:16] *= 1e-30         # tiny columns: their threads take the division instruction
+    x[1::7] = -0.0              # negative zeros keep their sign
     k_offsets = R.padded_offsets(offsets)
     want = R.quantize_cols_grouped(x, offsets, k_offsets, idx)
     before = x.clone()
