@@ -44,7 +44,13 @@ OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
 kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major e4m3 ``W2ᵀ``, rel err on dH) on e4m3 operands
 quantized once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the
 same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
-≈4%).
+≈4%). Then ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients
+``dW1``, ``dW2`` (``grouped_gemm_varlen_k_fp8`` on the K-major ``128 x 1``-scaled copies of
+``quantize_cols_grouped``, made before the timing; their cost is in
+``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM shape also runs as
+one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``, ``1 x 128`` A and
+``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of the same work reaches
+on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen, no epilogue).
 """
 
 import argparse
@@ -59,14 +65,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, device_name  # noqa: E402
 
+from sonic.kernels.fp8_quant import quantize_cols_grouped  # noqa: E402
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
                                         grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
                                         grouped_gemm_fp8_swiglu, grouped_gemm_swiglu,
-                                        grouped_gemm_varlen_k, heuristic)
+                                        grouped_gemm_varlen_k, grouped_gemm_varlen_k_fp8,
+                                        heuristic)
 from sonic.kernels.grouped_gemm.config import CLUSTER  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
-from sonic.reference.fp8 import quantize_blocks, quantize_rows  # noqa: E402
+from sonic.reference.fp8 import padded_offsets, quantize_blocks, quantize_rows  # noqa: E402
 from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 
 # (name, T, d, n, E, K) from ANCHORS.md.
@@ -108,9 +116,10 @@ GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "d
 FP8_SHAPES = ("OLMoE", "30B")
 
 
-def fp8_rows(name, t, d, n, e, k):
-    """FP8 ``up``, ``up+act`` (SwiGLU epilogue, "concat"), ``down`` and ``dA'+dH`` (dSwiGLU
-    epilogue) beside sonic bf16 and torch bf16 at one shape."""
+def fp8_rows(name, t, d, n, e, k, ceiling=False):
+    """FP8 ``up``, ``up+act`` (SwiGLU epilogue, "concat"), ``down``, ``dA'+dH`` (dSwiGLU
+    epilogue), ``dX``, ``dW1`` and ``dW2`` beside sonic bf16 and torch bf16 at one shape; with
+    ``ceiling``, the dense block-scaled cuBLAS GEMM of each distinct shape."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -154,7 +163,56 @@ def fp8_rows(name, t, d, n, e, k):
     _row(name, "dA'+dH/fp8", 2 * p * d * n,
          lambda: grouped_gemm_fp8_dswiglu(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx, h,
                                           scores)[0], torch_dh)
-    del x, w1, act, w2, do, h, scores, do_q, do_s, w2t_q, w2t_s
+    del w2t_q, w2t_s
+    # dX on W1ᵀ's K-major copy (the layer's fp8_weights[4:6]); h stands in for dH.
+    dh_q, dh_s = quantize_rows(h)
+    w1t_q, w1t_s = quantize_blocks(w1.transpose(1, 2).contiguous())
+    _row(name, "dX", 2 * p * 2 * n * d, lambda: grouped_gemm(h, w1.transpose(1, 2), offsets),
+         lambda: torch._grouped_mm(h, w1, offs=ends))
+    _row(name, "dX/fp8", 2 * p * 2 * n * d,
+         lambda: grouped_gemm_fp8(dh_q, dh_s, w1t_q, w1t_s, offsets),
+         lambda: torch._grouped_mm(h, w1, offs=ends))
+    del dh_q, dh_s, w1t_q, w1t_s
+    # Weight gradients from the K-major 128 x 1-scaled copies.
+    k_offsets = padded_offsets(offsets)
+    for gemm, a, idx_a, b, idx_b, flops in (("dW1", h, None, x, gather_idx, 2 * p * 2 * n * d),
+                                            ("dW2", do, gather_idx, act, None, 2 * p * d * n)):
+        def torch_fn(a=a, idx_a=idx_a, b=b, idx_b=idx_b):
+            rows_a = a.index_select(0, gidx_long) if idx_a is not None else a
+            rows_b = b.index_select(0, gidx_long) if idx_b is not None else b
+            return torch._grouped_mm(rows_a.t(), rows_b, offs=ends)
+
+        _row(name, gemm, flops, lambda a=a, idx_a=idx_a, b=b, idx_b=idx_b: grouped_gemm_varlen_k(
+            a, b, offsets, gather_idx_a=idx_a, gather_idx_b=idx_b), torch_fn)
+        copies = (*quantize_cols_grouped(a, offsets, k_offsets, idx_a),
+                  *quantize_cols_grouped(b, offsets, k_offsets, idx_b))
+        _row(name, gemm + "/fp8", flops,
+             lambda copies=copies: grouped_gemm_varlen_k_fp8(*copies, k_offsets), torch_fn)
+        del copies
+    del x, w1, act, w2, do, h, scores, do_q, do_s
+    torch.cuda.empty_cache()
+    if ceiling:
+        # (M, K, N) of up / dW1, down, dA' / dW2 (the same work), dX.
+        for gemm, (kk, nn) in (("up", (d, 2 * n)), ("down", (n, d)), ("dA'", (d, n)),
+                               ("dX", (2 * n, d))):
+            _fp8_dense_ceiling(name, gemm, p, kk, nn)
+
+
+def _fp8_dense_ceiling(shape, gemm, m, k, n):
+    """One dense ``(m, k) · (k, n)`` cuBLAS FP8 GEMM with ``1 x 128`` A and ``128 x 128`` B
+    block scales (``torch._scaled_mm``'s blockwise layouts: A's scales M-major, B's
+    ``(K/128, N/128)`` as the transpose of an ``(N/128, K/128)`` matrix)."""
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    scale_a = (torch.rand(k // 128, m, device="cuda") + 0.5).t()
+    scale_b = (torch.rand(n // 128, k // 128, device="cuda") + 0.5).t()
+    try:
+        _ceiling_row(shape, gemm + "/dense-fp8", 2 * m * n * k,
+                     lambda: torch._scaled_mm(a, b.t(), scale_a, scale_b,
+                                              out_dtype=torch.bfloat16))
+    except (RuntimeError, NotImplementedError) as exc:  # a build without blockwise scaling
+        print(f"  {gemm}/dense-fp8: torch._scaled_mm failed: {exc}".splitlines()[0])
+    del a, b
     torch.cuda.empty_cache()
 
 
@@ -295,13 +353,14 @@ def main(argv=None):
                         help="time only these GEMMs (repeatable; default: all)")
     parser.add_argument("--ceiling", action="store_true",
                         help="also time each GEMM on pre-gathered rows and cuBLAS bmm on "
-                             "balanced experts")
+                             "balanced experts (with --fp8: cuBLAS's dense block-scaled FP8 "
+                             "GEMM of each shape)")
     parser.add_argument("--plans", action="store_true",
                         help="time the down, dX, dW1 and dW2 GEMMs under every candidate "
                              "tile plan instead")
     parser.add_argument("--fp8", action="store_true",
-                        help="time the block-scaled FP8 up, up+act, down and dA'+dH GEMMs beside "
-                             "bf16 instead")
+                        help="time the block-scaled FP8 GEMMs (up, up+act, down, dA'+dH, dX, "
+                             "dW1, dW2) beside bf16 instead")
     args = parser.parse_args(argv)
     only = set(args.gemm or GEMMS)
     print(f"device: {device_name()}")
@@ -314,7 +373,7 @@ def main(argv=None):
     if args.fp8:
         for shape in SHAPES:
             if shape[0] in FP8_SHAPES:
-                fp8_rows(*shape)
+                fp8_rows(*shape, ceiling=args.ceiling)
         return
     for name, t, d, n, e, k in SHAPES:
         def row(gemm, *args, name=name):
