@@ -77,10 +77,10 @@ FP8_MAX = 448.0
 FAST_SCALE_MIN = 2.0 ** -80
 FAST_SCALE_MAX = 2.0 ** 100
 # Markstein's correctly rounded quotient (IA-64's division; Muller et al., Handbook of
-# Floating-Point Arithmetic, §4.7): $1 = x, $2 = RN(1/s), $3 = -s. q = RN(x·y) is within 2 ulps,
-# one correction makes it faithful, and from a faithful q with the correctly rounded y one more
-# gives RN(x/s) (the residuals x − s·q are exact in an fma). A zero x keeps its sign (the
-# corrections would turn −0 into +0).
+# Floating-Point Arithmetic, §4.7): $1 = x, $2 = y = RN(1/s), $3 = -s. q = RN(x·y) is within 2
+# ulps of x/s, one correction q + RN(x − s·q)·y makes it faithful, and from a faithful q (whose
+# residual x − s·q an fma gives exactly) and the correctly rounded y one more gives RN(x/s).
+# A zero x keeps its sign (the corrections would turn −0 into +0).
 _QUOTIENT_PTX = ("{ .reg .f32 q, r; .reg .pred z;\n"
                  "mul.rn.f32 q, $1, $2;\n"
                  "fma.rn.f32 r, $3, q, $1;\n"
