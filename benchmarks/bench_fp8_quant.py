@@ -2,14 +2,17 @@
 
     python benchmarks/bench_fp8_quant.py
 
-Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales) and
-``quantize_blocks`` (128×128 weight scales) against the PyTorch implementation in
-``sonic.reference.fp8`` (fp32 temporaries, several passes) at the ANCHORS.md shapes: ``X (T, d)``
-and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for the blocks. Prints the
-median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on bytes read + written
-(``2·numel`` bf16 read, ``numel`` fp8 and ``numel / 32`` bytes of fp32 scales written), its
-percentage of the same-run device copy bandwidth, the speedup, and whether the outputs are
-bitwise equal (the tests hold that on harder inputs).
+Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales),
+``quantize_blocks`` (128×128 weight scales) and ``quantize_cols_grouped`` (the FP8 weight
+gradients' K-major copies, 128×1 scales along each expert's rows) against the PyTorch
+implementation in ``sonic.reference.fp8`` (fp32 temporaries, several passes) at the ANCHORS.md
+shapes: ``X (T, d)`` and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for
+the blocks, ``X`` gathered by random top-K routing, ``dH (T·K, 2n)`` and ``A' (T·K, n)`` for
+the columns. Prints the median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on
+bytes read + written (``2·numel`` bf16 read, ``numel`` fp8 and ``numel / 32`` bytes of fp32
+scales written; ``numel`` of the copy for the columns), its percentage of the same-run device
+copy bandwidth, the speedup, and whether the outputs are bitwise equal (the tests hold that on
+harder inputs).
 """
 
 import os
@@ -21,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, copy_bandwidth, device_name  # noqa: E402
+from bench_grouped_gemm import _routing  # noqa: E402
 
 from sonic.kernels import fp8_quant  # noqa: E402
 from sonic.reference import fp8 as ref  # noqa: E402
@@ -43,21 +47,35 @@ def main():
           f"{'GB/s':>6} {'% copy':>6} {'speedup':>7} {'bitwise':>7}")
     for name, t, d, n, e, k in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
-        cases = (("quantize_rows", "X", (t, d)), ("quantize_rows", "A", (t * k, n)),
-                 ("quantize_blocks", "W1", (e, 2 * n, d)), ("quantize_blocks", "W2", (e, d, n)))
-        for kernel, operand, shape in cases:
+        gather_idx, offsets = _routing(t, e, k)
+        k_offsets = ref.padded_offsets(offsets)
+        cases = (("quantize_rows", "X", (t, d), None), ("quantize_rows", "A", (t * k, n), None),
+                 ("quantize_blocks", "W1", (e, 2 * n, d), None),
+                 ("quantize_blocks", "W2", (e, d, n), None),
+                 ("quantize_cols", "X gathered", (t, d), gather_idx),
+                 ("quantize_cols", "dH", (t * k, 2 * n), None),
+                 ("quantize_cols", "A'", (t * k, n), None))
+        for kernel, operand, shape, idx in cases:
             x = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
-            kernel_fn = getattr(fp8_quant, kernel)
-            torch_fn = getattr(ref, kernel)
-            same = _equal(kernel_fn(x), torch_fn(x))
+            if kernel == "quantize_cols":
+                def kernel_fn(x, idx=idx):
+                    return fp8_quant.quantize_cols_grouped(x, offsets, k_offsets, idx)
+
+                def torch_fn(x, idx=idx):
+                    return ref.quantize_cols_grouped(x, offsets, k_offsets, idx)
+            else:
+                kernel_fn, torch_fn = getattr(fp8_quant, kernel), getattr(ref, kernel)
+            out = kernel_fn(x)
+            same = _equal(out, torch_fn(x))
             torch_us = bench(lambda: torch_fn(x))
             kern_us = bench(lambda: kernel_fn(x))
-            nbytes = 3 * x.numel() + x.numel() // 32
+            numel = out[0].numel()
+            nbytes = 3 * numel + numel // 32
             gbs = nbytes / (kern_us * 1e-6) / 1e9
             print(f"{name:<6} {kernel:<15} {operand + ' ' + str(shape):<20} | {torch_us:>9.1f} "
                   f"{kern_us:>9.1f} {gbs:>6.0f} {100 * gbs / copy:>5.1f}% "
                   f"{torch_us / kern_us:>6.2f}x {str(same):>7}")
-            del x
+            del x, out
         torch.cuda.empty_cache()
 
 

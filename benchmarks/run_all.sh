@@ -16,8 +16,8 @@ for b in topk routing_metadata aggregation swiglu fp8_quant grouped_gemm; do
   echo "== bench_$b"
   python3 "benchmarks/bench_$b.py"
 done
-echo "== bench_grouped_gemm --fp8 (block-scaled FP8 beside bf16)"
-python3 benchmarks/bench_grouped_gemm.py --fp8
+echo "== bench_grouped_gemm --fp8 --ceiling (block-scaled FP8 beside bf16 and cuBLAS's dense FP8)"
+python3 benchmarks/bench_grouped_gemm.py --fp8 --ceiling
 echo "== bench_moe (with the per-kernel breakdown of sonic's forward+backward)"
 python3 benchmarks/bench_moe.py --profile
 echo "== bench_host (host µs per call beside GPU time, 7B)"
