@@ -192,7 +192,7 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
     del x, w1, act, w2, do, h, scores, do_q, do_s
     torch.cuda.empty_cache()
     if ceiling:
-        # (M, K, N) of up / dW1, down, dA' / dW2 (the same work), dX.
+        # (K, N) on P rows of up (dW1's work), down, dA' (dW2's work), dX.
         for gemm, (kk, nn) in (("up", (d, 2 * n)), ("down", (n, d)), ("dA'", (d, n)),
                                ("dX", (2 * n, d))):
             _fp8_dense_ceiling(name, gemm, p, kk, nn)
