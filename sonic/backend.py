@@ -258,11 +258,12 @@ def set_fp8_weight_grads(kind: str) -> str:
       reduction axis): dO, A', dH and gathered X each quantized once into a K-major copy
       (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`, every expert's rows padded to
       whole 128-row blocks), then :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
-      Same validation loss as bf16 weight gradients in the CPU emulation (RESULTS.md), but
-      slower on the H200 (same run: the layer's step 16.0 vs 14.7 ms at OLMoE, 32.7 vs
-      31.3 ms at 30B): the FP8 varlen-K GEMMs (770–834 TFLOPS) beat the bf16 ones (620–680)
-      by less than the four column-wise quantization passes add (2.5 / 4.5 ms). An opt-in
-      for the DeepSeek-V3 recipe's numerics, not for speed.
+      Same validation loss as bf16 weight gradients (CPU emulation, and three seeds on the
+      GPU; RESULTS.md), but no faster on the H200 (same run, eighteenth session: the layer's
+      step 15.8 vs 14.8 ms at OLMoE, 31.5 vs 31.6 ms at 30B, with 1.4 GiB more peak at 30B):
+      the FP8 varlen-K GEMMs (790–840 TFLOPS) beat the bf16 ones (620–640) by about what the
+      four column-wise quantization passes add (2.2 / 3.6 ms). An opt-in for the DeepSeek-V3
+      recipe's numerics, not for speed.
 
     Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
     rather than a context: the backward runs on autograd's device threads. Read when the
