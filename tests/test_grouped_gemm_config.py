@@ -52,7 +52,6 @@ def _m(**kw):
     (dict(tile_m=256, tile_n=128, gather_a=False, arch="sm_100a", cluster=1),
      "tile_m=256 serves"),
     (dict(multicast_a=True, gather_a=False, cluster=1), "multicast_a serves"),
-    (dict(multicast_a=True), "multicast_a serves"),                            # gathered A
     (dict(multicast_a=True, gather_a=False, ab_dtype="e4m3"), "multicast_a serves"),
 ])
 def test_config_rejects_unsupported_combinations(kw, match):
@@ -98,6 +97,10 @@ def test_config_derived_sizes():
     assert tall.staging_elems == 2 * 64 * 72 and tall.tma_bytes == (256 + 128) * 64 * 2
     # Work items: m-tiles x pairs of n-tiles (5 n-tiles: the third pair's second is phantom).
     assert (tall.n_groups, tall.varlen_m_work_items(7)) == (3, 21)
+    # Gathered A shared by the cluster: each CTA copies half of the rows, but receives all.
+    shared_rows = _m(multicast_a=True)
+    assert shared_rows.tma_bytes == coop.tma_bytes
+    assert (shared_rows.n_groups, shared_rows.varlen_m_work_items(7)) == (2, 14)
     assert (coop.n_groups, coop.varlen_m_work_items(7)) == (4, 16)
     assert _m(epilogue="swiglu", gate_up="concat").b_halves
     assert not _m(epilogue="swiglu", gate_up="interleaved").b_halves
@@ -123,10 +126,16 @@ def test_barrier_contract(pingpong, cluster, expected):
 
 
 @pytest.mark.parametrize("args,expected", [
-    # gathered varlen-M (up-proj, dA'): cooperative 128 x 256 on a 2-CTA cluster
-    ((False, 1024, True, 1536), (256, False, CLUSTER)),
+    # gathered varlen-M (up-proj, dA'): cooperative 128 x 256 on a 2-CTA cluster sharing A
+    # when N has an even number of n-tiles, else B (no phantom half)
+    ((False, 1024, True, 1536), (256, False, CLUSTER, 128, True)),
+    ((False, 256, True, 1536), (256, False, CLUSTER)),
+    ((False, 1280, True, 1536), (256, False, CLUSTER)),
     # N small and not a multiple of 256: 128-wide tiles
-    ((False, 192, True, 4096), (128, False, CLUSTER)),
+    ((False, 192, True, 4096), (128, False, CLUSTER, 128, True)),
+    ((False, 640, True, 4096), (128, False, CLUSTER)),
+    # FP8 gathered: sharing B
+    ((False, 1024, True, 1536, 0, "sm_90a", "e4m3"), (256, False, CLUSTER)),
     # contiguous A, K > 512 (down-proj / dX at OLMoE, 30B): cooperative 128 x 256 on a
     # cluster (stores deferred into the next tile's mainloop)
     ((False, 2048, False, 1024), (256, False, CLUSTER)),

@@ -141,6 +141,47 @@ def test_varlen_m_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_n, 
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.fixture
+def gathered_cluster_shares(monkeypatch):
+    """Make the gathered bf16 varlen-M plans on a cluster share A (``multicast_a``: each CTA
+    copies half of the rows) or B (consecutive m-tiles), whichever ``heuristic.plan`` picks."""
+    def force(share_a):
+        original = heuristic.plan
+
+        def plan(is_varlen_k, dim_n, gathered=False, *args, **kwargs):
+            tiles = original(is_varlen_k, dim_n, gathered, *args, **kwargs)
+            if (gathered and not is_varlen_k and tiles.cluster > 1
+                    and kwargs.get("ab_dtype", "bf16") == "bf16"):
+                return tiles._replace(multicast_a=share_a)
+            return tiles
+        monkeypatch.setattr(heuristic, "plan", plan)
+    return force
+
+
+# Odd n-tile counts among them (N = 640: 5 x 128; the SwiGLU GEMM's 2n = 384: 3 x 128; the dH
+# kernel's n = 1096: 5 x 256), so the last pair of a cluster sharing A has a phantom half
+# that still copies its rows for its peer.
+@pytest.mark.parametrize("share_a", [False, True], ids=["share_b", "share_a"])
+@pytest.mark.parametrize("case", [
+    ("gemm", (1000, 8, 1536, 256, "ragged")), ("gemm", (3001, 16, 640, 1536, "empty")),
+    ("gemm", (777, 4, 200, 136, "one")), ("gemm", (1500, 64, 1024, 1096, "empty")),
+    ("swiglu", (3001, 16, 256, 1536, "empty")), ("swiglu", (2000, 4, 1024, 512, "one")),
+    ("swiglu", (4097, 128, 192, 256, "ragged")),
+    ("dswiglu", (3001, 16, 256, 1536, "empty")), ("dswiglu", (4097, 128, 1096, 256, "ragged")),
+    ("dswiglu", (1000, 8, 200, 136, "ragged")),
+], ids=str)
+def test_gathered_cluster_shares(gathered_cluster_shares, share_a, case):
+    """The gathered GEMMs (plain, SwiGLU, dSwiGLU epilogues) with the cluster sharing A or B."""
+    gathered_cluster_shares(share_a)
+    kind, sizes = case
+    if kind == "gemm":
+        test_varlen_m(*sizes, gathered=True, b_n_major=False)
+    elif kind == "swiglu":
+        test_up_proj_swiglu_epilogue(*sizes, gate_up="concat")
+    else:
+        test_dh_dswiglu_epilogue(*sizes)
+
+
 @pytest.mark.parametrize("tiles", VARLEN_K_PLANS, ids=str)
 @pytest.mark.parametrize("gather_a,gather_b", [(False, False), (True, False), (False, True)])
 # M and N both take an even number of 256-row tiles: with A gathered the GEMM runs swapped

@@ -85,8 +85,8 @@ class GroupedGemmConfig:
             128`` accumulators) only for the cooperative bf16 sm_90a store kernel on
             ``tile_n=128``, varlen-M with contiguous A or varlen-K.
         multicast_a: on a 2-CTA cluster, the CTAs take consecutive n-tiles of one m-tile and
-            each loads half of the shared A tile for both (CUTLASS cluster shape 1 x 2);
-            varlen-M with contiguous A, bf16, sm_90a.
+            each loads half of the shared A tile (gathered: half of its rows) for both
+            (CUTLASS cluster shape 1 x 2); varlen-M, bf16, sm_90a.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -137,9 +137,9 @@ class GroupedGemmConfig:
         if self.cluster not in (1, CLUSTER):
             raise ValueError(f"cluster must be 1 or {CLUSTER}, got {self.cluster}")
         self._check_tile_m()
-        if self.multicast_a and (self.cluster == 1 or self.varlen_k or self.gather_a
-                                 or self.fp8 or self.arch != "sm_90a"):
-            raise ValueError("multicast_a serves the contiguous-A bf16 sm_90a varlen-M kernel "
+        if self.multicast_a and (self.cluster == 1 or self.varlen_k or self.fp8
+                                 or self.arch != "sm_90a"):
+            raise ValueError("multicast_a serves the bf16 sm_90a varlen-M kernel "
                              f"on a {CLUSTER}-CTA cluster")
         if self.pingpong and self.cluster > 1 and self.varlen_k:
             raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")

@@ -41,6 +41,19 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower; the gathered GEMMs with
       the plain store epilogue on ping-pong ``128 x 128`` tiles are already 1.0–1.4× slower
       than the fused kernels on this plan (seventeenth session).
+    * Gathered varlen-M A (bf16) when N has an even number of n-tiles: the cluster shares A
+      instead (``multicast_a``, consecutive n-tiles of one m-tile), so each CTA issues half
+      of the tile's 128 row copies per k-tile. Those copies bound the gathered GEMMs: the
+      same kernel on an identity index ran as slowly as on the routing's, 4–7% behind the
+      rows gathered beforehand. H200, same run, two rounds, µs (sharing B → sharing A; every
+      output bitwise the same): OLMoE up 3513/3613 → 3384/3426, dA' 1797/1846 → 1736/1777,
+      dA' + dSwiGLU 3024/2868 → 2770/2777; 30B up 7163/7412 → 6765/6917, dA' 3686/3797 →
+      3678/3476, dA' + dSwiGLU 4912/4874 → 4474/4571; 7B up 553/613 → 535/546; the layer's
+      step 2.2% (OLMoE) and 2.7% (30B) faster over three rounds. With an odd count the last
+      pair's second CTA is a phantom that only copies rows for its peer: 7B's dA' (N = 256,
+      one n-tile) ran 1.6× slower, so odd counts keep sharing B. The FP8 gathered GEMMs are
+      not bound by their row copies (as fast on the routing's index as on rows gathered
+      beforehand) and keep sharing B.
     * Contiguous A (down-proj, dX̃) with K > 512: cooperative ``128 x tile_n`` on a cluster,
       its varlen-M stores deferred (:class:`.epilogue.base.StoreEpilogue`: each warp
       TMA-stores the previous tile one box per k-tile behind the WGMMAs), which beat the
@@ -104,7 +117,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     if not gathered and dim_k <= 512:
         masked = -dim_n % 192          # columns of the last 192-wide tile past N
         return TilePlan(192 if masked * 20 <= dim_n else 128, True, 1)
-    return TilePlan(tile_n, False, CLUSTER)
+    share_a = gathered and -(-dim_n // tile_n) % CLUSTER == 0
+    return TilePlan(tile_n, False, CLUSTER, multicast_a=share_a)
 
 
 def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,

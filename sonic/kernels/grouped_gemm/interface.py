@@ -756,8 +756,9 @@ for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
               lambda arch, n=_n, gu=_gate_up: heuristic.varlen_m_config(
                   n, 1536, True, epilogue="swiglu", gate_up=gu, arch=arch))
 # The backward's dH kernel: dA' with the dSwiGLU epilogue, on 128 x 256 tiles (four H slabs
-# per tile) and on 128 x 128 tiles (n not a multiple of 256: two).
-for _n in (1024, 192):
+# per tile) and on 128 x 128 tiles (n not a multiple of 256: two); the cluster shares A, or
+# B where n has an odd number of n-tiles (1280: five).
+for _n in (1024, 192, 1280):
     _register(f"varlen_m_n{_n}_k4096_gather_bn_dswiglu",
               lambda arch, n=_n: heuristic.varlen_m_config(n, 4096, True, True,
                                                            epilogue="dswiglu", arch=arch))

@@ -101,10 +101,11 @@ class TmaProducers:
         tma["b"] = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
         if cfg.multicast_a:
-            # The shared A tile: each CTA multicasts half of its rows.
+            # The shared A tile: each CTA multicasts half of its rows (gathered: each of its
+            # row boxes whole).
             tma["mc"] = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp(), m_a, a_box_smem, a_box,
-                num_multicast=cfg.cluster)
+                num_multicast=1 if cfg.gather_a else cfg.cluster)
         elif cfg.cluster > 1:
             # A shared B tile: each CTA multicasts its half (a B tile of two half boxes is
             # split already, so each CTA multicasts one of them).
@@ -135,7 +136,8 @@ class TmaProducers:
                 s_b_base, gidx_a, gidx_b, rows_a, rows_b, m_off, table, num_experts, full,
                 empty)
         elif cutlass.const_expr(self.cfg.gather_a):
-            self.produce_gather_m(warp, first, step, total, tma_a[0], tma_a[1],
+            self.produce_gather_m(warp, first, step, total,
+                                  *(tma_b[4:6] if self.cfg.multicast_a else tma_a[:2]),
                                   (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), a_smem, b_smem,
                                   s_a_base, s_b_base, s_b, gidx_a, m_off, table, num_experts,
                                   full, empty, epi_tma, stage_mem)
@@ -231,38 +233,52 @@ class TmaProducers:
         expert's end copy the tile's first source row: they only reach masked output rows,
         and every stage then receives the same byte count. Compared with 16-byte cp.async
         copies this keeps the row loads off the SM's load/store path (measured ~2× faster
-        on H200 at the ANCHORS shapes). After a tile's k-tiles the epilogue may queue its own
-        loads into the ring (:meth:`Epilogue.producer_loads`).
+        on H200 at the ANCHORS shapes). With ``multicast_a`` (both CTAs of the cluster on one
+        m-tile) CTA ``c`` copies rows ``64c .. 64c+63`` only, 16 per warp, each into both
+        CTAs: half the row copies per CTA, whose issue bounds the bf16 gathered GEMMs (the
+        same kernel on an identity index is as slow as on a random one, and 4–7% slower than
+        on the rows gathered beforehand; benchmarks/RESULTS.md). A phantom CTA (no rows of
+        its own) still copies its half for its peer. After a tile's k-tiles the epilogue may
+        queue its own loads into the ring (:meth:`Epilogue.producer_loads`).
         """
-        tile_k = self.cfg.tile_k
+        cfg = self.cfg
+        tile_k = cfg.tile_k
         g_a = cute.group_modes(cute.local_tile(tma_a, (1, tile_k), (None, None)), 0, 2)
         row_layout = cute.make_layout((1, tile_k), stride=(tile_k, 1))
         lane = cute.arch.lane_idx()
+        warp_rows = TILE_M // 4
+        first_row = warp * warp_rows
+        if cutlass.const_expr(cfg.multicast_a):
+            warp_rows = TILE_M // 4 // cfg.cluster
+            first_row = (cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                         * (TILE_M // cfg.cluster) + warp * warp_rows)
         stage = Int32(0)
         phase = Int32(1)
         t = first
         while t < total:
             e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
-            r = warp * 32 + lane
+            if cutlass.const_expr(cfg.multicast_a):
+                rows = m_off[e + 1] - row0
+            r = first_row + lane % warp_rows
             if r >= rows:
                 r = Int32(0)
             src_row = cute.make_tensor(gidx + row0, cute.make_layout(TILE_M))[r]
-            for kt in cutlass.range(self.cfg.k_tiles, unroll=1):
+            for kt in cutlass.range(cfg.k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(empty + stage, phase)
                 if warp == 0:
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, cfg.tma_bytes)
                     self.load_b(tma_b, s_b, (s_b_base, b_smem.inner), nt, kt, e, stage,
                                 full, shared)
-                for i in cutlass.range_constexpr(32):
+                for i in cutlass.range_constexpr(warp_rows):
                     src = cute.arch.shuffle_sync(src_row, i)
                     dst = cute.make_tensor(cute.recast_ptr(
-                        s_a_base + (stage * TILE_M + warp * 32 + i) * tile_k,
+                        s_a_base + (stage * TILE_M + first_row + i) * tile_k,
                         a_smem.inner), row_layout)
                     t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
                                                        cute.group_modes(dst, 0, 2), g_a)
-                    cute.copy(tma_atom_a, t_ga[None, src, kt], t_sa,
-                              tma_bar_ptr=full + stage)
+                    self.tma_copy(tma_atom_a, t_ga[None, src, kt], t_sa, full + stage,
+                                  cfg.multicast_a)
                 stage, phase = self.ring.next_stage(stage, phase)
             if cutlass.const_expr(self.epilogue.has_producer_loads):
                 stage, phase = self.epilogue.producer_loads(warp, epi_tma, stage_mem, row0, nt,
