@@ -248,13 +248,14 @@ def forced_plan(choice, varlen_k=False):
     original = heuristic.plan
 
     def plan(is_varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
-             ab_dtype="bf16", gather_b=False):
+             ab_dtype="bf16", gather_b=False, transpose_c=False):
         if (choice is not None and is_varlen_k == varlen_k and ab_dtype == "bf16"
                 and (varlen_k or not gathered)):
             if varlen_k and -(-dim_m // choice.tile_m) % choice.cluster:
                 return choice._replace(cluster=1)
             return choice
-        return original(is_varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype, gather_b)
+        return original(is_varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype, gather_b,
+                        transpose_c)
 
     heuristic.plan = plan
     try:

@@ -67,9 +67,16 @@ def test_config_varlen_k_cluster_needs_even_m_tiles():
     with pytest.raises(ValueError, match="pairs the m-tiles of M"):
         GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
                           dim_m=768, dim_n=256, dim_k=0, gather_a=False, tile_m=256)
-    with pytest.raises(ValueError, match="multicast_a serves"):
-        GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
-                          dim_m=512, dim_n=256, dim_k=0, gather_a=False, multicast_a=True)
+    # Sharing A pairs n-tiles instead (M's m-tile count is then free).
+    shared_a = GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
+                                 dim_m=384, dim_n=256, dim_k=0, gather_a=True,
+                                 multicast_a=True)
+    assert shared_a.varlen_k_items_per_expert == 3
+    for kw in (dict(dim_n=384), dict(tile_m=256, dim_m=512)):
+        with pytest.raises(ValueError, match="varlen-K sharing A pairs the n-tiles"):
+            GroupedGemmConfig(**{**dict(varlen_k=True, tile_n=128, pingpong=False,
+                                        cluster=CLUSTER, dim_m=384, dim_n=256, dim_k=0,
+                                        gather_a=False, multicast_a=True), **kw})
     # 256-row varlen-K tiles store C transposed too (the swapped dW2).
     assert GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=False, cluster=CLUSTER,
                              dim_m=512, dim_n=256, dim_k=0, gather_a=False, gather_b=True,
@@ -157,24 +164,27 @@ def test_plan_varlen_k_cluster_needs_even_m_tiles():
     assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
 
 
+# expected: tile M, swapped, the cluster shares the gathered A (multicast_a).
 @pytest.mark.parametrize("dim_m,dim_n,gather_a,gather_b,expected", [
-    (512, 1536, False, True, (256, False)),     # 7B dW1: 256 x 128, B gathered on N
-    (2048, 2048, False, True, (256, False)),    # OLMoE dW1
-    (2048, 4096, False, True, (128, True)),     # 30B dW1 (N > 2048): transposed 128-row tiles
-    (768, 1536, False, True, (128, True)),      # 3 m-tiles of 256 rows do not pair
-    (2048, 2048, True, True, (128, False)),     # both gathered: neither
-    (2048, 1024, True, False, (256, True)),     # OLMoE dW2: swapped, dO gathered on N
-    (4096, 1024, True, False, (128, False)),    # 30B dW2 (d > 2048): dO gathered on M
-    (1536, 256, True, False, (128, False)),     # 7B dW2: one 256-row m-tile does not pair
+    (512, 1536, False, True, (256, False, False)),   # 7B dW1: 256 x 128, B gathered on N
+    (2048, 2048, False, True, (256, False, False)),  # OLMoE dW1
+    # 30B dW1 (N > 2048): transposed 128-row tiles (the cluster shares B: dH)
+    (2048, 4096, False, True, (128, True, False)),
+    (768, 1536, False, True, (128, True, False)),    # 3 m-tiles of 256 rows; 3 n-tiles
+    (2048, 2048, True, True, (128, False, False)),   # both gathered: neither
+    (2048, 1024, True, False, (256, True, False)),   # OLMoE dW2: swapped, dO gathered on N
+    (4096, 1024, True, False, (128, False, True)),   # 30B dW2 (d > 2048): dO gathered on M
+    (1536, 256, True, False, (128, False, False)),   # 7B dW2: one n-tile, one 256-row m-tile
 ])
 def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
-    """dW1 / dW2 (one operand gathered): which side the gathered rows go on, and the tile M
-    of the GEMM that runs (swapped: M and N, and the gathers, trade places)."""
+    """dW1 / dW2 (one operand gathered): which side the gathered rows go on, the tile M of
+    the GEMM that runs (swapped: M and N, and the gathers, trade places) and which operand
+    the cluster shares."""
     transposed = heuristic.transpose_varlen_k(gather_a, gather_b, "sm_90a", dim_m, dim_n)
     if transposed:
         dim_m, dim_n, gather_a, gather_b = dim_n, dim_m, gather_b, gather_a
     cfg = heuristic.varlen_k_config(dim_m, dim_n, gather_a, gather_b, transposed)
-    assert (cfg.tile_m, transposed) == expected
+    assert (cfg.tile_m, transposed, cfg.multicast_a) == expected
     if expected[0] == 256:
         assert (cfg.tile_n, cfg.cluster, cfg.gather_a, cfg.gather_b) == (128, CLUSTER, False,
                                                                          True)

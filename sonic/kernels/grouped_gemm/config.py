@@ -85,8 +85,9 @@ class GroupedGemmConfig:
             128`` accumulators) only for the cooperative bf16 sm_90a store kernel on
             ``tile_n=128``, varlen-M with contiguous A or varlen-K.
         multicast_a: on a 2-CTA cluster, the CTAs take consecutive n-tiles of one m-tile and
-            each loads half of the shared A tile (gathered: half of its rows) for both
-            (CUTLASS cluster shape 1 x 2); varlen-M, bf16, sm_90a.
+            each loads half of the shared A tile (gathered: half of its rows; varlen-K: half
+            of its 64-column blocks) for both (CUTLASS cluster shape 1 x 2); bf16, sm_90a;
+            varlen-K on 128-row tiles and an even n-tile count.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -137,13 +138,16 @@ class GroupedGemmConfig:
         if self.cluster not in (1, CLUSTER):
             raise ValueError(f"cluster must be 1 or {CLUSTER}, got {self.cluster}")
         self._check_tile_m()
-        if self.multicast_a and (self.cluster == 1 or self.varlen_k or self.fp8
-                                 or self.arch != "sm_90a"):
-            raise ValueError("multicast_a serves the bf16 sm_90a varlen-M kernel "
+        if self.multicast_a and (self.cluster == 1 or self.fp8 or self.arch != "sm_90a"):
+            raise ValueError("multicast_a serves the bf16 sm_90a kernel "
                              f"on a {CLUSTER}-CTA cluster")
         if self.pingpong and self.cluster > 1 and self.varlen_k:
             raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")
-        if self.varlen_k and self.cluster > 1 and self.m_tiles % self.cluster:
+        if self.varlen_k and self.multicast_a:
+            if self.tile_m != TILE_M or self.n_tiles % self.cluster:
+                raise ValueError(f"varlen-K sharing A pairs the n-tiles of N on {TILE_M}-row "
+                                 f"tiles, got tile_m={self.tile_m}, {self.n_tiles} n-tiles")
+        elif self.varlen_k and self.cluster > 1 and self.m_tiles % self.cluster:
             raise ValueError("varlen-K on a cluster pairs the m-tiles of M")
         if self.gather_b and not self.varlen_k:
             raise ValueError("gather_b serves the varlen-K kernel (varlen-M B is a weight)")
@@ -256,8 +260,9 @@ class GroupedGemmConfig:
 
     @property
     def varlen_k_items_per_expert(self) -> int:
-        """varlen-K work items of one expert: m-tiles (in pairs on a cluster) × n-tiles."""
-        return self.m_tiles // self.cluster * self.n_tiles
+        """varlen-K work items of one expert: m-tiles × n-tiles, on a cluster in pairs of
+        m-tiles (sharing B) or of n-tiles (``multicast_a``)."""
+        return self.m_tiles * self.n_tiles // self.cluster
 
     @property
     def k_tiles(self) -> int:

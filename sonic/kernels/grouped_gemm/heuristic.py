@@ -25,9 +25,10 @@ class TilePlan(NamedTuple):
 
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
          dim_m: int = 0, arch: str = "sm_90a", ab_dtype: str = "bf16",
-         gather_b: bool = False) -> TilePlan:
+         gather_b: bool = False, transpose_c: bool = False) -> TilePlan:
     """Tile N, schedule, cluster size, tile M and the cluster's shared operand (``gathered``:
-    A's rows are gathered; ``gather_b``: varlen-K B's are).
+    A's rows are gathered; ``gather_b``: varlen-K B's are; ``transpose_c``: varlen-K stores
+    C transposed).
 
     * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
       mostly masked); 192 for contiguous A (below).
@@ -73,6 +74,13 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       3751/3745 → 3525/3527, dX̃ 6985/7853 → 6908/7309. Ping-pong ``128 x 128`` tiles on a
       cluster and cooperative ``128 x 192`` ones were slower than these at every shape
       (benchmarks/RESULTS.md, twelfth session). Other N: ping-pong ``128 x 128`` on one CTA.
+    * varlen-K with only A gathered and C not transposed (dW2 = gather(dO)ᵀ·A' at 30B) when
+      N has an even number of n-tiles: the cluster shares A (pairs of n-tiles; each CTA copies
+      one of the gathered rows' two 64-column blocks), as for the gathered varlen-M GEMMs.
+      H200, same run, six rounds, µs (sharing B → sharing A, bitwise the same): 30B dW2
+      3713/3855/3731/3712/3818/3842 → 3666/3676/3678/3811/3780/3662. The transposed 30B dW1
+      (X gathered on M, C stored transposed) was not faster: 7243/7273/7287/7610/7459/7350
+      → 7281/7402/7637/7434/7242/7453, so it keeps sharing B.
     * varlen-K with only B gathered (dW1 = dHᵀ·gather(X)) when N ≤ 2048 and M has an even
       number of 256-row m-tiles: cooperative ``256 x 128`` tiles (128 rows per warpgroup,
       staged one 64-row block at a time so the ring keeps four stages) on 2-CTA clusters
@@ -113,6 +121,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     if varlen_k:
         if gather_b and not gathered and dim_n <= 2048 and (dim_m + 255) // 256 % CLUSTER == 0:
             return TilePlan(128, False, CLUSTER, tile_m=256)
+        if gathered and not gather_b and not transpose_c and -(-dim_n // tile_n) % CLUSTER == 0:
+            return TilePlan(tile_n, False, CLUSTER, multicast_a=True)
         return TilePlan(tile_n, False, paired)
     if not gathered and dim_k <= 512:
         masked = -dim_n % 192          # columns of the last 192-wide tile past N
@@ -152,7 +162,7 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
         ValueError: as :class:`GroupedGemmConfig`.
     """
     tiles = plan(True, dim_n, gather_a, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype,
-                 gather_b=gather_b)
+                 gather_b=gather_b, transpose_c=transpose_c)
     return GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
                              cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
                              gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,

@@ -768,6 +768,9 @@ for _n in (1024, 192, 1280):
 # on the B side): heuristic.transpose_varlen_k.
 _register("varlen_k_m1536_n256_gather_a",
           lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch))
+# dW2 on an even n-tile count (30B): on sm_90 the cluster shares the gathered dO.
+_register("varlen_k_m1536_n512_gather_a",
+          lambda arch: heuristic.varlen_k_config(1536, 512, True, False, arch=arch))
 _register("varlen_k_m1536_n512_gather_a_ct",
           lambda arch: heuristic.varlen_k_config(1536, 512, True, False, True, arch=arch),
           archs=("sm_90a",))

@@ -68,7 +68,10 @@ class TmaProducers:
         if cfg.mn_major_k:
             tma["a"], tma["a_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem)
             tma["b"], tma["b_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem)
-            if cfg.cluster > 1:
+            if cfg.multicast_a:
+                tma["mc"], tma["mc_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem,
+                                                        multicast=True)
+            elif cfg.cluster > 1:
                 tma["mc"], tma["mc_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem,
                                                         multicast=True)
             return tma
@@ -130,9 +133,12 @@ class TmaProducers:
         """
         s_a_base, s_b_base = stage_mem[0], stage_mem[1]
         if cutlass.const_expr(self.cfg.mn_major_k):
+            # The operand the cluster shares arrives by the multicast atoms.
+            shared_a = self.cfg.multicast_a
+            shared_b = self.cfg.cluster > 1 and not shared_a
             self.produce_varlen_k(
-                warp, first, step, total, tma_a,
-                tma_b[:4] if self.cfg.cluster == 1 else tma_b[4:], a_smem, b_smem, s_a_base,
+                warp, first, step, total, tma_b[4:] if shared_a else tma_a,
+                tma_b[4:] if shared_b else tma_b[:4], a_smem, b_smem, s_a_base,
                 s_b_base, gidx_a, gidx_b, rows_a, rows_b, m_off, table, num_experts, full,
                 empty)
         elif cutlass.const_expr(self.cfg.gather_a):
@@ -369,7 +375,8 @@ class TmaProducers:
         source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are read right
         after the copies of ``kt`` are issued, overlapping the wait for the next free stage.
         On a cluster, B (the same rows of the same expert for both CTAs) is split by columns:
-        each CTA loads its half of the 64-column blocks and multicasts them.
+        each CTA loads its half of the 64-column blocks and multicasts them; with
+        ``multicast_a`` A is, so each CTA issues half of a gathered A's row copies.
         """
         lane = cute.arch.lane_idx()
         row_in_tile = warp * (TILE_K // 4) + lane % (TILE_K // 4)
@@ -390,11 +397,11 @@ class TmaProducers:
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
                 whole = (kt + 1) * TILE_K <= rows
                 self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, self.cfg.tile_m,
-                                 mt * self.cfg.tile_m,
-                                 self.cfg.gather_a, whole, src_a, row0, kt, stage, full, False)
+                                 mt * self.cfg.tile_m, self.cfg.gather_a, whole, src_a, row0,
+                                 kt, stage, full, self.cfg.multicast_a)
                 self.load_k_tile(warp, tma_b, b_smem.inner, s_b_base, self.cfg.tile_n,
                                  nt * self.cfg.tile_n, self.cfg.gather_b, whole, src_b, row0, kt,
-                                 stage, full, self.cfg.cluster > 1)
+                                 stage, full, self.cfg.cluster > 1 and not self.cfg.multicast_a)
                 src_a = self.row_source(gidx_a, self.cfg.gather_a, row0, rows, row_in_tile,
                                         kt + 1, rows_a)
                 src_b = self.row_source(gidx_b, self.cfg.gather_b, row0, rows, row_in_tile,

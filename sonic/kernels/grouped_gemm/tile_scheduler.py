@@ -140,12 +140,15 @@ class VarlenKScheduler:
     """varlen-K: experts × m-tiles of M × n-tiles of N, each reducing over its expert's rows.
 
     On a 2-CTA cluster both CTAs take the same expert and n-tile and consecutive m-tiles, so
-    the B rows are always shared (multicast).
+    the B rows are always shared (multicast); with ``multicast_a`` the same m-tile and
+    consecutive n-tiles, sharing the A rows.
     """
 
     def __init__(self, cfg: GroupedGemmConfig):
         self.cluster = cfg.cluster
+        self.multicast_a = cfg.multicast_a
         self.n_tiles = cfg.n_tiles
+        self.n_groups = cfg.n_tiles // cfg.cluster if cfg.multicast_a else cfg.n_tiles
         self.per_expert = cfg.varlen_k_items_per_expert
         self.tile_k = cfg.tile_k
 
@@ -165,14 +168,17 @@ class VarlenKScheduler:
         shared = False
         e = t // self.per_expert
         rest = t - e * self.per_expert
-        mt = rest // self.n_tiles
-        nt = rest - mt * self.n_tiles
+        mt = rest // self.n_groups
+        nt = rest - mt * self.n_groups
         row0 = m_off[e]
         rows = m_off[e + 1] - row0
         if cutlass.const_expr(self.cluster > 1):
-            shared = True
-            mt = mt * self.cluster + cute.arch.make_warp_uniform(
-                cute.arch.block_idx_in_cluster())
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            if cutlass.const_expr(self.multicast_a):
+                nt = nt * self.cluster + rank
+            else:
+                shared = True
+                mt = mt * self.cluster + rank
         return e, row0, rows, nt, mt, shared
 
     @cute.jit
