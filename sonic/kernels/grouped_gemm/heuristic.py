@@ -48,8 +48,9 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       same kernel on an identity index ran as slowly as on the routing's, 4–7% behind the
       rows gathered beforehand. H200, same run, two rounds, µs (sharing B → sharing A; every
       output bitwise the same): OLMoE up 3513/3613 → 3384/3426, dA' 1797/1846 → 1736/1777,
-      dA' + dSwiGLU 3024/2868 → 2770/2777; 30B up 7163/7412 → 6765/6917, dA' 3686/3797 →
-      3678/3476, dA' + dSwiGLU 4912/4874 → 4474/4571; 7B up 553/613 → 535/546; the layer's
+      dA' + dSwiGLU (each call with a copy of H) 3024/2868 → 2770/2777; 30B up 7163/7412 →
+      6765/6917, dA' 3686/3797 → 3678/3476, dA' + dSwiGLU 4912/4874 → 4474/4571; 7B up
+      553/613 → 535/546; the layer's
       step 2.2% (OLMoE) and 2.7% (30B) faster over three rounds. With an odd count the last
       pair's second CTA is a phantom that only copies rows for its peer: 7B's dA' (N = 256,
       one n-tile) ran 1.6× slower, so odd counts keep sharing B. The FP8 gathered GEMMs are
