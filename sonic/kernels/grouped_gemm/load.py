@@ -21,7 +21,8 @@ all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
   multicasts it, a third less L2→SM traffic per tile (128 x 256: A 128 + B 128 rows per k-tile
   instead of 128 + 256). With ``multicast_a`` the CTAs take neighbouring n-tiles of one
   m-tile and each loads half of the A tile for both (256 x 128: A 128 + B 128 rows instead of
-  256 + 128).
+  256 + 128; gathered A: half of the row copies, which bound the gathered bf16 GEMMs; varlen-K:
+  half of A's 64-column blocks).
 
 Imports ``cutlass``: only the kernel modules import this one.
 """
