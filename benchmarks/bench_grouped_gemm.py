@@ -10,8 +10,8 @@ the speedup and the kernel's relative error against torch:
   ``_grouped_mm``;
 * ``down``: varlen-M, contiguous ``A·W2ᵀ`` (N = d, K = n) — torch: ``_grouped_mm``;
 * ``up+act``: the up-proj with the SwiGLU epilogue (``grouped_gemm_swiglu``, H and A in one
-  launch) — torch: ``index_select`` + ``_grouped_mm`` + SwiGLU; ``up+act*``: sonic unfused
-  (gathered GEMM, then the one-pass SwiGLU kernel), the path ``"auto"`` takes;
+  launch; the path ``"auto"`` takes) — torch: ``index_select`` + ``_grouped_mm`` + SwiGLU;
+  ``up+act*``: sonic unfused (gathered GEMM, then the one-pass SwiGLU kernel);
 * ``dA'``: varlen-M, ``gather(dO)·W2`` with W2 read N-major (N = n, K = d) — torch:
   ``index_select`` + ``_grouped_mm``;
 * ``dA'+dH``: the dH kernel, ``dA'`` with the dSwiGLU epilogue (``grouped_gemm_dswiglu``: dH,
