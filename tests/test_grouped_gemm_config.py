@@ -53,6 +53,7 @@ def _m(**kw):
      "tile_m=256 serves"),
     (dict(multicast_a=True, gather_a=False, cluster=1), "multicast_a serves"),
     (dict(multicast_a=True, gather_a=False, ab_dtype="e4m3"), "multicast_a serves"),
+    (dict(multicast_a=True, tile_n=128, pingpong=True), "multicast_a serves"),  # gathered
 ])
 def test_config_rejects_unsupported_combinations(kw, match):
     with pytest.raises(ValueError, match=match):

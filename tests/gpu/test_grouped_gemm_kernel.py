@@ -145,7 +145,8 @@ def test_varlen_m_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_n, 
 @pytest.fixture
 def gathered_cluster_shares(monkeypatch):
     """Make the gathered bf16 varlen-M plans on a cluster share A (``multicast_a``: each CTA
-    copies half of the rows) or B (consecutive m-tiles), whichever ``heuristic.plan`` picks."""
+    copies half of the rows) or B (consecutive m-tiles), whatever ``heuristic.plan`` picks
+    (A on even n-tile counts)."""
     def force(share_a):
         original = heuristic.plan
 

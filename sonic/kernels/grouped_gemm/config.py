@@ -87,7 +87,8 @@ class GroupedGemmConfig:
         multicast_a: on a 2-CTA cluster, the CTAs take consecutive n-tiles of one m-tile and
             each loads half of the shared A tile (gathered: half of its rows; varlen-K: half
             of its 64-column blocks) for both (CUTLASS cluster shape 1 x 2); bf16, sm_90a;
-            varlen-K on 128-row tiles and an even n-tile count.
+            cooperative tiles with gathered A; varlen-K on 128-row tiles and an even n-tile
+            count.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -138,9 +139,10 @@ class GroupedGemmConfig:
         if self.cluster not in (1, CLUSTER):
             raise ValueError(f"cluster must be 1 or {CLUSTER}, got {self.cluster}")
         self._check_tile_m()
-        if self.multicast_a and (self.cluster == 1 or self.fp8 or self.arch != "sm_90a"):
-            raise ValueError("multicast_a serves the bf16 sm_90a kernel "
-                             f"on a {CLUSTER}-CTA cluster")
+        if self.multicast_a and (self.cluster == 1 or self.fp8 or self.arch != "sm_90a"
+                                 or (self.gather_a and self.pingpong)):
+            raise ValueError("multicast_a serves the bf16 sm_90a kernel on a "
+                             f"{CLUSTER}-CTA cluster (cooperative tiles with gathered A)")
         if self.pingpong and self.cluster > 1 and self.varlen_k:
             raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")
         if self.varlen_k and self.multicast_a:

@@ -50,12 +50,12 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       output bitwise the same): OLMoE up 3513/3613 → 3384/3426, dA' 1797/1846 → 1736/1777,
       dA' + dSwiGLU (each call with a copy of H) 3024/2868 → 2770/2777; 30B up 7163/7412 →
       6765/6917, dA' 3686/3797 → 3678/3476, dA' + dSwiGLU 4912/4874 → 4474/4571; 7B up
-      553/613 → 535/546; the layer's
-      step 2.2% (OLMoE) and 2.7% (30B) faster over three rounds. With an odd count the last
-      pair's second CTA is a phantom that only copies rows for its peer: 7B's dA' (N = 256,
-      one n-tile) ran 1.6× slower, so odd counts keep sharing B. The FP8 gathered GEMMs are
-      not bound by their row copies (as fast on the routing's index as on rows gathered
-      beforehand) and keep sharing B.
+      553/613 → 535/546; the layer's step 2.2% (OLMoE) and 2.7% (30B) faster over three
+      rounds. With an odd count the last pair's second CTA is a phantom that only copies rows
+      for its peer: 7B's dA' (N = 256, one n-tile) ran 1.6× slower, so odd counts keep
+      sharing B (on ``128 x 128`` tiles sharing A it was 4–11% slower). The FP8 gathered
+      GEMMs are not bound by their row copies (as fast on the routing's index as on rows
+      gathered beforehand) and keep sharing B.
     * Contiguous A (down-proj, dX̃) with K > 512: cooperative ``128 x tile_n`` on a cluster,
       its varlen-M stores deferred (:class:`.epilogue.base.StoreEpilogue`: each warp
       TMA-stores the previous tile one box per k-tile behind the WGMMAs), which beat the
