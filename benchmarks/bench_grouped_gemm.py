@@ -29,7 +29,9 @@ the speedup and the kernel's relative error against torch:
 is cuBLAS ``torch.bmm`` on perfectly balanced experts (``P / E`` rows each: no varlen, no
 gather, no epilogue), the same work as a dense library runs it — a reference, not a bound
 (sonic's clustered kernels beat it at times); ``up`` vs ``up+act`` and
-``dA'`` vs ``dA'+dH`` show the fused epilogues' cost.
+``dA'`` vs ``dA'+dH`` show the fused epilogues' cost; a last line per shape sums the six
+GEMMs a training step runs (``up+act``, ``down``, ``dA'+dH``, ``dX``, ``dW1``, ``dW2``) against
+the six ``bmm`` rows of the same work.
 
 ``--plans`` times instead the contiguous-A GEMMs (``down``, ``dX``) and the weight gradients
 (``dW1``, ``dW2``; with ``--gemm``, those named) under every candidate tile plan of
@@ -110,9 +112,14 @@ def _row(shape, gemm, flops, kernel, torch_fn):
         print(f"  torch baseline failed: {exc}".splitlines()[0])
     print(f"{shape:<6} {gemm:<7} | {torch_us:>9.1f} {kern_us:>9.1f} | {torch_tf} "
           f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}", flush=True)
+    return kern_us
 
 
 GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "dW1", "dW2")
+# The kernels a bf16 training step of the layer runs ("auto"), and the bmm ceiling row of each
+# (the fused epilogues' GEMM without its epilogue).
+STEP_GEMMS = {"up+act": "up", "down": "down", "dA'+dH": "dA'", "dX": "dX", "dW1": "dW1",
+              "dW2": "dW2"}
 FP8_SHAPES = ("OLMoE", "30B")
 
 
@@ -310,10 +317,24 @@ def _ceiling_row(shape, gemm, flops, fn):
     us = bench(fn)
     print(f"{shape:<6} {gemm:<7} | {'':>9} {us:>9.1f} | {'':>7} {flops / us / 1e6:>7.0f}",
           flush=True)
+    return us
+
+
+def _step_summary(shape, kernel_us, bmm_us):
+    """The step's six GEMMs summed: sonic's kernels (fused epilogues included) against cuBLAS
+    ``bmm`` of the same work on balanced experts (no epilogue, gather or varlen) — what a
+    layer built on the dense ceiling would spend in its GEMMs."""
+    if not (set(STEP_GEMMS) <= kernel_us.keys() and set(STEP_GEMMS.values()) <= bmm_us.keys()):
+        return
+    sonic = sum(kernel_us[g] for g in STEP_GEMMS)
+    dense = sum(bmm_us[g] for g in STEP_GEMMS.values())
+    print(f"{shape:<6} step's six GEMMs: sonic {sonic / 1e3:.3f} ms, cuBLAS bmm on balanced "
+          f"experts {dense / 1e3:.3f} ms (bmm / sonic {dense / sonic:.0%})", flush=True)
 
 
 def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
-    """``--ceiling`` rows of one shape (see the module docstring)."""
+    """``--ceiling`` rows of one shape (see the module docstring); returns each GEMM's
+    ``bmm`` µs."""
     p, d, n = gather_idx.numel(), x.shape[1], act.shape[1]
     rows = p // e
     gidx_long = gather_idx.long()
@@ -339,13 +360,15 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
         "dW2": (2 * p * d * n, lambda: grouped_gemm_varlen_k(dog, act, offsets),
                 (d, rows, n, True)),
     }
+    bmm_us = {}
     for gemm, (flops, pre_gathered, bmm_shape) in cases.items():
         if gemm not in only:
             continue
         if pre_gathered is not None:
             _ceiling_row(name, gemm + "/pre-gathered", flops, pre_gathered)
-        _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
+        bmm_us[gemm] = _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
         torch.cuda.empty_cache()
+    return bmm_us
 
 
 def main(argv=None):
@@ -377,9 +400,11 @@ def main(argv=None):
                 fp8_rows(*shape, ceiling=args.ceiling)
         return
     for name, t, d, n, e, k in SHAPES:
-        def row(gemm, *args, name=name):
+        kernel_us = {}
+
+        def row(gemm, *args, name=name, kernel_us=kernel_us):
             if gemm in only:
-                _row(name, gemm, *args)
+                kernel_us[gemm] = _row(name, gemm, *args)
 
         gather_idx, offsets = _routing(t, e, k)
         p = t * k
@@ -429,7 +454,9 @@ def main(argv=None):
              lambda: grouped_gemm_varlen_k(do, act, offsets, gather_idx_a=gather_idx),
              lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends))
         if args.ceiling:
-            ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only)
+            _step_summary(name, kernel_us,
+                          ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2,
+                                       only))
         del x, w1, w2, act, dh, do
         torch.cuda.empty_cache()
 
