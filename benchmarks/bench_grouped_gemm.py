@@ -1,6 +1,7 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
     python benchmarks/bench_grouped_gemm.py [--gemm NAME ...] [--ceiling] [--plans] [--fp8]
+                                            [--power SECONDS]
 
 At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
@@ -53,19 +54,26 @@ same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e
 one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``, ``1 x 128`` A and
 ``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of the same work reaches
 on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen, no epilogue).
+
+``--power SECONDS`` also runs each kernel (and each ``--ceiling`` row) back to back for that
+long and prints the median SM clock (MHz), mean board power (W) and board energy per call (mJ,
+NVML's energy counter; ``pynvml``) beside its time; the step line then sums the energy too. On
+a GPU held at its power cap (the H200 at 700 W) every GEMM, cuBLAS's included, runs below its
+top clock, and a kernel's time follows the energy its work takes.
 """
 
 import argparse
 import contextlib
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import bench, device_name  # noqa: E402
+from _timing import bench, device_name, energy_per_call  # noqa: E402
 
 from sonic.kernels.fp8_quant import quantize_cols_grouped  # noqa: E402
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
@@ -98,9 +106,33 @@ def _rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+class Timing(NamedTuple):
+    """A kernel's median µs and, with ``--power``, its board energy per call (mJ)."""
+
+    us: float
+    mj: float | None = None
+
+
+# Seconds each kernel runs under the power sampler (--power); 0: no power columns.
+POWER_SECONDS = 0.0
+
+
+def _power(fn) -> tuple[str, float | None]:
+    """The power columns of ``fn`` and its mJ per call (empty, None without ``--power``)."""
+    if not POWER_SECONDS:
+        return "", None
+    stats = energy_per_call(fn, seconds=POWER_SECONDS)
+    if stats["sm_mhz"] is None or stats["J_per_call"] is None:
+        return " | no NVML samples", None
+    mj = stats["J_per_call"] * 1e3
+    return (f" | {stats['sm_mhz']:>5} MHz {stats['watts']:>4.0f} W {mj:>7.1f} mJ "
+            f"throttle {stats['throttle']}"), mj
+
+
 def _row(shape, gemm, flops, kernel, torch_fn):
     out = kernel()
     kern_us = bench(kernel)
+    note, mj = _power(kernel)
     try:
         ref = torch_fn()
         torch_us = bench(torch_fn)
@@ -111,8 +143,8 @@ def _row(shape, gemm, flops, kernel, torch_fn):
         torch_us, err, torch_tf, speedup = float("nan"), "n/a", "    n/a", "   n/a"
         print(f"  torch baseline failed: {exc}".splitlines()[0])
     print(f"{shape:<6} {gemm:<7} | {torch_us:>9.1f} {kern_us:>9.1f} | {torch_tf} "
-          f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}", flush=True)
-    return kern_us
+          f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}{note}", flush=True)
+    return Timing(kern_us, mj)
 
 
 GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "dW1", "dW2")
@@ -315,26 +347,34 @@ def plan_rows(name, t, d, n, e, k, only, rounds=2):
 
 def _ceiling_row(shape, gemm, flops, fn):
     us = bench(fn)
-    print(f"{shape:<6} {gemm:<7} | {'':>9} {us:>9.1f} | {'':>7} {flops / us / 1e6:>7.0f}",
-          flush=True)
-    return us
+    note, mj = _power(fn)
+    print(f"{shape:<6} {gemm:<7} | {'':>9} {us:>9.1f} | {'':>7} {flops / us / 1e6:>7.0f}"
+          f"{note}", flush=True)
+    return Timing(us, mj)
 
 
-def _step_summary(shape, kernel_us, bmm_us):
+def _step_summary(shape, kernel, bmm):
     """The step's six GEMMs summed: sonic's kernels (fused epilogues included) against cuBLAS
     ``bmm`` of the same work on balanced experts (no epilogue, gather or varlen) — what a
-    layer built on the dense ceiling would spend in its GEMMs."""
-    if not (set(STEP_GEMMS) <= kernel_us.keys() and set(STEP_GEMMS.values()) <= bmm_us.keys()):
+    layer built on the dense ceiling would spend in its GEMMs (``kernel``, ``bmm``: the
+    :class:`Timing` of each GEMM)."""
+    if not (set(STEP_GEMMS) <= kernel.keys() and set(STEP_GEMMS.values()) <= bmm.keys()):
         return
-    sonic = sum(kernel_us[g] for g in STEP_GEMMS)
-    dense = sum(bmm_us[g] for g in STEP_GEMMS.values())
-    print(f"{shape:<6} step's six GEMMs: sonic {sonic / 1e3:.3f} ms, cuBLAS bmm on balanced "
-          f"experts {dense / 1e3:.3f} ms (bmm / sonic {dense / sonic:.0%})", flush=True)
+    sonic = [kernel[g] for g in STEP_GEMMS]
+    dense = [bmm[g] for g in STEP_GEMMS.values()]
+    sonic_us, dense_us = sum(t.us for t in sonic), sum(t.us for t in dense)
+    line = (f"{shape:<6} step's six GEMMs: sonic {sonic_us / 1e3:.3f} ms, cuBLAS bmm on "
+            f"balanced experts {dense_us / 1e3:.3f} ms (bmm / sonic {dense_us / sonic_us:.0%})")
+    if all(t.mj is not None for t in sonic + dense):
+        sonic_mj, dense_mj = sum(t.mj for t in sonic), sum(t.mj for t in dense)
+        line += (f"; energy sonic {sonic_mj / 1e3:.2f} J, bmm {dense_mj / 1e3:.2f} J "
+                 f"(bmm / sonic {dense_mj / sonic_mj:.0%})")
+    print(line, flush=True)
 
 
 def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
     """``--ceiling`` rows of one shape (see the module docstring); returns each GEMM's
-    ``bmm`` µs."""
+    ``bmm`` :class:`Timing`."""
     p, d, n = gather_idx.numel(), x.shape[1], act.shape[1]
     rows = p // e
     gidx_long = gather_idx.long()
@@ -360,15 +400,15 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
         "dW2": (2 * p * d * n, lambda: grouped_gemm_varlen_k(dog, act, offsets),
                 (d, rows, n, True)),
     }
-    bmm_us = {}
+    bmm = {}
     for gemm, (flops, pre_gathered, bmm_shape) in cases.items():
         if gemm not in only:
             continue
         if pre_gathered is not None:
             _ceiling_row(name, gemm + "/pre-gathered", flops, pre_gathered)
-        bmm_us[gemm] = _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
+        bmm[gemm] = _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
         torch.cuda.empty_cache()
-    return bmm_us
+    return bmm
 
 
 def main(argv=None):
@@ -385,7 +425,14 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 GEMMs (up, up+act, down, dA'+dH, dX, "
                              "dW1, dW2) beside bf16 instead")
+    parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
+                        help="also run each kernel back to back for SECONDS and print its SM "
+                             "clock, board power and energy per call (needs pynvml)")
     args = parser.parse_args(argv)
+    if args.power < 0:
+        parser.error(f"--power must be a non-negative number of seconds, got {args.power}")
+    global POWER_SECONDS
+    POWER_SECONDS = args.power
     only = set(args.gemm or GEMMS)
     print(f"device: {device_name()}")
     print(f"{'shape':<6} {'gemm':<7} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
@@ -400,11 +447,11 @@ def main(argv=None):
                 fp8_rows(*shape, ceiling=args.ceiling)
         return
     for name, t, d, n, e, k in SHAPES:
-        kernel_us = {}
+        kernel = {}
 
-        def row(gemm, *args, name=name, kernel_us=kernel_us):
+        def row(gemm, *args, name=name, kernel=kernel):
             if gemm in only:
-                kernel_us[gemm] = _row(name, gemm, *args)
+                kernel[gemm] = _row(name, gemm, *args)
 
         gather_idx, offsets = _routing(t, e, k)
         p = t * k
@@ -454,7 +501,7 @@ def main(argv=None):
              lambda: grouped_gemm_varlen_k(do, act, offsets, gather_idx_a=gather_idx),
              lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends))
         if args.ceiling:
-            _step_summary(name, kernel_us,
+            _step_summary(name, kernel,
                           ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2,
                                        only))
         del x, w1, w2, act, dh, do
