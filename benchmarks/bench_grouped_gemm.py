@@ -55,8 +55,8 @@ one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``, ``1 x
 ``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of the same work reaches
 on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen, no epilogue).
 
-``--power SECONDS`` also runs each kernel (and each ``--ceiling`` row) back to back for that
-long and prints the median SM clock (MHz), mean board power (W) and board energy per call (mJ,
+``--power SECONDS`` also runs each kernel (each ``--ceiling`` row and ``--plans`` candidate
+too) back to back for that long and prints the median SM clock (MHz), mean board power (W) and board energy per call (mJ,
 NVML's energy counter; ``pynvml``) beside its time; the step line then sums the energy too. On
 a GPU held at its power cap (the H200 at 700 W) every GEMM, cuBLAS's included, runs below its
 top clock, and a kernel's time follows the energy its work takes.
@@ -338,9 +338,10 @@ def plan_rows(name, t, d, n, e, k, only, rounds=2):
                             continue
                         err = _rel_err(fn(), ref)
                         us = bench(fn)
+                        note, _ = _power(fn)
                         print(f"{name:<6} {gemm:<5} r{r} {_plan_label(choice):<18} | "
-                              f"{us:>9.1f} us {flops / us / 1e6:>7.0f} TF  rel err {err:.1e}",
-                              flush=True)
+                              f"{us:>9.1f} us {flops / us / 1e6:>7.0f} TF  rel err {err:.1e}"
+                              f"{note}", flush=True)
     del w1, w2, act, dh, x, do, cases
     torch.cuda.empty_cache()
 
