@@ -171,7 +171,9 @@ class PowerSampler:
 
 def energy_per_call(fn, *, seconds: float = 1.0, grad_to_none=None) -> dict:
     """Run ``fn`` back to back for about ``seconds`` under a :class:`PowerSampler`; its summary
-    plus ``"J_per_call"`` (board energy over the calls) and ``"calls"``."""
+    plus ``"J_per_call"`` (board energy over the calls), ``"calls"`` and ``"energy_watts"``
+    (that energy over the loop's wall time: the mean power from the energy counter, where
+    ``"watts"`` averages NVML's power readings, which trail the load)."""
     import time
 
     torch.cuda.synchronize()
@@ -183,9 +185,12 @@ def energy_per_call(fn, *, seconds: float = 1.0, grad_to_none=None) -> dict:
             calls += 1
             if calls % 4 == 0:
                 torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
     stats = power.summary()
     stats["calls"] = calls
-    stats["J_per_call"] = None if stats["energy_J"] is None else stats["energy_J"] / calls
+    energy = stats["energy_J"]
+    stats["J_per_call"] = None if energy is None else energy / calls
+    stats["energy_watts"] = None if energy is None else energy / elapsed
     return stats
 
 

@@ -56,11 +56,11 @@ one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``, ``1 x
 on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen, no epilogue).
 
 ``--power SECONDS`` also runs each kernel (each ``--ceiling`` row and ``--plans`` candidate
-too) back to back for that long and prints the median SM clock (MHz), mean board power (W,
-NVML's trailing average) and board energy per call (mJ, NVML's energy counter; ``pynvml``)
-beside its time; the step line then sums the energy too. On a GPU held at its power cap (the
-H200 at 700 W) every GEMM, cuBLAS's included, runs below its top clock, and a kernel's time
-follows the energy its work takes.
+too) back to back for that long and prints, beside its time, the median SM clock (MHz), the
+mean board power (W) and the board energy per call (mJ), the last two from NVML's energy
+counter (``pynvml``); the step line then sums the energy too. On a GPU held at its power cap
+(the H200 at 700 W) every GEMM, cuBLAS's included, runs below its top clock, and a kernel's
+time follows the energy its work takes.
 """
 
 import argparse
@@ -126,7 +126,7 @@ def _power(fn) -> tuple[str, float | None]:
     if stats["sm_mhz"] is None or stats["J_per_call"] is None:
         return " | no NVML samples", None
     mj = stats["J_per_call"] * 1e3
-    return (f" | {stats['sm_mhz']:>5} MHz {stats['watts']:>4.0f} W {mj:>7.1f} mJ "
+    return (f" | {stats['sm_mhz']:>5} MHz {stats['energy_watts']:>4.0f} W {mj:>7.1f} mJ "
             f"throttle {stats['throttle']}"), mj
 
 
