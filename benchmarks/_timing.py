@@ -7,6 +7,7 @@ bandwidth-bound kernels are compared against (ANCHORS.md: ≈ 3.02 TB/s read + w
 """
 
 import statistics
+import time
 
 import torch
 
@@ -64,8 +65,6 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def host_overhead_us(fn, calls: int = 2000) -> float:
     """Mean host time of one ``fn()`` call in microseconds (launch overhead, tiny inputs)."""
-    import time
-
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -105,7 +104,10 @@ class PowerSampler:
 
     ``summary()`` gives the median SM clock (MHz), the mean power (W), the energy the board
     used in the block (J, from NVML's energy counter) and the throttle reasons seen (NVML's
-    bit mask: 0x4 is the software power cap, 0x20/0x40 thermal slowdown).
+    bit mask: 0x4 is the software power cap, 0x20/0x40 thermal slowdown). The mean power is
+    that energy over the block's wall time; only a board without an energy counter gets the
+    mean of NVML's power readings, which trail the load (on the H200 about 530 W read during
+    one-second GEMM loops whose energy gave 700 W).
     """
 
     def __init__(self, period_s: float = 0.01):
@@ -130,8 +132,6 @@ class PowerSampler:
             return None
 
     def _run(self):
-        import time
-
         nv = self._nvml
         while not self._stop:
             self.samples.append((nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM),
@@ -143,6 +143,7 @@ class PowerSampler:
         import threading
 
         self._energy0 = self._energy_mj()
+        self._t0 = time.perf_counter()
         if self._nvml is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
@@ -154,6 +155,7 @@ class PowerSampler:
         if self._nvml is not None:
             self._thread.join()
         end = self._energy_mj()
+        self.seconds = time.perf_counter() - self._t0
         self.energy_j = None if end is None or self._energy0 is None else (end - self._energy0) / 1e3
 
     def summary(self) -> dict:
@@ -164,18 +166,15 @@ class PowerSampler:
         reasons = 0
         for s in self.samples:
             reasons |= s[2]
-        return {"sm_mhz": clocks[len(clocks) // 2],
-                "watts": statistics.fmean(s[1] for s in self.samples),
+        watts = (statistics.fmean(s[1] for s in self.samples) if self.energy_j is None
+                 else self.energy_j / self.seconds)
+        return {"sm_mhz": clocks[len(clocks) // 2], "watts": watts,
                 "energy_J": self.energy_j, "throttle": hex(reasons)}
 
 
 def energy_per_call(fn, *, seconds: float = 1.0, grad_to_none=None) -> dict:
     """Run ``fn`` back to back for about ``seconds`` under a :class:`PowerSampler`; its summary
-    plus ``"J_per_call"`` (board energy over the calls), ``"calls"`` and ``"energy_watts"``
-    (that energy over the loop's wall time: the mean power from the energy counter, where
-    ``"watts"`` averages NVML's power readings, which trail the load)."""
-    import time
-
+    plus ``"J_per_call"`` (board energy over the calls) and ``"calls"``."""
     torch.cuda.synchronize()
     calls, t0 = 0, time.perf_counter()
     with PowerSampler() as power:
@@ -185,12 +184,9 @@ def energy_per_call(fn, *, seconds: float = 1.0, grad_to_none=None) -> dict:
             calls += 1
             if calls % 4 == 0:
                 torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
     stats = power.summary()
     stats["calls"] = calls
-    energy = stats["energy_J"]
-    stats["J_per_call"] = None if energy is None else energy / calls
-    stats["energy_watts"] = None if energy is None else energy / elapsed
+    stats["J_per_call"] = None if stats["energy_J"] is None else stats["energy_J"] / calls
     return stats
 
 

@@ -126,7 +126,7 @@ def _power(fn) -> tuple[str, float | None]:
     if stats["sm_mhz"] is None or stats["J_per_call"] is None:
         return " | no NVML samples", None
     mj = stats["J_per_call"] * 1e3
-    return (f" | {stats['sm_mhz']:>5} MHz {stats['energy_watts']:>4.0f} W {mj:>7.1f} mJ "
+    return (f" | {stats['sm_mhz']:>5} MHz {stats['watts']:>4.0f} W {mj:>7.1f} mJ "
             f"throttle {stats['throttle']}"), mj
 
 
