@@ -24,10 +24,12 @@ ratios.
 * ``--vs-sonicmoe FILE`` reads the JSON lines of ``shared/device/sonicmoe_bench.py`` (SonicMoE
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
   same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm, and the two step
-  times themselves. Run at the same time on two GPUs of one machine, the two torch-gmm times
-  cancel the machine and the ratio of ratios compares sonic with SonicMoE; run one after the
-  other on one GPU they moved 1–7% apart (RESULTS.md, eleventh session), so compare the
-  step times there.
+  times themselves. The two torch-gmm programs time the same step (sonic's split H with
+  slices until the twenty-first session, 5–6% slower at OLMoE, RESULTS.md); the anchor's
+  forward is 1–7% slower (its ``bincount`` reads a size on the host), so sonic's forward
+  ratios come out that much lower than SonicMoE's would for equal times. Run at the same
+  time on two GPUs of one machine the ratio of ratios compares sonic with SonicMoE; one after
+  the other on one GPU, compare the step times as well.
   With ``--router both`` it also times each router's routing phase (selection + metadata, the
   router GEMM excluded) and prints its share of that router's step.
 * ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``), and with
