@@ -24,8 +24,8 @@ ratios.
 * ``--vs-sonicmoe FILE`` reads the JSON lines of ``shared/device/sonicmoe_bench.py`` (SonicMoE
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
   same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm, and the two step
-  times themselves. The two torch-gmm programs time the same step (sonic's split H with
-  slices until the twenty-first session, 5–6% slower at OLMoE, RESULTS.md); the anchor's
+  times themselves. Both torch-gmm programs take equal steps (sonic's split H with two
+  slices until the twenty-first session: 5–6% slower at OLMoE, RESULTS.md); the anchor's
   forward is 1–7% slower (its ``bincount`` reads a size on the host), so sonic's forward
   ratios come out that much lower than SonicMoE's would for equal times. Run at the same
   time on two GPUs of one machine the ratio of ratios compares sonic with SonicMoE; one after
