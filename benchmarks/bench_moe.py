@@ -1,6 +1,7 @@
 """End-to-end MoE layer (router + experts): sonic vs torch-gmm in the same process.
 
-    python benchmarks/bench_moe.py                       # 7B, OLMoE, 30B (ANCHORS.md)
+    python benchmarks/bench_moe.py                       # 7B, OLMoE, 30B (the paper's)
+    python benchmarks/bench_moe.py --sweep --json sweep.json   # every named configuration
     python benchmarks/bench_moe.py --config 8192,4096,1024,256,8 --router both
     python benchmarks/bench_moe.py --vs-sonicmoe sonicmoe.jsonl   # beside SonicMoE's own run
 
@@ -62,7 +63,7 @@ from _timing import bench, device_name, energy_per_call, trace_idle  # noqa: E40
 import sonic  # noqa: E402
 from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads  # noqa: E402
 from sonic.baselines import torch_gmm_moe  # noqa: E402
-from sonic.baselines.configs import CONFIGS, parse_config  # noqa: E402
+from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 from sonic.routing.gate import router_logits  # noqa: E402
 
 MiB = float(1 << 20)
@@ -348,7 +349,10 @@ def _impl_name(router: str, requested: str, precision: str = "bf16") -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=parse_config, action="append",
-                        help="7B, OLMoE, 30B or T,d,n,E,K (repeatable; default: the three)")
+                        help=f"{', '.join(CONFIGS)} or T,d,n,E,K (repeatable; default: "
+                             f"{', '.join(PAPER_CONFIGS)})")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every named configuration (after any --config)")
     parser.add_argument("--router", choices=("topk", "token_rounding", "both"), default="topk")
     parser.add_argument("--tile", type=int, default=128, help="token-rounding tile")
     parser.add_argument("--precision", choices=("bf16", "fp8", "both"), default="bf16",
@@ -375,7 +379,10 @@ def main(argv=None):
     parser.add_argument("--vs-sonicmoe", metavar="FILE",
                         help="JSON lines of shared/device/sonicmoe_bench.py to compare with")
     args = parser.parse_args(argv)
-    configs = args.config or list(CONFIGS.items())
+    configs = list(args.config or [])
+    if args.sweep:
+        configs += [(name, sizes) for name, sizes in CONFIGS.items() if (name, sizes) not in configs]
+    configs = configs or [(name, CONFIGS[name]) for name in PAPER_CONFIGS]
     anchor = read_sonicmoe(args.vs_sonicmoe) if args.vs_sonicmoe else None
     print(f"device: {device_name()}  torch {torch.__version__}  backend: "
           f"{sonic.explain_backend('auto', 'cuda')}")

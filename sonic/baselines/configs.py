@@ -1,15 +1,24 @@
-"""The MoE layer configurations sonic is measured at (ANCHORS.md; SonicMoE paper §6)."""
+"""The MoE layer configurations sonic is measured at: the SonicMoE paper's (§6) and the
+per-GPU shapes of today's large MoE models."""
 
 from __future__ import annotations
 
 import argparse
 
-# (T, d, n, E, K) of the paper's configurations, as measured in ANCHORS.md.
+# (T, d, n, E, K): tokens per GPU, model width, expert width, experts, experts per token.
+# The first three are the SonicMoE paper's configurations (§6); the others are the MoE layers
+# of published models with the tokens one GPU sees in a training step.
 CONFIGS = {
     "7B": (24576, 1536, 256, 128, 8),
     "OLMoE": (32768, 2048, 1024, 64, 8),
     "30B": (32768, 4096, 1024, 128, 8),
+    "DeepSeek-V3": (16384, 7168, 2048, 256, 8),
+    "Qwen3-235B": (16384, 4096, 1536, 128, 8),
+    "GLM-4.5": (16384, 5120, 1536, 160, 8),
+    "Mixtral-8x7B": (16384, 4096, 14336, 8, 2),
 }
+# What the benchmarks run when given no configuration.
+PAPER_CONFIGS = ("7B", "OLMoE", "30B")
 # Pairs and rows are indexed in int32; tensor sizes are int64.
 MAX_SIZE = 2**31 - 1
 MAX_NUMEL = 2**63 - 1
