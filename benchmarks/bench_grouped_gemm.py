@@ -1,9 +1,9 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
-    python benchmarks/bench_grouped_gemm.py [--gemm NAME ...] [--ceiling] [--plans] [--fp8]
-                                            [--power SECONDS]
+    python benchmarks/bench_grouped_gemm.py [--config NAME|T,d,n,E,K ...] [--gemm NAME ...]
+                                            [--ceiling] [--plans] [--fp8] [--power SECONDS]
 
-At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
+At the paper's shapes (T, d, n, E, K; ``--config`` for others, as ``bench_moe.py``) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
 the speedup and the kernel's relative error against torch:
 
@@ -41,6 +41,11 @@ shares A), in two alternating rounds — the same-run A/B behind ``heuristic.pla
 them — each candidate's relative error against torch beside its time. The candidate replaces
 ``heuristic.plan``'s answer in this process only (:func:`forced_plan`).
 
+``--share both`` times instead the gathered GEMMs (``up``, ``up+act``, ``dA'``, ``dA'+dH``; with
+``--gemm``, those named) with the 2-CTA cluster sharing A (``multicast_a``), then B, in two
+alternating rounds — the same-run A/B behind ``heuristic.b_outgrows_l2`` — each output
+compared bitwise with the first choice's.
+
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
 OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
 ``grouped_gemm_fp8_swiglu``, rel err on A), ``down`` (contiguous) and ``dA'+dH`` (the dH
@@ -76,6 +81,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, device_name, energy_per_call  # noqa: E402
 
+from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 from sonic.kernels.fp8_quant import quantize_cols_grouped  # noqa: E402
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
                                         grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
@@ -83,14 +89,14 @@ from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # n
                                         grouped_gemm_varlen_k, grouped_gemm_varlen_k_fp8,
                                         heuristic)
 from sonic.kernels.grouped_gemm.config import CLUSTER  # noqa: E402
+from sonic.kernels.grouped_gemm.interface import device_memory  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
 from sonic.reference.fp8 import padded_offsets, quantize_blocks, quantize_rows  # noqa: E402
 from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 
-# (name, T, d, n, E, K) from ANCHORS.md.
-SHAPES = [("7B", 24576, 1536, 256, 128, 8), ("OLMoE", 32768, 2048, 1024, 64, 8),
-          ("30B", 32768, 4096, 1024, 128, 8)]
+# (name, T, d, n, E, K) measured when no --config is given.
+SHAPES = [(name, *CONFIGS[name]) for name in PAPER_CONFIGS]
 
 
 def _routing(t, e, k):
@@ -288,20 +294,79 @@ def forced_plan(choice, varlen_k=False):
     original = heuristic.plan
 
     def plan(is_varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
-             ab_dtype="bf16", gather_b=False, transpose_c=False):
+             ab_dtype="bf16", gather_b=False, transpose_c=False, **device):
         if (choice is not None and is_varlen_k == varlen_k and ab_dtype == "bf16"
                 and (varlen_k or not gathered)):
             if varlen_k and -(-dim_m // choice.tile_m) % choice.cluster:
                 return choice._replace(cluster=1)
             return choice
         return original(is_varlen_k, dim_n, gathered, dim_k, dim_m, arch, ab_dtype, gather_b,
-                        transpose_c)
+                        transpose_c, **device)
 
     heuristic.plan = plan
     try:
         yield
     finally:
         heuristic.plan = original
+
+
+@contextlib.contextmanager
+def forced_share(share_a):
+    """Within the block, the gathered bf16 varlen-M GEMMs on a 2-CTA cluster share A
+    (``multicast_a``) if ``share_a``, else B, whatever ``heuristic.plan`` picks."""
+    original = heuristic.plan
+
+    def plan(is_varlen_k, dim_n, gathered=False, *args, **kwargs):
+        tiles = original(is_varlen_k, dim_n, gathered, *args, **kwargs)
+        if (gathered and not is_varlen_k and tiles.cluster > 1
+                and kwargs.get("ab_dtype", "bf16") == "bf16"):
+            return tiles._replace(multicast_a=share_a)
+        return tiles
+
+    heuristic.plan = plan
+    try:
+        yield
+    finally:
+        heuristic.plan = original
+
+
+def share_rows(name, t, d, n, e, k, only, rounds=2):
+    """``--share both`` rows of one shape: the gathered GEMMs (``up``, ``up+act``, ``dA'``,
+    ``dA'+dH`` in ``only``) with the cluster sharing A, then B, in ``rounds`` alternating
+    rounds, each output compared bitwise with the first choice's."""
+    gather_idx, offsets = _routing(t, e, k)
+    p = t * k
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
+    w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
+    do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
+    scores = torch.rand(p, device="cuda")
+    cases = {
+        "up": (2 * p * 2 * n * d, lambda: grouped_gemm(x, w1, offsets, gather_idx=gather_idx)),
+        "up+act": (2 * p * 2 * n * d,
+                   lambda: grouped_gemm_swiglu(x, w1, offsets, gather_idx, "concat")[1]),
+        "dA'": (2 * p * d * n,
+                lambda: grouped_gemm(do, w2.transpose(1, 2), offsets, gather_idx=gather_idx)),
+        "dA'+dH": (2 * p * d * n,
+                   lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0]),
+    }
+    first = {}
+    for r in range(rounds):
+        for share_a in (True, False):
+            with forced_share(share_a):
+                for gemm, (flops, fn) in cases.items():
+                    if gemm not in only:
+                        continue
+                    out = fn()
+                    same = torch.equal(first.setdefault(gemm, out), out)
+                    us = bench(fn)
+                    note, _ = _power(fn)
+                    print(f"{name:<6} {gemm:<7} r{r} {'shares A' if share_a else 'shares B':<9} | "
+                          f"{us:>9.1f} us {flops / us / 1e6:>7.0f} TF  "
+                          f"{'bitwise equal' if same else 'DIFFERS'}{note}", flush=True)
+    del x, w1, w2, do, h, scores
+    torch.cuda.empty_cache()
 
 
 def plan_rows(name, t, d, n, e, k, only, rounds=2):
@@ -415,6 +480,9 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=parse_config, action="append",
+                        help=f"{', '.join(CONFIGS)} or T,d,n,E,K (repeatable; default: "
+                             f"{', '.join(PAPER_CONFIGS)})")
     parser.add_argument("--gemm", choices=GEMMS, action="append",
                         help="time only these GEMMs (repeatable; default: all)")
     parser.add_argument("--ceiling", action="store_true",
@@ -424,6 +492,9 @@ def main(argv=None):
     parser.add_argument("--plans", action="store_true",
                         help="time the down, dX, dW1 and dW2 GEMMs under every candidate "
                              "tile plan instead")
+    parser.add_argument("--share", choices=("both",),
+                        help="time the gathered GEMMs (up, up+act, dA', dA'+dH) with the "
+                             "cluster sharing A, then B, instead")
     parser.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 GEMMs (up, up+act, down, dA'+dH, dX, "
                              "dW1, dW2) beside bf16 instead")
@@ -436,19 +507,24 @@ def main(argv=None):
     global POWER_SECONDS
     POWER_SECONDS = args.power
     only = set(args.gemm or GEMMS)
-    print(f"device: {device_name()}")
+    shapes = [(name, *sizes) for name, sizes in args.config] if args.config else SHAPES
+    print(f"device: {device_name()}  {device_memory(torch.cuda.current_device())}")
     print(f"{'shape':<6} {'gemm':<7} | {'torch us':>9} {'kernel us':>9} | {'torch TF':>7} "
           f"{'kern TF':>7} {'speedup':>7} {'rel err':>8}")
+    if args.share:
+        for shape in shapes:
+            share_rows(*shape, only)
+        return
     if args.plans:
-        for shape in SHAPES:
+        for shape in shapes:
             plan_rows(*shape, only)
         return
     if args.fp8:
-        for shape in SHAPES:
-            if shape[0] in FP8_SHAPES:
+        for shape in shapes:
+            if args.config or shape[0] in FP8_SHAPES:
                 fp8_rows(*shape, ceiling=args.ceiling)
         return
-    for name, t, d, n, e, k in SHAPES:
+    for name, t, d, n, e, k in shapes:
         kernel = {}
 
         def row(gemm, *args, name=name, kernel=kernel):

@@ -159,6 +159,41 @@ def test_plan_varlen_m(args, expected):
     assert heuristic.plan(*args) == heuristic.TilePlan(*expected)
 
 
+H100 = heuristic.DeviceMemory(sms=132, l2_bytes=50 << 20, dram_bytes_per_s=3.35e12)
+H200 = heuristic.DeviceMemory(sms=132, l2_bytes=60 << 20, dram_bytes_per_s=4.8e12)
+
+
+# (N, K, P / E): the gathered up-proj (N = 2n, K = d) and dA' (N = n, K = d) of DeepSeek-V3,
+# GLM-4.5 and Qwen3-235B (a wave's B panels over an expert's m-tiles past half the L2), and
+# of 30B, OLMoE and 7B (within it).
+@pytest.mark.parametrize("dim_n,dim_k,rows,outgrows", [
+    (4096, 7168, 512, True), (2048, 7168, 512, True), (3072, 5120, 819, True),
+    (1536, 5120, 819, True), (3072, 4096, 1024, True),
+    (2048, 4096, 2048, False), (2048, 2048, 4096, False), (512, 1536, 1536, False),
+])
+def test_gathered_cluster_shares_b_where_weights_outgrow_l2(dim_n, dim_k, rows, outgrows):
+    def shares_a(memory, per_expert=rows):
+        return heuristic.plan(False, dim_n, True, dim_k, rows_per_expert=per_expert,
+                              memory=memory).multicast_a
+
+    assert shares_a(H100) is not outgrows
+    # H200-class bandwidth, unknown rows or an unknown GPU: sharing A as before.
+    assert shares_a(H200) and shares_a(None) and shares_a(H100, 0)
+    # Unknown bandwidth counts as low.
+    assert shares_a(H100._replace(dram_bytes_per_s=None)) is not outgrows
+    # The FP8 plans share B anyway; contiguous A is untouched.
+    assert heuristic.plan(False, dim_n, False, dim_k, rows_per_expert=rows,
+                          memory=H100) == heuristic.plan(False, dim_n, False, dim_k)
+
+
+def test_varlen_m_config_passes_rows_and_memory():
+    cfg = heuristic.varlen_m_config(4096, 7168, True, epilogue="swiglu", gate_up="concat",
+                                    rows_per_expert=512, memory=H100)
+    assert (cfg.cluster, cfg.multicast_a) == (CLUSTER, False)
+    assert heuristic.varlen_m_config(4096, 7168, True, rows_per_expert=512,
+                                     memory=H200).multicast_a
+
+
 def test_plan_varlen_k_cluster_needs_even_m_tiles():
     assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER, 128, False)
     assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1, 128, False)

@@ -407,3 +407,14 @@ def test_index_math_past_2_31_elements(case):
         out = grouped_gemm(a, b, offsets)
         ref = _ref_varlen_m(a, b, offsets)
     assert _rel_err(out, ref) < 1e-2
+
+
+def test_device_memory_reads_the_gpu():
+    """The plan's view of the GPU: its SM count, L2 size and (where reported) a DRAM
+    bandwidth of a Hopper-class order of magnitude."""
+    from sonic.kernels.grouped_gemm.interface import device_memory
+
+    props = torch.cuda.get_device_properties(0)
+    memory = device_memory(0)
+    assert (memory.sms, memory.l2_bytes) == (props.multi_processor_count, props.L2_cache_size)
+    assert memory.dram_bytes_per_s is None or 1e11 < memory.dram_bytes_per_s < 1e14

@@ -13,6 +13,26 @@ from typing import NamedTuple
 from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
 
 
+class DeviceMemory(NamedTuple):
+    """What the plan reads of a GPU's memory system (:func:`device_memory`).
+
+    Attributes:
+        sms: streaming multiprocessors (one persistent CTA each).
+        l2_bytes: L2 cache size in bytes.
+        dram_bytes_per_s: DRAM bandwidth in bytes/s, or None where the driver does not say.
+    """
+
+    sms: int
+    l2_bytes: int
+    dram_bytes_per_s: float | None
+
+
+# Where a gathered GEMM's weights outgrow L2, the DRAM bandwidth below which the 2-CTA
+# cluster shares B (each B tile read once for two m-tiles) rather than A (half the row
+# copies each): H100 (3.35 TB/s) shares B, H200 (4.8 TB/s) keeps sharing A. See plan().
+SHARE_B_BELOW_BYTES_PER_S = 4e12
+
+
 class TilePlan(NamedTuple):
     """The tile choices of one grouped GEMM (fields as in :class:`GroupedGemmConfig`)."""
 
@@ -25,10 +45,12 @@ class TilePlan(NamedTuple):
 
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
          dim_m: int = 0, arch: str = "sm_90a", ab_dtype: str = "bf16",
-         gather_b: bool = False, transpose_c: bool = False) -> TilePlan:
+         gather_b: bool = False, transpose_c: bool = False, rows_per_expert: int = 0,
+         memory: DeviceMemory | None = None) -> TilePlan:
     """Tile N, schedule, cluster size, tile M and the cluster's shared operand (``gathered``:
     A's rows are gathered; ``gather_b``: varlen-K B's are; ``transpose_c``: varlen-K stores
-    C transposed).
+    C transposed; ``rows_per_expert``: varlen-M ``P / E``, 0 if unknown; ``memory``: the
+    GPU's, None if unknown).
 
     * ``tile_n`` 256, or 128 when N is small and not a multiple of 256 (a 256 tile would be
       mostly masked); 192 for contiguous A (below).
@@ -56,6 +78,17 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       sharing B (on ``128 x 128`` tiles sharing A it was 4–11% slower). The FP8 gathered
       GEMMs are not bound by their row copies (as fast on the routing's index as on rows
       gathered beforehand) and keep sharing B.
+    * Gathered varlen-M A (bf16) whose weights outgrow L2 (:func:`b_outgrows_l2`: the B
+      panels one wave of CTAs reads, divided by the m-tiles of an expert that share each,
+      exceed half the L2) on a GPU with less than :data:`SHARE_B_BELOW_BYTES_PER_S` of DRAM
+      bandwidth: the cluster shares B. A persistent CTA re-reads a B tile from DRAM whenever
+      the other m-tiles' CTAs read it too far apart in time for L2 to keep it; the
+      multicast reads it once for two. Measured with ``benchmarks/bench_grouped_gemm.py
+      --config NAME --share both`` (same run, sharing A → B): on an H100 the gathered GEMMs
+      at DeepSeek-V3 (T, d, n, E, K = 16384, 7168, 2048, 256, 8) read 74 → 34 GB of DRAM
+      (up-proj) and ran 1.6–1.8× faster, at GLM-4.5 1.4–1.6×, at Qwen3-235B the up-proj
+      10–20%; on an H200 DeepSeek-V3's up-proj ran 7% slower sharing B, so the rule asks
+      for H100-class bandwidth too.
     * Contiguous A (down-proj, dX̃) with K > 512: cooperative ``128 x tile_n`` on a cluster,
       its varlen-M stores deferred (:class:`.epilogue.base.StoreEpilogue`: each warp
       TMA-stores the previous tile one box per k-tile behind the WGMMAs), which beat the
@@ -128,13 +161,31 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     if not gathered and dim_k <= 512:
         masked = -dim_n % 192          # columns of the last 192-wide tile past N
         return TilePlan(192 if masked * 20 <= dim_n else 128, True, 1)
-    share_a = gathered and -(-dim_n // tile_n) % CLUSTER == 0
+    share_a = (gathered and -(-dim_n // tile_n) % CLUSTER == 0
+               and not b_outgrows_l2(dim_k, tile_n, rows_per_expert, memory))
     return TilePlan(tile_n, False, CLUSTER, multicast_a=share_a)
+
+
+def b_outgrows_l2(dim_k: int, tile_n: int, rows_per_expert: int,
+                  memory: DeviceMemory | None) -> bool:
+    """Whether a varlen-M GEMM's B tiles are read from DRAM about once per m-tile: the B
+    panels (``tile_n x K``) one wave of persistent CTAs works on, divided by the m-tiles of
+    an expert that share each, exceed half the L2, on a GPU below
+    :data:`SHARE_B_BELOW_BYTES_PER_S` (or of unknown bandwidth). False when the rows per
+    expert or the GPU are unknown."""
+    if memory is None or rows_per_expert <= 0:
+        return False
+    if (memory.dram_bytes_per_s is not None
+            and memory.dram_bytes_per_s >= SHARE_B_BELOW_BYTES_PER_S):
+        return False
+    m_tiles = -(-rows_per_expert // TILE_M)
+    return memory.sms * tile_n * dim_k * 2 // m_tiles > memory.l2_bytes // 2
 
 
 def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,
                     epilogue: str = "store", gate_up: str | None = None,
-                    arch: str = "sm_90a", ab_dtype: str = "bf16") -> GroupedGemmConfig:
+                    arch: str = "sm_90a", ab_dtype: str = "bf16", rows_per_expert: int = 0,
+                    memory: DeviceMemory | None = None) -> GroupedGemmConfig:
     """The planned varlen-M configuration (:func:`plan`, then the epilogue's constraints).
 
     With the SwiGLU "concat" epilogue a tile's gate half must not run past ``n = N/2``: when
@@ -143,7 +194,8 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
-    tiles = plan(False, dim_n, gathered, dim_k, arch=arch, ab_dtype=ab_dtype)
+    tiles = plan(False, dim_n, gathered, dim_k, arch=arch, ab_dtype=ab_dtype,
+                 rows_per_expert=rows_per_expert, memory=memory)
     tile_n = tiles.tile_n
     if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128

@@ -58,6 +58,18 @@ def _resident(index: int, cluster: int) -> int:
         return HardwareInfo(index).get_max_active_clusters(cluster)
 
 
+@functools.cache
+def device_memory(index: int) -> heuristic.DeviceMemory:
+    """SMs, L2 bytes and DRAM bandwidth (bytes/s; None where the driver does not report the
+    memory clock) of CUDA device ``index``, for :func:`heuristic.plan`."""
+    props = torch.cuda.get_device_properties(index)
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    # Double data rate: two transfers per memory clock.
+    bandwidth = clock_khz * 1e3 * 2 * bus_bits / 8 if clock_khz and bus_bits else None
+    return heuristic.DeviceMemory(props.multi_processor_count, props.L2_cache_size, bandwidth)
+
+
 # SMs the grouped GEMMs leave free (see sm_margin); a context variable, so it is per thread.
 _SM_MARGIN = contextvars.ContextVar("sonic_grouped_gemm_sm_margin", default=0)
 
@@ -86,11 +98,14 @@ def sm_margin(num_sms: int):
         _SM_MARGIN.reset(token)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _num_ctas(device: torch.device, work_items: int, cluster: int = 1) -> int:
     """Persistent grid size: one CTA (cluster) per resident slot less the :func:`sm_margin`,
     at most one per work item."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    resident = _resident(index, cluster) - -(-_SM_MARGIN.get() // cluster)
+    resident = _resident(_index(device), cluster) - -(-_SM_MARGIN.get() // cluster)
     return cluster * max(1, min(resident, work_items))
 
 
@@ -286,7 +301,9 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
     cfg = heuristic.varlen_m_config(
         dim_n, dim_k, gathered, b_n_major,
         epilogue="dswiglu" if dswiglu is not None else "swiglu" if swiglu else "store",
-        gate_up=swiglu, arch=runtime.device_arch(device))
+        gate_up=swiglu, arch=runtime.device_arch(device),
+        rows_per_expert=num_pairs // max(num_experts, 1),
+        memory=device_memory(_index(device)) if device.type == "cuda" else None)
     ds_parts = None
     if dswiglu is not None:
         if act_out is None:
