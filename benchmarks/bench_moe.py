@@ -341,6 +341,37 @@ def compare_with_sonicmoe(results, anchor: dict, path: str) -> None:
               f"{r['sonic']['saved_MiB']:12.1f} {moe['saved_MiB']:9.1f}")
 
 
+def plot_results(results, anchor: dict | None, path: str) -> None:
+    """Bar chart of forward + backward TFLOPS per configuration: sonic, torch-gmm and, with
+    ``anchor`` (:func:`read_sonicmoe`), SonicMoE's, scaled to sonic's process through the
+    ratio to its own torch-gmm (the two processes' torch-gmm times differ by machine noise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in results]
+    bars = {"sonic": [r["sonic"]["fwd_bwd_TFLOPS"] for r in results],
+            "torch-gmm": [r["torch_gmm"]["fwd_bwd_TFLOPS"] for r in results]}
+    if anchor is not None:
+        bars["SonicMoE"] = []
+        for r in results:
+            moe, gmm = anchor.get((r["config"], "sonicmoe")), anchor.get((r["config"], "torch-gmm"))
+            bars["SonicMoE"].append(r["torch_gmm"]["fwd_bwd_TFLOPS"] * gmm["fwdbwd_ms"]
+                                    / moe["fwdbwd_ms"] if moe and gmm else 0.0)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    width = 0.8 / len(bars)
+    for i, (label, values) in enumerate(bars.items()):
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+    ax.set_xticks([x + width * (len(bars) - 1) / 2 for x in range(len(names))], names)
+    ax.set_ylabel("forward + backward TFLOPS")
+    ax.set_title(f"MoE layer step on {results[0]['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def _impl_name(router: str, requested: str, precision: str = "bf16") -> str:
     name = "sonic" if requested != "both" else ("sonic-topK" if router == "topk" else "sonic-TR")
     return name if precision == "bf16" else f"{name}-fp8"
@@ -369,6 +400,9 @@ def main(argv=None):
                              "the first for sonic-fp8, each further one a row "
                              "sonic-fp8-wgrad-<choice>")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also draw forward + backward TFLOPS per configuration (sonic, "
+                             "torch-gmm, and SonicMoE with --vs-sonicmoe; needs matplotlib)")
     parser.add_argument("--profile", action="store_true",
                         help="also print sonic's forward+backward time per GPU kernel")
     parser.add_argument("--trace", metavar="DIR",
@@ -394,9 +428,13 @@ def main(argv=None):
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, anchor, args.vs_sonicmoe)
+    for r in results:
+        r["device"] = device_name()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.plot:
+        plot_results(results, anchor, args.plot)
 
 
 if __name__ == "__main__":
