@@ -12,7 +12,7 @@ DESIGN §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metad
     python -m sonic.memory --config 30B --activation-cache fp8   # also sonic's FP8 H cache
 
 ``--activation-cache fp8`` adds a third row, ``sonic-fp8c``: sonic with H kept for backward in
-e4m3 with 1×128 fp32 scales (:mod:`sonic.autograd.activation_cache`, issue 18), and its bytes
+e4m3 with 1×128 fp32 scales (:mod:`sonic.activation_cache`, issue 18), and its bytes
 relative to sonic's bf16 cache (issue 18 asks for at most 55%).
 
 ``--plot FILE`` (needs matplotlib, the ``plot`` extra) sweeps expert granularity at fixed FLOPs
