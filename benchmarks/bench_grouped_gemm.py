@@ -3,7 +3,7 @@
     python benchmarks/bench_grouped_gemm.py [--gemm NAME ...] [--ceiling] [--plans] [--fp8]
                                             [--power SECONDS]
 
-At the ANCHORS.md shapes (T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
+At the paper's configurations (docs/design.md §5: T, d, n, E, K) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
 the speedup and the kernel's relative error against torch:
 
@@ -88,7 +88,7 @@ from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # no
 from sonic.reference.fp8 import padded_offsets, quantize_blocks, quantize_rows  # noqa: E402
 from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 
-# (name, T, d, n, E, K) from ANCHORS.md.
+# (name, T, d, n, E, K) of the paper's configurations (docs/design.md §5).
 SHAPES = [("7B", 24576, 1536, 256, 128, 8), ("OLMoE", 32768, 2048, 1024, 64, 8),
           ("30B", 32768, 4096, 1024, 128, 8)]
 

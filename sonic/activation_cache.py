@@ -1,7 +1,7 @@
 """The activation cache of the MoE experts: in which form H ``(P, 2n)`` is kept for backward.
 
 ``"bf16"`` (the default) keeps H as the up-projection wrote it, in the layer's compute dtype
-(bf16, fp16, or fp32/fp64 for exact layers): ``P·2n·2`` bytes in bf16. ``"fp8"`` (issue 18, the
+(bf16, fp16, or fp32/fp64 for exact layers): ``P·2n·2`` bytes in bf16. ``"fp8"`` (the
 optional FP8 activation cache, independent of FP8 GEMMs) keeps H in e4m3 with one fp32 scale
 per 1×128 slice of each row — the recipe of :mod:`sonic.reference.fp8` (DeepSeek-V3,
 arXiv 2412.19437 §3.3): ``P·2n·(1 + 4/128)`` bytes, 51.6% of bf16's.

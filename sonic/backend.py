@@ -43,7 +43,7 @@ class ExpertOps:
     up_proj_swiglu: Callable
     dh_dswiglu: Callable
     aggregate: Callable
-    # FP8 steps (precision="fp8", issue 18): signatures as in sonic.reference.fp8
+    # FP8 steps (precision="fp8"): signatures as in sonic.reference.fp8
     # (quantize_rows, quantize_blocks) and sonic.reference.ops (the rest).
     quantize_rows: Callable
     quantize_blocks: Callable
@@ -261,7 +261,7 @@ def set_fp8_weight_grads(kind: str) -> str:
       (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`, every expert's rows padded to
       whole 128-row blocks), then :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
       Same validation loss as bf16 weight gradients (CPU emulation, and three seeds on the
-      GPU; RESULTS.md), but no faster on the H200 (same run, eighteenth session: the layer's
+      GPU; RESULTS.md), but no faster on the H200 (same run: the layer's
       step 15.8 vs 14.8 ms at OLMoE, 31.5 vs 31.6 ms at 30B, with 1.4 GiB more peak at 30B):
       the FP8 varlen-K GEMMs (790–840 TFLOPS) beat the bf16 ones (620–640) by about what the
       four column-wise quantization passes add (2.2 / 3.6 ms). An opt-in for the DeepSeek-V3
@@ -414,7 +414,7 @@ def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=Non
     return reference.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b)
 
 
-# ------------------------------------------------------------------------------ FP8 (issue 18)
+# ------------------------------------------------------------------------------ FP8
 
 FP8_ARCH = "sm_90a"
 

@@ -17,11 +17,11 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   -> packed`` — the :class:`~sonic.RoutingMetadata` index vectors in one int32 buffer (see
   :func:`pack_metadata`); ``top_k = 0`` for pairs in any order.
 * ``sonic::up_proj_swiglu``, ``sonic::grouped_mm``, ``sonic::grouped_mm_varlen_k``,
-  ``sonic::dh_dswiglu``, ``sonic::aggregate`` — the kernels of DESIGN §3, signatures as in
+  ``sonic::dh_dswiglu``, ``sonic::aggregate`` — the kernels of docs/design.md §3, signatures as in
   :mod:`sonic.reference.ops` plus ``backend``.
 * ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache)
   -> (out, H, H_scales)`` — the expert forward; its registered backward runs ``dh_dswiglu``,
-  ``grouped_mm_varlen_k``, ``grouped_mm`` and ``aggregate`` (DESIGN §3). It saves x, w1, w2,
+  ``grouped_mm_varlen_k``, ``grouped_mm`` and ``aggregate`` (docs/design.md §3). It saves x, w1, w2,
   the activation cache, scores and the packed metadata, nothing else. The cache is H in the
   form :mod:`sonic.activation_cache` keeps it: ``(H (P, 2n), empty)`` for ``"bf16"``,
   ``(e4m3 H (P, 2n), fp32 scales (2n/128, P))`` for ``"fp8"``; it is handed back only so
@@ -29,7 +29,7 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   not kept, the bf16 backward may write dH over H; a caller of the raw op must not read H after
   backward.
 
-* FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.experts.moe_experts`):
+* FP8 (``precision="fp8"``; dataflow in :mod:`sonic.experts.moe_experts`):
   ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend,
   activation_cache, weight_grads) -> (out, H, H_scales)`` with ``fp8_weights`` the eight
   tensors of ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
@@ -421,7 +421,7 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
 def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
                     dx_fn, fp8: bool = False) -> tuple:
     """``(dX, dW1, dW2, ds)`` of the expert backward once the dH step gave
-    ``step = [dH, A', ds per row, *dx_operand]`` (DESIGN §3, backward steps 2-4), for the
+    ``step = [dH, A', ds per row, *dx_operand]`` (docs/design.md §3, backward steps 2-4), for the
     inputs that need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_fn(dH,
     *dx_operand)``), dW1 = varlen-K(dH, gather(X)). ``dx_fn`` and the weight gradients'
     precision (:func:`weight_grad_fn` with ``fp8``) are what the bf16 and FP8 paths do
@@ -511,7 +511,7 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
 _moe_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
-# ------------------------------------------------------------------------------ FP8 (issue 18)
+# ------------------------------------------------------------------------------ FP8
 # precision="fp8": the dataflow is documented in sonic.experts.moe_experts. The steps are ops
 # so the hand-written backward traces under torch.compile like the bf16 one.
 

@@ -7,7 +7,7 @@ layers run one way: kernels -> backend -> routing / autograd / nn.
   are laid out (docs/design.md, "Names and shapes").
 * :data:`FP8_BLOCK`, :data:`GROUPED_GEMM_MAX_EXPERTS`, :data:`ROUTING_METADATA_MAX_EXPERTS` —
   limits that more than one layer checks, defined once.
-* :class:`RoutingMetadata` — where every routed pair lives once grouped by expert (DESIGN §2),
+* :class:`RoutingMetadata` — where every routed pair lives once grouped by expert (docs/design.md §2),
   re-exported as ``sonic.RoutingMetadata``.
 """
 

@@ -1,10 +1,10 @@
-"""The MoE layer configurations sonic is measured at (ANCHORS.md; SonicMoE paper §6)."""
+"""The MoE layer configurations sonic is measured at (docs/design.md §5; SonicMoE paper §6)."""
 
 from __future__ import annotations
 
 import argparse
 
-# (T, d, n, E, K) of the paper's configurations, as measured in ANCHORS.md.
+# (T, d, n, E, K) of the paper's configurations.
 CONFIGS = {
     "7B": (24576, 1536, 256, 128, 8),
     "OLMoE": (32768, 2048, 1024, 64, 8),

@@ -8,9 +8,9 @@ Forward: up-proj (gathered X · W1ᵀ) → SwiGLU → down-proj (A · W2ᵀ) →
 Saved for backward: the layer input X (by reference), H ``(P, 2n)`` (in the compute dtype, or
 in e4m3 with 1×128 scales: ``activation_cache="fp8"``, :mod:`sonic.activation_cache`),
 the scores and the routing metadata — nothing of size ``P·d`` and not A. Backward recomputes A from H and never forms Y or
-dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (DESIGN §3).
+dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (docs/design.md §3).
 
-``precision="fp8"`` (issue 18; recipe of :mod:`sonic.reference.fp8`: e4m3, activations scaled
+``precision="fp8"`` (recipe of :mod:`sonic.reference.fp8`: e4m3, activations scaled
 per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
 ``torch.ops.sonic.moe_experts_fp8``. Dataflow, and why:
 
@@ -190,7 +190,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             quantizes them in this call.
         activation_cache: how H is kept for backward: ``"bf16"`` (as computed, in the compute
             dtype, whatever it is) or ``"fp8"`` (e4m3 with an fp32 scale per 1×128 slice of
-            each row, 51.6% of the bf16 bytes; issue 18), with either precision. The
+            each row, 51.6% of the bf16 bytes), with either precision. The
             forward, hence the output, is the same bit for bit; the gradients are those at ``dequantize(quantize(H))`` (see
             :mod:`sonic.activation_cache`). ``"fp8"`` needs ``2n`` a multiple of 128
             and a bf16 / fp16 compute dtype.

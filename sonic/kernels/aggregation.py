@@ -1,6 +1,6 @@
 """Expert aggregation on the GPU: every token gathers and sums its expert rows.
 
-DESIGN §3 (forward step 3, backward step 5) and §4: ``o_t = Σ_j s[row_j] · y[row_j]`` over the
+docs/design.md §3 (forward step 3, backward step 5) and §4: ``o_t = Σ_j s[row_j] · y[row_j]`` over the
 rows ``token_rows[token_offsets[t]:token_offsets[t+1]]`` of token ``t``, accumulated in fp32 in
 pair order, with no scatter and no atomics, so the result is deterministic. SonicMoE
 (arXiv 2512.14080) §3.2: the aggregation is a gather-sum, which keeps the down-projection GEMM
@@ -41,7 +41,7 @@ def _compile(dtype: torch.dtype, d: int, scored: bool, keep_ptx: bool = False):
 
 def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Tensor,
               row_scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token gather-sum of expert rows: ``o_t = Σ s[row] · y[row]`` (DESIGN §3, §4).
+    """Per-token gather-sum of expert rows: ``o_t = Σ s[row] · y[row]`` (docs/design.md §3, §4).
 
     For token ``t`` the rows are ``token_rows[token_offsets[t]:token_offsets[t+1]]`` (the
     :class:`sonic.RoutingMetadata` fields of the same names); ``s = 1`` when ``row_scores`` is

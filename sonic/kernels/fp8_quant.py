@@ -1,6 +1,6 @@
 """Block-scaled FP8 (e4m3) quantization on the GPU: activations per 1×128, weights per 128×128.
 
-Issue 18 recipe (DeepSeek-V3 arXiv 2412.19437 §3.3; DeepGEMM), bitwise equal to the reference
+The block-scaled FP8 recipe (DeepSeek-V3 arXiv 2412.19437 §3.3; DeepGEMM), bitwise equal to the reference
 :mod:`sonic.reference.fp8` — same ``amax``, ``scale = amax / 448`` (1.0 for an all-zero block),
 IEEE fp32 division ``x / scale`` (on the GPU from one reciprocal per scale by Markstein's
 exact correction, bitwise the division) and round-to-nearest-even e4m3. The reference's clamp to
@@ -44,7 +44,7 @@ each row is quantized: 96 registers per thread, five 128-thread CTAs per SM, whe
 per CTA of eight warps with fp32 copies of the tile (128 registers, two CTAs per SM) ran
 1.25–1.33× slower (H200, same run, bitwise the same copies). Each column's reciprocal is
 taken once and its 8 quotients come from it (``quotient``): 2.2–2.8 TB/s of bf16 read + e4m3
-written at the ANCHORS shapes, benchmarks/RESULTS.md.
+written at the paper's configurations (docs/design.md §5), benchmarks/RESULTS.md.
 
 ``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
 ``ValueError`` names the argument otherwise.
@@ -138,7 +138,7 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_rows` up to rounding, in bf16, in one pass: ``(q · scale)``
     formed in fp32 and rounded once to bf16 — bitwise
     ``sonic.reference.fp8.dequantize_rows(q, scales).to(torch.bfloat16)``. The FP8 activation
-    cache (issue 18) dequantizes the saved H with it in backward.
+    cache dequantizes the saved H with it in backward.
 
     Args:
         q: ``(M, K)`` float8_e4m3fn, contiguous, CUDA, 16-byte aligned; ``K`` a multiple of 128.
@@ -219,7 +219,7 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
                           k_offsets: torch.Tensor, gather_idx: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight-gradient operand per ``128 x 1`` block of each column within each
-    expert's rows, into the K-major copy the FP8 varlen-K GEMM reads (issue 18; DeepSeek-V3
+    expert's rows, into the K-major copy the FP8 varlen-K GEMM reads (DeepSeek-V3
     §3.3: scales along the GEMM's reduction axis, here the tokens).
 
     Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped`, padding and tail

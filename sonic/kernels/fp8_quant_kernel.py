@@ -68,7 +68,7 @@ def quotient(x, recip, scale, *, loc=None, ip=None):
     without a branch, where each division instruction carries a range check and a slow
     path. Same-run A/B on the H200, outputs bitwise equal: column-wise quantization
     1.13–1.28× faster, the quantizing SwiGLU 1.13–1.15×, ``quantize_rows`` 1.06–1.09×
-    (benchmarks/RESULTS.md, eighteenth session)."""
+    (benchmarks/RESULTS.md)."""
     ops = [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, recip, -scale)]
     return Float32(llvm.inline_asm(Float32.mlir_type, ops, _QUOTIENT_PTX, "=f,f,f,f",
                                    loc=loc, ip=ip))

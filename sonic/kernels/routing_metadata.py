@@ -1,6 +1,6 @@
 """Routing metadata ("index shuffling") on the GPU: a stable counting sort of pairs by expert.
 
-DESIGN §2 and §4; MetaShuffling (PyTorch blog, 2025). From the routed pairs this builds a
+docs/design.md §2 and §4; MetaShuffling (PyTorch blog, 2025). From the routed pairs this builds a
 :class:`sonic.RoutingMetadata` on the device, with no host synchronisation (graph-capturable)
 and bitwise-deterministic results: positions come from counts and ranks, never from the order
 in which atomics land.
@@ -112,7 +112,7 @@ def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens
 
 
 def routing_metadata_topk(expert_idx: torch.Tensor, num_experts: int) -> RoutingMetadata:
-    """Routing metadata of top-K routing, on the GPU in two launches (DESIGN §2, MetaShuffling).
+    """Routing metadata of top-K routing, on the GPU in two launches (docs/design.md §2, MetaShuffling).
 
     Pairs are token-major: pair ``p = t·K + j`` is token ``t``'s ``j``-th expert, as produced by
     :func:`sonic.topk_routing`. Same result as ``sonic.routing_metadata`` on those pairs:
@@ -144,7 +144,7 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
     """Routing metadata of arbitrary (token, expert) pairs (token rounding), on the GPU.
 
     Same result as ``sonic.routing_metadata``: rows sorted stably by expert, and per token its
-    rows in pair order (``token_offsets``, ``token_rows``). Four launches (DESIGN §2,
+    rows in pair order (``token_offsets``, ``token_rows``). Four launches (docs/design.md §2,
     MetaShuffling); no host synchronisation; bitwise deterministic.
 
     Args:

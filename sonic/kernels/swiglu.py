@@ -1,6 +1,6 @@
 """SwiGLU and its backward epilogue on the GPU, each in one bandwidth-bound pass.
 
-DESIGN §3 (forward step 1 epilogue, backward step 1 epilogue; SonicMoE arXiv 2512.14080 App. C):
+docs/design.md §3 (forward step 1 epilogue, backward step 1 epilogue; SonicMoE arXiv 2512.14080 App. C):
 until the grouped GEMMs fuse them, these standalone kernels replace the PyTorch reference
 (:func:`sonic.reference.ops.swiglu`, :func:`sonic.reference.ops.dswiglu_epilogue`), which builds
 several ``(P, n)`` fp32 temporaries, by one read of the inputs and one write of the outputs.
@@ -77,12 +77,12 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor,
 
 def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False,
            quantize_h: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (DESIGN §3; SonicMoE App. C).
+    """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (docs/design.md §3; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.swiglu`: fp32 math, one rounding to bf16
     (``σ`` within ~1e-6 relative of the reference's, see the module notes).
 
-    With ``quantize``, A is written as the FP8 path's down-proj reads it (issue 18:
+    With ``quantize``, A is written as the FP8 path's down-proj reads it (the
     quantization where the data is produced): e4m3 with one fp32 scale per 1×128 slice of
     each row, bitwise ``sonic.kernels.fp8_quant.quantize_rows(swiglu(h))`` (the bf16-rounded
     A is quantized) without writing and reading A in bf16: the FP8 layer's default
@@ -158,7 +158,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
                      gate_up: str = "concat", *, h_scales: torch.Tensor | None = None,
                      dh_out: torch.Tensor | None = None, a_out: torch.Tensor | None = None,
                      quantize_dh: bool = False) -> tuple[torch.Tensor, ...]:
-    """Backward epilogue of the dH step (DESIGN §3, backward step 1; SonicMoE App. C).
+    """Backward epilogue of the dH step (docs/design.md §3, backward step 1; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.dswiglu_epilogue`: per row, with ``g, u`` from
     ``h``, ``σ = sigmoid(g)``, ``A = g·σ·u`` (fp32, never rounded) and ``dA = s·dA'``:
@@ -184,7 +184,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         and up, dA') before it stores any, and stores exactly the elements it loaded; rows
         belong to one warp each. A buffer that overlaps an input without being it would
         overwrite elements other lanes still read: refused.
-        quantize_dh: also write dH as the FP8 path's dX GEMM reads it (issue 18): e4m3 with
+        quantize_dh: also write dH as the FP8 path's dX GEMM reads it: e4m3 with
             one fp32 scale per 1×128 slice of each dH row, bitwise
             ``sonic.kernels.fp8_quant.quantize_rows(dH)``, without reading dH again; needs
             ``n`` a multiple of 128. The FP8 layer's default for its dX GEMM

@@ -1,6 +1,6 @@
 """Token rounding's per-expert selection on the GPU: one CTA per expert, no host read.
 
-SonicMoE (arXiv 2512.14080) §5.2, Algorithm 4; DESIGN §2. Each expert ``e`` keeps the top
+SonicMoE (arXiv 2512.14080) §5.2, Algorithm 4; docs/design.md §2. Each expert ``e`` keeps the top
 ``r_e`` tokens of its column of the combined score ``C`` (token-choice picks first, by their
 token-choice score, then non-picks by ``S[t, e]``; the lower token first among equals), where
 ``r_e`` is its top-K count ``f_e`` rounded to a multiple of the tile and clamped to ``[0, T]``.

@@ -1,6 +1,6 @@
 """Top-K router kernel: per-row bitonic top-K of ``(T, E)`` logits with fused softmax scores.
 
-DESIGN §4 ("Top-K"), SonicMoE paper §4.3 (Fig. 10). One group of ``G`` lanes of a warp owns one
+docs/design.md §4 ("Top-K"), SonicMoE paper §4.3 (Fig. 10). One group of ``G`` lanes of a warp owns one
 row of logits; every lane holds ``V = E_pad / G`` of the row's values in registers (``E_pad``: E
 rounded up to a power of two), and the whole selection runs in registers and warp shuffles (no
 shared memory, no block barrier):
@@ -140,7 +140,7 @@ def topk_scores(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
                 renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K experts of every token and their routing scores, by the bitonic top-K kernel.
 
-    DESIGN §4 / SonicMoE paper §4.3; the same selection and scores as
+    docs/design.md §4 / SonicMoE paper §4.3; the same selection and scores as
     :func:`sonic.topk_routing`, which is the PyTorch reference.
 
     Args:

@@ -1,4 +1,4 @@
-"""PyTorch reference of the block-scaled FP8 recipe (issue 18): quantization, dequantization,
+"""PyTorch reference of the block-scaled FP8 recipe: quantization, dequantization,
 the promoted FP8 grouped GEMM, and the error an e4m3 GEMM may have.
 
 Recipe (DeepSeek-V3 technical report, arXiv 2412.19437, §3.3 "fine-grained quantization"; the

@@ -1,4 +1,4 @@
-"""PyTorch reference of every GPU kernel of the MoE dataflow (DESIGN §3).
+"""PyTorch reference of every GPU kernel of the MoE dataflow (docs/design.md §3).
 
 Same inputs, outputs and numerics contract as the CuTe kernels (bf16/fp32 in, fp32 accumulation),
 so it is both the test oracle and the fallback backend. Runs on any device PyTorch supports.
@@ -168,7 +168,7 @@ def dh_dswiglu(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
                      gate_up: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Epilogue of the dH kernel (DESIGN §3, backward step 1; SonicMoE App. C).
+    """Epilogue of the dH kernel (docs/design.md §3, backward step 1; SonicMoE App. C).
 
     From ``dA' = gather(dO)·W2 (P, n)``, the saved ``H (P, 2n)`` and the score of each row,
     recomputes ``A = silu(g) ⊙ u`` (never stored by the forward) and returns
@@ -217,7 +217,7 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
     return out.to(y.dtype)
 
 
-# ------------------------------------------------------------------------------ FP8 (issue 18)
+# ------------------------------------------------------------------------------ FP8
 # The FP8 steps of the layer, emulating the CuTe kernels' quantized math on any device (see
 # sonic.reference.fp8 for the recipe and its conventions).
 

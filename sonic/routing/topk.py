@@ -1,4 +1,4 @@
-"""Top-K token-choice routing (DESIGN §2; SonicMoE paper §2, kernel §4.3)."""
+"""Top-K token-choice routing (docs/design.md §2; SonicMoE paper §2, kernel §4.3)."""
 
 from __future__ import annotations
 
