@@ -3,7 +3,7 @@
 ``bench`` returns the median time of a callable in microseconds (triton's ``do_bench`` when
 triton is installed, else CUDA events), after a warm-up that also absorbs JIT compilation.
 ``copy_bandwidth`` measures the device-to-device copy bandwidth in the same run, the ceiling that
-bandwidth-bound kernels are compared against (ANCHORS.md: ≈ 3.02 TB/s read + write on H100).
+bandwidth-bound kernels are compared against (≈ 3.02 TB/s read + write on H100).
 """
 
 import statistics
@@ -18,7 +18,7 @@ def bench(fn, *, warmup: int = 10, rep_ms: int = 200, grad_to_none=None) -> floa
     Runs ``fn`` ``warmup`` times first (compilation, allocator), then times it for about
     ``rep_ms`` milliseconds; the L2 cache is flushed between runs by ``do_bench``, and the
     ``.grad`` of every tensor in ``grad_to_none`` is set to None before each run, outside the
-    timed region (as ANCHORS.md times a training step).
+    timed region (a training step as docs/design.md §5 times it).
     """
     for _ in range(warmup):
         _drop_grads(grad_to_none)

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_aggregation.py
 
-At the ANCHORS.md shapes (T, d, K) with random top-K routing prints median µs of the kernel and
+At the paper's configurations (docs/design.md §5: T, d, K) with random top-K routing prints median µs of the kernel and
 of PyTorch, the kernel's GB/s (bytes read: y rows, indices, scores; written: output), its
 percentage of the same-run device copy bandwidth (target ≥ 70%) and the speedup.
 """
@@ -21,7 +21,7 @@ from _timing import bench, copy_bandwidth, device_name, host_overhead_us  # noqa
 from sonic.kernels.aggregation import aggregate  # noqa: E402
 from sonic.routing.metadata import pairs_metadata  # noqa: E402
 
-# (name, T, d, E, K) from ANCHORS.md.
+# (name, T, d, E, K) of the paper's configurations (docs/design.md §5).
 SHAPES = [("7B", 24576, 1536, 128, 8), ("OLMoE", 32768, 2048, 64, 8), ("30B", 32768, 4096, 128, 8)]
 
 

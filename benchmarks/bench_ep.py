@@ -5,7 +5,7 @@ GPU, and how much of the all-to-all time the chunked pipeline hides.
     torchrun --nproc_per_node=2 benchmarks/bench_ep.py --config 8192,2048,1024,64,8 --chunks 1,2
     torchrun --nproc_per_node=2 benchmarks/bench_ep.py --smoke          # CPU, gloo, tiny
 
-``--config T,d,n,E,K`` (default the 30B layer, ANCHORS.md): ``T`` tokens *per rank*, ``E``
+``--config T,d,n,E,K`` (default the 30B layer, docs/design.md §5): ``T`` tokens *per rank*, ``E``
 experts over all ranks. Every rank builds the same single-process :class:`sonic.MoE` (all
 ``E`` experts) and the same ``(ep·T, d)`` batch from one seed, takes its share with
 :meth:`ExpertParallelMoE.from_moe`, and in ONE run (``--precision fp8`` /

@@ -5,7 +5,7 @@
 Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales),
 ``quantize_blocks`` (128×128 weight scales) and ``quantize_cols_grouped`` (the FP8 weight
 gradients' K-major copies, 128×1 scales along each expert's rows) against the PyTorch
-implementation in ``sonic.reference.fp8`` (fp32 temporaries, several passes) at the ANCHORS.md
+implementation in ``sonic.reference.fp8`` (fp32 temporaries, several passes) at the docs/design.md §5
 shapes: ``X (T, d)`` and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for
 the blocks, ``X`` gathered by random top-K routing, ``dH (T·K, 2n)`` and ``A' (T·K, n)`` for
 the columns. Prints the median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on
@@ -29,7 +29,7 @@ from bench_grouped_gemm import _routing  # noqa: E402
 from sonic.kernels import fp8_quant  # noqa: E402
 from sonic.reference import fp8 as ref  # noqa: E402
 
-# (name, T, d, n, E, K) from ANCHORS.md.
+# (name, T, d, n, E, K) of the paper's configurations (docs/design.md §5).
 SHAPES = [("7B", 24576, 1536, 256, 128, 8), ("OLMoE", 32768, 2048, 1024, 64, 8),
           ("30B", 32768, 4096, 1024, 128, 8)]
 

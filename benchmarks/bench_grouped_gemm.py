@@ -3,7 +3,8 @@
     python benchmarks/bench_grouped_gemm.py [--config NAME|T,d,n,E,K ...] [--gemm NAME ...]
                                             [--ceiling] [--plans] [--fp8] [--power SECONDS]
 
-At the paper's shapes (T, d, n, E, K; ``--config`` for others, as ``bench_moe.py``) with random top-K routing (P = T·K rows sorted by
+At the paper's shapes (docs/design.md §5: T, d, n, E, K; ``--config`` for others, as
+``bench_moe.py``) with random top-K routing (P = T·K rows sorted by
 expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
 the speedup and the kernel's relative error against torch:
 

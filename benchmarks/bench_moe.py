@@ -5,10 +5,10 @@
     python benchmarks/bench_moe.py --config 8192,4096,1024,256,8 --router both
     python benchmarks/bench_moe.py --vs-sonicmoe sonicmoe.jsonl   # beside SonicMoE's own run
 
-A step is timed as ANCHORS.md times it: one forward + backward with a fixed random dO, every
+A step is timed as docs/design.md §5 describes: one forward + backward with a fixed random dO, every
 gradient set to None before it (outside the timed region), medians of triton's ``do_bench``
 with the L2 flushed. Per configuration it prints, for sonic (``backend="auto"``: CuTe kernels
-where they exist) and torch-gmm: forward and forward+backward ms and TFLOPS (DESIGN §3 counts:
+where they exist) and torch-gmm: forward and forward+backward ms and TFLOPS (docs/design.md §3 counts:
 forward ``6·P·d·n``, backward ``12·P·d·n``; router time included, its FLOPs not), the MiB kept
 for backward ("saved", :func:`sonic.profile_activation_memory`), the peak extra MiB of one
 forward+backward, and — where ``pynvml`` is installed — the median SM clock, mean board power
@@ -18,15 +18,15 @@ ratios.
 * ``--router token_rounding`` runs sonic with token rounding (paper §5.2) on the same data (the
   FLOP count then uses its own ``P``); ``--router both`` runs top-K and token rounding and
   prints their time ratio.
-* ``--precision fp8`` times sonic with block-scaled FP8 expert GEMMs (issue 18; the weights'
+* ``--precision fp8`` times sonic with block-scaled FP8 expert GEMMs (the weights'
   FP8 copies made once, outside the timing, as ``sonic.MoE`` makes them once per optimizer
   step; their time is printed apart); ``--precision both`` runs bf16 and FP8 in the same
   process and prints fp8/bf16 ratios of forward and forward+backward time, saved and peak MiB.
-* ``--vs-sonicmoe FILE`` reads the JSON lines of ``shared/device/sonicmoe_bench.py`` (SonicMoE
+* ``--vs-sonicmoe FILE`` reads the JSON lines of a SonicMoE benchmark run (SonicMoE
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
   same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm, and the two step
   times themselves. Both torch-gmm programs take equal steps (sonic's split H with two
-  slices until the twenty-first session: 5–6% slower at OLMoE, RESULTS.md); the anchor's
+  slices before it used ``chunk``: 5–6% slower at OLMoE, RESULTS.md); the anchor's
   forward is 1–7% slower (its ``bincount`` reads a size on the host), so sonic's forward
   ratios come out that much lower than SonicMoE's would for equal times. Run at the same
   time on two GPUs of one machine the ratio of ratios compares sonic with SonicMoE; one after
@@ -46,7 +46,7 @@ ratios.
 * ``--activation-cache fp8`` adds, per precision, a sonic row whose layer keeps H for backward
   in e4m3 with 1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``, issue
   18) and prints its saved MiB, peak MiB and step time relative to the same precision's bf16
-  cache and to bf16 sonic (issue 18 asks saved ≤ 55%).
+  cache and to bf16 sonic (the FP8 cache's target: saved ≤ 55%).
 """
 
 import argparse
@@ -186,7 +186,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         for suffix, mode in extra:
             impl = f"{_impl_name(routers[0], router, 'fp8')}{suffix}"
             impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights), mode
-    # torch-gmm first, as sonicmoe_bench.py (ANCHORS.md) times it: under the power cap a GPU
+    # torch-gmm first, as the SonicMoE benchmark run times it: under the power cap a GPU
     # heated by the rows before runs slower, so the order must match for the ratios to compare.
     impls = {"torch-gmm": torch_gmm_moe, **impls}
     leaves = (x, *params)
@@ -411,7 +411,7 @@ def main(argv=None):
     parser.add_argument("--activation-cache", choices=("bf16", "fp8"), default="bf16",
                         help="fp8: also run sonic with the FP8 activation cache and compare")
     parser.add_argument("--vs-sonicmoe", metavar="FILE",
-                        help="JSON lines of shared/device/sonicmoe_bench.py to compare with")
+                        help="JSON lines of a SonicMoE benchmark run to compare with")
     args = parser.parse_args(argv)
     configs = list(args.config or [])
     if args.sweep:

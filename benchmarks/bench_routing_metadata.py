@@ -2,7 +2,7 @@
 
     python benchmarks/bench_routing_metadata.py
 
-At the ANCHORS.md shapes (T = 24576 / 32768, E = 64 / 128, K = 8) prints the median µs of the
+At the paper's configurations (docs/design.md §5; T = 24576 / 32768, E = 64 / 128, K = 8) prints the median µs of the
 top-K kernel (two launches), the arbitrary-pairs kernel (four launches) and the PyTorch path
 (``sonic.routing.metadata.pairs_metadata``) on the same pairs, and the speedups (target ≥ 5×):
 called eagerly, and replayed from a CUDA graph (device time alone; this also checks that every

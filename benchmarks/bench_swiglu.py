@@ -2,7 +2,7 @@
 
     python benchmarks/bench_swiglu.py [--gate-up concat interleaved]
 
-At the ANCHORS.md shapes (P = T·K rows, n = d_expert) times ``sonic.kernels.swiglu.swiglu`` and
+At the paper's configurations (docs/design.md §5; P = T·K rows, n = d_expert) times ``sonic.kernels.swiglu.swiglu`` and
 ``dswiglu_epilogue`` against ``sonic.reference.ops`` (today's GPU path, which builds ``(P, n)``
 fp32 temporaries) on the same bf16 inputs. Per shape, layout and kernel it prints the median µs of
 both (``_timing.bench``, L2 flushed), the kernel's GB/s on bytes read + written (SwiGLU: ``H``
@@ -11,7 +11,7 @@ read, ``A`` written = ``6·P·n`` bytes; backward: ``H``, ``dA'``, scores read, 
 (target ≥ 70 %), the speedup, and the largest difference from the reference (a sanity check; the
 tests hold the tolerances).
 
-``swiglu+q`` (issue 18, the FP8 path's A): ``swiglu(h, quantize=True)`` — A written in e4m3 with
+``swiglu+q`` (the FP8 path's A): ``swiglu(h, quantize=True)`` — A written in e4m3 with
 its 1×128 scales in the same pass (``H`` read, ``q`` and scales written = ``5·P·n + P·n/32``
 bytes) — against sonic's two passes, the SwiGLU kernel then ``fp8_quant.quantize_rows`` (in the
 "torch us" column for this row); ``dswiglu+q``: ``dswiglu_epilogue(..., quantize_dh=True)``
@@ -34,7 +34,7 @@ from sonic.kernels.fp8_quant import quantize_rows  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference import ops as ref  # noqa: E402
 
-# (name, T, K, n) from ANCHORS.md; OLMoE and 30B share d_expert = 1024.
+# (name, T, K, n) of the paper's configurations (docs/design.md §5); OLMoE and 30B share d_expert = 1024.
 SHAPES = [("7B", 24576, 8, 256), ("OLMoE/30B", 32768, 8, 1024)]
 
 

@@ -5,7 +5,7 @@ larger than the seed-to-seed spread?
     python benchmarks/train_seeds.py --variants bf16 fp8 --seeds 0 1 2 3 4 --steps 600
     python benchmarks/train_seeds.py --device cpu --backend torch --steps 100   # the emulation
 
-Issue 18 asks the FP8 path to end within 2% of bf16's validation loss "with the same seed and
+The FP8 path's target is to end within 2% of bf16's validation loss "with the same seed and
 steps". One pair of runs cannot say that: the 600-step default run ends anywhere in a band of
 about ±1.5% from one seed to the next in bf16 alone (CPU emulation, RESULTS.md), so a single
 2.6% gap may be noise and a single 0.5% gap luck. This trains every variant on every seed, same

@@ -19,6 +19,22 @@ from typing import Callable
 
 import torch
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts to on ``device_type`` (``"cpu"``, ``"cuda"``), or
+    None when autocast is off there (or the device type has no autocast that sonic follows).
+    The one check behind every place sonic honours or suspends autocast."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``/``create_graph``), so
+    saved tensors must survive it. Unknown (no such query in this PyTorch) counts as kept."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
 # Tensor types run as they are: anything else (FakeTensor, FunctionalTensor, DTensor and
 # other subclasses) goes through the dispatcher, where its own handling lives.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -13,7 +13,6 @@ warns once and its op runs the PyTorch reference; under ``"cute"`` it raises.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -22,9 +21,12 @@ from typing import Callable
 import torch
 
 from sonic._validation import check_choice
+# sonic.backend.sm_margin is public; the grouped GEMMs own the setting.
+from sonic.kernels.grouped_gemm.interface import sm_margin  # noqa: F401
 from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
 from sonic.reference.metadata import pairs_metadata
+from sonic.types import GROUPED_GEMM_MAX_EXPERTS
 
 BACKENDS = ("auto", "torch", "cute")
 
@@ -41,7 +43,7 @@ class ExpertOps:
     up_proj_swiglu: Callable
     dh_dswiglu: Callable
     aggregate: Callable
-    # FP8 steps (precision="fp8", issue 18): signatures as in sonic.reference.fp8
+    # FP8 steps (precision="fp8"): signatures as in sonic.reference.fp8
     # (quantize_rows, quantize_blocks) and sonic.reference.ops (the rest).
     quantize_rows: Callable
     quantize_blocks: Callable
@@ -259,7 +261,7 @@ def set_fp8_weight_grads(kind: str) -> str:
       (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`, every expert's rows padded to
       whole 128-row blocks), then :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
       Same validation loss as bf16 weight gradients (CPU emulation, and three seeds on the
-      GPU; RESULTS.md), but no faster on the H200 (same run, eighteenth session: the layer's
+      GPU; RESULTS.md), but no faster on the H200 (same run: the layer's
       step 15.8 vs 14.8 ms at OLMoE, 31.5 vs 31.6 ms at 30B, with 1.4 GiB more peak at 30B):
       the FP8 varlen-K GEMMs (790–840 TFLOPS) beat the bf16 ones (620–640) by about what the
       four column-wise quantization passes add (2.2 / 3.6 ms). An opt-in for the DeepSeek-V3
@@ -282,21 +284,6 @@ def fp8_weight_grads() -> str:
     return _fp8_weight_grads.value
 
 
-@contextlib.contextmanager
-def sm_margin(num_sms: int):
-    """Context in which the CuTe grouped GEMMs launched by this thread leave ``num_sms`` SMs
-    free for kernels of other streams (communication); no effect on the PyTorch reference.
-    Results are bitwise unchanged. See :func:`sonic.kernels.grouped_gemm.interface.sm_margin`.
-
-    Raises:
-        ValueError: ``num_sms`` negative or not an int.
-    """
-    from sonic.kernels.grouped_gemm.interface import sm_margin as kernel_sm_margin
-
-    with kernel_sm_margin(num_sms):
-        yield
-
-
 def expert_ops(backend: str, device: torch.device) -> ExpertOps:
     """The :class:`ExpertOps` that ``backend`` resolves to on ``device``."""
     if resolve_backend(backend, device) == "torch":
@@ -307,7 +294,7 @@ def expert_ops(backend: str, device: torch.device) -> ExpertOps:
 def _cute_metadata(token_idx, expert_idx, num_tokens, num_experts, *, top_k=None):
     from sonic.kernels import routing_metadata as kernels
 
-    if num_experts > kernels.MAX_EXPERTS:
+    if num_experts > kernels.ROUTING_METADATA_MAX_EXPERTS:
         return pairs_metadata(token_idx, expert_idx, num_tokens, num_experts, top_k=top_k)
     expert_idx = expert_idx.to(torch.int32).contiguous()
     if top_k is not None:
@@ -394,7 +381,7 @@ def _gemm_kernel_fits(a, b_nk, offsets, gather_idx) -> bool:
             and a.data_ptr() % 16 == 0 and b_nk.data_ptr() % 16 == 0
             and (b_nk.is_contiguous() or b_nk.transpose(1, 2).is_contiguous())
             and n % kernels.VEC == 0 and k % kernels.VEC == 0
-            and offsets.numel() - 1 <= kernels.MAX_EXPERTS
+            and offsets.numel() - 1 <= GROUPED_GEMM_MAX_EXPERTS
             and (gather_idx is None or gather_idx.dtype == torch.int32))
 
 
@@ -419,7 +406,7 @@ def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=Non
         x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
         and x.shape[1] % kernels.VEC == 0 and (idx is None or idx.dtype == torch.int32)
         for x, idx in ((a, gather_idx_a), (b, gather_idx_b)))
-    if (operands_fit and offsets.numel() - 1 <= kernels.MAX_EXPERTS and _self_checked(
+    if (operands_fit and offsets.numel() - 1 <= GROUPED_GEMM_MAX_EXPERTS and _self_checked(
             self_check.varlen_k_variant(gather_idx_a is not None, gather_idx_b is not None),
             a.device, strict)):
         return kernels.grouped_gemm_varlen_k(a, b, offsets, gather_idx_a=gather_idx_a,
@@ -427,7 +414,7 @@ def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=Non
     return reference.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b)
 
 
-# ------------------------------------------------------------------------------ FP8 (issue 18)
+# ------------------------------------------------------------------------------ FP8
 
 FP8_ARCH = "sm_90a"
 
@@ -463,7 +450,7 @@ def _cute_quantize_rows(x):
     from sonic.kernels import fp8_quant as kernels
 
     if (x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and x.shape[1] % kernels.BLOCK == 0):
+            and x.shape[1] % kernels.FP8_BLOCK == 0):
         return kernels.quantize_rows(x)
     return fp8_reference.quantize_rows(x)
 
@@ -472,7 +459,7 @@ def _cute_dequantize_rows(q, scales):
     from sonic.kernels import fp8_quant as kernels
 
     if (q.is_cuda and q.is_contiguous() and q.data_ptr() % 16 == 0
-            and q.shape[1] % kernels.BLOCK == 0):
+            and q.shape[1] % kernels.FP8_BLOCK == 0):
         return kernels.dequantize_rows(q, scales.contiguous())
     return fp8_reference.dequantize_rows(q, scales).to(torch.bfloat16)
 
@@ -483,7 +470,7 @@ def _cute_quantize_blocks(w):
     # Both orientations in one pass: the transposed copy through shared memory costs less than
     # transposing 1.5 GiB of e4m3 afterwards (30B: 9 ms with torch on the H200).
     if (w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and w.shape[-1] % kernels.BLOCK == 0 and w.shape[-2] % kernels.BLOCK == 0):
+            and w.shape[-1] % kernels.FP8_BLOCK == 0 and w.shape[-2] % kernels.FP8_BLOCK == 0):
         return kernels.quantize_blocks(w, transposed=True)
     return fp8_reference.quantize_blocks_and_transpose(w)
 
@@ -495,7 +482,7 @@ def _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx) -> bool:
     return (all(t.is_contiguous() for t in (a_q, a_scales, b_q, b_scales))
             and a_q.data_ptr() % 16 == 0 and b_q.data_ptr() % 16 == 0
             and b_q.shape[1] % 128 == 0 and b_q.shape[2] % 128 == 0
-            and offsets.numel() - 1 <= kernels.MAX_EXPERTS
+            and offsets.numel() - 1 <= GROUPED_GEMM_MAX_EXPERTS
             and (gather_idx is None or gather_idx.dtype == torch.int32))
 
 
@@ -575,7 +562,7 @@ def _cute_quantize_cols_grouped(x, offsets, k_offsets, gather_idx=None):
     from sonic.kernels import fp8_quant as kernels
 
     if (x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and x.shape[1] % kernels.BLOCK == 0
+            and x.shape[1] % kernels.FP8_BLOCK == 0
             and (gather_idx is None or gather_idx.dtype == torch.int32)):
         return kernels.quantize_cols_grouped(x, offsets, k_offsets, gather_idx)
     return fp8_reference.quantize_cols_grouped(x, offsets, k_offsets, gather_idx)
@@ -587,7 +574,7 @@ def _cute_grouped_mm_varlen_k_fp8(a_t_q, a_scales, b_t_q, b_scales, k_offsets):
     if (all(t.is_contiguous() for t in (a_t_q, a_scales, b_t_q, b_scales))
             and a_t_q.data_ptr() % 16 == 0 and b_t_q.data_ptr() % 16 == 0
             and a_t_q.shape[0] % 128 == 0 and b_t_q.shape[0] % 128 == 0
-            and k_offsets.numel() - 1 <= kernels.MAX_EXPERTS):
+            and k_offsets.numel() - 1 <= GROUPED_GEMM_MAX_EXPERTS):
         return kernels.grouped_gemm_varlen_k_fp8(a_t_q, a_scales, b_t_q, b_scales, k_offsets)
     return fp8_reference.grouped_mm_varlen_k_fp8_reference(a_t_q, a_scales, b_t_q, b_scales,
                                                            k_offsets)

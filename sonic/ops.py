@@ -17,19 +17,19 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   -> packed`` — the :class:`~sonic.RoutingMetadata` index vectors in one int32 buffer (see
   :func:`pack_metadata`); ``top_k = 0`` for pairs in any order.
 * ``sonic::up_proj_swiglu``, ``sonic::grouped_mm``, ``sonic::grouped_mm_varlen_k``,
-  ``sonic::dh_dswiglu``, ``sonic::aggregate`` — the kernels of DESIGN §3, signatures as in
+  ``sonic::dh_dswiglu``, ``sonic::aggregate`` — the kernels of docs/design.md §3, signatures as in
   :mod:`sonic.reference.ops` plus ``backend``.
 * ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache)
   -> (out, H, H_scales)`` — the expert forward; its registered backward runs ``dh_dswiglu``,
-  ``grouped_mm_varlen_k``, ``grouped_mm`` and ``aggregate`` (DESIGN §3). It saves x, w1, w2,
+  ``grouped_mm_varlen_k``, ``grouped_mm`` and ``aggregate`` (docs/design.md §3). It saves x, w1, w2,
   the activation cache, scores and the packed metadata, nothing else. The cache is H in the
-  form :mod:`sonic.autograd.activation_cache` keeps it: ``(H (P, 2n), empty)`` for ``"bf16"``,
+  form :mod:`sonic.activation_cache` keeps it: ``(H (P, 2n), empty)`` for ``"bf16"``,
   ``(e4m3 H (P, 2n), fp32 scales (2n/128, P))`` for ``"fp8"``; it is handed back only so
   autograd can save it: :func:`sonic.moe_experts` drops it at once. Eagerly, when the graph is
   not kept, the bf16 backward may write dH over H; a caller of the raw op must not read H after
   backward.
 
-* FP8 (``precision="fp8"``, issue 18; dataflow in :mod:`sonic.autograd.moe_experts`):
+* FP8 (``precision="fp8"``; dataflow in :mod:`sonic.experts.moe_experts`):
   ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend,
   activation_cache, weight_grads) -> (out, H, H_scales)`` with ``fp8_weights`` the eight
   tensors of ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
@@ -56,14 +56,14 @@ import types
 
 import torch
 
-from sonic._custom_op import SonicOp
+from sonic._custom_op import SonicOp, autocast_dtype, graph_kept
 from sonic._validation import check_choice
-from sonic.autograd.activation_cache import pack as activation_cache_pack
-from sonic.autograd.activation_cache import pack_fake as activation_cache_fake
-from sonic.autograd.activation_cache import unpack as activation_cache_unpack
+from sonic.activation_cache import pack as activation_cache_pack
+from sonic.activation_cache import pack_fake as activation_cache_fake
+from sonic.activation_cache import unpack as activation_cache_unpack
 from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
-from sonic.routing.metadata import RoutingMetadata
+from sonic.types import RoutingMetadata
 
 _INT32 = torch.int32
 
@@ -95,7 +95,7 @@ def _no_autocast(device: torch.device):
     """Inside an op the inputs already have the dtypes the caller chose (``sonic.moe_experts``
     applies autocast itself, once, before the op); autocast must not re-cast the kernels'
     internal matmuls."""
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+    if autocast_dtype(device.type) is not None:
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 
@@ -177,19 +177,18 @@ def routing_metadata_op(token_idx, expert_idx, num_tokens: int, num_experts: int
 
 
 def _topk_forward(logits, k, score, renormalize, use_kernel):
-    from sonic.routing.topk import _torch_topk_scores
     if use_kernel:
         from sonic.kernels.topk import topk_scores
         return topk_scores(logits, k, score=score, renormalize=renormalize)
-    return _torch_topk_scores(logits.to(_acc(logits.dtype)), k, score, renormalize)
+    return reference.topk_scores(logits.to(_acc(logits.dtype)), k, score, renormalize)
 
 
 @_op("topk_routing")
 def _topk_op(logits: torch.Tensor, k: int, score: str, renormalize: bool,
              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     from sonic.backend import resolve_backend
-    from sonic.routing.topk import _kernel_fits
-    use_kernel = resolve_backend(backend, logits.device) == "cute" and _kernel_fits(logits, k)
+    from sonic.kernels.topk import kernel_fits
+    use_kernel = resolve_backend(backend, logits.device) == "cute" and kernel_fits(logits, k)
     with _no_autocast(logits.device):
         scores, idx = _topk_forward(logits, k, score, renormalize, use_kernel)
     return scores.to(_acc(logits.dtype)), idx.to(_INT32)
@@ -335,9 +334,9 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of ``sonic::moe_experts`` and ``sonic::moe_experts_fp8`` on unpacked metadata:
     ``(out (T, d), cache, scales)``, the activation cache of
-    :func:`sonic.autograd.activation_cache.pack` (H itself and an empty tensor for
+    :func:`sonic.activation_cache.pack` (H itself and an empty tensor for
     ``"bf16"``). With ``fp8_weights`` (the eight tensors of ``Fp8ExpertWeights``) the FP8
-    dataflow of :mod:`sonic.autograd.moe_experts`: X quantized once per token (the up-proj
+    dataflow of :mod:`sonic.experts.moe_experts`: X quantized once per token (the up-proj
     gathers rows of ``x_q`` and their scales), A quantized per row for the down-proj. H is
     written into ``h_out`` when given (the chunked EP path keeps the H of all its chunks in one
     buffer; bf16 cache only). Not an op: no autograd, no fake; the caller has validated the
@@ -422,7 +421,7 @@ def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dty
 def _grads_after_dh(ctx, step: list, grad_out, x, scores, m: RoutingMetadata,
                     dx_fn, fp8: bool = False) -> tuple:
     """``(dX, dW1, dW2, ds)`` of the expert backward once the dH step gave
-    ``step = [dH, A', ds per row, *dx_operand]`` (DESIGN §3, backward steps 2-4), for the
+    ``step = [dH, A', ds per row, *dx_operand]`` (docs/design.md §3, backward steps 2-4), for the
     inputs that need them: dW2 = varlen-K(gather(dO), A'), dX = aggregate(``dx_fn(dH,
     *dx_operand)``), dW1 = varlen-K(dH, gather(X)). ``dx_fn`` and the weight gradients'
     precision (:func:`weight_grad_fn` with ``fp8``) are what the bf16 and FP8 paths do
@@ -491,8 +490,6 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
     dequantizes it itself, or in its one-pass kernel as it loads H). Traced (torch.compile,
     export), never in place: a compiled graph may reuse H, and the op says it does not mutate
     its inputs."""
-    from sonic.autograd.moe_experts import _graph_kept
-
     owned = ctx.activation_cache == "fp8"
     if owned and eager_reads_fp8 and not _traced(h):
         return list(eager(h, True, h_scales))
@@ -501,7 +498,7 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
         # inductor fuses the two passes into one).
         use_kernel = not _traced(h) and _impl(ctx.backend, h.device).name == "cute"
         h = activation_cache_unpack(h, h_scales, dtype, use_kernel)
-    may_overwrite = not _traced(h) and (owned or not _graph_kept())
+    may_overwrite = not _traced(h) and (owned or not graph_kept())
     if not may_overwrite:
         return list(op(h))
     step = list(eager(h, True))
@@ -514,8 +511,8 @@ def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
 _moe_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
-# ------------------------------------------------------------------------------ FP8 (issue 18)
-# precision="fp8": the dataflow is documented in sonic.autograd.moe_experts. The steps are ops
+# ------------------------------------------------------------------------------ FP8
+# precision="fp8": the dataflow is documented in sonic.experts.moe_experts. The steps are ops
 # so the hand-written backward traces under torch.compile like the bf16 one.
 
 

@@ -4,8 +4,10 @@ The GPU kernels (:mod:`sonic.kernels`) may import from here and from nothing els
 layers run one way: kernels -> backend -> routing / autograd / nn.
 
 * :data:`GATE_UP_LAYOUTS` — how the gate and up halves of ``W1``'s rows (and of ``H``'s columns)
-  are laid out (DESIGN §1).
-* :class:`RoutingMetadata` — where every routed pair lives once grouped by expert (DESIGN §2),
+  are laid out (docs/design.md, "Names and shapes").
+* :data:`FP8_BLOCK`, :data:`GROUPED_GEMM_MAX_EXPERTS`, :data:`ROUTING_METADATA_MAX_EXPERTS` —
+  limits that more than one layer checks, defined once.
+* :class:`RoutingMetadata` — where every routed pair lives once grouped by expert (docs/design.md §2),
   re-exported as ``sonic.RoutingMetadata``.
 """
 
@@ -18,6 +20,20 @@ import torch
 # "concat": gate = columns [0, n), up = [n, 2n) (the Hugging Face layout);
 # "interleaved": gate = even columns, up = odd columns.
 GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+# Side of the FP8 recipe's scale blocks (DeepSeek-V3, arXiv 2412.19437 §3.3): activations carry
+# one scale per 1 x FP8_BLOCK row slice, weights one per FP8_BLOCK x FP8_BLOCK block. The
+# reference, the quantization kernels, the quantizing SwiGLU and the FP8 grouped GEMM's k-tile
+# all use this one value.
+FP8_BLOCK = 128
+
+# Largest E each GPU kernel family serves; the limits differ because each comes from where the
+# kernel keeps per-expert state. The grouped GEMMs keep an (E+1)-entry table of first tiles in
+# shared memory beside the operand stages.
+GROUPED_GEMM_MAX_EXPERTS = 1024
+# The routing-metadata scatter keeps (warps + 2 + 2·groups) per-expert counters in shared memory,
+# which must fit the 48 KiB a launch gets without opting in to more (12·(E+1)·4 bytes at E=512).
+ROUTING_METADATA_MAX_EXPERTS = 512
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The FP8 activation cache (issue 18): H kept for backward as e4m3 + 1x128 fp32 scales.
+"""The FP8 activation cache: H kept for backward as e4m3 + 1x128 fp32 scales.
 
 The expectations are built here from sonic.reference.fp8 and sonic.reference.ops, not from the
 code under test: the forward is the bf16 path's bit for bit, and the gradients are exactly those
@@ -56,7 +56,7 @@ def _run(leaves, tok, exp, grad, **kw):
 
 
 def _expected_grads(leaves, tok, exp, grad, gate_up):
-    """The bf16 backward (DESIGN §3) written out with the reference ops, on dequant(quant(H))."""
+    """The bf16 backward (docs/design.md §3) written out with the reference ops, on dequant(quant(H))."""
     x, w1, w2, s = (t.detach() for t in leaves)
     T, E = x.shape[0], w1.shape[0]
     m = pairs_metadata(tok, exp, T, E)

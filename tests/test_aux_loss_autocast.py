@@ -1,5 +1,5 @@
 """The load-balancing loss (HF's scale, returned or collected, no graph on the module) and
-torch.autocast in the experts (issue 16)."""
+torch.autocast in the experts."""
 
 import copy
 import warnings

@@ -1,4 +1,4 @@
-"""torch.compile / torch.export / torch.library custom ops on the CPU (issue 16)."""
+"""torch.compile / torch.export / torch.library custom ops on the CPU."""
 
 import pytest
 import torch

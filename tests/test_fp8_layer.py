@@ -1,4 +1,4 @@
-"""precision="fp8" of the MoE layer on the CPU (issue 18): the "torch" backend emulates the
+"""precision="fp8" of the MoE layer on the CPU: the "torch" backend emulates the
 CuTe FP8 dataflow, so these tests check its numerics in CI.
 
 Three kinds of checks:

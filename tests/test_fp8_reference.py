@@ -9,8 +9,9 @@ operands its relative Frobenius error is below ``FP8_RELATIVE_RMS_ERROR = √2·
 import pytest
 import torch
 
-from sonic.reference.fp8 import (BLOCK, FP8_MAX, FP8_RELATIVE_RMS_ERROR, FP8_SUBNORMAL_HALF_STEP,
-                                 FP8_UNIT_ROUNDOFF, dequantize_blocks, dequantize_rows,
+from sonic.reference.fp8 import (FP8_BLOCK, FP8_MAX, FP8_RELATIVE_RMS_ERROR,
+                                 FP8_SUBNORMAL_HALF_STEP, FP8_UNIT_ROUNDOFF, dequantize_blocks,
+                                 dequantize_rows,
                                  fp8_error_bound, grouped_mm_fp8_reference, quantize_blocks,
                                  quantize_rows)
 
@@ -25,7 +26,7 @@ def _randn(*shape, seed=0, dtype=torch.bfloat16, outliers=False):
 
 
 def _per_col_row_scales(scales, k):
-    return scales.t().repeat_interleave(BLOCK, dim=1)[:, :k]
+    return scales.t().repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
 
 
 @pytest.mark.parametrize("m,k", [(1, 128), (7, 128), (33, 384), (5, 200), (3, 1), (4, 1000)])
@@ -34,7 +35,7 @@ def test_quantize_rows_round_trip_within_bound(m, k, outliers):
     x = _randn(m, k, seed=m * 1000 + k, outliers=outliers)
     q, scales = quantize_rows(x)
     assert q.shape == (m, k) and q.dtype == torch.float8_e4m3fn
-    assert scales.shape == (-(-k // BLOCK), m) and scales.dtype == torch.float32
+    assert scales.shape == (-(-k // FP8_BLOCK), m) and scales.dtype == torch.float32
     assert scales.is_contiguous()
     s = _per_col_row_scales(scales, k)
     err = (dequantize_rows(q, scales) - x.float()).abs()
@@ -83,12 +84,12 @@ def test_quantize_blocks_round_trip_and_layout(shape):
     w = _randn(*shape, seed=sum(shape), outliers=True)
     q, scales = quantize_blocks(w)
     e, n, k = shape
-    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
     assert q.shape == shape and scales.shape == (e, nb, kb) and scales.is_contiguous()
     for ex, i, j in ((0, 0, 0), (e - 1, nb - 1, kb - 1)):
-        blk = w[ex, i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+        blk = w[ex, i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK].float()
         assert scales[ex, i, j] == blk.abs().max() / FP8_MAX
-    s = scales.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :n, :k]
+    s = scales.repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)[:, :n, :k]
     err = (dequantize_blocks(q, scales) - w.float()).abs()
     assert bool((err <= FP8_UNIT_ROUNDOFF * w.float().abs() + FP8_SUBNORMAL_HALF_STEP * s).all())
     q2, s2 = quantize_blocks(w[0])
@@ -252,21 +253,21 @@ def test_quantize_cols_grouped_is_per_expert_column_blocks(counts, gathered):
     x, off, idx = _expert_rows(counts, 256, gathered, sum(counts))
     k_off = padded_offsets(off)
     assert k_off.dtype == torch.int32
-    assert (k_off[1:] - k_off[:-1]).tolist() == [-(-c // BLOCK) * BLOCK for c in counts]
+    assert (k_off[1:] - k_off[:-1]).tolist() == [-(-c // FP8_BLOCK) * FP8_BLOCK for c in counts]
     q_t, scales = quantize_cols_grouped(x, off, k_off, idx)
     bound = padded_rows_bound(int(off[-1]), len(counts))
-    assert q_t.shape == (256, bound) and scales.shape == (bound // BLOCK, 256)
+    assert q_t.shape == (256, bound) and scales.shape == (bound // FP8_BLOCK, 256)
     rows = x if idx is None else x[idx.long()]
     for e, c in enumerate(counts):
         lo, k0 = int(off[e]), int(k_off[e])
-        padded = torch.zeros(-(-c // BLOCK) * BLOCK, 256, dtype=torch.bfloat16)
+        padded = torch.zeros(-(-c // FP8_BLOCK) * FP8_BLOCK, 256, dtype=torch.bfloat16)
         padded[:c] = rows[lo:lo + c]
         want_q, want_s = quantize_rows(padded.t())
         got = q_t[:, k0:k0 + padded.shape[0]]
         assert torch.equal(got.view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(scales[k0 // BLOCK:k0 // BLOCK + want_s.shape[0]], want_s)
+        assert torch.equal(scales[k0 // FP8_BLOCK:k0 // FP8_BLOCK + want_s.shape[0]], want_s)
     tail = int(k_off[-1])
-    assert not q_t[:, tail:].float().any() and (scales[tail // BLOCK:] == 1).all()
+    assert not q_t[:, tail:].float().any() and (scales[tail // FP8_BLOCK:] == 1).all()
 
 
 def test_varlen_k_fp8_reference_against_fp32():
@@ -283,8 +284,8 @@ def test_varlen_k_fp8_reference_against_fp32():
     a_t, b_t = quantize_cols_grouped(a, off, k_off), quantize_cols_grouped(b, off, k_off)
     out = grouped_mm_varlen_k_fp8_reference(*a_t, *b_t, k_off, out_dtype=torch.float32)
     assert out.shape == (4, 256, 128) and not out[1].any()
-    deq_a = a_t[0].float() * a_t[1].t().repeat_interleave(BLOCK, 1)
-    deq_b = b_t[0].float() * b_t[1].t().repeat_interleave(BLOCK, 1)
+    deq_a = a_t[0].float() * a_t[1].t().repeat_interleave(FP8_BLOCK, 1)
+    deq_b = b_t[0].float() * b_t[1].t().repeat_interleave(FP8_BLOCK, 1)
     bounds = off.tolist()
     for e in range(4):
         lo, hi = int(k_off[e]), int(k_off[e + 1])

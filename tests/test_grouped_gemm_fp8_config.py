@@ -1,4 +1,4 @@
-"""CPU tests of the block-scaled FP8 grouped GEMM (issue 18): its configuration (validation,
+"""CPU tests of the block-scaled FP8 grouped GEMM: its configuration (validation,
 derived sizes, the bf16 configurations' cache keys left alone), its tile plan, the argument
 validation of ``grouped_gemm_fp8`` (errors name the argument), and its compile-check variants.
 The numerics run on the GPU (tests/gpu/test_grouped_gemm_fp8.py)."""

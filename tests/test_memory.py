@@ -164,7 +164,7 @@ def test_profiler_rejects_non_callable():
 
 
 def naive_moe(x, router_weight, w1, w2, k, score="softmax_topk", experts=None):
-    """Per token and per chosen expert, straight from DESIGN §1 (no sort, no grouped GEMM).
+    """Per token and per chosen expert, straight from docs/design.md §1 (no sort, no grouped GEMM).
 
     ``experts (T, k)`` overrides the top-K choice, so a high-precision reference can route
     exactly like a bf16 run (bf16 rounding flips near-tied experts otherwise).
@@ -314,7 +314,7 @@ def test_cli_7b_matches_analytic_floor(capsys):
     T, d, n, E, K = CONFIGS["7B"]
     P = T * K
     h_mib = P * 2 * n * 2 / MiB
-    # O(P) metadata (DESIGN §3): 4 int32 index vectors + fp32 scores per pair, and the router's
+    # O(P) metadata (docs/design.md §3): 4 int32 index vectors + fp32 scores per pair, and the router's
     # (T, K) int64 top-K indices for the score gradient.
     analytic = h_mib + P * (4 * 4 + 4 + 8) / MiB
     assert result["config"] == "7B" and h_mib == 192

@@ -1,4 +1,4 @@
-"""Issue 15: no silent wrong answers (higher-order gradients, copies, degenerate sizes, settings
+"""No silent wrong answers (higher-order gradients, copies, degenerate sizes, settings
 that mean nothing, confusing errors)."""
 
 import copy

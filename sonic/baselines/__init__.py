@@ -1,4 +1,4 @@
-"""Baselines sonic is measured against (ANCHORS.md)."""
+"""Baselines sonic is measured against (docs/design.md §5)."""
 
 from sonic.baselines.torch_gmm import torch_gmm_moe
 

@@ -1,11 +1,10 @@
-"""The "torch-gmm" baseline: an MoE layer as a PyTorch user writes it today (ANCHORS.md).
+"""The "torch-gmm" baseline: an MoE layer as a PyTorch user writes it today (docs/design.md §5).
 
 Top-K routing, ``argsort`` of the pairs by expert, a gather of token rows, ``torch._grouped_mm``
 for the up- and down-projections with SwiGLU between them, a scaling by the scores and an
 ``index_add_`` back to tokens; autograd is PyTorch's. It is the reference point of sonic's
 speed and memory targets, so it stays deliberately plain: it keeps the gathered ``X``, ``H``,
-``silu(gate)``, ``A``, ``Y`` and the scaled ``Y`` for backward (2118 MiB at the 7B config, as
-ANCHORS.md measured), where sonic keeps only ``H`` and metadata (DESIGN §3).
+``silu(gate)``, ``A``, ``Y`` and the scaled ``Y`` for backward (2118 MiB at the 7B config), where sonic keeps only ``H`` and metadata (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ def torch_gmm_moe(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor
     Args:
         x: ``(T, d)`` tokens.
         router_weight: ``(E, d)`` router (``nn.Linear(d, E, bias=False).weight``).
-        w1: ``(E, 2n, d)`` up-projection, rows ``[gate; up]`` (DESIGN §1).
+        w1: ``(E, 2n, d)`` up-projection, rows ``[gate; up]`` (docs/design.md §1).
         w2: ``(E, d, n)`` down-projection.
         k: experts per token, ``1 <= k <= E``.
         score: ``"softmax_topk"`` or ``"topk_softmax"``.
@@ -72,7 +71,7 @@ def torch_gmm_moe(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor
     h = _grouped_linear(x[row_token], w1, ends)
     # chunk, not two slices: autograd joins chunk's gradients with one cat, where two slices
     # each zero-fill a full-size gradient and add them (1.5-2 ms more per step at OLMoE / 30B
-    # than the anchor program of ANCHORS.md, which uses chunk).
+    # than with chunk).
     gate, up = h.chunk(2, dim=-1)
     a = F.silu(gate) * up
     y = _grouped_linear(a, w2, ends)

@@ -34,8 +34,8 @@ import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
-from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_activation_cache
-from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
+from sonic.activation_cache import ACTIVATION_CACHES, check_activation_cache
+from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
                                         check_fp8_call, moe_experts, quantize_expert_weights)
 from sonic.backend import check_fp8_backend, expert_ops
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group

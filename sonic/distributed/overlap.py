@@ -46,8 +46,8 @@ from typing import NamedTuple
 
 import torch
 
-from sonic.autograd.activation_cache import unpack as activation_cache_unpack
-from sonic.autograd.moe_experts import _graph_kept
+from sonic._custom_op import graph_kept
+from sonic.activation_cache import unpack as activation_cache_unpack
 from sonic.backend import expert_ops, fp8_weight_grads, sm_margin
 from sonic.distributed.comm import all_to_all
 from sonic.distributed.plan import DispatchPlan
@@ -203,7 +203,7 @@ class ChunkedExperts(torch.autograd.Function):
         x, x_recv = (x_or_rows, None) if ctx.recompute_dispatch else (None, x_or_rows)
         # When the graph is not kept, dH is written over H: autograd frees the saved tensors
         # after this backward, so nothing reads H again.
-        keep = _graph_kept()
+        keep = graph_kept()
         streams = _Streams(grad_out.device)
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         rows_at, pairs_at = _received_slices(plan)

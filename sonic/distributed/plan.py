@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sonic.autograd.activation_cache import ACTIVATION_CACHES
-from sonic.autograd.moe_experts import PRECISIONS
+from sonic.activation_cache import ACTIVATION_CACHES
+from sonic.experts.moe_experts import PRECISIONS
 from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
 from sonic.distributed.eplb import Placement
 

@@ -1,4 +1,4 @@
-"""Token rounding across expert-parallel ranks (DESIGN §2, issue 19).
+"""Token rounding across expert-parallel ranks (docs/design.md §2).
 
 Every rank routes its own tokens, yet each expert's rounded count must be a tile multiple of
 the tokens it receives from *all* ranks, with exactly the selection that single-process

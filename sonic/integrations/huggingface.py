@@ -224,7 +224,7 @@ def use_sonic_experts(model: nn.Module, backend: str = "auto", *, precision: str
             registry (transformers ≥ 5 MoE models: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, …).
         backend: sonic's backend for these experts: ``"auto"``, ``"torch"`` or ``"cute"``
             (see :func:`sonic.explain_backend`).
-        precision: ``"bf16"`` or ``"fp8"`` (issue 18: block-scaled e4m3 expert GEMMs, bf16
+        precision: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 expert GEMMs, bf16
             weight gradients; needs bf16 compute — bf16 weights or ``torch.autocast`` — and
             ``hidden_size`` and the experts' intermediate size multiples of 128). The FP8
             copies of each experts module's weights are cached on it and remade after every

@@ -1,6 +1,6 @@
 """fp32 SwiGLU maths shared by every kernel: the one copy of silu / swiglu / dswiglu.
 
-DESIGN §1 and §3 (SonicMoE arXiv 2512.14080 App. C): ``a = silu(g)·u`` with
+docs/design.md §1 and §3 (SonicMoE arXiv 2512.14080 App. C): ``a = silu(g)·u`` with
 ``silu(g) = g·σ(g)``; backward with ``dA = s·dA'``: ``d_gate = dA·u·σ(g)·(1 + g(1 − σ(g)))``,
 ``d_up = dA·silu(g)``. Used inside ``@cute.jit`` code by the one-pass SwiGLU kernels
 (:mod:`sonic.kernels.swiglu`, on 8-element fp32 vectors) and the grouped-GEMM epilogues

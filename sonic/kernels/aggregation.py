@@ -1,6 +1,6 @@
 """Expert aggregation on the GPU: every token gathers and sums its expert rows.
 
-DESIGN §3 (forward step 3, backward step 5) and §4: ``o_t = Σ_j s[row_j] · y[row_j]`` over the
+docs/design.md §3 (forward step 3, backward step 5) and §4: ``o_t = Σ_j s[row_j] · y[row_j]`` over the
 rows ``token_rows[token_offsets[t]:token_offsets[t+1]]`` of token ``t``, accumulated in fp32 in
 pair order, with no scatter and no atomics, so the result is deterministic. SonicMoE
 (arXiv 2512.14080) §3.2: the aggregation is a gather-sum, which keeps the down-projection GEMM
@@ -13,8 +13,6 @@ same row, so every row is read in full coalesced lines; the index and score load
 are shared through L1. The kernel is bandwidth-bound: the bytes read are ``P·d·size`` plus the
 indices, the bytes written ``T·d·size``.
 """
-
-import functools
 
 import torch
 
@@ -30,82 +28,20 @@ UNROLL = 4
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-@functools.cache
-def _kernels():
-    """Build the CuTe-DSL kernel class (imports cutlass, so only on first use)."""
-    import cutlass
-    from cutlass import cute
-    from cuda.bindings import driver as cuda
-
-    Int32 = cutlass.Int32
-
-    class AggregationKernel:
-        """One static configuration: element type, ``d``, with or without row scores."""
-
-        def __init__(self, dtype, d: int, scored: bool):
-            self.dtype = dtype
-            self.d = d
-            self.scored = scored
-            self.slices = d // VEC
-
-        @cute.jit
-        def __call__(self, y: cutlass.Int64, token_rows: cutlass.Int64, token_offsets: cutlass.Int64,
-                     row_scores: cutlass.Int64, out: cutlass.Int64, num_tokens: Int32,
-                     stream: cuda.CUstream):
-            blocks = (num_tokens * self.slices + THREADS - 1) // THREADS
-            gmem = runtime.gmem_ptr
-            self.kernel(gmem(self.dtype, y, 16), gmem(Int32, token_rows, 4),
-                        gmem(Int32, token_offsets, 4), gmem(cutlass.Float32, row_scores, 4),
-                        gmem(self.dtype, out, 16), num_tokens).launch(
-                grid=[blocks, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-        @cute.kernel
-        def kernel(self, y: cute.Pointer, token_rows: cute.Pointer, token_offsets: cute.Pointer,
-                   row_scores: cute.Pointer, out: cute.Pointer, num_tokens: Int32):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            item = bidx * THREADS + tidx
-            t = item // self.slices
-            col = (item - t * self.slices) * VEC
-            if t < num_tokens:
-                offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
-                lo = offsets[t]
-                hi = offsets[t + 1]
-                rows = cute.make_tensor(token_rows, cute.make_layout(hi))
-                acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-                acc.fill(0.0)
-                frag = cute.make_rmem_tensor((VEC,), self.dtype)
-                for j in cutlass.range(lo, hi, unroll=UNROLL):
-                    r = rows[j]
-                    # 64-bit row offset: P·d exceeds 2**31 elements at large T and d.
-                    src = cute.make_tensor(y + (cutlass.Int64(r) * self.d + col), cute.make_layout(VEC))
-                    cute.autovec_copy(src, frag)
-                    x = frag.load().to(cutlass.Float32)
-                    if cutlass.const_expr(self.scored):
-                        scores = cute.make_tensor(row_scores, cute.make_layout(r + 1))
-                        acc.store(acc.load() + x * scores[r])
-                    else:
-                        acc.store(acc.load() + x)
-                res = cute.make_rmem_tensor((VEC,), self.dtype)
-                res.store(acc.load().to(self.dtype))
-                dst = cute.make_tensor(out + (cutlass.Int64(t) * self.d + col), cute.make_layout(VEC))
-                cute.autovec_copy(res, dst)
-
-    return AggregationKernel
-
-
 def _compile(dtype: torch.dtype, d: int, scored: bool, keep_ptx: bool = False):
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
+    from sonic.kernels.aggregation_kernel import AggregationKernel
+
     addresses = [runtime.fake_address() for _ in range(5)]
-    return runtime.compile_launcher(_kernels()(runtime.cute_dtype(dtype), d, scored),
+    return runtime.compile_launcher(AggregationKernel(runtime.cute_dtype(dtype), d, scored),
                                     *addresses, cutlass.Int32(1), keep_ptx=keep_ptx)
 
 
 def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Tensor,
               row_scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token gather-sum of expert rows: ``o_t = Σ s[row] · y[row]`` (DESIGN §3, §4).
+    """Per-token gather-sum of expert rows: ``o_t = Σ s[row] · y[row]`` (docs/design.md §3, §4).
 
     For token ``t`` the rows are ``token_rows[token_offsets[t]:token_offsets[t+1]]`` (the
     :class:`sonic.RoutingMetadata` fields of the same names); ``s = 1`` when ``row_scores`` is

@@ -1,6 +1,6 @@
 """SwiGLU and its backward epilogue on the GPU, each in one bandwidth-bound pass.
 
-DESIGN §3 (forward step 1 epilogue, backward step 1 epilogue; SonicMoE arXiv 2512.14080 App. C):
+docs/design.md §3 (forward step 1 epilogue, backward step 1 epilogue; SonicMoE arXiv 2512.14080 App. C):
 until the grouped GEMMs fuse them, these standalone kernels replace the PyTorch reference
 (:func:`sonic.reference.ops.swiglu`, :func:`sonic.reference.ops.dswiglu_epilogue`), which builds
 several ``(P, n)`` fp32 temporaries, by one read of the inputs and one write of the outputs.
@@ -18,328 +18,19 @@ across the warp by a butterfly shuffle with fixed offsets: the order is fixed, n
 row is read and written in full coalesced lines.
 """
 
-import functools
-
 import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
-from sonic.types import GATE_UP_LAYOUTS
+from sonic.types import FP8_BLOCK, GATE_UP_LAYOUTS
 
 # Output columns per lane and slice: one 16-byte bf16 vector.
 VEC = 8
-# FP8 scale blocks of A (the recipe's 1x128) and the lanes that cover one.
-FP8_BLOCK = 128
+# Lanes that cover one FP8 scale slice of A (the recipe's 1 x FP8_BLOCK).
 LANES_PER_BLOCK = FP8_BLOCK // VEC
 WARP = 32
 # Rows per block (one warp each): 256 threads, enough blocks per SM to hide DRAM latency.
 WARPS = 8
-
-
-@functools.cache
-def _kernels():
-    """Build the CuTe-DSL kernel class (imports cutlass, so only on first use)."""
-    import cutlass
-    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, cute
-    from cuda.bindings import driver as cuda
-
-    from sonic.kernels import activation
-    from sonic.kernels.fp8_quant import device_helpers
-
-    fp8 = device_helpers()
-
-    class SwigluKernel:
-        """One static configuration: ``n``, gate/up layout, forward (SwiGLU) or backward
-        epilogue, for the forward whether A is written quantized, and with it whether H is
-        also written quantized (the FP8 activation cache); for the backward whether H is read
-        in e4m3 (``h_fp8``: that cache, dequantized per slice as it is loaded, with its 1×128
-        scales at ``h_scales``).
-
-        Both directions share one launch signature; the forward never reads ``da_prime`` and
-        ``row_scores`` nor writes ``dh``; it writes A to ``a`` (bf16, or with ``quantize``
-        e4m3) and, quantized, A's scales to ``ds``'s address. With ``quantize``, the backward
-        also writes dH in e4m3 to ``dh_q`` and its 1×128 scales to ``dh_scales``, and the
-        forward with ``quantize_h`` writes H there; the others never touch those two. Only
-        ``h_fp8`` reads ``h_scales``.
-        """
-
-        def __init__(self, n: int, gate_up: str, backward: bool, quantize: bool = False,
-                     quantize_h: bool = False, h_fp8: bool = False):
-            self.n = n
-            self.backward = backward
-            self.quantize = quantize
-            self.quantize_h = quantize_h
-            self.h_fp8 = h_fp8
-            self.slices = n // VEC
-            self.iters = (self.slices + WARP - 1) // WARP
-            if gate_up == "concat":
-                # gate at column c, up at column n + c
-                self.h_stride, self.h_scale = (n, 1), 1
-                self.frag_layout = ((2, VEC), (VEC, 1))
-            else:
-                # gate at column 2c, up at 2c + 1: one slice is 16 consecutive elements
-                self.h_stride, self.h_scale = (1, 2), 2
-                self.frag_layout = ((2, VEC), (1, 2))
-
-        @cute.jit
-        def __call__(self, h: Int64, da_prime: Int64, row_scores: Int64, a: Int64, dh: Int64,
-                     ds: Int64, dh_q: Int64, dh_scales: Int64, h_scales: Int64,
-                     num_rows: Int32, stream: cuda.CUstream):
-            blocks = (num_rows + WARPS - 1) // WARPS
-            gmem = runtime.gmem_ptr
-            a_ptr = gmem(BFloat16, a, 16)
-            if cutlass.const_expr(self.quantize and not self.backward):
-                a_ptr = gmem(Float8E4M3FN, a, 8)
-            h_ptr = gmem(BFloat16, h, 16)
-            if cutlass.const_expr(self.h_fp8):
-                h_ptr = gmem(Float8E4M3FN, h, 8)
-            self.kernel(h_ptr, gmem(BFloat16, da_prime, 16),
-                        gmem(Float32, row_scores, 4), a_ptr,
-                        gmem(BFloat16, dh, 16), gmem(Float32, ds, 4),
-                        gmem(Float8E4M3FN, dh_q, 8), gmem(Float32, dh_scales, 4),
-                        gmem(Float32, h_scales, 4), num_rows).launch(
-                grid=[blocks, 1, 1], block=[WARPS * WARP, 1, 1], stream=stream)
-
-        @cute.kernel
-        def kernel(self, h: cute.Pointer, da_prime: cute.Pointer, row_scores: cute.Pointer,
-                   a: cute.Pointer, dh: cute.Pointer, ds: cute.Pointer, dh_q: cute.Pointer,
-                   dh_scales: cute.Pointer, h_scales: cute.Pointer, num_rows: Int32):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            lane = tidx % WARP
-            row = bidx * WARPS + tidx // WARP
-            # The whole warp shares `row`, so the shuffles below run with every lane active.
-            if row < num_rows:
-                # 64-bit row offsets: P·2n exceeds 2**31 elements at large P.
-                r64 = Int64(row)
-                h_row = h + r64 * (2 * self.n)
-                out_row = r64 * self.n
-                h_layout = cute.make_layout((2, VEC), stride=self.h_stride)
-                frag_layout = cute.make_layout(self.frag_layout[0], stride=self.frag_layout[1])
-                h_frags = [cute.make_rmem_tensor(frag_layout, BFloat16) for _ in range(self.iters)]
-                loaded = h_frags
-                if cutlass.const_expr(self.h_fp8):
-                    loaded = [cute.make_rmem_tensor(frag_layout, Float8E4M3FN)
-                              for _ in range(self.iters)]
-                dap_frags = [cute.make_rmem_tensor((VEC,), BFloat16) if self.backward else None
-                             for _ in range(self.iters)]
-                # All loads of the row are issued before any store: the compiler cannot move a
-                # load above a store that may alias it, so this is what keeps them in flight.
-                for i in cutlass.range_constexpr(self.iters):
-                    col = (lane + i * WARP) * VEC
-                    # Only the last pass can run past the row, and only when 32·8 ∤ n.
-                    frags = (loaded[i], dap_frags[i])
-                    if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                        self._load(h_row, da_prime, out_row, col, h_layout, *frags)
-                    elif col < self.n:
-                        self._load(h_row, da_prime, out_row, col, h_layout, *frags)
-                if cutlass.const_expr(self.h_fp8):
-                    self._dequantize(h_scales, row, num_rows, lane, loaded, h_frags)
-                partial = Float32(0.0)
-                score = Float32(0.0)
-                if cutlass.const_expr(self.backward):
-                    score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
-                if cutlass.const_expr(self.quantize and not self.backward):
-                    self._finish_quantized(a, ds, dh_q, dh_scales, row, num_rows, out_row, lane,
-                                           h_layout, h_frags)
-                if cutlass.const_expr(self.quantize and self.backward):
-                    partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows,
-                                                        out_row, lane, score, h_layout, h_frags,
-                                                        dap_frags)
-                for i in cutlass.range_constexpr(0 if self.quantize else self.iters):
-                    col = (lane + i * WARP) * VEC
-                    frags = (h_frags[i], dap_frags[i])
-                    if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                        partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
-                                               *frags)
-                    elif col < self.n:
-                        partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
-                                               *frags)
-                if cutlass.const_expr(self.backward):
-                    for k in cutlass.range_constexpr(5):
-                        partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=16 >> k)
-                    if lane == 0:
-                        cute.make_tensor(ds, cute.make_layout(num_rows))[row] = partial
-
-        @cute.jit
-        def _finish_quantized(self, q: cute.Pointer, scales: cute.Pointer, h_q: cute.Pointer,
-                              h_scales: cute.Pointer, row: Int32, num_rows: Int32,
-                              out_row: Int64, lane: Int32, h_layout: cute.Layout,
-                              h_frags: list):
-            """Forward with A quantized: per 8-column slice, A rounded to bf16 (the values
-            :func:`sonic.kernels.fp8_quant.quantize_rows` would read), the amax of each
-            128-column block over its 16 lanes (every lane shuffles, those past ``n`` with 0),
-            then ``q`` and, from the block's first lane, its scale at ``scales[block, row]``.
-            With ``quantize_h``, the loaded H as well (:meth:`_store_quantized_h`)."""
-            for i in cutlass.range_constexpr(self.iters):
-                col = (lane + i * WARP) * VEC
-                vals = cute.make_rmem_tensor((VEC,), Float32)
-                h_vals = cute.make_rmem_tensor((2, VEC), Float32)
-                amax = Float32(0.0)
-                amax_g, amax_u = Float32(0.0), Float32(0.0)
-                if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                    amax = self._rounded_act(h_frags[i], vals)
-                    if cutlass.const_expr(self.quantize_h):
-                        amax_g, amax_u = self._pair_values(h_frags[i], h_vals)
-                elif col < self.n:
-                    amax = self._rounded_act(h_frags[i], vals)
-                    if cutlass.const_expr(self.quantize_h):
-                        amax_g, amax_u = self._pair_values(h_frags[i], h_vals)
-                scale = fp8.scale_of(fp8.butterfly_max(amax, LANES_PER_BLOCK))
-                if col < self.n:
-                    fp8.quantize_store(vals, scale, cute.make_tensor(q + (out_row + col),
-                                                                      cute.make_layout(VEC)))
-                    if lane % LANES_PER_BLOCK == 0:
-                        block = Int64(col // FP8_BLOCK)
-                        cute.make_tensor(scales + block * num_rows.to(Int64),
-                                         cute.make_layout(num_rows))[row] = scale
-                if cutlass.const_expr(self.quantize_h):
-                    self._store_quantized_h(h_q, h_scales, row, num_rows, out_row, lane, col,
-                                            h_layout, h_frags[i].layout, h_vals, amax_g,
-                                            amax_u)
-
-        @cute.jit
-        def _dequantize(self, scales: cute.Pointer, row: Int32, num_rows: Int32, lane: Int32,
-                        q_frags: list, h_frags: list):
-            """``h_frags`` = the loaded e4m3 slices times their 1×128 blocks' scales, rounded to
-            bf16: bitwise :func:`sonic.kernels.fp8_quant.dequantize_rows`. After all loads
-            are issued, so they stay in flight. A lane past ``n`` reads no scale (its values
-            are never stored)."""
-            per_row = scales + Int64(row)
-            for i in cutlass.range_constexpr(self.iters):
-                col = (lane + i * WARP) * VEC
-                scale_g, scale_u = Float32(1.0), Float32(1.0)
-                if col < self.n:
-                    gate_block = Int64(col * self.h_scale // FP8_BLOCK)
-                    up_block = gate_block
-                    if cutlass.const_expr(self.h_scale == 1):    # concat: up at n + col
-                        up_block = Int64((self.n + col) // FP8_BLOCK)
-                    scale_g = cute.make_tensor(per_row + gate_block * num_rows.to(Int64),
-                                               cute.make_layout(1))[0]
-                    scale_u = cute.make_tensor(per_row + up_block * num_rows.to(Int64),
-                                               cute.make_layout(1))[0]
-                for half, scale in ((0, scale_g), (1, scale_u)):
-                    h_frags[i][half, None].store(
-                        (q_frags[i][half, None].load().to(Float32) * scale).to(BFloat16))
-
-        def _pair_values(self, frag, vals):
-            """``vals`` = a ``(2, 8)`` slice's gate and up values (H or dH) as fp32; returns
-            their amaxes. Traced inline."""
-            amaxes = []
-            for half in range(2):
-                vals[half, None].store(frag[half, None].load().to(Float32))
-                amaxes.append(fp8.slice_amax(vals[half, None]))
-            return amaxes[0], amaxes[1]
-
-        @cute.jit
-        def _store_quantized_h(self, q: cute.Pointer, scales: cute.Pointer, row: Int32,
-                               num_rows: Int32, out_row: Int64, lane: Int32, col: Int32,
-                               h_layout: cute.Layout, frag_layout: cute.Layout,
-                               vals: cute.Tensor, amax_g: Float32, amax_u: Float32):
-            """One slice of a ``(P, 2n)`` tensor in H's layout (dH, or H itself), its fp32
-            gate and up values in ``vals``, stored in e4m3 per 1×128 block of the row:
-            "concat": the gate and the up values of a slice lie in two blocks, each spanning
-            16 lanes; "interleaved": a slice is 16 consecutive columns, a block spans 8
-            lanes. The block amaxes are reduced by shuffles in which every lane takes part
-            (those past ``n`` with 0); then the e4m3 values and, from each block's first
-            lane, its scale at ``scales[block, row]``."""
-            concat = self.h_scale == 1
-            lanes = LANES_PER_BLOCK if concat else LANES_PER_BLOCK // 2
-            if cutlass.const_expr(not concat):     # one block holds both halves
-                amax_g = cute.arch.fmax(amax_g, amax_u, nan=True)
-            scale_g = fp8.scale_of(fp8.butterfly_max(amax_g, lanes))
-            scale_u = scale_g
-            if cutlass.const_expr(concat):
-                scale_u = fp8.scale_of(fp8.butterfly_max(amax_u, lanes))
-            if col < self.n:
-                q_frag = cute.make_rmem_tensor(frag_layout, Float8E4M3FN)
-                q_frag[0, None].store(fp8.quantize(vals[0, None], scale_g).load())
-                q_frag[1, None].store(fp8.quantize(vals[1, None], scale_u).load())
-                cute.autovec_copy(q_frag, cute.make_tensor(
-                    q + (out_row * 2 + col * self.h_scale), h_layout))
-                per_row = scales + Int64(row)
-                if lane % lanes == 0:
-                    first = Int64(col * self.h_scale // FP8_BLOCK)
-                    cute.make_tensor(per_row + first * num_rows.to(Int64),
-                                     cute.make_layout(1))[0] = scale_g
-                    if cutlass.const_expr(concat):
-                        up = first + self.n // FP8_BLOCK
-                        cute.make_tensor(per_row + up * num_rows.to(Int64),
-                                         cute.make_layout(1))[0] = scale_u
-
-        @cute.jit
-        def _finish_dh_quantized(self, a: cute.Pointer, dh: cute.Pointer, q: cute.Pointer,
-                                 scales: cute.Pointer, row: Int32, num_rows: Int32,
-                                 out_row: Int64, lane: Int32, score: Float32,
-                                 h_layout: cute.Layout, h_frags: list, dap_frags: list):
-            """Backward with dH also in e4m3 (the dX GEMM's operand): per slice, what
-            :meth:`_finish` stores, then the bf16 dH values it stored in e4m3 per 1×128 block
-            (:meth:`_store_quantized_h`). Returns ``Σ dA'·A`` over this lane's slices."""
-            partial = Float32(0.0)
-            for i in cutlass.range_constexpr(self.iters):
-                col = (lane + i * WARP) * VEC
-                vals = cute.make_rmem_tensor((2, VEC), Float32)
-                amax_g, amax_u = Float32(0.0), Float32(0.0)
-                if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                    partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
-                                                           h_layout, h_frags[i], dap_frags[i],
-                                                           vals)
-                elif col < self.n:
-                    partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
-                                                           h_layout, h_frags[i], dap_frags[i],
-                                                           vals)
-                self._store_quantized_h(q, scales, row, num_rows, out_row, lane, col, h_layout,
-                                        h_frags[i].layout, vals, amax_g, amax_u)
-            return partial
-
-        def _rounded_act(self, h_frag, vals):
-            """``vals`` = SwiGLU of the loaded slice rounded to bf16 (as fp32); returns the
-            slice's amax. Traced inline."""
-            g = h_frag[0, None].load().to(Float32)
-            u = h_frag[1, None].load().to(Float32)
-            act = activation.silu(g, activation.sigmoid_vec(g, VEC)) * u
-            vals.store(act.to(BFloat16).to(Float32))
-            return fp8.slice_amax(vals)
-
-        def _load(self, h_row, da_prime, out_row, col, h_layout, h_frag, dap_frag):
-            """Load one 8-column slice of the row: gate and up of ``H``, and ``dA'`` (backward).
-
-            Traced inline (plain Python, no control flow of its own)."""
-            cute.autovec_copy(cute.make_tensor(h_row + col * self.h_scale, h_layout), h_frag)
-            if self.backward:
-                dap_src = cute.make_tensor(da_prime + (out_row + col), cute.make_layout(VEC))
-                cute.autovec_copy(dap_src, dap_frag)
-
-        def _finish(self, a, dh, out_row, col, score, partial, h_layout, h_frag, dap_frag,
-                    dh_vals=None):
-            """Compute and store one loaded slice; return ``partial + Σ dA'·A`` over the slice
-            (backward) or ``partial`` unchanged (forward). With ``dh_vals`` (a ``(2, 8)`` fp32
-            fragment, backward), also the stored bf16 dH values there (gate, up) and their
-            amaxes: ``(partial, amax gate, amax up)``. Traced inline, like :meth:`_load`."""
-            g = h_frag[0, None].load().to(Float32)
-            u = h_frag[1, None].load().to(Float32)
-            sig = activation.sigmoid_vec(g, VEC)
-            silu = activation.silu(g, sig)
-            act = silu * u
-            a_frag = cute.make_rmem_tensor((VEC,), BFloat16)
-            if self.backward:
-                dap = dap_frag.load().to(Float32)
-                partial = partial + (dap * act).reduce(cute.ReductionOp.ADD, 0.0, 0)
-                da = dap * score
-                dh_frag = cute.make_rmem_tensor(h_frag.layout, BFloat16)
-                dh_frag[0, None].store(activation.dswiglu_gate(da, g, u, sig).to(BFloat16))
-                dh_frag[1, None].store((da * silu).to(BFloat16))
-                cute.autovec_copy(dh_frag, cute.make_tensor(dh + (out_row * 2 + col * self.h_scale),
-                                                            h_layout))
-                a_frag.store((act * score).to(BFloat16))
-            else:
-                a_frag.store(act.to(BFloat16))
-            cute.autovec_copy(a_frag, cute.make_tensor(a + (out_row + col), cute.make_layout(VEC)))
-            if dh_vals is None:
-                return partial
-            return partial, *self._pair_values(dh_frag, dh_vals)
-
-    return SwigluKernel
 
 
 def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
@@ -347,9 +38,11 @@ def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
     """Compile one static configuration with placeholder arguments."""
     import cutlass
 
+    from sonic.kernels.swiglu_kernel import SwigluKernel
+
     addresses = [runtime.fake_address() for _ in range(9)]
-    return runtime.compile_launcher(_kernels()(n, gate_up, backward, quantize, quantize_h,
-                                               h_fp8),
+    return runtime.compile_launcher(SwigluKernel(n, gate_up, backward, quantize, quantize_h,
+                                                 h_fp8),
                                     *addresses,
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
@@ -384,12 +77,12 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor,
 
 def swiglu(h: torch.Tensor, gate_up: str = "concat", *, quantize: bool = False,
            quantize_h: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (DESIGN §3; SonicMoE App. C).
+    """SwiGLU activation ``A = silu(gate) ⊙ up`` of ``H`` (docs/design.md §3; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.swiglu`: fp32 math, one rounding to bf16
     (``σ`` within ~1e-6 relative of the reference's, see the module notes).
 
-    With ``quantize``, A is written as the FP8 path's down-proj reads it (issue 18:
+    With ``quantize``, A is written as the FP8 path's down-proj reads it (the
     quantization where the data is produced): e4m3 with one fp32 scale per 1×128 slice of
     each row, bitwise ``sonic.kernels.fp8_quant.quantize_rows(swiglu(h))`` (the bf16-rounded
     A is quantized) without writing and reading A in bf16: the FP8 layer's default
@@ -465,7 +158,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
                      gate_up: str = "concat", *, h_scales: torch.Tensor | None = None,
                      dh_out: torch.Tensor | None = None, a_out: torch.Tensor | None = None,
                      quantize_dh: bool = False) -> tuple[torch.Tensor, ...]:
-    """Backward epilogue of the dH step (DESIGN §3, backward step 1; SonicMoE App. C).
+    """Backward epilogue of the dH step (docs/design.md §3, backward step 1; SonicMoE App. C).
 
     Same function as :func:`sonic.reference.ops.dswiglu_epilogue`: per row, with ``g, u`` from
     ``h``, ``σ = sigmoid(g)``, ``A = g·σ·u`` (fp32, never rounded) and ``dA = s·dA'``:
@@ -491,7 +184,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         and up, dA') before it stores any, and stores exactly the elements it loaded; rows
         belong to one warp each. A buffer that overlaps an input without being it would
         overwrite elements other lanes still read: refused.
-        quantize_dh: also write dH as the FP8 path's dX GEMM reads it (issue 18): e4m3 with
+        quantize_dh: also write dH as the FP8 path's dX GEMM reads it: e4m3 with
             one fp32 scale per 1×128 slice of each dH row, bitwise
             ``sonic.kernels.fp8_quant.quantize_rows(dH)``, without reading dH again; needs
             ``n`` a multiple of 128. The FP8 layer's default for its dX GEMM

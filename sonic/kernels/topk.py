@@ -1,6 +1,6 @@
 """Top-K router kernel: per-row bitonic top-K of ``(T, E)`` logits with fused softmax scores.
 
-DESIGN §4 ("Top-K"), SonicMoE paper §4.3 (Fig. 10). One group of ``G`` lanes of a warp owns one
+docs/design.md §4 ("Top-K"), SonicMoE paper §4.3 (Fig. 10). One group of ``G`` lanes of a warp owns one
 row of logits; every lane holds ``V = E_pad / G`` of the row's values in registers (``E_pad``: E
 rounded up to a power of two), and the whole selection runs in registers and warp shuffles (no
 shared memory, no block barrier):
@@ -120,254 +120,13 @@ class _Plan:
         return _THREADS // self.lanes_per_row
 
 
-# --------------------------------------------------------------------------------------------
-# Sorting networks on Python lists of int32 DSL values (unrolled at trace time).
-# --------------------------------------------------------------------------------------------
-
-
-def _exchange(keys: list, i: int, j: int) -> None:
-    """Order ``keys[i] >= keys[j]``."""
-    import cutlass
-
-    hi = cutlass.max(keys[i], keys[j])
-    keys[j] = cutlass.min(keys[i], keys[j])
-    keys[i] = hi
-
-
-def _bitonic_merge(keys: list) -> list:
-    """Sort a bitonic sequence (length a power of two) into descending order."""
-    keys = list(keys)
-    n = len(keys)
-    stride = n // 2
-    while stride >= 1:
-        for i in range(n):
-            if i & stride == 0:
-                _exchange(keys, i, i + stride)
-        stride //= 2
-    return keys
-
-
-def _sort_pairs(n: int) -> tuple:
-    """Comparators ``(i, j)``, ``i < j``, of Batcher's odd-even merge sort of ``n`` (a power of two)
-    keys: 5 / 19 / 63 for 4 / 8 / 16 keys, against 6 / 24 / 80 for a bitonic sorting network."""
-    pairs = []
-    p = 1
-    while p < n:
-        k = p
-        while k >= 1:
-            for j in range(k % p, n - k, 2 * k):
-                for i in range(min(k, n - j - k)):
-                    # Compare only inside the current pair of sorted runs of length p.
-                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
-                        pairs.append((i + j, i + j + k))
-            k //= 2
-        p *= 2
-    return tuple(pairs)
-
-
-def _sort(keys: list) -> list:
-    """Sort ``keys`` (length a power of two) into descending order."""
-    keys = list(keys)
-    for i, j in _sort_pairs(len(keys)):
-        _exchange(keys, i, j)
-    return keys
-
-
-def _top_of_two(a: list, b: list) -> list:
-    """The top ``len(a)`` of two descending lists of equal length, in descending order."""
-    import cutlass
-
-    n = len(a)
-    return _bitonic_merge([cutlass.max(a[i], b[n - 1 - i]) for i in range(n)])
-
-
-def _group_top(keys: list, k_pad: int, lanes: int) -> list:
-    """The top ``k_pad`` keys, descending, of the union of ``keys`` over ``lanes`` adjacent lanes.
-
-    Every lane of the group gets the same list: butterfly partners fold each other's lists.
-    """
-    import cutlass.cute as cute
-
-    blocks = [_sort(keys[b:b + k_pad]) for b in range(0, len(keys), k_pad)]
-    while len(blocks) > 1:
-        blocks = [_top_of_two(blocks[b], blocks[b + 1]) for b in range(0, len(blocks), 2)]
-    top = blocks[0]
-    offset = 1
-    while offset < lanes:
-        top = _top_of_two(top, [cute.arch.shuffle_sync_bfly(k, offset=offset) for k in top])
-        offset *= 2
-    return top
-
-
-# --------------------------------------------------------------------------------------------
-# The kernel.
-# --------------------------------------------------------------------------------------------
-
-
-def _make_kernel(plan: _Plan):
-    """The ``@cute.jit`` entry of ``plan``: ``(logits, scores, indices addresses, T, stream)``."""
-    import cutlass
-    import cutlass.cute as cute
-    from cuda.bindings import driver as cuda
-    from cutlass import Float32, Int32, const_expr
-
-    E, K = plan.E, plan.K
-    E_pad, K_pad = plan.E_pad, plan.K_pad
-    G, V, vec, ovec = plan.lanes_per_row, plan.keys_per_lane, plan.vec, plan.out_vec
-    rows_per_cta = plan.rows_per_cta
-    mask = E_pad - 1
-    in_dtype, in_align = runtime.cute_dtype(plan.dtype), plan.in_align
-    exact_keys = plan.dtype != torch.float32  # bf16/fp16 survive the packing bit-exactly
-    flip_bits = 0x7FFF0000 if exact_keys else 0x7FFFFFFF
-    softmax_all = plan.score == "topk_softmax"
-    renormalize = softmax_all and plan.renormalize
-
-    def group_reduce(x, op):
-        offset = 1
-        while offset < G:
-            x = op(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
-            offset *= 2
-        return x
-
-    # The helpers below run at trace time and unroll into straight-line code over the V values
-    # of a lane (Python lists of DSL scalars).
-
-    def load_lane(mX, src_row, lane):
-        """This lane's V logits as fp32 and, when E is padded, whether each is a real column."""
-        # Chunk i of a lane covers columns [c*vec, c*vec + vec) with c = i*G + lane: the G lanes
-        # of a row read adjacent pieces, so every load instruction is fully coalesced.
-        chunks = cute.logical_divide(mX[src_row, None], cute.make_layout(vec))
-        n_chunks = V // vec
-        raw = cute.make_rmem_tensor((vec, n_chunks), mX.element_type)
-        for i in range(n_chunks):
-            c = i * G + lane
-            if E != E_pad:
-                # Chunks past E (vec divides E) re-read the last real chunk; their keys are
-                # replaced by the padding key, which keeps the loads unpredicated.
-                c = cutlass.min(c, E // vec - 1)
-            cute.autovec_copy(chunks[None, c], raw[None, i])
-        # + 0.0 turns -0.0 into +0.0: PyTorch's sort counts them as equal, integer keys would not.
-        vals = [Float32(raw[t % vec, t // vec]) + Float32(0.0) for t in range(V)]
-        if E == E_pad:
-            return vals, None
-        return vals, [((t // vec) * G + lane) * vec + t % vec < E for t in range(V)]
-
-    def softmax_stats(vals, real):
-        """Max and sum of exponentials of the whole row (softmax over all E)."""
-        if real is not None:
-            vals = [Float32(cutlass.select_(real[t], vals[t], -Float32.inf)) for t in range(V)]
-        row_max = vals[0]
-        for v in vals[1:]:
-            row_max = cute.arch.fmax(row_max, v)
-        row_max = group_reduce(row_max, cute.arch.fmax)
-        row_sum = cute.math.exp(vals[0] - row_max)
-        for v in vals[1:]:
-            row_sum = row_sum + cute.math.exp(v - row_max)  # exp(-inf) = 0 for padding
-        return row_max, group_reduce(row_sum, lambda a, b: a + b)
-
-    def pack_keys(vals, real, lane):
-        # Column c*vec + j of chunk i has index term mask - col = (mask - i*G*vec - j) - lane*vec:
-        # a per-lane offset plus a constant, one integer add with the packed value.
-        lane_term = -(lane * vec)
-        keys = []
-        for t in range(V):
-            bits = vals[t].bitcast(Int32)
-            # Negative floats order backwards as integers: flip their magnitude bits. A 16-bit
-            # float's fp32 pattern has 16 zero low bits, left as they are so that the index term
-            # can be added and the logit read back exactly.
-            ordered = bits ^ ((bits >> 31) & flip_bits)
-            if not exact_keys:
-                ordered = ordered & ~mask
-            key = ordered + lane_term + (mask - (t // vec) * G * vec - t % vec)
-            if real is not None:
-                key = Int32(cutlass.select_(real[t], key, Int32(_INT32_MIN)))
-            keys.append(key)
-        return keys
-
-    @cute.kernel
-    def kernel(mX: cute.Tensor, mScores: cute.Tensor, mIdx: cute.Tensor, num_rows: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % G
-        row = bidx * rows_per_cta + tidx // G
-        # Lanes past the last row still take part in the shuffles; they sort a copy of the last
-        # row and skip the stores.
-        src_row = cutlass.min(row, num_rows - 1)
-
-        vals, real = load_lane(mX, src_row, lane)
-        if const_expr(softmax_all):
-            row_max, row_sum = softmax_stats(vals, real)
-        keys = pack_keys(vals, real, lane)
-        top = _group_top(keys, K_pad, G)
-
-        idx = []
-        logit = []
-        for j in cutlass.range_constexpr(K):
-            col = mask - (top[j] & mask)
-            idx.append(col)
-            if const_expr(exact_keys):
-                ordered = top[j] - (top[j] & mask)
-                logit.append((ordered ^ ((ordered >> 31) & flip_bits)).bitcast(Float32))
-            else:
-                logit.append(Float32(mX[src_row, col]))
-
-        # One correctly rounded reciprocal per row, then products: within an ulp of PyTorch's
-        # per-element division, without K division slow paths.
-        if const_expr(softmax_all):
-            inv_sum = Float32(1.0) / row_sum
-            score = [cute.math.exp(logit[j] - row_max) * inv_sum for j in range(K)]
-            if const_expr(renormalize):
-                total = score[0]
-                for j in cutlass.range_constexpr(1, K):
-                    total = total + score[j]
-                inv_total = Float32(1.0) / total
-                score = [s * inv_total for s in score]
-        else:
-            exps = [cute.math.exp(logit[j] - logit[0]) for j in range(K)]
-            total = exps[0]
-            for j in cutlass.range_constexpr(1, K):
-                total = total + exps[j]
-            inv_total = Float32(1.0) / total
-            score = [e * inv_total for e in exps]
-
-        if row < num_rows:
-            out_s = cute.logical_divide(mScores[row, None], cute.make_layout(ovec))
-            out_i = cute.logical_divide(mIdx[row, None], cute.make_layout(ovec))
-            frag_s = cute.make_rmem_tensor((ovec,), Float32)
-            frag_i = cute.make_rmem_tensor((ovec,), Int32)
-            for q in cutlass.range_constexpr(K // ovec):
-                # Output piece q is written by lane q % G, so the stores spread over the group.
-                if lane == q % G:
-                    for j in cutlass.range_constexpr(ovec):
-                        frag_s[j] = score[q * ovec + j]
-                        frag_i[j] = idx[q * ovec + j]
-                    cute.autovec_copy(frag_s, out_s[None, q])
-                    cute.autovec_copy(frag_i, out_i[None, q])
-
-    @cute.jit
-    def launch(logits: cutlass.Int64, scores: cutlass.Int64, indices: cutlass.Int64,
-               num_rows: Int32, stream: cuda.CUstream):
-        gmem = runtime.gmem_ptr
-        mX = cute.make_tensor(gmem(in_dtype, logits, in_align),
-                              cute.make_layout((num_rows, E), stride=(E, 1)))
-        mScores = cute.make_tensor(gmem(Float32, scores, _VEC_BYTES),
-                                   cute.make_layout((num_rows, K), stride=(K, 1)))
-        mIdx = cute.make_tensor(gmem(Int32, indices, _VEC_BYTES),
-                                cute.make_layout((num_rows, K), stride=(K, 1)))
-        kernel(mX, mScores, mIdx, num_rows).launch(
-            grid=[cute.ceil_div(num_rows, rows_per_cta), 1, 1],
-            block=[_THREADS, 1, 1],
-            stream=stream,
-        )
-
-    return launch
-
-
 def _compile(plan: _Plan, keep_ptx: bool = False) -> runtime.Launcher:
     """Compile ``plan`` with placeholder arguments."""
     import cutlass
 
-    return runtime.compile_launcher(_make_kernel(plan), runtime.fake_address(),
+    from sonic.kernels.topk_kernel import TopKKernel
+
+    return runtime.compile_launcher(TopKKernel(plan), runtime.fake_address(),
                                     runtime.fake_address(), runtime.fake_address(),
                                     cutlass.Int32(1), keep_ptx=keep_ptx)
 
@@ -381,7 +140,7 @@ def topk_scores(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
                 renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K experts of every token and their routing scores, by the bitonic top-K kernel.
 
-    DESIGN §4 / SonicMoE paper §4.3; the same selection and scores as
+    docs/design.md §4 / SonicMoE paper §4.3; the same selection and scores as
     :func:`sonic.topk_routing`, which is the PyTorch reference.
 
     Args:
@@ -433,6 +192,13 @@ def topk_scores(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
     logits = logits.contiguous()
     return _run(logits, k, score, renormalize and score == "topk_softmax",
                 logits.data_ptr() % _VEC_BYTES == 0)
+
+
+def kernel_fits(logits: torch.Tensor, k: int) -> bool:
+    """Whether :func:`topk_scores` serves ``(T, E)`` ``logits`` and ``k``: ``T > 0``,
+    ``E <= MAX_E``, ``k <= MAX_K``, bf16 or fp32 (the device is checked by the caller)."""
+    return (logits.shape[0] > 0 and logits.shape[1] <= MAX_E and k <= MAX_K
+            and logits.dtype in (torch.bfloat16, torch.float32))
 
 
 # Per CUDA device (a tensor's device, index included): ``kernels_available``'s answer.

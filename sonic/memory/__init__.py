@@ -1,4 +1,4 @@
-"""Activation-memory measurement (DESIGN §3): what a forward pass keeps for backward."""
+"""Activation-memory measurement (docs/design.md §3): what a forward pass keeps for backward."""
 
 from sonic.memory.profile import ActivationMemoryReport, SavedTensor, profile_activation_memory
 

@@ -3,8 +3,8 @@
 Measures (not estimates) the bytes one layer — router and experts, bf16 — keeps for backward, by
 running :class:`sonic.MoE` and the torch-gmm baseline under
 :func:`sonic.memory.profile_activation_memory`. On the default ``meta`` device nothing is
-allocated, so the paper's configurations (ANCHORS.md) run on a CPU in seconds. The floor of
-DESIGN §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metadata.
+allocated, so the paper's configurations (docs/design.md §5) run on a CPU in seconds. The floor of
+docs/design.md §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metadata.
 
     python -m sonic.memory --config 7B
     python -m sonic.memory --config 64,32,16,8,2 --json   # last line: one JSON object
@@ -12,8 +12,8 @@ DESIGN §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metad
     python -m sonic.memory --config 30B --activation-cache fp8   # also sonic's FP8 H cache
 
 ``--activation-cache fp8`` adds a third row, ``sonic-fp8c``: sonic with H kept for backward in
-e4m3 with 1×128 fp32 scales (:mod:`sonic.autograd.activation_cache`, issue 18), and its bytes
-relative to sonic's bf16 cache (issue 18 asks for at most 55%).
+e4m3 with 1×128 fp32 scales (:mod:`sonic.activation_cache`), and its bytes
+relative to sonic's bf16 cache (the target: at most 55%).
 
 ``--plot FILE`` (needs matplotlib, the ``plot`` extra) sweeps expert granularity at fixed FLOPs
 (SonicMoE Fig. 1): each scale ``s`` of ``--scales`` measures ``(T, d, n/s, E·s, K·s)``, so

@@ -4,7 +4,7 @@ The call runs once under :func:`torch.autograd.graph.saved_tensors_hooks`, so ev
 autograd saves — by built-in ops and by custom ``autograd.Function``\\ s alike — passes through a
 hook. Bytes are counted per storage (several views of one buffer count once) from the storage
 size, so the measurement works on ``meta`` tensors: paper-scale layers are measured on a CPU in
-seconds without allocating anything. DESIGN §3 states the budget this checks (SonicMoE §3.2):
+seconds without allocating anything. docs/design.md §3 states the budget this checks (SonicMoE §3.2):
 a memory-minimal MoE layer keeps ``X`` (referenced), ``H (P, 2n)`` and O(P) metadata.
 """
 

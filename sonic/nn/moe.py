@@ -12,9 +12,9 @@ from torch import nn
 
 from sonic._validation import (check_bool, check_choice, check_float, check_int, check_non_negative,
                                check_tensor)
-from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
+from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
                                         autocast_experts, check_fp8_sizes, moe_experts)
-from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
+from sonic.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.gate import gate_logits
 from sonic.routing.metadata import routing_metadata
@@ -314,7 +314,7 @@ class MoE(nn.Module):
 
     def _fp8_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights | None:
         """FP8 copies of this forward's (possibly autocast) ``w1``, ``w2`` from the layer's
-        :class:`~sonic.autograd.moe_experts.Fp8WeightCache` (made once per weight update);
+        :class:`~sonic.experts.moe_experts.Fp8WeightCache` (made once per weight update);
         None for bf16 layers."""
         if self.precision != "fp8":
             return None

@@ -1,4 +1,4 @@
-"""PyTorch reference of the block-scaled FP8 recipe (issue 18): quantization, dequantization,
+"""PyTorch reference of the block-scaled FP8 recipe: quantization, dequantization,
 the promoted FP8 grouped GEMM, and the error an e4m3 GEMM may have.
 
 Recipe (DeepSeek-V3 technical report, arXiv 2412.19437, §3.3 "fine-grained quantization"; the
@@ -36,11 +36,11 @@ import math
 
 import torch
 
+from sonic.types import FP8_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 # Largest finite e4m3 value (S.1111.110 = 1.75 · 2^8).
 FP8_MAX = 448.0
-# Side of an activation slice (1 × BLOCK) and of a weight block (BLOCK × BLOCK).
-BLOCK = 128
 # Unit roundoff of e4m3 round-to-nearest: 3 stored mantissa bits, so |q − x/s| ≤ 2^-4 |x/s| for
 # quotients in the normal range (|x/s| ≥ 2^-6).
 FP8_UNIT_ROUNDOFF = 2.0 ** -4
@@ -114,7 +114,7 @@ def _pad_to(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, pad)
 
 
-def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize an activation per 1×``block`` slice of each row (DeepSeek-V3 §3.3).
 
     Args:
@@ -156,13 +156,13 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """
     _check_q("q", q, (2,))
     m, k = q.shape
-    nk = -(-k // BLOCK)
-    _check_scales("scales", scales, (nk, m), f"q of shape {tuple(q.shape)} in 1x{BLOCK} slices")
-    per_col = scales.t().repeat_interleave(BLOCK, dim=1)[:, :k]
+    nk = -(-k // FP8_BLOCK)
+    _check_scales("scales", scales, (nk, m), f"q of shape {tuple(q.shape)} in 1x{FP8_BLOCK} slices")
+    per_col = scales.t().repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
     return q.float() * per_col
 
 
-def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize per-expert weights per ``block``×``block`` block (DeepSeek-V3 §3.3).
 
     Square blocks serve both orientations of the weight: the forward reduces over ``K`` and the
@@ -206,8 +206,8 @@ def quantize_blocks_and_transpose(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ValueError: as :func:`quantize_blocks`; ``N`` or ``K`` not a multiple of 128.
     """
     q, scales = quantize_blocks(w)
-    if w.shape[-2] % BLOCK or w.shape[-1] % BLOCK:
-        raise ValueError(f"w must have N and K multiples of {BLOCK} for its transposed copy, "
+    if w.shape[-2] % FP8_BLOCK or w.shape[-1] % FP8_BLOCK:
+        raise ValueError(f"w must have N and K multiples of {FP8_BLOCK} for its transposed copy, "
                          f"got shape {tuple(w.shape)}")
     # Copies even where the transpose is already contiguous (a 1 x 1 block grid): the copies
     # must not alias (custom ops may not return aliases of each other).
@@ -231,17 +231,17 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """
     _check_q("q", q, (2, 3))
     if q.dim() == 2:
-        _check_scales("scales", scales, (-(-q.shape[0] // BLOCK), -(-q.shape[1] // BLOCK)),
-                      f"q of shape {tuple(q.shape)} in {BLOCK}x{BLOCK} blocks")
+        _check_scales("scales", scales, (-(-q.shape[0] // FP8_BLOCK), -(-q.shape[1] // FP8_BLOCK)),
+                      f"q of shape {tuple(q.shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks")
         return dequantize_blocks(q[None], scales[None])[0]
     e, n, k = q.shape
-    _check_scales("scales", scales, (e, -(-n // BLOCK), -(-k // BLOCK)),
-                  f"q of shape {tuple(q.shape)} in {BLOCK}x{BLOCK} blocks")
-    full = scales.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)[:, :n, :k]
+    _check_scales("scales", scales, (e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)),
+                  f"q of shape {tuple(q.shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks")
+    full = scales.repeat_interleave(FP8_BLOCK, dim=1).repeat_interleave(FP8_BLOCK, dim=2)[:, :n, :k]
     return q.float() * full
 
 
-def padded_offsets(expert_offsets: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def padded_offsets(expert_offsets: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """Expert row offsets with each expert's row count rounded up to a multiple of ``block``:
     where each expert's rows start in the K-major copies of :func:`quantize_cols_grouped`.
 
@@ -260,7 +260,7 @@ def padded_offsets(expert_offsets: torch.Tensor, block: int = BLOCK) -> torch.Te
     return out
 
 
-def padded_rows_bound(num_rows: int, num_experts: int, block: int = BLOCK) -> int:
+def padded_rows_bound(num_rows: int, num_experts: int, block: int = FP8_BLOCK) -> int:
     """Rows the K-major copies are allocated with: the largest ``padded_offsets[E]`` that
     ``num_rows`` rows over ``num_experts`` experts can give (each expert adds at most
     ``block - 1`` rows of padding), known on the host without reading the offsets."""
@@ -309,9 +309,9 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
         lo, hi = bounds[e], bounds[e + 1]
         src = x[lo:hi] if gather_idx is None else x.index_select(0, gather_idx[lo:hi].long())
         xp[starts[e]:starts[e] + hi - lo] = src.float()
-    blocks = xp.view(bound // BLOCK, BLOCK, x.shape[1])
+    blocks = xp.view(bound // FP8_BLOCK, FP8_BLOCK, x.shape[1])
     scale = _scale_of(blocks.abs().amax(dim=1)) if blocks.numel() else blocks.new_ones(
-        bound // BLOCK, x.shape[1])
+        bound // FP8_BLOCK, x.shape[1])
     q = _to_fp8(blocks, scale[:, None, :]).view(bound, x.shape[1])
     return q.t().contiguous(), scale.contiguous()
 
@@ -342,16 +342,16 @@ def grouped_mm_varlen_k_fp8_reference(a_t_q: torch.Tensor, a_scales: torch.Tenso
     _check_q("a_t_q", a_t_q, (2,))
     _check_q("b_t_q", b_t_q, (2,))
     (m, rows), n = a_t_q.shape, b_t_q.shape[0]
-    if b_t_q.shape[1] != rows or rows % BLOCK:
-        raise ValueError(f"a_t_q (M, R) and b_t_q (N, R) must share R, a multiple of {BLOCK}, "
+    if b_t_q.shape[1] != rows or rows % FP8_BLOCK:
+        raise ValueError(f"a_t_q (M, R) and b_t_q (N, R) must share R, a multiple of {FP8_BLOCK}, "
                          f"got {tuple(a_t_q.shape)} and {tuple(b_t_q.shape)}")
-    _check_scales("a_scales", a_scales, (rows // BLOCK, m), f"a_t_q of shape {(m, rows)}")
-    _check_scales("b_scales", b_scales, (rows // BLOCK, n), f"b_t_q of shape {(n, rows)}")
+    _check_scales("a_scales", a_scales, (rows // FP8_BLOCK, m), f"a_t_q of shape {(m, rows)}")
+    _check_scales("b_scales", b_scales, (rows // FP8_BLOCK, n), f"b_t_q of shape {(n, rows)}")
     starts = k_offsets.tolist()
     out = torch.zeros(len(starts) - 1, m, n, dtype=torch.float32, device=a_t_q.device)
     for e in range(len(starts) - 1):
-        for kb in range(starts[e] // BLOCK, starts[e + 1] // BLOCK):
-            cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        for kb in range(starts[e] // FP8_BLOCK, starts[e + 1] // FP8_BLOCK):
+            cols = slice(kb * FP8_BLOCK, (kb + 1) * FP8_BLOCK)
             partial = a_t_q[:, cols].float() @ b_t_q[:, cols].float().t()
             out[e] += partial * (a_scales[kb, :, None] * b_scales[kb, None, :])
     return out.to(out_dtype)
@@ -397,7 +397,7 @@ def grouped_mm_fp8_reference(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: tor
     e, n, kb_ = b_q.shape
     if kb_ != k:
         raise ValueError(f"a_q has K = {k} columns but b_q (E, N, K) has K = {kb_}")
-    nk, nn = -(-k // BLOCK), -(-n // BLOCK)
+    nk, nn = -(-k // FP8_BLOCK), -(-n // FP8_BLOCK)
     _check_scales("a_scales", a_scales, (nk, rows), f"a_q of shape {tuple(a_q.shape)}")
     _check_scales("b_scales", b_scales, (e, nn, nk), f"b_q of shape {tuple(b_q.shape)}")
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -417,12 +417,12 @@ def grouped_mm_fp8_reference(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: tor
     if bounds[0] != 0 or bounds[-1] != rows or any(lo > hi for lo, hi in zip(bounds, bounds[1:])):
         raise ValueError(f"expert_offsets must rise from 0 to the {rows} rows of A, got {bounds}")
     out = torch.empty(rows, n, dtype=torch.float32, device=a_q.device)
-    b_cols = b_scales.repeat_interleave(BLOCK, dim=1)[:, :n]          # (E, N, nk)
+    b_cols = b_scales.repeat_interleave(FP8_BLOCK, dim=1)[:, :n]          # (E, N, nk)
     for ex in range(e):
         lo, hi = bounds[ex], bounds[ex + 1]
         acc = out[lo:hi].zero_()
         for kb in range(nk):
-            cols = slice(kb * BLOCK, min(k, (kb + 1) * BLOCK))
+            cols = slice(kb * FP8_BLOCK, min(k, (kb + 1) * FP8_BLOCK))
             partial = a_q[lo:hi, cols].float() @ b_q[ex, :, cols].float().t()
             acc += partial * (a_scales[kb, lo:hi, None] * b_cols[ex, None, :, kb])
     return out.to(out_dtype)
@@ -476,13 +476,13 @@ def fp8_error_bound(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor,
     if not 0 <= accum_roundoff < 1:
         raise ValueError(f"accum_roundoff must be in [0, 1), got {accum_roundoff}")
     (m, k), n = a.shape, b.shape[0]
-    nk = -(-k // BLOCK)
+    nk = -(-k // FP8_BLOCK)
     _check_scales("a_scales", a_scales, (nk, m), f"a of shape {tuple(a.shape)}")
-    _check_scales("b_scales", b_scales, (-(-n // BLOCK), nk), f"b of shape {tuple(b.shape)}")
+    _check_scales("b_scales", b_scales, (-(-n // FP8_BLOCK), nk), f"b of shape {tuple(b.shape)}")
     u, eta = FP8_UNIT_ROUNDOFF, FP8_SUBNORMAL_HALF_STEP
     a_abs, b_abs = a.double().abs(), b.double().abs()
-    a_s = a_scales.double().t().repeat_interleave(BLOCK, dim=1)[:, :k]
-    b_s = b_scales.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+    a_s = a_scales.double().t().repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
+    b_s = b_scales.double().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
     err_a, err_b = u * a_abs + eta * a_s, u * b_abs + eta * b_s
     gamma = 2 * k * accum_roundoff
     magnitude = a_abs @ b_abs.t()

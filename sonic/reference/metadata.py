@@ -1,4 +1,4 @@
-"""PyTorch reference of the routing metadata ("index shuffling", DESIGN §2, MetaShuffling).
+"""PyTorch reference of the routing metadata ("index shuffling", docs/design.md §2, MetaShuffling).
 
 The test oracle of the CuTe routing-metadata kernels and the fallback of
 :func:`sonic.routing_metadata`. Runs on any device PyTorch supports, without a device→host

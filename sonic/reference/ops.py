@@ -1,4 +1,4 @@
-"""PyTorch reference of every GPU kernel of the MoE dataflow (DESIGN §3).
+"""PyTorch reference of every GPU kernel of the MoE dataflow (docs/design.md §3).
 
 Same inputs, outputs and numerics contract as the CuTe kernels (bf16/fp32 in, fp32 accumulation),
 so it is both the test oracle and the fallback backend. Runs on any device PyTorch supports.
@@ -168,7 +168,7 @@ def dh_dswiglu(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
 
 def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
                      gate_up: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Epilogue of the dH kernel (DESIGN §3, backward step 1; SonicMoE App. C).
+    """Epilogue of the dH kernel (docs/design.md §3, backward step 1; SonicMoE App. C).
 
     From ``dA' = gather(dO)·W2 (P, n)``, the saved ``H (P, 2n)`` and the score of each row,
     recomputes ``A = silu(g) ⊙ u`` (never stored by the forward) and returns
@@ -217,7 +217,7 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
     return out.to(y.dtype)
 
 
-# ------------------------------------------------------------------------------ FP8 (issue 18)
+# ------------------------------------------------------------------------------ FP8
 # The FP8 steps of the layer, emulating the CuTe kernels' quantized math on any device (see
 # sonic.reference.fp8 for the recipe and its conventions).
 
@@ -306,3 +306,39 @@ def dh_dswiglu_fp8(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch.Ten
                               out_dtype=torch.float32 if da_prime_fp32 else torch.bfloat16)
     dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, row_scores, gate_up)
     return (dh, copy_into(a_out, a_scaled), ds) + (quantize_rows(dh) if quantize_dh else ())
+
+
+def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``(T, k)`` int64 indices of each row's ``k`` largest logits, in descending order.
+
+    A stable descending sort, so among equal logits the lower expert index comes first — the
+    order the bitonic top-K kernel produces (SonicMoE arXiv 2512.14080 §4.3) — and results are
+    deterministic.
+    """
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+
+
+def topk_scores(logits: torch.Tensor, k: int, score: str,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`sonic.kernels.topk.topk_scores`: each row's top-``k`` experts and
+    their routing scores, in ``logits``' dtype.
+
+    Args:
+        logits: ``(T, E)`` float logits (the caller picks the accumulation dtype).
+        k: experts per row, ``1 <= k <= E``.
+        score: ``"softmax_topk"`` (softmax over the ``k`` selected logits) or
+            ``"topk_softmax"`` (the ``k`` largest entries of the softmax over all ``E``).
+        renormalize: with ``"topk_softmax"``, divide the ``k`` scores by their sum.
+
+    Returns:
+        ``(scores (T, k), indices (T, k) int32)``, experts by descending logit, the lower index
+        first among equal logits.
+    """
+    idx = topk_indices(logits, k)
+    if score == "softmax_topk":
+        scores = torch.softmax(logits.gather(1, idx), dim=-1)
+    else:
+        scores = torch.softmax(logits, dim=-1).gather(1, idx)
+        if renormalize:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores, idx.to(torch.int32)

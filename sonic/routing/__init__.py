@@ -1,4 +1,4 @@
-"""Routers: top-K token choice and token rounding, and the routing metadata they feed (DESIGN §2)."""
+"""Routers: top-K token choice and token rounding, and the routing metadata they feed (docs/design.md §2)."""
 
 from sonic.routing.metadata import RoutingMetadata, routing_metadata
 from sonic.routing.token_rounding import token_rounding_routing

@@ -1,6 +1,6 @@
 """Routing metadata ("index shuffling"): counts, offsets and permutations of routed pairs.
 
-DESIGN §2; MetaShuffling (PyTorch blog, 2025). Everything is built on the pairs' device without
+docs/design.md §2; MetaShuffling (PyTorch blog, 2025). Everything is built on the pairs' device without
 a device→host synchronisation (pairs from sonic's routers; hand-built ones are range-checked by
 one host read first), so it can be captured in a CUDA graph.
 """
@@ -20,7 +20,7 @@ __all__ = ["RoutingMetadata", "pairs_metadata", "routing_metadata"]
 
 
 def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetadata:
-    """Group a routing's pairs by expert and by token (DESIGN §2, MetaShuffling).
+    """Group a routing's pairs by expert and by token (docs/design.md §2, MetaShuffling).
 
     Args:
         routing: the pairs; ``token_idx``/``expert_idx`` int32 or int64. A padded routing's

@@ -1,4 +1,4 @@
-"""Tile-aware token rounding (SonicMoE paper §5.2, Algorithm 4; DESIGN §2)."""
+"""Tile-aware token rounding (SonicMoE paper §5.2, Algorithm 4; docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Top-K token-choice routing (DESIGN §2; SonicMoE paper §2, kernel §4.3)."""
+"""Top-K token-choice routing (docs/design.md §2; SonicMoE paper §2, kernel §4.3)."""
 
 from __future__ import annotations
 
@@ -16,36 +16,9 @@ def check_router_args(logits, k) -> None:
     check_int("k", k, low=1, high=max(logits.shape[1], 1))
 
 
-def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """``(T, k)`` int64 indices of each row's ``k`` largest logits, in descending order.
-
-    A stable descending sort, so among equal logits the lower expert index comes first — the
-    order the bitonic top-K kernel produces (DESIGN §4) — and results are deterministic.
-    """
-    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
-
-
 def token_major_pairs(num_tokens: int, k: int, device) -> torch.Tensor:
     """``(T·k,)`` int32 token index of each pair when pair ``t·k + j`` is token t's j-th choice."""
     return torch.arange(num_tokens, dtype=torch.int32, device=device).repeat_interleave(k)
-
-
-def _torch_topk_scores(logits: torch.Tensor, k: int, score: str, renormalize: bool):
-    idx = topk_indices(logits, k)
-    if score == "softmax_topk":
-        scores = torch.softmax(logits.gather(1, idx), dim=-1)
-    else:
-        scores = torch.softmax(logits, dim=-1).gather(1, idx)
-        if renormalize:
-            scores = scores / scores.sum(dim=-1, keepdim=True)
-    return scores, idx.to(torch.int32)
-
-
-def _kernel_fits(logits: torch.Tensor, k: int) -> bool:
-    """Whether the bitonic top-K kernel serves this call (its limits: E ≤ 512, K ≤ 16)."""
-    from sonic.kernels.topk import MAX_E, MAX_K
-    return (logits.shape[0] > 0 and logits.shape[1] <= MAX_E and k <= MAX_K
-            and logits.dtype in (torch.bfloat16, torch.float32))
 
 
 def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",

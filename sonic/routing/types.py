@@ -12,7 +12,7 @@ from sonic._validation import (check_bool, check_float, check_index, check_int,
 
 @dataclass(frozen=True)
 class Routing:
-    """Routed (token, expert) pairs produced by a router (DESIGN §2).
+    """Routed (token, expert) pairs produced by a router (docs/design.md §2).
 
     Attributes:
         token_idx: ``(P,)`` int32 — source token of each pair, in ``[0, num_tokens)``.

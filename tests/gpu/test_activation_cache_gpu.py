@@ -1,4 +1,4 @@
-"""The FP8 activation cache (issue 18) on a CUDA device: the CuTe path keeping H as e4m3 +
+"""The FP8 activation cache on a CUDA device: the CuTe path keeping H as e4m3 +
 1x128 scales against the reference path with the same cache, its saved bytes and forward peak,
 and a training step without a host synchronisation."""
 

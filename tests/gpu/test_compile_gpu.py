@@ -1,4 +1,4 @@
-"""torch.compile of sonic layers on a CUDA device: fullgraph and CUDA graphs (issue 16).
+"""torch.compile of sonic layers on a CUDA device: fullgraph and CUDA graphs.
 
     python -m pytest -m gpu tests/gpu/test_compile_gpu.py
 """

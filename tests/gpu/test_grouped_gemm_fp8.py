@@ -1,4 +1,4 @@
-"""GPU block-scaled FP8 grouped GEMM (``grouped_gemm_fp8``, issue 18) against the fp32
+"""GPU block-scaled FP8 grouped GEMM (``grouped_gemm_fp8``) against the fp32
 block-scaled reference (:func:`sonic.reference.fp8.grouped_mm_fp8_reference`) and against the bf16 kernel on the unquantized data.
 
 Tolerances, and why:

@@ -1,4 +1,4 @@
-"""GPU block-scaled FP8 dH kernel (``grouped_gemm_fp8_dswiglu``, issue 18): ``dA' = gather(dO)·W2``
+"""GPU block-scaled FP8 dH kernel (``grouped_gemm_fp8_dswiglu``): ``dA' = gather(dO)·W2``
 on e4m3 operands with the dSwiGLU epilogue, against the fp32 block-scaled reference
 (:func:`sonic.reference.fp8.grouped_mm_fp8_reference` on the quantized ``W2ᵀ``) followed by
 :func:`sonic.reference.ops.dswiglu_epilogue`.

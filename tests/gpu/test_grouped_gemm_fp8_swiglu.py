@@ -1,4 +1,4 @@
-"""GPU block-scaled FP8 up-proj with the SwiGLU epilogue (``grouped_gemm_fp8_swiglu``, issue 18)
+"""GPU block-scaled FP8 up-proj with the SwiGLU epilogue (``grouped_gemm_fp8_swiglu``)
 against the fp32 block-scaled reference (:func:`sonic.reference.fp8.grouped_mm_fp8_reference`)
 followed by :func:`sonic.reference.ops.swiglu`.
 

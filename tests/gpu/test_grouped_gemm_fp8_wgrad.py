@@ -1,4 +1,4 @@
-"""GPU FP8 weight gradients (issue 18): ``quantize_cols_grouped`` bitwise against its reference,
+"""GPU FP8 weight gradients: ``quantize_cols_grouped`` bitwise against its reference,
 and ``grouped_gemm_varlen_k_fp8`` against the promoted fp32 reference
 (:func:`sonic.reference.fp8.grouped_mm_varlen_k_fp8_reference`) and the bf16 varlen-K kernel.
 

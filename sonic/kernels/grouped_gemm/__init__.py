@@ -1,6 +1,6 @@
 """Grouped GEMMs over expert-sorted rows: varlen-M and varlen-K, one persistent launch each.
 
-DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1. Public entry points (torch tensors in and out):
+docs/design.md §3–4; SonicMoE (arXiv 2512.14080) §4.1. Public entry points (torch tensors in and out):
 :func:`grouped_gemm` (varlen-M, optional row gather), :func:`grouped_gemm_swiglu` (gathered
 up-proj with the SwiGLU epilogue), :func:`grouped_gemm_dswiglu` (gathered dA' GEMM with the
 dSwiGLU + ds + A' epilogue), :func:`grouped_gemm_varlen_k` (weight gradients) and

@@ -1,6 +1,6 @@
 """The grouped-GEMM kernel skeleton: warp roles, shared storage, launch; the mainloop is a hook.
 
-DESIGN §4; SonicMoE (arXiv 2512.14080) §4.1–4.2. One persistent, warp-specialised launch per
+docs/design.md §4; SonicMoE (arXiv 2512.14080) §4.1–4.2. One persistent, warp-specialised launch per
 GEMM; the architecture's subclass (:mod:`.sm90`, :mod:`.sm100`) supplies the tiled MMA, its
 warp roles (:meth:`GroupedGemmKernel.run_roles`) and the mainloop, and hands finished tiles to
 the epilogue (:mod:`.epilogue`). The operand shared-memory layouts are common: the UMMA

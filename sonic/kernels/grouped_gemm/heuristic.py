@@ -1,6 +1,6 @@
 """Tile plan: which configuration each grouped GEMM of an MoE layer runs with.
 
-Measured at the ANCHORS shapes (7B, OLMoE, 30B) on H100 and H200 by tile-plan sweeps with
+Measured at the paper's configurations (7B, OLMoE, 30B; docs/design.md §5) on H100 and H200 by tile-plan sweeps with
 ``benchmarks/bench_grouped_gemm.py`` (benchmarks/RESULTS.md, "Grouped GEMM"). On H100 the
 kernels are bound by L2→SM bandwidth (~6.5–7 TB/s at 64–85 FLOP per loaded byte), so the plan
 maximises FLOP per loaded byte. Pure Python: no ``cutlass``.
@@ -63,7 +63,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       (down) and 327 (dX) there. The fused SwiGLU / dSwiGLU GEMMs on ping-pong tiles (H200,
       with and without a 2-CTA cluster): 1.4–1.7× / 2.0–2.7× slower; the gathered GEMMs with
       the plain store epilogue on ping-pong ``128 x 128`` tiles are already 1.0–1.4× slower
-      than the fused kernels on this plan (seventeenth session).
+      than the fused kernels on this plan.
     * Gathered varlen-M A (bf16) when N has an even number of n-tiles: the cluster shares A
       instead (``multicast_a``, consecutive n-tiles of one m-tile), so each CTA issues half
       of the tile's 128 row copies per k-tile. Those copies bound the gathered GEMMs: the
@@ -98,7 +98,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       3306/3449 → 3263/3289 (3376/3491); 30B down 3597/3523 → 3427/3475 (3642/3638), dX̃
       6975/7380 → 6727/6729 (6858/7012); 7B down 330/337 → 314/332 (K ≤ 512: not taken).
     * Contiguous A with K ≤ 512, when 192-wide tiles mask at most 5% of N's columns
-      (N = 1536, 2048, 4096 at the ANCHORS shapes; not 1024: 12.5%): ping-pong, each
+      (N = 1536, 2048, 4096 at the docs/design.md §5 shapes; not 1024: 12.5%): ping-pong, each
       warpgroup on its own ``128 x 192`` tile, one warpgroup's epilogue hidden behind the
       other's mainloop (SonicMoE §4.2), on one CTA (short mainloops: a cluster's lockstep
       costs more than the multicast saves). Before the deferred stores, H200,
@@ -123,8 +123,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       256`` on a cluster → ``256 x 128``): 7B 568/578/645 → 550/552/562, OLMoE
       3712/3729/3730 → 3486/3529/3783; 30B (N = 4096) 7333/7318/7614 → 7326/7697/7380, not
       taken. ``256 x 128`` for the down-proj and dX̃ (also sharing A on a cluster along N,
-      CUTLASS 1 x 2) ran 5–10% slower than the ping-pong plan (benchmarks/RESULTS.md,
-      thirteenth session).
+      CUTLASS 1 x 2) ran 5–10% slower than the ping-pong plan (benchmarks/RESULTS.md).
     * dW2 (only A gathered) runs swapped on the same terms (:func:`transpose_varlen_k`):
       ``256 x 128`` tiles with A gathered on M ran 1.3–1.4× slower (256 unshared row copies
       per k-tile), but swapped, dO gathered on N and shared by the cluster: H200, same run,
@@ -231,7 +230,7 @@ def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
 
     * Only B gathered (dW1 = dHᵀ·gather(X)): swapped, the gathered rows on the 128-row M side,
       unless the plan gives the untransposed GEMM 256-row tiles (B gathered on N, shared by
-      the cluster): measured faster than ``128 x 256`` tiles gathering B at the ANCHORS
+      the cluster): measured faster than ``128 x 256`` tiles gathering B at the docs/design.md §5
       shapes on sm_90 where 256-row tiles are not planned (30B).
     * Only A gathered (dW2 = gather(dO)ᵀ·A'): swapped when the plan gives the swapped GEMM
       256-row tiles, i.e. on the same terms as dW1 (the gathered dO then on N, shared by

@@ -1,6 +1,6 @@
 """Torch-facing grouped GEMMs: validation, allocation, tile plan, architecture dispatch, launch.
 
-DESIGN §3–4; SonicMoE (arXiv 2512.14080) §4.1: every expert's GEMM runs in ONE persistent,
+docs/design.md §3–4; SonicMoE (arXiv 2512.14080) §4.1: every expert's GEMM runs in ONE persistent,
 warp-specialised launch whose tile scheduler reads the per-expert row ranges ``expert_offsets``
 on the device, so no host synchronisation and no per-expert launch is needed.
 
@@ -129,7 +129,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """varlen-M grouped GEMM: ``out[r] = A[r] · b[e]ᵀ`` for every row ``r`` of expert ``e``.
 
-    DESIGN §3 (up-proj ``H = gather(X)·W1ᵀ``, down-proj ``Y = A·W2ᵀ``, backward
+    docs/design.md §3 (up-proj ``H = gather(X)·W1ᵀ``, down-proj ``Y = A·W2ᵀ``, backward
     ``dX̃ = dH·W1``) and §4; SonicMoE (arXiv 2512.14080) §4.1. One persistent launch for all
     experts, fp32 accumulation, bf16 output, bitwise deterministic; no host synchronisation.
 
@@ -164,7 +164,7 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
                         h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``, ``A = SwiGLU(H)``, one launch.
 
-    DESIGN §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
+    docs/design.md §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
     backward) and A, computed from H's bf16 values exactly as :func:`sonic.kernels.swiglu.swiglu`
     does, so A equals the backward's recomputation bitwise.
 
@@ -204,7 +204,7 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
 
-    DESIGN §3 backward step 1; SonicMoE (arXiv 2512.14080) §4.1.3 and App. C. dA' never leaves
+    docs/design.md §3 backward step 1; SonicMoE (arXiv 2512.14080) §4.1.3 and App. C. dA' never leaves
     the registers: the epilogue reads the saved H ("concat" layout) and the row scores and
     stores ``dH = dSwiGLU(s·dA', H)``, ``A' = s·A`` and ``ds = ⟨dA', A⟩`` — the function of
     :func:`sonic.kernels.swiglu.dswiglu_epilogue`, computed from fp32 dA' instead of its bf16
@@ -353,7 +353,7 @@ def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tenso
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Block-scaled FP8 varlen-M grouped GEMM: ``out[r] = dequant(A)[r] · dequant(b[e])ᵀ``.
 
-    Issue 18; DeepSeek-V3 (arXiv 2412.19437) §3.3 fine-grained quantization: e4m3 operands,
+    DeepSeek-V3 (arXiv 2412.19437) §3.3 fine-grained quantization: e4m3 operands,
     A scaled per ``1 x 128`` (row, k-block), B per ``128 x 128`` (n-block, k-block), the
     WGMMA partial sums promoted into fp32 every k-block of 128
     (:mod:`sonic.kernels.grouped_gemm.sm90_fp8`). Computes, per expert ``e`` and row ``r``,
@@ -407,7 +407,7 @@ def grouped_gemm_fp8_swiglu(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: tor
     """Block-scaled FP8 up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``,
     ``A = SwiGLU(H)``, one launch.
 
-    Issue 18 (the up-proj of the FP8 path); DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
+    The up-proj of the FP8 path; DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
     mainloop (as :func:`grouped_gemm_fp8`: e4m3 operands, X per ``1 x 128``, W1 per
     ``128 x 128``, fp32 promotion every k-block of 128), SonicMoE (arXiv 2512.14080) §4.1.2 for
     the epilogue (as :func:`grouped_gemm_swiglu`: H rounded once to bf16 from the promoted
@@ -473,7 +473,7 @@ def grouped_gemm_fp8_dswiglu(dout_q: torch.Tensor, dout_scales: torch.Tensor,
     +0.09%, ``benchmarks/RESULTS.md``), but the layer's step is faster with the store GEMM and
     the one-pass kernels at the 30B shape, so that is the default.
 
-    Issue 18 (the backward's dH of the FP8 path); DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
+    The backward's dH of the FP8 path; DeepSeek-V3 (arXiv 2412.19437) §3.3 for the
     mainloop (as :func:`grouped_gemm_fp8`), SonicMoE (arXiv 2512.14080) §4.1.3 and App. C for
     the epilogue (as :func:`grouped_gemm_dswiglu`: from the promoted fp32 dA', the saved H
     ("concat") and the row scores it stores ``dH = dSwiGLU(s·dA', H)``, ``A' = s·A`` and
@@ -599,7 +599,7 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
                           gather_idx_b: torch.Tensor | None = None) -> torch.Tensor:
     """varlen-K grouped GEMM: ``C[e] = A_eᵀ · B_e`` over the rows of expert ``e``.
 
-    DESIGN §3 backward (``dW2[e] = gather(dO)ᵀ_e · A'_e``, ``dW1[e] = dH_eᵀ · gather(X)_e``)
+    docs/design.md §3 backward (``dW2[e] = gather(dO)ᵀ_e · A'_e``, ``dW1[e] = dH_eᵀ · gather(X)_e``)
     and §4; SonicMoE (arXiv 2512.14080) §4.1. One persistent launch, fp32 accumulation in row
     order (bitwise deterministic), bf16 output; an expert with no rows gets zeros.
 
@@ -666,7 +666,7 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
     """Block-scaled FP8 varlen-K grouped GEMM (the weight gradients): ``C[e] = Âᵀ_e · B̂_e``
     over the rows of expert ``e``, from K-major copies.
 
-    Issue 18; DeepSeek-V3 (arXiv 2412.19437) §3.3: e4m3 operands scaled per ``128 x 1`` block
+    DeepSeek-V3 (arXiv 2412.19437) §3.3: e4m3 operands scaled per ``128 x 1`` block
     along the reduction (token) axis, made by
     :func:`sonic.kernels.fp8_quant.quantize_cols_grouped` — each expert's rows transposed
     into ``(columns, R)`` copies, padded to whole 128-row blocks — and the WGMMA partial sums
@@ -804,7 +804,7 @@ _register("varlen_m_n640_k576_contig_m256_share_a",
                                          dim_m=0, dim_n=640, dim_k=576, gather_a=False,
                                          arch=arch, tile_m=256, multicast_a=True),
           archs=("sm_90a",))
-# Block-scaled FP8 (issue 18): the gathered up-proj and the contiguous down-proj / dX̃ on
+# Block-scaled FP8: the gathered up-proj and the contiguous down-proj / dX̃ on
 # 256-wide tiles, and the contiguous one on 128-wide tiles (N = 384: overlapped promotion).
 for _n, _k, _gather in ((512, 1536, True), (1536, 256, False), (384, 256, False)):
     _register(f"varlen_m_fp8_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",

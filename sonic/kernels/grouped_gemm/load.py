@@ -9,7 +9,7 @@ all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
   128-byte swizzle by shared-memory address, so the rows land exactly where the MMA expects
   them. This replaced 16-byte ``cp.async`` gathers, which were capped near 10 GB/s per SM by the
   load/store path (ncu: both pipeline ends waiting, no memory-bound sign), 1.5–1.9× slower at
-  the ANCHORS shapes.
+  the docs/design.md §5 shapes.
 * varlen-K operands are MN-major: whole k-tiles of contiguous rows as ``64 x TILE_K`` boxes;
   gathered rows and an expert's last partial k-tile as ``64 x 1`` row boxes, a row past the
   expert's end pointing out of bounds so TMA writes zeros and no stale value (possibly NaN)
@@ -240,7 +240,7 @@ class TmaProducers:
         expert's end copy the tile's first source row: they only reach masked output rows,
         and every stage then receives the same byte count. Compared with 16-byte cp.async
         copies this keeps the row loads off the SM's load/store path (measured ~2× faster
-        on H200 at the ANCHORS shapes). With ``multicast_a`` (both CTAs of the cluster on one
+        on H200 at the docs/design.md §5 shapes). With ``multicast_a`` (both CTAs of the cluster on one
         m-tile) CTA ``c`` copies rows ``64c .. 64c+63`` only, 16 per warp, each into both
         CTAs: half the row copies per CTA, whose issue bounds the bf16 gathered GEMMs (the
         same kernel on an identity index is as slow as on a random one, and 4–7% slower than

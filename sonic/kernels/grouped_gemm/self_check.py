@@ -105,7 +105,7 @@ def _check_varlen_k(device, gather_a: bool, gather_b: bool):
     return [("C", got, ref)]
 
 
-# Variant -> check. The six GEMMs of DESIGN §3 with both fused epilogues, plus the operand
+# Variant -> check. The six GEMMs of docs/design.md §3 with both fused epilogues, plus the operand
 # forms the backend may also send (gathered N-major B; varlen-K with neither or both gathered).
 VARIANTS = {
     "up_proj": lambda dev: _check_varlen_m(dev, True, False),

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) block-scaled FP8 mainloop of the grouped GEMM (issue 18).
+"""Hopper (sm_90a) block-scaled FP8 mainloop of the grouped GEMM.
 
 Recipe of DeepSeek-V3 (arXiv 2412.19437 §3.3.2, "increasing accumulation precision"), as
 DeepGEMM runs it: e4m3 operands, A scaled per ``1 x 128`` (row, k-block), B per ``128 x 128``

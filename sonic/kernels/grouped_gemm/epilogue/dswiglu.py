@@ -1,4 +1,4 @@
-"""dH epilogue (DESIGN §3 backward step 1; SonicMoE arXiv 2512.14080 §4.1.3, App. C).
+"""dH epilogue (docs/design.md §3 backward step 1; SonicMoE arXiv 2512.14080 §4.1.3, App. C).
 
 On the fp32 tile of ``dA' = gather(dO)·W2`` (never stored), with the saved H ("concat" layout,
 ``[gate | up]``) and the row scores ``s``: store ``dH = dSwiGLU(s·dA', H)`` ``(P, 2n)``,

@@ -1,4 +1,4 @@
-"""Up-proj epilogue (DESIGN §3 forward step 1; SonicMoE arXiv 2512.14080 §4.1.2): store H and
+"""Up-proj epilogue (docs/design.md §3 forward step 1; SonicMoE arXiv 2512.14080 §4.1.2): store H and
 ``A = SwiGLU(H)`` from one accumulator tile.
 
 Gate and up of one A column must sit in the same thread's accumulator. "interleaved": they are

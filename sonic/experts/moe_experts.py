@@ -6,11 +6,11 @@ registered backward runs the backward kernels as ops too, so ``torch.compile`` a
 
 Forward: up-proj (gathered X · W1ᵀ) → SwiGLU → down-proj (A · W2ᵀ) → aggregation.
 Saved for backward: the layer input X (by reference), H ``(P, 2n)`` (in the compute dtype, or
-in e4m3 with 1×128 scales: ``activation_cache="fp8"``, :mod:`sonic.autograd.activation_cache`),
+in e4m3 with 1×128 scales: ``activation_cache="fp8"``, :mod:`sonic.activation_cache`),
 the scores and the routing metadata — nothing of size ``P·d`` and not A. Backward recomputes A from H and never forms Y or
-dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (DESIGN §3).
+dY: the score gradient is ``ds = ⟨dO_t·W2[e], a⟩ = ⟨dA', A⟩`` (docs/design.md §3).
 
-``precision="fp8"`` (issue 18; recipe of :mod:`sonic.reference.fp8`: e4m3, activations scaled
+``precision="fp8"`` (recipe of :mod:`sonic.reference.fp8`: e4m3, activations scaled
 per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
 ``torch.ops.sonic.moe_experts_fp8``. Dataflow, and why:
 
@@ -54,16 +54,14 @@ from typing import NamedTuple
 
 import torch
 
+from sonic._custom_op import autocast_dtype
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
                                check_same_device)
-from sonic.autograd.activation_cache import check_activation_cache
+from sonic.activation_cache import check_activation_cache
 from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads, resolve_backend
-from sonic.reference.ops import GATE_UP_LAYOUTS
-from sonic.routing.metadata import RoutingMetadata
+from sonic.types import FP8_BLOCK, GATE_UP_LAYOUTS, RoutingMetadata
 
 PRECISIONS = ("bf16", "fp8")
-# FP8 scale blocks are 128 wide; the FP8 GEMMs need d and n to be whole blocks.
-FP8_BLOCK = 128
 
 
 class Fp8ExpertWeights(NamedTuple):
@@ -158,13 +156,6 @@ def check_fp8_sizes(d: int, n: int) -> None:
                              f"(one FP8 scale per 128-wide block), got {size}")
 
 
-def _graph_kept() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph``/``create_graph``), so
-    saved tensors must survive it. Unknown (no such query in this PyTorch) counts as kept."""
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if query is None else bool(query())
-
-
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                 token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: str = "concat",
                 backend: str = "auto", metadata: RoutingMetadata | None = None,
@@ -199,9 +190,9 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             quantizes them in this call.
         activation_cache: how H is kept for backward: ``"bf16"`` (as computed, in the compute
             dtype, whatever it is) or ``"fp8"`` (e4m3 with an fp32 scale per 1×128 slice of
-            each row, 51.6% of the bf16 bytes; issue 18), with either precision. The
+            each row, 51.6% of the bf16 bytes), with either precision. The
             forward, hence the output, is the same bit for bit; the gradients are those at ``dequantize(quantize(H))`` (see
-            :mod:`sonic.autograd.activation_cache`). ``"fp8"`` needs ``2n`` a multiple of 128
+            :mod:`sonic.activation_cache`). ``"fp8"`` needs ``2n`` a multiple of 128
             and a bf16 / fp16 compute dtype.
 
     Returns:
@@ -212,7 +203,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     Raises:
         TypeError: a non-tensor argument or a wrong dtype (index tensors must be integer,
             weights in ``x``'s dtype); ``activation_cache="fp8"`` with an fp32 / fp64 compute
-            dtype (such a layer keeps H exactly; see :mod:`sonic.autograd.activation_cache`).
+            dtype (such a layer keeps H exactly; see :mod:`sonic.activation_cache`).
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
             ``gate_up``/``backend``/``precision``/``activation_cache``; ``activation_cache="fp8"``
@@ -322,9 +313,8 @@ def autocast_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor):
     """Under ``torch.autocast`` on x's device, ``x``, ``w1`` and ``w2`` cast once to the
     autocast dtype, as ``nn.Linear`` does (gradients flow back to the original dtypes through
     the casts); unchanged otherwise, and fp64 tensors are never cast (autocast leaves fp64)."""
-    device_type = x.device.type
-    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+    dtype = autocast_dtype(x.device.type)
+    if dtype is None:
         return x, w1, w2
-    dtype = torch.get_autocast_dtype(device_type)
     castable = (torch.float32, torch.float16, torch.bfloat16)
     return tuple(t.to(dtype) if t.dtype in castable else t for t in (x, w1, w2))

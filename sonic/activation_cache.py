@@ -1,7 +1,7 @@
 """The activation cache of the MoE experts: in which form H ``(P, 2n)`` is kept for backward.
 
 ``"bf16"`` (the default) keeps H as the up-projection wrote it, in the layer's compute dtype
-(bf16, fp16, or fp32/fp64 for exact layers): ``P·2n·2`` bytes in bf16. ``"fp8"`` (issue 18, the
+(bf16, fp16, or fp32/fp64 for exact layers): ``P·2n·2`` bytes in bf16. ``"fp8"`` (the
 optional FP8 activation cache, independent of FP8 GEMMs) keeps H in e4m3 with one fp32 scale
 per 1×128 slice of each row — the recipe of :mod:`sonic.reference.fp8` (DeepSeek-V3,
 arXiv 2412.19437 §3.3): ``P·2n·(1 + 4/128)`` bytes, 51.6% of bf16's.
@@ -26,12 +26,11 @@ from __future__ import annotations
 import torch
 
 from sonic.reference import fp8 as reference_fp8
+from sonic.types import FP8_BLOCK
 
 ACTIVATION_CACHES = ("bf16", "fp8")
 # Compute dtypes whose H the fp8 cache may stand in for.
 FP8_CACHE_DTYPES = (torch.bfloat16, torch.float16)
-# Width of a scaled slice of an H row: 2n must be a multiple of it.
-BLOCK = reference_fp8.BLOCK
 
 
 def check_activation_cache(activation_cache: str, dtype: torch.dtype, two_n: int) -> None:
@@ -59,9 +58,9 @@ def check_activation_cache(activation_cache: str, dtype: torch.dtype, two_n: int
 
 def check_fp8_d_expert(d_expert: int) -> None:
     """Raises ``ValueError`` unless ``2·d_expert`` is a multiple of 128 (fp8 cache's slices)."""
-    if (2 * d_expert) % BLOCK:
+    if (2 * d_expert) % FP8_BLOCK:
         raise ValueError(f"activation_cache='fp8' needs 2*d_expert (the width 2n of H) to be "
-                         f"a multiple of {BLOCK}, i.e. d_expert a multiple of {BLOCK // 2}; "
+                         f"a multiple of {FP8_BLOCK}, i.e. d_expert a multiple of {FP8_BLOCK // 2}; "
                          f"got d_expert={d_expert}")
 
 
@@ -90,7 +89,7 @@ def pack_fake(h_shape: tuple[int, int], dtype: torch.dtype, activation_cache: st
     if activation_cache == "bf16":
         return like.new_empty(p, two_n, dtype=dtype), like.new_empty(0, dtype=torch.float32)
     return (like.new_empty(p, two_n, dtype=reference_fp8.FP8_DTYPE),
-            like.new_empty(two_n // BLOCK, p, dtype=torch.float32))
+            like.new_empty(two_n // FP8_BLOCK, p, dtype=torch.float32))
 
 
 def unpack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
@@ -116,6 +115,6 @@ def unpack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
         return dequantize_rows(q, scales.contiguous())
     p, two_n = q.shape
     h = q.to(dtype)
-    slices = h.view(p, two_n // BLOCK, BLOCK)
+    slices = h.view(p, two_n // FP8_BLOCK, FP8_BLOCK)
     torch.mul(slices, scales.t().unsqueeze(-1), out=slices)
     return h
