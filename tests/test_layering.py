@@ -147,8 +147,7 @@ def test_grouped_gemm_import_does_not_import_cutlass(modules):
 
 
 def test_shared_limits_match_the_grouped_gemm_config():
-    """The grouped GEMM's config must agree with the one definition in sonic.types (until it
-    imports them from there)."""
+    """The grouped GEMM's config takes its limits from the one definition in sonic.types."""
     from sonic import types
     from sonic.kernels.grouped_gemm import config
 

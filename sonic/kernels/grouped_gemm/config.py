@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sonic.types import GATE_UP_LAYOUTS
+from sonic.types import FP8_BLOCK, GATE_UP_LAYOUTS, GROUPED_GEMM_MAX_EXPERTS
 
 TILE_M = 128
 # M tiles: 256 rows (128 per consumer warpgroup) serve the cooperative bf16 sm_90a store
@@ -18,13 +18,13 @@ TILE_MS = (TILE_M, 256)
 TILE_K = 64
 # FP8 k-tile: one 128-wide scale block per k-tile, so the mainloop promotes every k-tile; 128
 # e4m3 values are one 128-byte swizzle line, the bytes of a bf16 TILE_K row.
-TILE_K_FP8 = 128
+TILE_K_FP8 = FP8_BLOCK
 # Operand element types: bf16, or e4m3 with DeepSeek-V3 block scales (1x128 A, 128x128 B).
 AB_DTYPES = ("bf16", "e4m3")
 # Elements per 16-byte bf16 vector (epilogue stores, width checks).
 VEC = 8
 # Largest E: the varlen-M tile table lives in shared memory (4 bytes per expert).
-MAX_EXPERTS = 1024
+MAX_EXPERTS = GROUPED_GEMM_MAX_EXPERTS
 PRODUCER_THREADS = 128
 CONSUMER_WARPGROUPS = 2
 # CTAs per cluster of the multicast kernels.
