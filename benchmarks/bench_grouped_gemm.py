@@ -53,7 +53,8 @@ OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
 kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major e4m3 ``W2ᵀ``, rel err on dH) on e4m3 operands
 quantized once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the
 same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
-≈4%). Then ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients
+≈4%). Beside ``up``, ``down`` and ``dX``, ``/torch-fp8`` times PyTorch's own FP8 grouped GEMM
+(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand. Then ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients
 ``dW1``, ``dW2`` (``grouped_gemm_varlen_k_fp8`` on the K-major ``128 x 1``-scaled copies of
 ``quantize_cols_grouped``, made before the timing; their cost is in
 ``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM shape also runs as
@@ -195,6 +196,8 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
         _row(name, gemm + "/fp8", flops,
              lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, idx=idx: grouped_gemm_fp8(
                  a_q, a_s, b_q, b_s, offsets, gather_idx=idx), torch_fn)
+        _torch_fp8_row(name, gemm, flops, a.index_select(0, gidx_long) if idx is not None else a,
+                       w, ends)
         if gemm == "up":
             torch_act = lambda fn=torch_fn: torch_swiglu(fn(), "concat")  # noqa: E731
             _row(name, "up+act", flops,
@@ -226,6 +229,7 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
     _row(name, "dX/fp8", 2 * p * 2 * n * d,
          lambda: grouped_gemm_fp8(dh_q, dh_s, w1t_q, w1t_s, offsets),
          lambda: torch._grouped_mm(h, w1, offs=ends))
+    _torch_fp8_row(name, "dX", 2 * p * 2 * n * d, h, w1.transpose(1, 2), ends)
     del dh_q, dh_s, w1t_q, w1t_s
     # Weight gradients from the K-major 128 x 1-scaled copies.
     k_offsets = padded_offsets(offsets)
@@ -250,6 +254,27 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
         for gemm, (kk, nn) in (("up", (d, 2 * n)), ("down", (n, d)), ("dA'", (d, n)),
                                ("dX", (2 * n, d))):
             _fp8_dense_ceiling(name, gemm, p, kk, nn)
+
+
+def _torch_fp8_row(shape, gemm, flops, rows, w, ends):
+    """PyTorch's own FP8 grouped GEMM on the same work: ``torch._scaled_grouped_mm`` with
+    rowwise scales (one per row of ``rows`` ``(P, K)``, one per output column of each
+    expert's ``w`` ``(E, N, K)``), on rows gathered beforehand (it has no gather) and
+    quantized outside the timing."""
+    def rowwise(t):
+        scale = t.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+        return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+    a_q, a_s = rowwise(rows)
+    b_q, b_s = rowwise(w)
+    try:
+        _ceiling_row(shape, gemm + "/torch-fp8", flops,
+                     lambda: torch._scaled_grouped_mm(a_q, b_q.transpose(1, 2), a_s, b_s,
+                                                      offs=ends, out_dtype=torch.bfloat16))
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        print(f"  {gemm}/torch-fp8: torch._scaled_grouped_mm failed: {exc}".splitlines()[0])
+    del a_q, a_s, b_q, b_s
+    torch.cuda.empty_cache()
 
 
 def _fp8_dense_ceiling(shape, gemm, m, k, n):
