@@ -142,3 +142,21 @@ def test_validation_errors():
         Placement.contiguous(6, 4)
     with pytest.raises(ValueError, match="4 entries"):
         Placement.contiguous(4, 2).rank_load(torch.ones(3))
+
+
+def test_placement_tables_follow_edits_of_slot_expert():
+    """The device tables are derived from ``slot_expert``: an edit of the caller's tensor
+    does not reach the placement, and an in-place edit of the placement's own (``.data``
+    included) is seen by the next dispatch."""
+    mine = torch.tensor([0, 1, 2, 3, 0, 1])
+    placement = Placement(mine, num_ranks=2, slots_per_rank=3, num_experts=4)
+    counts, table = placement.tables("cpu")
+    mine[4] = 3
+    assert placement.slot_expert.tolist() == [0, 1, 2, 3, 0, 1]
+    assert torch.equal(placement.tables("cpu")[0], counts)
+    placement.slot_expert.data[4] = 3
+    counts, table = placement.tables("cpu")
+    assert counts.tolist() == [1, 2, 1, 2]
+    assert table[3, :2].tolist() == [3, 4]
+    slots = placement.pair_slots(torch.tensor([0, 1]), torch.tensor([3, 3]), source_rank=0)
+    assert sorted(slots.tolist()) == [3, 4]

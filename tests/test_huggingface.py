@@ -4,12 +4,15 @@ Tiny random-weight models built from configs, fp32 on CPU: sonic's experts must 
 transformers' own implementations — logits, the router aux loss and every parameter gradient.
 """
 
+import copy
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
+
+import sonic
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("sonic.integrations.huggingface")
@@ -242,12 +245,24 @@ def test_fp8_precision_and_fp8_activation_cache(family):
     assert 1e-3 < err < 5e-2, err
     assert all(grads[n].abs().sum() > 0 for n in grads if "experts" in n)
     experts = [m for m in model.modules() if hf.is_experts_module(m)]
-    copies = [m._sonic_fp8_cache.tensors()[0] for m in experts]
-    step(model)                                   # same weights: the same copies
-    assert all(m._sonic_fp8_cache.tensors()[0] is c for m, c in zip(experts, copies))
-    torch.optim.SGD(model.parameters(), lr=1e-2).step()
-    step(model)                                   # updated weights: new copies
-    assert all(m._sonic_fp8_cache.tensors()[0] is not c for m, c in zip(experts, copies))
+    with sonic.reuse_fp8_weights():
+        step(model)
+        copies = [m._sonic_fp8_cache.tensors()[0] for m in experts]
+        step(model)                               # same weights: the same copies
+        assert all(m._sonic_fp8_cache.tensors()[0] is c for m, c in zip(experts, copies))
+        torch.optim.SGD(model.parameters(), lr=1e-2).step()
+        step(model)                               # updated weights: new copies
+        assert all(m._sonic_fp8_cache.tensors()[0] is not c for m, c in zip(experts, copies))
+    # Outside the block an edit through .data (no version bump) is seen.
+    before, _, _ = step(model)
+    for m in experts:
+        m.down_proj.data.mul_(3)
+    after, _, _ = step(model)
+    assert not torch.equal(after, before)
+    clone = copy.deepcopy(model)
+    assert all(m._sonic_fp8_cache.tensors() == () for m in clone.modules()
+               if hf.is_experts_module(m))
+    assert torch.equal(step(clone)[0], after)
 
 
 def test_fp8_options_check_sizes_before_switching():

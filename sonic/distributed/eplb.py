@@ -126,7 +126,8 @@ class Placement:
         if tuple(self.slot_expert.shape) != (slots,):
             raise ValueError(f"slot_expert must have shape (num_ranks·slots_per_rank={slots},), "
                              f"got {tuple(self.slot_expert.shape)}")
-        se = self.slot_expert.detach().to("cpu", torch.int64).contiguous()
+        # A copy: the placement must not change when the caller edits its tensor.
+        se = self.slot_expert.detach().to("cpu", torch.int64, copy=True).contiguous()
         object.__setattr__(self, "slot_expert", se)
         if slots < self.num_experts:
             raise ValueError(f"{slots} slots (num_ranks={self.num_ranks} × slots_per_rank="
@@ -185,11 +186,13 @@ class Placement:
 
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(replica_count (E,), replica_slots (E, max replicas))`` int64 on ``device``
-        (cached): ``replica_slots[e, :replica_count[e]]`` are ``e``'s slots ascending, the rest
+        (cached per device and content of :attr:`slot_expert`, so an in-place edit of it is
+        seen): ``replica_slots[e, :replica_count[e]]`` are ``e``'s slots ascending, the rest
         padding."""
         device = torch.device(device)
-        key = str(device)
-        if key not in self._tables:
+        content = self.slot_expert.numpy().tobytes()
+        cached = self._tables.get(str(device))
+        if cached is None or cached[0] != content:
             counts = self.replica_counts()
             width = int(counts.max())
             table = torch.zeros(self.num_experts, width, dtype=torch.int64)
@@ -198,8 +201,8 @@ class Placement:
             sorted_experts = self.slot_expert[order]
             col = torch.arange(order.numel()) - start[sorted_experts]
             table[sorted_experts, col] = order
-            self._tables[key] = (counts.to(device), table.to(device))
-        return self._tables[key]
+            cached = self._tables[str(device)] = (content, (counts.to(device), table.to(device)))
+        return cached[1]
 
     def pair_slots(self, token_idx: torch.Tensor, expert_idx: torch.Tensor,
                    source_rank: int) -> torch.Tensor:

@@ -189,9 +189,8 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
 
 def _fp8_cache(module: nn.Module) -> Fp8WeightCache:
     """The experts module's FP8 weight copies (``module._sonic_fp8_cache``), made on first
-    use. A plain attribute, not a buffer: not in the ``state_dict``; ``copy.deepcopy`` of the
-    module copies it, and its key (the parameters' data pointers) then misses, so the copy
-    quantizes its own weights."""
+    use. A plain attribute, not a buffer: not in the ``state_dict``; ``copy.deepcopy`` and
+    pickling of the module give the copy an empty cache."""
     cache = getattr(module, "_sonic_fp8_cache", None)
     if cache is None:
         cache = module._sonic_fp8_cache = Fp8WeightCache()
@@ -227,8 +226,8 @@ def use_sonic_experts(model: nn.Module, backend: str = "auto", *, precision: str
         precision: ``"bf16"`` or ``"fp8"`` (issue 18: block-scaled e4m3 expert GEMMs, bf16
             weight gradients; needs bf16 compute — bf16 weights or ``torch.autocast`` — and
             ``hidden_size`` and the experts' intermediate size multiples of 128). The FP8
-            copies of each experts module's weights are cached on it and remade after every
-            in-place weight update (``optimizer.step``, ``load_state_dict``).
+            copies of each experts module's weights are made in every forward, and once per
+            weight update inside :func:`sonic.reuse_fp8_weights`.
         activation_cache: ``"bf16"`` or ``"fp8"`` (H kept for backward in e4m3 + 1×128
             scales; bf16/fp16 compute, intermediate size a multiple of 64); see
             :func:`sonic.moe_experts`.

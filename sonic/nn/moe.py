@@ -135,10 +135,10 @@ class MoE(nn.Module):
         precision: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 GEMMs, see :func:`moe_experts`;
             needs ``d_model`` and ``d_expert`` multiples of 128, bf16 compute — a bf16 layer or
             ``torch.autocast(dtype=torch.bfloat16)`` — and Hopper for the CuTe backend);
-            settable later. The FP8 copies of ``w1``/``w2`` are made once per weight update:
-            cached on the weights' ``(data_ptr, _version, shape, device)``, which
-            ``optimizer.step`` and ``load_state_dict`` change; the cache is not part of the
-            ``state_dict`` and is dropped by copies and pickling.
+            settable later. The FP8 copies of ``w1``/``w2`` are made in every forward, and
+            once per weight update inside :func:`sonic.reuse_fp8_weights` (gradient
+            accumulation, evaluation); they are not part of the ``state_dict`` and are
+            dropped by copies and pickling.
         activation_cache: how H is kept for backward, ``"bf16"`` (as computed) or ``"fp8"``
             (e4m3 + 1×128 fp32 scales, about half the bytes; needs ``d_expert`` a multiple of 64
             and bf16/fp16 compute, i.e. bf16/fp16 parameters or ``torch.autocast``); see
@@ -314,8 +314,8 @@ class MoE(nn.Module):
 
     def _fp8_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights | None:
         """FP8 copies of this forward's (possibly autocast) ``w1``, ``w2`` from the layer's
-        :class:`~sonic.autograd.moe_experts.Fp8WeightCache` (made once per weight update);
-        None for bf16 layers."""
+        :class:`~sonic.autograd.moe_experts.Fp8WeightCache` (see
+        :func:`sonic.reuse_fp8_weights`); None for bf16 layers."""
         if self.precision != "fp8":
             return None
         return self._fp8_cache.get(w1, w2, (self.w1, self.w2), self.backend)
