@@ -81,7 +81,10 @@ class ExpertParallelMoE(MoE):
     :attr:`last_routing` the local :class:`Routing` with global expert indices.
 
     Construction is collective: one all-gather checks that all ranks agree on the
-    configuration, and the router weight is broadcast from group rank 0.
+    configuration, and the router weight is broadcast from group rank 0. The settings that may
+    change between calls (``router``, training mode, ``top_k``, ``tile``, ``rounding``,
+    ``score``, ``renormalize``) travel in every forward's first exchange: ranks that disagree
+    on one raise on every rank, naming it and each rank's value.
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -210,7 +213,8 @@ class ExpertParallelMoE(MoE):
         ``router="token_rounding"`` token rounding across the group (collective)."""
         if self.training and self.router == "token_rounding":
             return ep_token_rounding_routing(logits, self.top_k, group=self.group, tile=self.tile,
-                                             rounding=self.rounding, backend=self.backend)
+                                             rounding=self.rounding, backend=self.backend,
+                                             settings=self._settings())
         return super().route(logits)
 
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -228,7 +232,15 @@ class ExpertParallelMoE(MoE):
                               num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin,
                               recompute_dispatch=self.recompute_dispatch,
                               precision=self.precision, activation_cache=self.activation_cache,
-                              fp8_weights=self._fp8_weights(w1, w2))
+                              fp8_weights=self._fp8_weights(w1, w2), settings=self._settings())
+
+    def _settings(self) -> dict:
+        """The layer's settings every EP rank must share in each forward (they may be changed
+        between calls, so :meth:`_check_config` at construction is not enough); they travel
+        in the forward's first exchange."""
+        return {"router": self.router, "training": self.training, "top_k": self.top_k,
+                "tile": self.tile, "rounding": self.rounding, "score": self.score,
+                "renormalize": self.renormalize}
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
