@@ -90,9 +90,12 @@ def collect_aux_losses(model: nn.Module | None = None) -> Iterator[list[torch.Te
             collects from every layer.
 
     Reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``) runs the
-    forward without grad and again during backward, so a collected loss from inside a
-    reentrant-checkpointed region trains nothing; there, return it from the checkpointed
-    function instead (``layer(x, return_aux_loss=True)``). Non-reentrant checkpointing works.
+    forward without grad and again during backward, so a loss collected there could train
+    nothing: a layer whose parameters require grad raises ``RuntimeError`` when it would
+    collect with gradients disabled. There, return the loss from the checkpointed function
+    (``layer(x, return_aux_loss=True)``) or use non-reentrant checkpointing, which works
+    eagerly. Under ``torch.compile`` a layer inside a checkpointed region cannot append to the
+    list (Dynamo refuses side effects there): return the loss from the region instead.
     """
     sink: list[torch.Tensor] = []
     layers = None if model is None else [m for m in model.modules() if isinstance(m, MoE)]
@@ -154,7 +157,10 @@ class MoE(nn.Module):
     loss trains the router. :func:`collect_aux_losses` collects it from every layer of a model
     instead. Under ``torch.autocast`` the layer accepts any float input and computes in the
     autocast dtype, as ``nn.Linear`` does. :attr:`last_routing` holds the :class:`Routing`
-    of the last forward with detached scores (for inspection; not set under ``torch.export``);
+    of the last eager forward with detached scores (for inspection). A forward traced by
+    ``torch.compile`` or ``torch.export`` writes nothing to the module (a write would break
+    the graph under activation checkpointing): there it is left as the last eager forward
+    set it (``None`` if none ran);
     token rounding leaves a padded one there (``last_routing.trim()`` gives the exact pairs).
     Router scores are fp32 (fp64 in an fp64 layer, so ``gradcheck`` works).
 
@@ -348,21 +354,30 @@ class MoE(nn.Module):
         else:
             aux_loss = logits.new_zeros((), dtype=accumulate_dtype(logits.dtype))
         out = out.reshape(*x.shape[:-1], self.d_model)
-        exporting = torch.compiler.is_exporting()
-        if not exporting:
+        # Traced code writes nothing to the module: under activation checkpointing a write is a
+        # side effect that torch.compile cannot keep in one graph (and export drops it).
+        traced = torch.compiler.is_compiling()
+        if not traced:
             self.last_routing = Routing(routing.token_idx, routing.expert_idx,
                                         routing.scores.detach(), routing.num_tokens,
                                         routing.num_experts, routing.top_k, routing.validated,
                                         routing.num_valid)
-        if return_aux_loss:
             self._aux_loss = None
+        if return_aux_loss:
             return out, aux_loss
         sink = _collector_for(self)
-        if sink is not None:
-            self._aux_loss = None
-            if self.aux_loss_coef and self.training:
-                sink.append(aux_loss)
-        elif not exporting:
+        collecting = self.aux_loss_coef and self.training
+        if sink is not None and collecting:
+            if not torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+                raise RuntimeError(
+                    "collect_aux_losses: this MoE layer ran with gradients disabled while its "
+                    "aux loss is collected, so the collected loss could not train the router "
+                    "(reentrant activation checkpointing, checkpoint(..., use_reentrant=True), "
+                    "runs the forward this way). Use use_reentrant=False, or return the loss "
+                    "from the checkpointed function: layer(x, return_aux_loss=True); under "
+                    "torch.no_grad, call layer.eval() or collect nothing")
+            sink.append(aux_loss)
+        elif sink is None and not traced:
             self._aux_loss = aux_loss     # deprecated path
         return out
 
