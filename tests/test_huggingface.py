@@ -33,6 +33,11 @@ FAMILIES = {
               dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    # LFM2-MoE's experts call the function F.silu (act_fn is no module); one dense layer.
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(intermediate_size=32, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, num_dense_layers=1,
+                      layer_types=["conv", "full_attention"])),
     # Aria stores its experts transposed, (E, d, 2n) and (E, n, d).
     "aria": ("AriaTextConfig", "AriaTextForCausalLM",
              dict(intermediate_size=32, moe_num_experts=8, moe_topk=2,
@@ -92,7 +97,7 @@ def test_matches_transformers_experts(family, reference):
     assert model.config._experts_implementation == "sonic"
     logits, aux, grads = step(model)
     assert rel(logits, ref_logits) < 1e-5
-    if family == "aria":  # Aria's output carries no router aux loss
+    if family in ("aria", "lfm2_moe"):  # their outputs carry no router aux loss
         assert aux is None and ref_aux is None
     else:
         assert rel(aux, ref_aux) < 1e-6
@@ -195,6 +200,28 @@ def test_switch_back():
     model.set_experts_implementation("grouped_mm")
     logits, _, _ = step(model)
     assert torch.equal(logits, ref_logits)
+
+
+def test_any_silu_form_is_accepted_and_other_functions_name_where_they_differ():
+    model = tiny_model("qwen3_moe")
+    experts = next(m for m in model.modules() if hf.is_experts_module(m))
+
+    def set_act(fn):
+        experts._modules.pop("act_fn", None)    # a module attribute takes only modules
+        experts.__dict__.pop("act_fn", None)
+        setattr(experts, "act_fn", fn)
+
+    for silu in (torch.nn.functional.silu, torch.nn.SiLU(), lambda x: x * torch.sigmoid(x)):
+        set_act(silu)
+        assert hf.check_experts(experts) == "concat"
+    cases = {torch.nn.functional.gelu: r"not SiLU: at x=.* it gives .*silu gives",
+             torch.tanh: "not SiLU", torch.nn.PReLU(): "has parameters",
+             (lambda x: x[:1]): "elementwise", None: "not callable",
+             (lambda x: x.cuda_only_method()): "failed on a float64 probe"}
+    for act_fn, message in cases.items():
+        set_act(act_fn)
+        with pytest.raises(ValueError, match=message):
+            hf.check_experts(experts)
 
 
 def test_unsupported_activation_names_config_field():
