@@ -305,6 +305,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         resolve_backend(backend, x.device)   # backend="cute" that cannot run fails here
         if precision == "fp8":
             check_fp8_backend(backend, x.device)
+    if metadata is not None and not isinstance(metadata, RoutingMetadata):
+        raise TypeError(f"metadata must be a sonic.RoutingMetadata, the result of "
+                        f"sonic.routing_metadata(routing), or None; got "
+                        f"{type(metadata).__name__}"
+                        + (" (pass sonic.routing_metadata(routing) instead of the routing)"
+                           if type(metadata).__name__ == "Routing" else ""))
     if metadata is None:
         check_index_ranges(token_idx=(token_idx, num_tokens), expert_idx=(expert_idx, num_experts))
         metadata = routing_metadata_op(token_idx, expert_idx, num_tokens, num_experts, None,

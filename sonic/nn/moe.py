@@ -131,6 +131,8 @@ class MoE(nn.Module):
         score: top-K score function, ``"softmax_topk"`` or ``"topk_softmax"``.
         renormalize: renormalise ``"topk_softmax"`` scores to sum to 1 (a ``bool``).
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
+        ``top_k``, ``tile``, ``score``, ``renormalize`` and ``rounding`` are settable later
+        (``layer.top_k = 4``) and checked on assignment, with the errors of the constructor.
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
             scale); a finite number ``>= 0``, settable later (checked again then).
@@ -202,12 +204,8 @@ class MoE(nn.Module):
         check_int("d_model", d_model, low=1)
         check_int("d_expert", d_expert, low=1)
         check_int("num_experts", num_experts, low=1)
-        check_int("top_k", top_k, low=1, high=num_experts)
-        check_int("tile", tile, low=1)
-        check_choice("score", score, SCORES)
-        check_choice("rounding", rounding, ROUNDINGS)
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-        check_bool("renormalize", renormalize)
+        # top_k, tile, score, rounding, renormalize: checked by their setters, here and later.
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
@@ -217,6 +215,51 @@ class MoE(nn.Module):
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
+
+    @property
+    def top_k(self) -> int:
+        return self._top_k
+
+    @top_k.setter
+    def top_k(self, value: int) -> None:
+        check_int("top_k", value, low=1, high=self.num_experts)
+        self._top_k = value
+
+    @property
+    def tile(self) -> int:
+        return self._tile
+
+    @tile.setter
+    def tile(self, value: int) -> None:
+        check_int("tile", value, low=1)
+        self._tile = value
+
+    @property
+    def score(self) -> str:
+        return self._score
+
+    @score.setter
+    def score(self, value: str) -> None:
+        check_choice("score", value, SCORES)
+        self._score = value
+
+    @property
+    def rounding(self) -> str:
+        return self._rounding
+
+    @rounding.setter
+    def rounding(self, value: str) -> None:
+        check_choice("rounding", value, ROUNDINGS)
+        self._rounding = value
+
+    @property
+    def renormalize(self) -> bool:
+        return self._renormalize
+
+    @renormalize.setter
+    def renormalize(self, value: bool) -> None:
+        check_bool("renormalize", value)
+        self._renormalize = value
 
     @property
     def router(self) -> str:
@@ -282,6 +325,9 @@ class MoE(nn.Module):
         if state.get("_fp8_cache") is None:     # pickled before the cache was an object
             state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
+        for name in ("top_k", "tile", "score", "rounding", "renormalize"):
+            if name in state:       # pickled when these were plain attributes
+                state["_" + name] = state.pop(name)
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
