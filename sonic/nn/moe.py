@@ -116,6 +116,18 @@ def _collector_for(layer: "MoE") -> list | None:
     return None
 
 
+def _checked_setting(name: str, check) -> property:
+    """A layer setting kept in ``_<name>``, checked by ``check(layer, value)`` (which raises)
+    on every assignment, so a bad value fails where it is set rather than in a forward."""
+    private = "_" + name
+
+    def fset(layer, value):
+        check(layer, value)
+        setattr(layer, private, value)
+
+    return property(lambda layer: getattr(layer, private), fset)
+
+
 class MoE(nn.Module):
     """Mixture-of-Experts FFN: a linear router and ``E`` SwiGLU experts run by :func:`moe_experts`.
 
@@ -216,50 +228,14 @@ class MoE(nn.Module):
         self.last_routing: Routing | None = None
         self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
 
-    @property
-    def top_k(self) -> int:
-        return self._top_k
-
-    @top_k.setter
-    def top_k(self, value: int) -> None:
-        check_int("top_k", value, low=1, high=self.num_experts)
-        self._top_k = value
-
-    @property
-    def tile(self) -> int:
-        return self._tile
-
-    @tile.setter
-    def tile(self, value: int) -> None:
-        check_int("tile", value, low=1)
-        self._tile = value
-
-    @property
-    def score(self) -> str:
-        return self._score
-
-    @score.setter
-    def score(self, value: str) -> None:
-        check_choice("score", value, SCORES)
-        self._score = value
-
-    @property
-    def rounding(self) -> str:
-        return self._rounding
-
-    @rounding.setter
-    def rounding(self, value: str) -> None:
-        check_choice("rounding", value, ROUNDINGS)
-        self._rounding = value
-
-    @property
-    def renormalize(self) -> bool:
-        return self._renormalize
-
-    @renormalize.setter
-    def renormalize(self, value: bool) -> None:
-        check_bool("renormalize", value)
-        self._renormalize = value
+    top_k = _checked_setting("top_k", lambda layer, value: check_int(
+        "top_k", value, low=1, high=layer.num_experts))
+    tile = _checked_setting("tile", lambda layer, value: check_int("tile", value, low=1))
+    score = _checked_setting("score", lambda layer, value: check_choice("score", value, SCORES))
+    rounding = _checked_setting("rounding", lambda layer, value: check_choice(
+        "rounding", value, ROUNDINGS))
+    renormalize = _checked_setting("renormalize", lambda layer, value: check_bool(
+        "renormalize", value))
 
     @property
     def router(self) -> str:
