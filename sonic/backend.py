@@ -17,7 +17,7 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 
@@ -25,8 +25,9 @@ from sonic._validation import check_choice
 from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
 from sonic.reference.metadata import pairs_metadata
+from sonic.types import Backend
 
-BACKENDS = ("auto", "torch", "cute")
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 @dataclass(frozen=True)

@@ -199,3 +199,34 @@ def test_layer_pickled_with_plain_setting_attributes_loads():
     old.__setstate__(state)
     assert old.top_k == 2 and old.tile == 128 and old.score == "softmax_topk"
     assert torch.equal(old(x), layer(x))
+
+
+def test_string_options_are_literal_types_that_the_checks_use():
+    """Each option's Literal type (sonic.types) is what the public signatures declare and
+    what the runtime check accepts, value for value."""
+    import inspect
+    import typing
+
+    from sonic import types
+    from sonic.autograd.activation_cache import ACTIVATION_CACHES
+    from sonic.autograd.moe_experts import PRECISIONS
+    from sonic.backend import BACKENDS
+    from sonic.nn.moe import ROUTERS
+    from sonic.routing.token_rounding import ROUNDINGS
+    from sonic.routing.topk import SCORES
+
+    pairs = {"Router": ROUTERS, "Score": SCORES, "Rounding": ROUNDINGS, "Backend": BACKENDS,
+             "Precision": PRECISIONS, "ActivationCache": ACTIVATION_CACHES,
+             "GateUp": types.GATE_UP_LAYOUTS}
+    for name, values in pairs.items():
+        assert typing.get_args(getattr(types, name)) == values, name
+    declared = {n: p.annotation for n, p in inspect.signature(sonic.MoE).parameters.items()}
+    assert {declared[k] for k in ("router", "score", "rounding", "backend", "precision",
+                                  "activation_cache", "gate_up")} == set(pairs)
+    for fn, names in ((sonic.moe_experts, ("gate_up", "backend", "precision",
+                                           "activation_cache")),
+                      (sonic.topk_routing, ("score", "backend")),
+                      (sonic.token_rounding_routing, ("rounding", "backend")),
+                      (sonic.routing_metadata, ("backend",))):
+        params = inspect.signature(fn).parameters
+        assert all(params[n].annotation in pairs for n in names), fn

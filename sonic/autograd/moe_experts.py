@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import torch
 
@@ -62,8 +62,9 @@ from sonic.autograd.activation_cache import check_activation_cache
 from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads, resolve_backend
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import RoutingMetadata
+from sonic.types import ActivationCache, Backend, GateUp, Precision
 
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 # FP8 scale blocks are 128 wide; the FP8 GEMMs need d and n to be whole blocks.
 FP8_BLOCK = 128
 
@@ -91,7 +92,7 @@ class Fp8ExpertWeights(NamedTuple):
 
 
 def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
-                            backend: str = "auto") -> Fp8ExpertWeights:
+                            backend: Backend = "auto") -> Fp8ExpertWeights:
     """FP8 copies of ``w1 (E, 2n, d)`` and ``w2 (E, d, n)`` and of their transposes (the
     backward's K-major operands), one pass each: e4m3 per 128×128 block with fp32 scales
     (DeepSeek-V3 §3.3; :func:`sonic.reference.fp8.quantize_blocks_and_transpose`, the CuTe
@@ -209,10 +210,10 @@ def _graph_kept() -> bool:
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
-                token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: str = "concat",
-                backend: str = "auto", metadata: RoutingMetadata | None = None,
-                precision: str = "bf16", fp8_weights: Fp8ExpertWeights | None = None,
-                activation_cache: str = "bf16") -> torch.Tensor:
+                token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: GateUp = "concat",
+                backend: Backend = "auto", metadata: RoutingMetadata | None = None,
+                precision: Precision = "bf16", fp8_weights: Fp8ExpertWeights | None = None,
+                activation_cache: ActivationCache = "bf16") -> torch.Tensor:
     """Routed SwiGLU experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·SwiGLU(W1[e]·x_t)``.
 
     Args:

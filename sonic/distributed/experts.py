@@ -44,6 +44,7 @@ from sonic.distributed.comm import all_to_all, check_group
 from sonic.distributed.eplb import Placement
 from sonic.distributed.overlap import ChunkedExperts
 from sonic.distributed.plan import MAX_CHUNKS, DispatchPlan, agreed_values, plan_dispatch
+from sonic.types import ActivationCache, Backend, GateUp, Precision
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
@@ -124,12 +125,12 @@ class Combine(torch.autograd.Function):
 
 def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tensor,
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
-                   group, num_experts: int, gate_up: str = "concat",
-                   backend: str = "auto", placement: Placement | None = None,
+                   group, num_experts: int, gate_up: GateUp = "concat",
+                   backend: Backend = "auto", placement: Placement | None = None,
                    num_chunks: int = 1, comm_sm_margin: int = 0,
-                   recompute_dispatch: bool = False, precision: str = "bf16",
+                   recompute_dispatch: bool = False, precision: Precision = "bf16",
                    fp8_weights: Fp8ExpertWeights | None = None,
-                   activation_cache: str = "bf16",
+                   activation_cache: ActivationCache = "bf16",
                    settings: Mapping[str, object] | None = None) -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 

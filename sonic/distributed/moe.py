@@ -18,6 +18,8 @@ from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
+from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
+                         Score)
 
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype", "placement (fingerprint)")
@@ -94,13 +96,13 @@ class ExpertParallelMoE(MoE):
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                 group=None, router: str = "topk", score: str = "softmax_topk",
-                 tile: int = 128, rounding: str = "nearest",
-                 renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
-                 backend: str = "auto", device=None, dtype=None,
+                 group=None, router: Router = "topk", score: Score = "softmax_topk",
+                 tile: int = 128, rounding: Rounding = "nearest",
+                 renormalize: bool = False, gate_up: GateUp = "concat", aux_loss_coef: float = 0.0,
+                 backend: Backend = "auto", device=None, dtype=None,
                  placement: Placement | None = None, num_chunks: int = 1,
                  comm_sm_margin: int = 0, recompute_dispatch: bool = False,
-                 precision: str = "bf16", activation_cache: str = "bf16"):
+                 precision: Precision = "bf16", activation_cache: ActivationCache = "bf16"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,

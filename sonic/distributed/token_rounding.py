@@ -39,6 +39,7 @@ from sonic.routing.token_rounding import (ROUNDINGS, expert_counts, kept_keys,
                                           strongest_non_pick_tokens, weakest_pick_ranks)
 from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
+from sonic.types import Backend, Rounding
 
 # The most pairs rounding can move one expert's boundary by, per rounding mode, for a tile:
 # "nearest" drops at most ceil(tile/2) - 1 picks or adds at most floor(tile/2) non-picks.
@@ -52,7 +53,7 @@ def candidate_width(tile: int, rounding: str) -> int:
 
 
 def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile: int = 128,
-                              rounding: str = "nearest", backend: str = "auto",
+                              rounding: Rounding = "nearest", backend: Backend = "auto",
                               settings: Mapping[str, object] | None = None) -> Routing:
     """Token rounding of the whole expert-parallel batch, run by every rank on its own tokens.
 

@@ -38,6 +38,7 @@ from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_exper
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
+from sonic.types import ActivationCache, Backend, Precision
 
 try:
     import transformers.integrations.moe as _hf_moe
@@ -245,8 +246,8 @@ def _check_fp8_options(module: nn.Module, precision: str, activation_cache: str)
         check_fp8_d_expert(n)
 
 
-def use_sonic_experts(model: nn.Module, backend: str = "auto", *, precision: str = "bf16",
-                      activation_cache: str = "bf16") -> nn.Module:
+def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision: Precision = "bf16",
+                      activation_cache: ActivationCache = "bf16") -> nn.Module:
     """Switch a transformers MoE model's routed experts to sonic, in place.
 
     Registers ``"sonic"`` (:func:`register`), checks every experts module

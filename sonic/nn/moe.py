@@ -6,6 +6,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal, get_args, overload
 
 import torch
 from torch import nn
@@ -21,8 +22,10 @@ from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
 from sonic.routing.topk import SCORES, topk_routing
 from sonic.routing.types import Routing
+from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
+                         Score)
 
-ROUTERS = ("topk", "token_rounding")
+ROUTERS: tuple[Router, ...] = get_args(Router)
 
 
 def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -192,10 +195,11 @@ class MoE(nn.Module):
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                 router: str = "topk", tile: int = 128, score: str = "softmax_topk",
-                 renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
-                 aux_loss_coef: float = 0.0, backend: str = "auto", precision: str = "bf16",
-                 activation_cache: str = "bf16", device=None, dtype=None):
+                 router: Router = "topk", tile: int = 128, score: Score = "softmax_topk",
+                 renormalize: bool = False, rounding: Rounding = "nearest",
+                 gate_up: GateUp = "concat", aux_loss_coef: float = 0.0,
+                 backend: Backend = "auto", precision: Precision = "bf16",
+                 activation_cache: ActivationCache = "bf16", device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
@@ -208,9 +212,10 @@ class MoE(nn.Module):
         self.reset_parameters()
 
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                   router: str, tile: int, score: str, renormalize: bool, rounding: str,
-                   gate_up: str, aux_loss_coef: float, backend: str,
-                   precision: str = "bf16", activation_cache: str = "bf16") -> None:
+                   router: Router, tile: int, score: Score, renormalize: bool,
+                   rounding: Rounding, gate_up: GateUp, aux_loss_coef: float,
+                   backend: Backend, precision: Precision = "bf16",
+                   activation_cache: ActivationCache = "bf16") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -238,31 +243,31 @@ class MoE(nn.Module):
         "renormalize", value))
 
     @property
-    def router(self) -> str:
+    def router(self) -> Router:
         return self._router
 
     @router.setter
-    def router(self, value: str) -> None:
+    def router(self, value: Router) -> None:
         check_choice("router", value, ROUTERS)
         self._router = value
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> Precision:
         return self._precision
 
     @precision.setter
-    def precision(self, value: str) -> None:
+    def precision(self, value: Precision) -> None:
         check_choice("precision", value, PRECISIONS)
         if value == "fp8":
             check_fp8_sizes(self.d_model, self.d_expert)
         self._precision = value
 
     @property
-    def activation_cache(self) -> str:
+    def activation_cache(self) -> ActivationCache:
         return self._activation_cache
 
     @activation_cache.setter
-    def activation_cache(self, value: str) -> None:
+    def activation_cache(self, value: ActivationCache) -> None:
         check_choice("activation_cache", value, ACTIVATION_CACHES)
         if value == "fp8":
             check_fp8_d_expert(self.d_expert)
@@ -348,7 +353,21 @@ class MoE(nn.Module):
             return None
         return self._fp8_cache.get(w1, w2, (self.w1, self.w2), self.backend)
 
-    def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
+    if TYPE_CHECKING:
+        # What `layer(x)` returns, for type checkers (nn.Module's __call__ is untyped).
+        @overload
+        def __call__(self, x: torch.Tensor, *,
+                     return_aux_loss: Literal[False] = False) -> torch.Tensor: ...
+
+        @overload
+        def __call__(self, x: torch.Tensor, *,
+                     return_aux_loss: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+        def __call__(self, x: torch.Tensor, *, return_aux_loss: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x)
         dtype = self.w1.dtype
         autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)

@@ -14,12 +14,13 @@ from sonic._validation import check_choice, check_range, read_min_max
 # sonic.reference; re-exported here, their public path.
 from sonic.reference.metadata import pairs_metadata
 from sonic.routing.types import Routing
+from sonic.types import Backend
 from sonic.types import RoutingMetadata
 
 __all__ = ["RoutingMetadata", "pairs_metadata", "routing_metadata"]
 
 
-def routing_metadata(routing: Routing, *, backend: str = "auto") -> RoutingMetadata:
+def routing_metadata(routing: Routing, *, backend: Backend = "auto") -> RoutingMetadata:
     """Group a routing's pairs by expert and by token (DESIGN §2, MetaShuffling).
 
     Args:
