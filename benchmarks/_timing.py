@@ -98,6 +98,36 @@ def graph_us(fn) -> float:
     return bench(graph.replay)
 
 
+def nvml_handle(nvml, props):
+    """The NVML handle of the GPU whose torch properties are ``props``
+    (``torch.cuda.get_device_properties``), found by its UUID, else by its PCI bus id.
+
+    Not by index: CUDA numbers the devices that ``CUDA_VISIBLE_DEVICES`` leaves visible, NVML
+    all of the machine's, so torch's device 0 in a job given GPU 1 is NVML's device 1.
+
+    Raises:
+        LookupError: no NVML device has the UUID or the bus id (the message says what was
+            tried), rather than sampling another GPU.
+    """
+    tried = []
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(name)
+        except Exception as err:  # noqa: BLE001 - NVML's error classes vary by binding
+            tried.append(f"UUID {name} ({err})")
+    if getattr(props, "pci_bus_id", None) is not None:
+        bus_id = (f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:"
+                  f"{getattr(props, 'pci_device_id', 0):02x}.0")
+        try:
+            return nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        except Exception as err:  # noqa: BLE001
+            tried.append(f"PCI bus id {bus_id} ({err})")
+    raise LookupError(f"no NVML device matches torch's {getattr(props, 'name', 'GPU')}: tried "
+                      + ("; ".join(tried) or "nothing (the properties have no UUID or bus id)"))
+
+
 class PowerSampler:
     """SM clock and board power of the current GPU, sampled every 10 ms in a thread while the
     ``with`` block runs (NVML through ``pynvml``; no samples where it is missing).
@@ -107,7 +137,8 @@ class PowerSampler:
     bit mask: 0x4 is the software power cap, 0x20/0x40 thermal slowdown). The mean power is
     that energy over the block's wall time; only a board without an energy counter gets the
     mean of NVML's power readings, which trail the load (on the H200 about 530 W read during
-    one-second GEMM loops whose energy gave 700 W).
+    one-second GEMM loops whose energy gave 700 W). The GPU is torch's current device, found in
+    NVML by :func:`nvml_handle`; :attr:`unavailable` says why there are no samples, if so.
     """
 
     def __init__(self, period_s: float = 0.01):
@@ -118,10 +149,13 @@ class PowerSampler:
             import pynvml
 
             pynvml.nvmlInit()
+            self._handle = nvml_handle(pynvml, torch.cuda.get_device_properties(
+                torch.cuda.current_device()))
             self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        except Exception:  # noqa: BLE001 - pynvml missing or NVML unusable: no samples
+            self.unavailable = None
+        except Exception as err:  # noqa: BLE001 - pynvml missing or NVML unusable: no samples
             self._nvml = None
+            self.unavailable = f"{type(err).__name__}: {err}"
 
     def _energy_mj(self) -> int | None:
         if self._nvml is None:

@@ -254,6 +254,7 @@ def _run_name(chunks: int, margin: int, recompute: bool = False, ctas: int = 0,
 # sender, by the function that calls that: suffix " rows").
 _A2A_PHASES = {
     "plan_dispatch": "plan exchanges (counts, pairs)",
+    "_exchange": "plan exchanges (counts, pairs)",
     "Dispatch.forward": "dispatch a2a",
     "ChunkedExperts.forward.<locals>.dispatch": "dispatch a2a",
     "ChunkedExperts.forward.<locals>.dispatch rows": "dispatch a2a",

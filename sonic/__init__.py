@@ -7,7 +7,8 @@ tile-aware token rounding routers; a PyTorch reference backend that runs everywh
 
 from sonic import distributed
 from sonic import ops  # noqa: F401  (registers torch.ops.sonic.*)
-from sonic.experts import Fp8ExpertWeights, moe_experts, quantize_expert_weights
+from sonic.experts import (Fp8ExpertWeights, moe_experts, quantize_expert_weights,
+                           reuse_fp8_weights)
 from sonic.backend import explain_backend
 from sonic.memory import ActivationMemoryReport, profile_activation_memory
 from sonic.nn import MoE, collect_aux_losses, load_balancing_loss
@@ -29,6 +30,7 @@ __all__ = [
     "moe_experts",
     "profile_activation_memory",
     "quantize_expert_weights",
+    "reuse_fp8_weights",
     "routing_metadata",
     "token_rounding_routing",
     "topk_routing",

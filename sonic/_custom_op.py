@@ -110,6 +110,13 @@ class SonicOp:
         })
 
     def __call__(self, *args):
+        if torch._C._are_functorch_transforms_active():
+            # PyTorch's error here names an autograd.Function sonic never wrote.
+            raise RuntimeError(
+                f"torch.ops.sonic.{self.name} (under sonic.MoE, sonic.moe_experts or sonic's "
+                f"routers) does not support torch.func transforms (grad, vjp, jacrev, vmap, "
+                f"jvp): its backward is a registered autograd formula that they cannot run. "
+                f"Use torch.autograd.grad or loss.backward() instead")
         if plain_eager(args):
             if self._function is not None:
                 return self._function.apply(*args)

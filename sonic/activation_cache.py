@@ -23,12 +23,14 @@ asked for exactness (gradcheck, reference runs), so ``activation_cache="fp8"`` t
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from sonic.reference import fp8 as reference_fp8
-from sonic.types import FP8_BLOCK
+from sonic.types import FP8_BLOCK, ActivationCache
 
-ACTIVATION_CACHES = ("bf16", "fp8")
+ACTIVATION_CACHES: tuple[ActivationCache, ...] = get_args(ActivationCache)
 # Compute dtypes whose H the fp8 cache may stand in for.
 FP8_CACHE_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 
@@ -26,9 +26,9 @@ from sonic.kernels.grouped_gemm.interface import sm_margin  # noqa: F401
 from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
 from sonic.reference.metadata import pairs_metadata
-from sonic.types import GROUPED_GEMM_MAX_EXPERTS
+from sonic.types import GROUPED_GEMM_MAX_EXPERTS, Backend
 
-BACKENDS = ("auto", "torch", "cute")
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 @dataclass(frozen=True)

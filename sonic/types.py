@@ -3,6 +3,7 @@
 The GPU kernels (:mod:`sonic.kernels`) may import from here and from nothing else of sonic, so
 layers run one way: kernels -> backend -> routing / autograd / nn.
 
+* ``Literal`` types of the string options (:data:`Router`, :data:`Backend`, ...).
 * :data:`GATE_UP_LAYOUTS` — how the gate and up halves of ``W1``'s rows (and of ``H``'s columns)
   are laid out (docs/design.md, "Names and shapes").
 * :data:`FP8_BLOCK`, :data:`GROUPED_GEMM_MAX_EXPERTS`, :data:`ROUTING_METADATA_MAX_EXPERTS` —
@@ -14,12 +15,23 @@ layers run one way: kernels -> backend -> routing / autograd / nn.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
+# The string options of the public API, for type checkers; each module's tuple of valid
+# values (GATE_UP_LAYOUTS, ROUTERS, ...) is made from these, so the two cannot drift apart.
 # "concat": gate = columns [0, n), up = [n, 2n) (the Hugging Face layout);
 # "interleaved": gate = even columns, up = odd columns.
-GATE_UP_LAYOUTS = ("concat", "interleaved")
+GateUp = Literal["concat", "interleaved"]
+Router = Literal["topk", "token_rounding"]
+Score = Literal["softmax_topk", "topk_softmax"]
+Rounding = Literal["nearest", "up", "down"]
+Backend = Literal["auto", "torch", "cute"]
+Precision = Literal["bf16", "fp8"]
+ActivationCache = Literal["bf16", "fp8"]
+
+GATE_UP_LAYOUTS: tuple[GateUp, ...] = get_args(GateUp)
 
 # Side of the FP8 recipe's scale blocks (DeepSeek-V3, arXiv 2412.19437 §3.3): activations carry
 # one scale per 1 x FP8_BLOCK row slice, weights one per FP8_BLOCK x FP8_BLOCK block. The

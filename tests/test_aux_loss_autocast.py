@@ -180,3 +180,25 @@ def test_load_balancing_loss_refuses_logits_of_another_batch_or_layer():
             sonic.load_balancing_loss(logits, routing)
     with pytest.raises(TypeError, match="sonic.Routing"):
         sonic.load_balancing_loss(torch.randn(5, 4), (routing.token_idx, routing.expert_idx))
+
+
+def test_collected_aux_loss_under_reentrant_checkpointing_raises():
+    """A reentrant checkpoint runs the forward without grad: a collected aux loss could not
+    train the router, so the layer raises instead of collecting a detached one."""
+    layer = _layer()
+    x = torch.randn(12, 16, requires_grad=True)
+    with sonic.collect_aux_losses(layer) as aux:
+        with pytest.raises(RuntimeError, match="use_reentrant=False.*return_aux_loss=True"):
+            checkpoint(layer, x, use_reentrant=True)
+        out = checkpoint(layer, x, use_reentrant=False)        # non-reentrant: collected
+    assert len(aux) == 1 and aux[0].requires_grad
+    (out.sum() + aux[0]).backward()
+    assert layer.gate.weight.grad.abs().sum() > 0
+    # Without gradients in eval mode, or with frozen parameters, nothing is wrong.
+    with sonic.collect_aux_losses(layer) as aux, torch.no_grad():
+        layer.eval()
+        layer(x)
+        layer.train()
+        layer.requires_grad_(False)
+        layer(x)
+    assert len(aux) == 1 and not aux[0].requires_grad

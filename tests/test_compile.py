@@ -241,3 +241,54 @@ def test_dh_overwrites_h_only_eagerly_and_when_the_graph_is_not_kept(monkeypatch
     for a, b, c in zip(kept, eager, compiled):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_fullgraph_block_under_non_reentrant_checkpointing(router):
+    """A block that checkpoints its MoE (non-reentrant) compiles into one graph, with the aux
+    loss returned through the checkpoint, and matches eager; the traced forward leaves the
+    module untouched."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+            self.moe = _layer(torch.float32, router=router, tile=4)
+
+        def forward(self, x):
+            out, aux = checkpoint(self.moe, self.norm(x), return_aux_loss=True,
+                                  use_reentrant=False)
+            return x + out, aux
+
+    def run(block, x):
+        out, aux = block(x)
+        loss = out.square().mean() + aux
+        return out.detach(), torch.autograd.grad(loss, [x, *block.parameters()])
+
+    block = Block()
+    x = torch.randn(20, 16, requires_grad=True)
+    want, want_grads = run(block, x)
+    eager_routing = block.moe.last_routing
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    got, grads = run(torch.compile(block, fullgraph=True, backend=counter), x)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, want)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w)
+    assert block.moe.last_routing is eager_routing
+
+
+def test_opcheck_on_padded_token_rounding_routing():
+    """H's padding rows (past expert_offsets[E]) are zeros on the reference, so the op's
+    outputs are a function of its inputs."""
+    x, w1, w2, logits = _problem(T=13)
+    r = sonic.token_rounding_routing(logits, 2, tile=4, backend="torch", padded=True)
+    assert int(r.num_valid) < r.num_pairs
+    meta = sonic.routing_metadata(r, backend="torch")
+    args = (x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_(),
+            r.scores.detach().requires_grad_(), meta.packed, 0, "concat", "torch")
+    torch.library.opcheck(torch.ops.sonic.moe_experts.default, args)
+    _, h, _ = torch.ops.sonic.moe_experts(*args)
+    assert h[int(r.num_valid):].eq(0).all() and h[:int(r.num_valid)].ne(0).any()

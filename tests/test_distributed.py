@@ -430,3 +430,74 @@ def test_uninitialised_process_group():
                        torch.tensor([0, 1]), torch.tensor([0, 0]), group=None, num_experts=1)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ExpertParallelMoE(D, N, 4, 2)
+
+
+# --- settings the ranks must agree on, checked in every forward ------------------------------
+
+def _settings_cases(rank, world):
+    """Each case changes one setting on the last rank only after construction; every case
+    must raise on every rank at the same exchange, so the group stays usable for the next."""
+    torch.manual_seed(0)
+    num_experts = 2 * world
+    layer = ExpertParallelMoE(D, N, num_experts, 2, backend="torch", dtype=torch.float64, tile=2)
+    x = torch.randn(5 + rank, D, dtype=torch.float64)
+    last = rank == world - 1
+    out = {}
+
+    def case(name, change, run=lambda: layer(x)):
+        saved = {k: getattr(layer, k) for k in ("router", "tile", "top_k", "score",
+                                                "renormalize", "rounding", "training")}
+        if last:
+            change()
+        out[name] = _catch(run)
+        for k, v in saved.items():
+            setattr(layer, k, v)
+        layer.train(saved["training"])
+
+    case("agree", lambda: None)
+    layer.router = "token_rounding"
+    case("agree_token_rounding", lambda: None)
+    case("tile", lambda: setattr(layer, "tile", 4))
+    case("rounding", lambda: setattr(layer, "rounding", "up"))
+    case("top_k_token_rounding", lambda: setattr(layer, "top_k", 1))
+    case("training", lambda: layer.eval())
+    case("router", lambda: setattr(layer, "router", "topk"))
+    layer.router = "topk"
+    case("top_k", lambda: setattr(layer, "top_k", 3))
+    case("score", lambda: setattr(layer, "score", "topk_softmax"))
+    case("renormalize", lambda: setattr(layer, "renormalize", True))
+    # The functional forms: scores of another dtype; token rounding of another tile.
+    w1, w2 = layer.w1.detach(), layer.w2.detach()
+    tok = torch.arange(3, dtype=torch.int32)
+    exp = torch.tensor([0, 1, 3])
+    scores = torch.rand(3, dtype=torch.float32 if last else torch.float64)
+    out["scores_dtype"] = _catch(lambda: ep_moe_experts(
+        x[:3], w1, w2, scores, tok, exp, group=None, num_experts=num_experts, backend="torch"))
+    logits = torch.randn(6, num_experts, dtype=torch.float64)
+    out["tr_tile"] = _catch(lambda: sonic.distributed.ep_token_rounding_routing(
+        logits, 2, tile=8 if last else 2))
+    out["tr_dtype"] = _catch(lambda: sonic.distributed.ep_token_rounding_routing(
+        logits.float() if last else logits, 2, tile=2))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_disagreeing_on_a_setting_raise_on_every_rank(tmp_path, world):
+    results = _spawn(world, _settings_cases, tmp_path, pg_timeout=20, timeout=120)
+    expected = {"tile": "tile: 2 on EP rank", "rounding": "rounding: 'nearest' on EP rank",
+                "top_k_token_rounding": "top_k: 2 on EP rank", "training": "training: True",
+                "router": "router: 'token_rounding'", "top_k": "top_k: 2 on EP rank",
+                "score": "score: 'softmax_topk'", "renormalize": "renormalize: False",
+                "scores_dtype": "dtype of scores: torch.float64", "tr_tile": "tile: 2 on EP rank",
+                "tr_dtype": "dtype of scores: torch.float64"}
+    others = ", ".join(map(str, range(world - 1)))
+    for rank, result in enumerate(results):
+        assert result["agree"] == "no error" and result["agree_token_rounding"] == "no error"
+        for case, text in expected.items():
+            message = result[case]
+            assert message.startswith("ValueError: EP ranks disagree on "), (rank, case, message)
+            assert text in message, (rank, case, message)
+            # Every rank's value is named, with the ranks holding it.
+            assert f"EP rank{'s' if world > 2 else ''} {others}" in message, (rank, message)
+            assert f"on EP rank {world - 1}" in message, (rank, message)
+            assert f"this rank is {rank}" in message, (rank, message)

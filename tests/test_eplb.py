@@ -142,3 +142,62 @@ def test_validation_errors():
         Placement.contiguous(6, 4)
     with pytest.raises(ValueError, match="4 entries"):
         Placement.contiguous(4, 2).rank_load(torch.ones(3))
+
+
+def test_placement_tables_follow_edits_of_slot_expert():
+    """The device tables are derived from ``slot_expert``: an edit of the caller's tensor
+    does not reach the placement, and an in-place edit of the placement's own (``.data``
+    included) is seen by the next dispatch."""
+    mine = torch.tensor([0, 1, 2, 3, 0, 1])
+    placement = Placement(mine, num_ranks=2, slots_per_rank=3, num_experts=4)
+    counts, table = placement.tables("cpu")
+    mine[4] = 3
+    assert placement.slot_expert.tolist() == [0, 1, 2, 3, 0, 1]
+    assert torch.equal(placement.tables("cpu")[0], counts)
+    placement.slot_expert.data[4] = 3
+    counts, table = placement.tables("cpu")
+    assert counts.tolist() == [1, 2, 1, 2]
+    assert table[3, :2].tolist() == [3, 4]
+    slots = placement.pair_slots(torch.tensor([0, 1]), torch.tensor([3, 3]), source_rank=0)
+    assert sorted(slots.tolist()) == [3, 4]
+
+
+def test_expert_load_counts_a_token_rounding_layers_padded_routing():
+    """A token-rounding layer leaves a padded routing (padding = expert E): update counts its
+    routed pairs only, equal to the trimmed routing's counts."""
+    torch.manual_seed(3)
+    layer = sonic.MoE(16, 8, E, 2, router="token_rounding", tile=4, backend="torch")
+    layer(torch.randn(37, 16))
+    routing = layer.last_routing
+    assert routing.num_valid is not None and int(routing.num_valid) < routing.expert_idx.numel()
+    load = ExpertLoad(E)
+    load.update(routing)
+    load.update(routing.trim())
+    want = torch.bincount(routing.trim().expert_idx.long(), minlength=E)
+    assert torch.equal(load.counts(), 2 * want)
+    assert load.counts().shape == (E,) and load.steps == 2
+    load.reset()
+    assert torch.equal(load.counts(), torch.zeros(E, dtype=torch.int64))
+
+
+def test_plan_placement_refuses_a_2d_load_instead_of_flattening_it():
+    load = torch.rand(3, E) + 0.1          # steps x experts
+    with pytest.raises(ValueError, match=r"1-D .*got shape \(3, 64\).*sum the steps"):
+        plan_placement(load, 2, E // 2)
+    placement = plan_placement(load.sum(0), 2, E // 2 + 1)
+    assert placement.num_experts == E
+
+
+def test_load_errors_name_the_entry_and_the_condition():
+    load = torch.rand(E, dtype=torch.float64) * 1e6
+    assert plan_placement(load, 2, E // 2).num_experts == E       # finite float64: accepted
+    assert plan_placement(load.numpy(), 2, E // 2).num_experts == E
+    bad = load.clone()
+    bad[5] = -2.5
+    with pytest.raises(ValueError, match="non-negative: entry 5 is -2.5"):
+        plan_placement(bad, 2, E // 2)
+    bad[5] = float("nan")
+    with pytest.raises(ValueError, match="finite: entry 5 is nan"):
+        plan_placement(bad, 2, E // 2)
+    with pytest.raises(TypeError, match="bool"):
+        plan_placement(torch.ones(E, dtype=torch.bool), 2, E // 2)

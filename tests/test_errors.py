@@ -120,3 +120,113 @@ def test_kernel_address_checks_name_the_argument():
         runtime.address(shifted, 16, "b_scales")
     with pytest.raises(ValueError, match="tensor data at .* is not 16-byte aligned"):
         runtime.address(shifted)
+
+
+# --------------------------------------------------------------- arguments of the wrong kind
+
+
+def _routed(T=6, E=4, K=2, seed=0):
+    torch.manual_seed(seed)
+    layer = sonic.MoE(16, 8, E, K, backend="torch")
+    x = torch.randn(T, 16)
+    r = sonic.topk_routing(torch.randn(T, E), K, backend="torch")
+    return layer, x, r
+
+
+def test_metadata_given_a_routing_names_what_to_pass():
+    layer, x, r = _routed()
+    with pytest.raises(TypeError, match=r"metadata must be a sonic.RoutingMetadata.*got "
+                                        r"Routing \(pass sonic.routing_metadata\(routing\)"):
+        sonic.moe_experts(x, layer.w1, layer.w2, r.scores, r.token_idx, r.expert_idx,
+                          backend="torch", metadata=r)
+
+
+def test_routing_metadata_given_a_tuple_names_the_type():
+    _, _, r = _routed()
+    with pytest.raises(TypeError, match=r"routing must be a sonic.Routing, got tuple; wrap"):
+        sonic.routing_metadata((r.token_idx, r.expert_idx), backend="torch")
+
+
+@pytest.mark.parametrize("field", ["token_idx", "expert_idx"])
+def test_validated_routing_with_an_out_of_range_index_raises_on_the_cpu(field):
+    layer, x, r = _routed()
+    fields = {"token_idx": r.token_idx, "expert_idx": r.expert_idx}
+    fields[field] = fields[field].clone()
+    fields[field][3] = 6 if field == "token_idx" else 4
+    bad = sonic.Routing(fields["token_idx"], fields["expert_idx"], r.scores, 6, 4,
+                        validated=True)
+    with pytest.raises(ValueError, match=rf"validated=True.*{field} values must be in"):
+        sonic.routing_metadata(bad, backend="torch")
+    # A padded routing's padding (expert E) is in range.
+    padded = sonic.token_rounding_routing(torch.randn(9, 4), 2, tile=4, backend="torch",
+                                          padded=True)
+    assert padded.expert_idx.max() == 4
+    assert sonic.routing_metadata(padded, backend="torch").num_pairs == padded.num_pairs
+
+
+def test_torch_func_transforms_raise_naming_the_alternative():
+    layer, x, _ = _routed()
+    with pytest.raises(RuntimeError, match=r"does not support torch.func transforms.*"
+                                           r"torch.autograd.grad"):
+        torch.func.grad(lambda inp: layer(inp).sum())(x)
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.vmap(lambda inp: layer(inp))(x[None])
+    # After the transform, the layer runs and trains as before.
+    layer(x).sum().backward()
+    assert layer.w1.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("top_k", 99, r"top_k must be in \[1, 4\], got 99"), ("top_k", 0, "top_k"),
+    ("top_k", 2.0, "top_k"), ("tile", 0, "tile"), ("score", "sigmoid", "score must be one of"),
+    ("rounding", "floor", "rounding must be one of"), ("renormalize", 1, "renormalize")])
+def test_layer_settings_are_checked_on_assignment(name, value, message):
+    layer, x, _ = _routed()
+    before = getattr(layer, name)
+    with pytest.raises((TypeError, ValueError), match=message):
+        setattr(layer, name, value)
+    assert getattr(layer, name) == before
+    layer.top_k = 3
+    assert layer(x).shape == x.shape and layer.last_routing.top_k == 3
+
+
+def test_layer_pickled_with_plain_setting_attributes_loads():
+    layer, x, _ = _routed()
+    state = layer.__getstate__()
+    for name in ("top_k", "tile", "score", "rounding", "renormalize"):
+        state[name] = state.pop("_" + name)
+    old = sonic.MoE.__new__(sonic.MoE)
+    old.__setstate__(state)
+    assert old.top_k == 2 and old.tile == 128 and old.score == "softmax_topk"
+    assert torch.equal(old(x), layer(x))
+
+
+def test_string_options_are_literal_types_that_the_checks_use():
+    """Each option's Literal type (sonic.types) is what the public signatures declare and
+    what the runtime check accepts, value for value."""
+    import inspect
+    import typing
+
+    from sonic import types
+    from sonic.autograd.activation_cache import ACTIVATION_CACHES
+    from sonic.autograd.moe_experts import PRECISIONS
+    from sonic.backend import BACKENDS
+    from sonic.nn.moe import ROUTERS
+    from sonic.routing.token_rounding import ROUNDINGS
+    from sonic.routing.topk import SCORES
+
+    pairs = {"Router": ROUTERS, "Score": SCORES, "Rounding": ROUNDINGS, "Backend": BACKENDS,
+             "Precision": PRECISIONS, "ActivationCache": ACTIVATION_CACHES,
+             "GateUp": types.GATE_UP_LAYOUTS}
+    for name, values in pairs.items():
+        assert typing.get_args(getattr(types, name)) == values, name
+    declared = {n: p.annotation for n, p in inspect.signature(sonic.MoE).parameters.items()}
+    assert {declared[k] for k in ("router", "score", "rounding", "backend", "precision",
+                                  "activation_cache", "gate_up")} == set(pairs)
+    for fn, names in ((sonic.moe_experts, ("gate_up", "backend", "precision",
+                                           "activation_cache")),
+                      (sonic.topk_routing, ("score", "backend")),
+                      (sonic.token_rounding_routing, ("rounding", "backend")),
+                      (sonic.routing_metadata, ("backend",))):
+        params = inspect.signature(fn).parameters
+        assert all(params[n].annotation in pairs for n in names), fn

@@ -292,6 +292,44 @@ def test_opcheck_fp8_ops():
                           test_utils=("test_faketensor",))
 
 
+
+def _leaves(args):
+    for a in args:
+        yield from (a if isinstance(a, list) else [a])
+
+
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+def test_fp8_ops_keep_their_schema(activation_cache):
+    """What opcheck's test_schema checks, by hand: PyTorch's schema checker compares float8
+    inputs with allclose, which float8 lacks (pytorch/pytorch#135998). The FP8 ops declare
+    no mutation and no aliasing: every input is bitwise unchanged (compared as bytes) and no
+    output shares storage with an input."""
+    x, w1, w2, scores, tok, exp, _ = _problem(9, 128, 128, 4, "topk", seed=5)
+    meta = routing_metadata_op(tok, exp, 9, 4, None, "torch")
+    fp8_w = list(sonic.quantize_expert_weights(w1, w2, backend="torch"))
+    x_q, x_s = torch.ops.sonic.quantize_rows(x, "torch")
+    offsets = meta.expert_offsets
+    calls = [
+        (torch.ops.sonic.moe_experts_fp8, (x, w1, w2, scores, meta.packed, fp8_w, 0, "concat",
+                                           "torch", activation_cache, "bf16")),
+        (torch.ops.sonic.grouped_mm_fp8, (x_q, x_s, *fp8_w[:2], offsets, meta.gather_idx,
+                                          "torch")),
+        (torch.ops.sonic.quantize_blocks, (w1, "torch")),
+        (torch.ops.sonic.quantize_rows, (x, "torch")),
+    ]
+    for op, args in calls:
+        tensors = [t for t in _leaves(args) if isinstance(t, torch.Tensor)]
+        before = [t.view(torch.uint8).clone() if t.dtype == R.FP8_DTYPE else t.clone()
+                  for t in tensors]
+        out = op(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        for t, b in zip(tensors, before):
+            assert torch.equal(t.view(torch.uint8) if t.dtype == R.FP8_DTYPE else t, b), op
+        storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+        assert not any(o.numel() and o.untyped_storage().data_ptr() in storages
+                       for o in outs), op
+
+
 # ------------------------------------------------------------------------------ errors
 
 
@@ -359,24 +397,91 @@ def _copies_match_weights(layer):
                                     for a, b in zip(copies, expected))
 
 
-def test_moe_fp8_cache_reused_until_the_weights_change():
+def test_moe_fp8_copies_reused_only_inside_reuse_fp8_weights():
     layer = _fp8_layer()
     x = torch.randn(6, 128, dtype=BF16)
     assert layer.weight_copies() == ()
     layer(x).float().sum().backward()
     first = layer.weight_copies()
     assert _copies_match_weights(layer)
-    layer(x)
-    assert all(a is b for a, b in zip(layer.weight_copies(), first))   # reused, not remade
-    torch.optim.SGD(layer.parameters(), lr=0.5).step()                 # in-place update
-    out = layer(x)
+    layer(x)                                                           # outside: remade
     assert all(a is not b for a, b in zip(layer.weight_copies(), first))
-    assert _copies_match_weights(layer)
-    # The output is the one of copies made in this call.
+    with sonic.reuse_fp8_weights():
+        layer(x)
+        first = layer.weight_copies()
+        with sonic.reuse_fp8_weights():                                # blocks nest
+            layer(x)
+        layer(x)
+        assert all(a is b for a, b in zip(layer.weight_copies(), first))   # reused
+        torch.optim.SGD(layer.parameters(), lr=0.5).step()             # bumps the version
+        out = layer(x)
+        assert all(a is not b for a, b in zip(layer.weight_copies(), first))
+        assert _copies_match_weights(layer)
+    # The output is the one of copies made from the updated weights.
     want = sonic.moe_experts(x, layer.w1, layer.w2, layer.last_routing.scores,
                              layer.last_routing.token_idx, layer.last_routing.expert_idx,
                              backend="torch", precision="fp8")
     assert torch.equal(out.detach(), want.detach())
+
+
+def _fresh_output(layer, x):
+    """The layer's output computed from a copy with no FP8 copies kept."""
+    clone = _fp8_layer()
+    clone.load_state_dict(layer.state_dict())
+    return clone(x)
+
+
+@pytest.mark.parametrize("edit", ["data_mul", "data_copy", "copy_", "load_state_dict",
+                                  "detach_add", "assign_data"])
+def test_moe_fp8_weight_edits_are_seen_by_the_next_forward(edit):
+    """Every way of changing the weights between two forwards changes the output, the ones
+    that bypass the version counter (``.data``) included."""
+    layer = _fp8_layer()
+    x = torch.randn(6, 128, dtype=BF16)
+    before = layer(x)
+    new_w2 = torch.randn_like(layer.w2) * 0.1
+    with torch.no_grad():
+        if edit == "data_mul":
+            layer.w2.data.mul_(3)
+        elif edit == "data_copy":
+            layer.w2.data.copy_(new_w2)
+        elif edit == "copy_":
+            layer.w2.copy_(new_w2)
+        elif edit == "load_state_dict":
+            layer.load_state_dict({**layer.state_dict(), "w2": new_w2})
+        elif edit == "detach_add":
+            layer.w2.detach().add_(new_w2)
+        else:
+            layer.w2.data = new_w2.clone()
+    after = layer(x)
+    assert not torch.equal(after, before)
+    assert _copies_match_weights(layer)
+    assert torch.equal(after, _fresh_output(layer, x))
+
+
+def test_moe_fp8_data_edit_seen_after_a_reuse_block():
+    layer = _fp8_layer()
+    x = torch.randn(6, 128, dtype=BF16)
+    with sonic.reuse_fp8_weights():
+        layer(x)
+    layer.w2.data.mul_(3)
+    assert not _copies_match_weights(layer)          # the kept copies are the old weights'
+    out = layer(x)
+    assert _copies_match_weights(layer)
+    assert torch.equal(out, _fresh_output(layer, x))
+
+
+def test_moe_fp8_deepcopy_edit_does_not_leak_into_the_original():
+    layer = _fp8_layer()
+    x = torch.randn(6, 128, dtype=BF16)
+    with sonic.reuse_fp8_weights():
+        before = layer(x)
+        clone = copy.deepcopy(layer)
+        assert clone.weight_copies() == ()
+        clone.w2.data.mul_(3)
+        assert torch.equal(layer(x), before)
+        assert not torch.equal(clone(x), before)
+        assert _copies_match_weights(clone) and _copies_match_weights(layer)
 
 
 def test_moe_fp8_cache_not_in_state_dict_and_refreshed_by_load_state_dict():

@@ -4,12 +4,15 @@ Tiny random-weight models built from configs, fp32 on CPU: sonic's experts must 
 transformers' own implementations — logits, the router aux loss and every parameter gradient.
 """
 
+import copy
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
+
+import sonic
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("sonic.integrations.huggingface")
@@ -30,6 +33,11 @@ FAMILIES = {
               dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    # LFM2-MoE's experts call the function F.silu (act_fn is no module); one dense layer.
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(intermediate_size=32, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, num_dense_layers=1,
+                      layer_types=["conv", "full_attention"])),
     # Aria stores its experts transposed, (E, d, 2n) and (E, n, d).
     "aria": ("AriaTextConfig", "AriaTextForCausalLM",
              dict(intermediate_size=32, moe_num_experts=8, moe_topk=2,
@@ -89,7 +97,7 @@ def test_matches_transformers_experts(family, reference):
     assert model.config._experts_implementation == "sonic"
     logits, aux, grads = step(model)
     assert rel(logits, ref_logits) < 1e-5
-    if family == "aria":  # Aria's output carries no router aux loss
+    if family in ("aria", "lfm2_moe"):  # their outputs carry no router aux loss
         assert aux is None and ref_aux is None
     else:
         assert rel(aux, ref_aux) < 1e-6
@@ -194,6 +202,28 @@ def test_switch_back():
     assert torch.equal(logits, ref_logits)
 
 
+def test_any_silu_form_is_accepted_and_other_functions_name_where_they_differ():
+    model = tiny_model("qwen3_moe")
+    experts = next(m for m in model.modules() if hf.is_experts_module(m))
+
+    def set_act(fn):
+        experts._modules.pop("act_fn", None)    # a module attribute takes only modules
+        experts.__dict__.pop("act_fn", None)
+        setattr(experts, "act_fn", fn)
+
+    for silu in (torch.nn.functional.silu, torch.nn.SiLU(), lambda x: x * torch.sigmoid(x)):
+        set_act(silu)
+        assert hf.check_experts(experts) == "concat"
+    cases = {torch.nn.functional.gelu: r"not SiLU: at x=.* it gives .*silu gives",
+             torch.tanh: "not SiLU", torch.nn.PReLU(): "has parameters",
+             (lambda x: x[:1]): "elementwise", None: "not callable",
+             (lambda x: x.cuda_only_method()): "failed on a float64 probe"}
+    for act_fn, message in cases.items():
+        set_act(act_fn)
+        with pytest.raises(ValueError, match=message):
+            hf.check_experts(experts)
+
+
 def test_unsupported_activation_names_config_field():
     model = tiny_model("qwen3_moe", hidden_act="gelu")
     with pytest.raises(ValueError, match=r"config\.hidden_act='gelu'"):
@@ -242,12 +272,24 @@ def test_fp8_precision_and_fp8_activation_cache(family):
     assert 1e-3 < err < 5e-2, err
     assert all(grads[n].abs().sum() > 0 for n in grads if "experts" in n)
     experts = [m for m in model.modules() if hf.is_experts_module(m)]
-    copies = [m._sonic_fp8_cache.tensors()[0] for m in experts]
-    step(model)                                   # same weights: the same copies
-    assert all(m._sonic_fp8_cache.tensors()[0] is c for m, c in zip(experts, copies))
-    torch.optim.SGD(model.parameters(), lr=1e-2).step()
-    step(model)                                   # updated weights: new copies
-    assert all(m._sonic_fp8_cache.tensors()[0] is not c for m, c in zip(experts, copies))
+    with sonic.reuse_fp8_weights():
+        step(model)
+        copies = [m._sonic_fp8_cache.tensors()[0] for m in experts]
+        step(model)                               # same weights: the same copies
+        assert all(m._sonic_fp8_cache.tensors()[0] is c for m, c in zip(experts, copies))
+        torch.optim.SGD(model.parameters(), lr=1e-2).step()
+        step(model)                               # updated weights: new copies
+        assert all(m._sonic_fp8_cache.tensors()[0] is not c for m, c in zip(experts, copies))
+    # Outside the block an edit through .data (no version bump) is seen.
+    before, _, _ = step(model)
+    for m in experts:
+        m.down_proj.data.mul_(3)
+    after, _, _ = step(model)
+    assert not torch.equal(after, before)
+    clone = copy.deepcopy(model)
+    assert all(m._sonic_fp8_cache.tensors() == () for m in clone.modules()
+               if hf.is_experts_module(m))
+    assert torch.equal(step(clone)[0], after)
 
 
 def test_fp8_options_check_sizes_before_switching():

@@ -47,12 +47,14 @@ class ExpertLoad:
         check_int("num_experts", num_experts, low=1)
         self.num_experts = num_experts
         self._counts = None if device is None else torch.zeros(
-            num_experts, dtype=torch.int64, device=device)
+            num_experts + 1, dtype=torch.int64, device=device)
         self.steps = 0
 
     def update(self, routing) -> None:
-        """Add one step's pairs: ``routing`` is a :class:`sonic.Routing` or a ``(P,)`` tensor of
-        expert indices (in range: this adds without checking, to stay free of host reads)."""
+        """Add one step's pairs: ``routing`` is a :class:`sonic.Routing` (a padded one, such as
+        a token-rounding layer's ``last_routing``, counts its routed pairs only) or a ``(P,)``
+        tensor of expert indices in ``[0, E)`` (added without checking, to stay free of host
+        reads)."""
         if isinstance(routing, Routing):
             if routing.num_experts != self.num_experts:
                 raise ValueError(f"routing has num_experts={routing.num_experts}, this "
@@ -62,8 +64,9 @@ class ExpertLoad:
             check_index("expert_idx", routing)
             expert_idx = routing
         if self._counts is None:
-            self._counts = torch.zeros(self.num_experts, dtype=torch.int64,
+            self._counts = torch.zeros(self.num_experts + 1, dtype=torch.int64,
                                        device=expert_idx.device)
+        # Bin E takes a padded routing's padding (expert E), on the device: no host read.
         idx = expert_idx.detach().to(device=self._counts.device, dtype=torch.int64)
         self._counts.scatter_add_(0, idx, torch.ones_like(idx))
         self.steps += 1
@@ -74,7 +77,7 @@ class ExpertLoad:
         if self._counts is None:
             out = torch.zeros(self.num_experts, dtype=torch.int64)
         else:
-            out = self._counts.clone()
+            out = self._counts[:self.num_experts].clone()
         if all_reduce:
             import torch.distributed as dist
 
@@ -126,7 +129,8 @@ class Placement:
         if tuple(self.slot_expert.shape) != (slots,):
             raise ValueError(f"slot_expert must have shape (num_ranks·slots_per_rank={slots},), "
                              f"got {tuple(self.slot_expert.shape)}")
-        se = self.slot_expert.detach().to("cpu", torch.int64).contiguous()
+        # A copy: the placement must not change when the caller edits its tensor.
+        se = self.slot_expert.detach().to("cpu", torch.int64, copy=True).contiguous()
         object.__setattr__(self, "slot_expert", se)
         if slots < self.num_experts:
             raise ValueError(f"{slots} slots (num_ranks={self.num_ranks} × slots_per_rank="
@@ -185,11 +189,13 @@ class Placement:
 
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(replica_count (E,), replica_slots (E, max replicas))`` int64 on ``device``
-        (cached): ``replica_slots[e, :replica_count[e]]`` are ``e``'s slots ascending, the rest
+        (cached per device and content of :attr:`slot_expert`, so an in-place edit of it is
+        seen): ``replica_slots[e, :replica_count[e]]`` are ``e``'s slots ascending, the rest
         padding."""
         device = torch.device(device)
-        key = str(device)
-        if key not in self._tables:
+        content = self.slot_expert.numpy().tobytes()
+        cached = self._tables.get(str(device))
+        if cached is None or cached[0] != content:
             counts = self.replica_counts()
             width = int(counts.max())
             table = torch.zeros(self.num_experts, width, dtype=torch.int64)
@@ -198,8 +204,8 @@ class Placement:
             sorted_experts = self.slot_expert[order]
             col = torch.arange(order.numel()) - start[sorted_experts]
             table[sorted_experts, col] = order
-            self._tables[key] = (counts.to(device), table.to(device))
-        return self._tables[key]
+            cached = self._tables[str(device)] = (content, (counts.to(device), table.to(device)))
+        return cached[1]
 
     def pair_slots(self, token_idx: torch.Tensor, expert_idx: torch.Tensor,
                    source_rank: int) -> torch.Tensor:
@@ -220,13 +226,24 @@ class Placement:
 
 
 def _as_load(load, num_experts: int | None = None) -> torch.Tensor:
-    t = torch.as_tensor(load).detach().to("cpu", torch.float64).flatten()
+    """``load`` as a 1-D float64 CPU tensor, checked."""
+    t = torch.as_tensor(load).detach()
     if t.ndim != 1 or t.numel() == 0:
-        raise ValueError(f"load must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
+        raise ValueError(f"load must be a non-empty 1-D sequence of per-expert loads (E,), got "
+                         f"shape {tuple(t.shape)}" + (" (sum the steps or ranks first)"
+                                                      if t.ndim > 1 else ""))
     if num_experts is not None and t.numel() != num_experts:
         raise ValueError(f"load must have num_experts={num_experts} entries, got {t.numel()}")
-    if not torch.isfinite(t).all() or (t < 0).any():
-        raise ValueError("load must be finite and non-negative")
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"load must be integer or real floating point, got {t.dtype}")
+    t = t.to("cpu", torch.float64)
+    bad = (~torch.isfinite(t)).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"load must be finite: entry {bad[0].item()} is {t[bad[0]].item()}")
+    negative = (t < 0).nonzero().flatten()
+    if negative.numel():
+        raise ValueError(f"load must be non-negative: entry {negative[0].item()} is "
+                         f"{t[negative[0]].item()}")
     return t
 
 
@@ -252,7 +269,10 @@ def plan_placement(load: torch.Tensor | Sequence[float], num_ranks: int,
         slots_per_rank: expert weights per rank; ``num_ranks·slots_per_rank ≥ E``.
 
     Raises:
-        ValueError: too few slots, a load that is not a finite non-negative 1-D sequence.
+        ValueError: too few slots, a load that is not a non-empty 1-D sequence (a 2-D load
+            of steps × experts or ranks × experts is refused, not flattened), an entry that
+            is not finite or negative (the message names it).
+        TypeError: a bool or complex load.
     """
     check_int("num_ranks", num_ranks, low=1)
     check_int("slots_per_rank", slots_per_rank, low=1)

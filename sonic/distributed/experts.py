@@ -30,18 +30,21 @@ all-to-alls overlap another's local experts (:mod:`sonic.distributed.overlap`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
-from sonic.activation_cache import ACTIVATION_CACHES, check_activation_cache
+from sonic.activation_cache import check_activation_cache
 from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
                                         check_fp8_call, moe_experts, quantize_expert_weights)
 from sonic.backend import check_fp8_backend, expert_ops
-from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
+from sonic.distributed.comm import all_to_all, check_group
 from sonic.distributed.eplb import Placement
 from sonic.distributed.overlap import ChunkedExperts
-from sonic.distributed.plan import MAX_CHUNKS, DispatchPlan, plan_dispatch
+from sonic.distributed.plan import MAX_CHUNKS, DispatchPlan, agreed_values, plan_dispatch
+from sonic.types import ActivationCache, Backend, GateUp, Precision
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
@@ -122,12 +125,13 @@ class Combine(torch.autograd.Function):
 
 def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tensor,
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
-                   group, num_experts: int, gate_up: str = "concat",
-                   backend: str = "auto", placement: Placement | None = None,
+                   group, num_experts: int, gate_up: GateUp = "concat",
+                   backend: Backend = "auto", placement: Placement | None = None,
                    num_chunks: int = 1, comm_sm_margin: int = 0,
-                   recompute_dispatch: bool = False, precision: str = "bf16",
+                   recompute_dispatch: bool = False, precision: Precision = "bf16",
                    fp8_weights: Fp8ExpertWeights | None = None,
-                   activation_cache: str = "bf16") -> torch.Tensor:
+                   activation_cache: ActivationCache = "bf16",
+                   settings: Mapping[str, object] | None = None) -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -183,6 +187,11 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
             local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``), on every
             path; the rows travel in bf16 either way (each rank quantizes what it received).
+        settings: further settings of the caller that every rank must share, by name:
+            ``router``, ``training``, ``top_k``, ``tile``, ``rounding``, ``score``,
+            ``renormalize`` (what :class:`ExpertParallelMoE` passes); they travel in the count
+            exchange with this call's own (``d``, ``n``, ``E``, dtypes of x and scores, grad
+            mode, ...), so a disagreement raises on every rank.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
@@ -211,8 +220,9 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             size, ``w1_local`` not holding ``E/ep`` experts, unknown ``gate_up``/``backend``;
             raised on this rank before any collective, so other ranks wait until the process
             group's timeout. Out-of-range indices on any rank, or ranks disagreeing on ``d``,
-            ``n``, ``E``, ``num_chunks``, the dtype or grad mode and which inputs require grad
-            (backward's collectives depend on them): raised on *every* rank after the count
+            ``n``, ``E``, ``num_chunks``, the dtypes of x and scores, the grad mode, which inputs
+            require grad (backward's collectives depend on them) or an entry of ``settings``
+            (the message names the setting and each rank's value): raised on *every* rank after the count
             exchange. With a ``placement``: one for other than ``ep`` ranks
             or ``E`` experts, or ``w1_local`` not holding ``slots_per_rank`` experts (this
             rank); ranks holding different placements (every rank).
@@ -278,11 +288,17 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         check_fp8_call(x, num_local, n, fp8_weights)
         check_fp8_backend(backend, x.device)
     ops = expert_ops(backend, x.device)
-    agreed = [d, n, num_experts, DTYPE_CODES.index(x.dtype), int(torch.is_grad_enabled()),
-              *(int(t.requires_grad) for t in (x, scores, w1_local, w2_local)),
-              0 if placement is None else placement.fingerprint(), num_chunks,
-              int(recompute_dispatch), PRECISIONS.index(precision),
-              ACTIVATION_CACHES.index(activation_cache)]
+    agreed = agreed_values({
+        **(settings or {}), "num_experts": num_experts, "dtype of scores": scores.dtype,
+        "d (x.shape[1])": d, "n (w2_local.shape[2])": n, "dtype of x": x.dtype,
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        "x.requires_grad": x.requires_grad, "scores.requires_grad": scores.requires_grad,
+        "w1_local.requires_grad": w1_local.requires_grad,
+        "w2_local.requires_grad": w2_local.requires_grad,
+        "placement (its fingerprint; 0 for the contiguous default)":
+            0 if placement is None else placement.fingerprint(),
+        "num_chunks": num_chunks, "recompute_dispatch": recompute_dispatch,
+        "precision": precision, "activation_cache": activation_cache})
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
                          placement, num_chunks)
     if num_chunks > 1 or recompute_dispatch:

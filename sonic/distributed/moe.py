@@ -18,6 +18,8 @@ from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
+from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
+                         Score)
 
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype", "placement (fingerprint)")
@@ -81,7 +83,10 @@ class ExpertParallelMoE(MoE):
     :attr:`last_routing` the local :class:`Routing` with global expert indices.
 
     Construction is collective: one all-gather checks that all ranks agree on the
-    configuration, and the router weight is broadcast from group rank 0.
+    configuration, and the router weight is broadcast from group rank 0. The settings that may
+    change between calls (``router``, training mode, ``top_k``, ``tile``, ``rounding``,
+    ``score``, ``renormalize``) travel in every forward's first exchange: ranks that disagree
+    on one raise on every rank, naming it and each rank's value.
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -91,13 +96,13 @@ class ExpertParallelMoE(MoE):
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                 group=None, router: str = "topk", score: str = "softmax_topk",
-                 tile: int = 128, rounding: str = "nearest",
-                 renormalize: bool = False, gate_up: str = "concat", aux_loss_coef: float = 0.0,
-                 backend: str = "auto", device=None, dtype=None,
+                 group=None, router: Router = "topk", score: Score = "softmax_topk",
+                 tile: int = 128, rounding: Rounding = "nearest",
+                 renormalize: bool = False, gate_up: GateUp = "concat", aux_loss_coef: float = 0.0,
+                 backend: Backend = "auto", device=None, dtype=None,
                  placement: Placement | None = None, num_chunks: int = 1,
                  comm_sm_margin: int = 0, recompute_dispatch: bool = False,
-                 precision: str = "bf16", activation_cache: str = "bf16"):
+                 precision: Precision = "bf16", activation_cache: ActivationCache = "bf16"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
@@ -210,7 +215,8 @@ class ExpertParallelMoE(MoE):
         ``router="token_rounding"`` token rounding across the group (collective)."""
         if self.training and self.router == "token_rounding":
             return ep_token_rounding_routing(logits, self.top_k, group=self.group, tile=self.tile,
-                                             rounding=self.rounding, backend=self.backend)
+                                             rounding=self.rounding, backend=self.backend,
+                                             settings=self._settings())
         return super().route(logits)
 
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -228,7 +234,15 @@ class ExpertParallelMoE(MoE):
                               num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin,
                               recompute_dispatch=self.recompute_dispatch,
                               precision=self.precision, activation_cache=self.activation_cache,
-                              fp8_weights=self._fp8_weights(w1, w2))
+                              fp8_weights=self._fp8_weights(w1, w2), settings=self._settings())
+
+    def _settings(self) -> dict:
+        """The layer's settings every EP rank must share in each forward (they may be changed
+        between calls, so :meth:`_check_config` at construction is not enough); they travel
+        in the forward's first exchange."""
+        return {"router": self.router, "training": self.training, "top_k": self.top_k,
+                "tile": self.tile, "rounding": self.rounding, "score": self.score,
+                "renormalize": self.renormalize}
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

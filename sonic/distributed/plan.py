@@ -11,25 +11,40 @@ move the data by it. The count message also carries the settings every rank must
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from sonic.activation_cache import ACTIVATION_CACHES
 from sonic.experts.moe_experts import PRECISIONS
-from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group
+from sonic.distributed.comm import DTYPE_CODES, all_to_all, check_group, comm_device
 from sonic.distributed.eplb import Placement
+from sonic.nn.moe import ROUTERS
+from sonic.routing.token_rounding import ROUNDINGS
+from sonic.routing.topk import SCORES
 
 # What every rank sends every other rank beside its counts; all ranks compare all entries, so
-# a disagreement raises on every rank at once instead of hanging in the next collective.
-_AGREED = ("d (x.shape[1])", "n (w2_local.shape[2])", "num_experts", "dtype of x",
-           "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
+# a disagreement raises on every rank at once instead of hanging in the next collective. The
+# settings of an expert-parallel layer come first (a bare ep_moe_experts call leaves them
+# unset, -1): ranks that took different code paths (router, training mode) exchange messages
+# of the same size, and the first setting that differs is the one that sent them apart.
+_AGREED = ("router", "training", "top_k", "tile", "rounding", "score", "renormalize",
+           "num_experts", "dtype of scores", "d (x.shape[1])", "n (w2_local.shape[2])",
+           "dtype of x", "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
            "placement (its fingerprint; 0 for the contiguous default)", "num_chunks",
            "recompute_dispatch", "precision", "activation_cache")
 # How the named entries of _AGREED travel (an index into these) and are printed.
-_AGREED_CODES = {"dtype of x": DTYPE_CODES, "precision": PRECISIONS,
-                 "activation_cache": ACTIVATION_CACHES}
+_BOOL = (False, True)
+_AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "score": SCORES,
+                 "renormalize": _BOOL, "dtype of scores": DTYPE_CODES, "dtype of x": DTYPE_CODES,
+                 "torch.is_grad_enabled()": _BOOL, "x.requires_grad": _BOOL,
+                 "scores.requires_grad": _BOOL, "w1_local.requires_grad": _BOOL,
+                 "w2_local.requires_grad": _BOOL, "recompute_dispatch": _BOOL,
+                 "precision": PRECISIONS, "activation_cache": ACTIVATION_CACHES}
+# The value of a setting the caller did not give (a bare functional call).
+_UNSET = -1
 # The most chunks a layer call may pipeline (the count message has room for this many).
 MAX_CHUNKS = 16
 
@@ -108,6 +123,71 @@ class DispatchPlan:
             pair_order=pair_order, chunks=chunks)
 
 
+def agreed_values(settings: Mapping[str, object]) -> list[int]:
+    """This rank's row of :data:`_AGREED` for the count exchange: each setting named in
+    ``settings`` encoded as an int (strings, bools and dtypes as their index in
+    :data:`_AGREED_CODES`), the others unset.
+
+    Raises:
+        ValueError: a name that is not in :data:`_AGREED`, or a value outside its codes.
+    """
+    unknown = sorted(set(settings) - set(_AGREED))
+    if unknown:
+        raise ValueError(f"unknown EP settings {unknown}; known: {', '.join(_AGREED)}")
+    row = []
+    for name in _AGREED:
+        value = settings.get(name)
+        if value is None:
+            row.append(_UNSET)
+        elif name in _AGREED_CODES:
+            if value not in _AGREED_CODES[name]:
+                raise ValueError(f"EP setting {name} must be one of {_AGREED_CODES[name]}, "
+                                 f"got {value!r}")
+            row.append(_AGREED_CODES[name].index(value))
+        else:
+            row.append(int(value))
+    return row
+
+
+def _exchange(rows: torch.Tensor, pairs: torch.Tensor, bad: torch.Tensor, agreed: list[int],
+              group, ep_size: int, ep_rank: int, num_tokens: int, num_experts: int):
+    """The count all-to-all: to each group rank its row and pair counts per chunk (``rows``,
+    ``pairs``: ``(ep, C)``, sent padded to ``MAX_CHUNKS``), the out-of-range flag ``bad`` and
+    ``agreed``. One message size whatever the caller, so ranks on different code paths still
+    meet. Returns ``(sent, table, recv)``: host lists of what this rank sent to and received
+    from each rank, and the received tensor; raises on every rank what
+    :func:`_check_agreement` finds."""
+    device = rows.device
+    pad = (0, MAX_CHUNKS - rows.shape[1])
+    counts = torch.cat([torch.nn.functional.pad(rows, pad), torch.nn.functional.pad(pairs, pad),
+                        bad.to(torch.int64).expand(ep_size, 1),
+                        torch.tensor(agreed, dtype=torch.int64, device=device).expand(ep_size, -1)],
+                       dim=1)
+    recv = all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
+    host = torch.cat([counts[:, :2 * MAX_CHUNKS].flatten(), recv.flatten()]).tolist()  # one sync
+    sent = [host[j * 2 * MAX_CHUNKS:(j + 1) * 2 * MAX_CHUNKS] for j in range(ep_size)]
+    table = host[ep_size * 2 * MAX_CHUNKS:]
+    table = [table[j * counts.shape[1]:(j + 1) * counts.shape[1]] for j in range(ep_size)]
+    _check_agreement(table, agreed, ep_rank, num_tokens, num_experts)
+    return sent, table, recv
+
+
+def check_settings(settings: Mapping[str, object], group, device: torch.device) -> None:
+    """Collective: raise on every rank of ``group`` unless all agree on ``settings`` (names of
+    :data:`_AGREED`). It is a count exchange without counts — the message a layer's dispatch
+    sends — so a rank that calls this while another dispatches meets it, and both name the
+    setting that differs. ``device``: where the caller's tensors are.
+
+    Raises:
+        ValueError: ranks disagree (on every rank, naming the setting and each rank's value).
+    """
+    ep_size, ep_rank = check_group(group)
+    device = comm_device(group, device)
+    none = torch.zeros(ep_size, 1, dtype=torch.int64, device=device)
+    _exchange(none, none, torch.zeros((), dtype=torch.bool, device=device),
+              agreed_values(settings), group, ep_size, ep_rank, 0, 0)
+
+
 def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
                   num_experts: int, agreed: list[int], group,
                   placement: Placement | None = None, num_chunks: int = 1) -> DispatchPlan:
@@ -115,7 +195,7 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     ``num_chunks`` chunks of ``ceil(T / num_chunks)`` consecutive tokens (the last ones
     shorter or empty).
 
-    ``agreed`` holds this rank's values of :data:`_AGREED`. ``placement``: where experts live
+    ``agreed`` holds this rank's values of :data:`_AGREED` (:func:`agreed_values`). ``placement``: where experts live
     (``None``: contiguous, expert ``e`` at local index ``e % (E/ep)`` of rank ``e // (E/ep)``).
     A pair's destination does not depend on the chunking (a replica is chosen from the token's
     index among all ``T``), so every chunk count sends every pair to the same expert.
@@ -159,17 +239,8 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
 
     # Padded to MAX_CHUNKS chunks, so the message has the same size on every rank even when
     # ranks disagree on num_chunks (which the agreement check then reports).
-    pad = (0, MAX_CHUNKS - num_chunks)
-    counts = torch.cat([torch.nn.functional.pad(rows, pad), torch.nn.functional.pad(pairs, pad),
-                        bad.to(torch.int64).expand(ep_size, 1),
-                        torch.tensor(agreed, dtype=torch.int64, device=device).expand(ep_size, -1)],
-                       dim=1)
-    recv = all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
-    host = torch.cat([counts[:, :2 * MAX_CHUNKS].flatten(), recv.flatten()]).tolist()  # one sync
-    sent = [host[j * 2 * MAX_CHUNKS:(j + 1) * 2 * MAX_CHUNKS] for j in range(ep_size)]
-    table = host[ep_size * 2 * MAX_CHUNKS:]
-    table = [table[j * counts.shape[1]:(j + 1) * counts.shape[1]] for j in range(ep_size)]
-    _check_agreement(table, agreed, ep_rank, num_tokens, num_experts)
+    sent, table, recv = _exchange(rows, pairs, bad, agreed, group, ep_size, ep_rank, num_tokens,
+                                  num_experts)
     # [c][j]: chunk c, group rank j.
     send_rows = [[sent[j][c] for j in range(ep_size)] for c in range(num_chunks)]
     send_pairs = [[sent[j][MAX_CHUNKS + c] for j in range(ep_size)] for c in range(num_chunks)]
@@ -226,7 +297,8 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
 def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, num_tokens: int,
                      num_experts: int) -> None:
     """``table[j]``: what group rank ``j`` sent — ``2·MAX_CHUNKS`` counts, its out-of-range
-    flag, then its values of :data:`_AGREED`."""
+    flag, then its values of :data:`_AGREED`. The message names the first setting that
+    differs and every rank's value of it, the same on every rank."""
     num_counts = 2 * MAX_CHUNKS
     for source, row in enumerate(table):
         if row[num_counts]:
@@ -234,9 +306,22 @@ def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, nu
             raise ValueError(f"token_idx/expert_idx out of range on {where}: token_idx must be "
                              f"in [0, T) and expert_idx in [0, num_experts={num_experts}) on "
                              f"every rank (this rank has T={num_tokens})")
-        for name, mine, theirs in zip(_AGREED, agreed, row[num_counts + 1:]):
-            if mine != theirs:
-                if name in _AGREED_CODES:
-                    mine, theirs = _AGREED_CODES[name][mine], _AGREED_CODES[name][theirs]
-                raise ValueError(f"EP ranks disagree on {name}: EP rank {source} has {theirs}, "
-                                 f"this rank ({ep_rank}) has {mine}")
+    for index, name in enumerate(_AGREED):
+        values = [row[num_counts + 1 + index] for row in table]
+        if len(set(values)) > 1:
+            ranks: dict[int, list[int]] = {}
+            for source, value in enumerate(values):
+                ranks.setdefault(value, []).append(source)
+            found = "; ".join(f"{_decode(name, value)} on EP rank{'s' if len(r) > 1 else ''} "
+                              f"{', '.join(map(str, r))}" for value, r in ranks.items())
+            raise ValueError(f"EP ranks disagree on {name}: {found} (this rank is {ep_rank}, "
+                             f"it has {_decode(name, agreed[index])}); every rank of the group "
+                             f"must use the same {name}")
+
+
+def _decode(name: str, value: int) -> str:
+    """How a value of setting ``name`` is printed."""
+    if value == _UNSET:
+        return "unset"
+    codes = _AGREED_CODES.get(name)
+    return repr(codes[value]) if codes is not None and 0 <= value < len(codes) else str(value)

@@ -25,17 +25,21 @@ weakest picks (strongest non-picks), so a rank only ships those candidates:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 
 from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import check_group, comm_device
+from sonic.distributed.plan import check_settings
 from sonic.reference.ops import accumulate_dtype
 from sonic.routing.token_rounding import (ROUNDINGS, expert_counts, kept_keys,
                                           kept_routing, rounded_counts,
                                           strongest_non_pick_tokens, weakest_pick_ranks)
 from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
+from sonic.types import Backend, Rounding
 
 # The most pairs rounding can move one expert's boundary by, per rounding mode, for a tile:
 # "nearest" drops at most ceil(tile/2) - 1 picks or adds at most floor(tile/2) non-picks.
@@ -49,7 +53,8 @@ def candidate_width(tile: int, rounding: str) -> int:
 
 
 def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile: int = 128,
-                              rounding: str = "nearest", backend: str = "auto") -> Routing:
+                              rounding: Rounding = "nearest", backend: Backend = "auto",
+                              settings: Mapping[str, object] | None = None) -> Routing:
     """Token rounding of the whole expert-parallel batch, run by every rank on its own tokens.
 
     Collective: every rank of ``group`` must call it, with the same ``E``, ``k``, ``tile``,
@@ -63,18 +68,27 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
             between ranks, and may be 0).
         k, tile, rounding, backend: as in :func:`sonic.token_rounding_routing`.
         group: the EP process group (``None``: the default group).
+        settings: further settings every rank must share, as in
+            :func:`sonic.distributed.ep_moe_experts` (:class:`ExpertParallelMoE` passes its
+            own).
 
     Returns:
         This rank's :class:`Routing`: token indices local to the rank, global expert indices,
         pairs grouped by expert (ascending) and tokens ascending within an expert; scores fp32
         (fp64 for fp64 logits), differentiable with respect to ``logits``.
 
-    Cost: two all-gathers (``E + 1`` int64, then ``E × W × 2`` int64 per rank,
+    Agreement: the first collective is the count exchange of :func:`ep_moe_experts` without
+    counts, carrying ``E``, ``k``, ``tile``, ``rounding``, the scores' dtype and ``settings``:
+    ranks that disagree on any of them, or where another rank dispatches top-K pairs instead,
+    raise on every rank naming the setting, before the gathers (whose sizes depend on them).
+
+    Cost: one count exchange, two all-gathers (``E + 1`` int64, then ``E × W × 2`` int64 per rank,
     ``W = candidate_width(tile, rounding)``: ``tile // 2`` for ``"nearest"``, ``tile − 1``
     otherwise; ``W = 0``, as for ``tile = 1``, skips the second) and one device→host read.
 
     Raises:
-        TypeError / ValueError: as :func:`sonic.token_rounding_routing`.
+        TypeError / ValueError: as :func:`sonic.token_rounding_routing`; ValueError on every
+            rank when ranks disagree (see above).
         RuntimeError: ``torch.distributed`` not initialised; ValueError: this process is not
             in ``group``.
     """
@@ -86,6 +100,9 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
     device = logits.device
     comm = comm_device(group, device)
     acc = accumulate_dtype(logits.dtype)
+    check_settings({**(settings or {}), "router": "token_rounding", "top_k": k, "tile": tile,
+                    "rounding": rounding, "num_experts": num_experts, "dtype of scores": acc},
+                   group, device)
     key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
     # Token choice on this rank's tokens: per token, so its picks and scores are those of the
     # whole batch.

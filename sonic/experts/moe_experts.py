@@ -39,8 +39,8 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
 * Saved for backward: as in bf16 (X by reference, H ``(P, 2n)`` in bf16 or, with
   ``activation_cache="fp8"``, in e4m3 + 1×128 scales; scores, metadata; nothing ``P × d``)
   plus the caller's FP8 weight copies by reference.
-* Weight copies: :class:`Fp8ExpertWeights` (``quantize_expert_weights``), made once per
-  optimizer step by :class:`sonic.MoE` (cached on the weights' version), or per call by
+* Weight copies: :class:`Fp8ExpertWeights` (``quantize_expert_weights``), made per forward by
+  :class:`sonic.MoE` (once per weight update inside :func:`reuse_fp8_weights`), or per call by
   :func:`moe_experts` when none are passed.
 * Inputs must be bf16 (or cast to it by ``torch.autocast(dtype=torch.bfloat16)``): the FP8
   GEMMs write bf16, and an fp32/fp64 layer would silently lose its precision.
@@ -50,7 +50,9 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple, get_args
 
 import torch
 
@@ -59,9 +61,10 @@ from sonic._validation import (check_choice, check_float, check_index, check_ind
                                check_same_device)
 from sonic.activation_cache import check_activation_cache
 from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads, resolve_backend
-from sonic.types import FP8_BLOCK, GATE_UP_LAYOUTS, RoutingMetadata
+from sonic.types import (FP8_BLOCK, GATE_UP_LAYOUTS, ActivationCache, Backend, GateUp,
+                         Precision, RoutingMetadata)
 
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
 class Fp8ExpertWeights(NamedTuple):
@@ -87,7 +90,7 @@ class Fp8ExpertWeights(NamedTuple):
 
 
 def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
-                            backend: str = "auto") -> Fp8ExpertWeights:
+                            backend: Backend = "auto") -> Fp8ExpertWeights:
     """FP8 copies of ``w1 (E, 2n, d)`` and ``w2 (E, d, n)`` and of their transposes (the
     backward's K-major operands), one pass each: e4m3 per 128×128 block with fp32 scales
     (DeepSeek-V3 §3.3; :func:`sonic.reference.fp8.quantize_blocks_and_transpose`, the CuTe
@@ -112,15 +115,50 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor,
     return Fp8ExpertWeights(w1_q, w1_s, w2_q, w2_s, w1t_q, w1t_s, w2t_q, w2t_s)
 
 
-class Fp8WeightCache:
-    """The FP8 copies of a module's expert weights, made once per weight update.
+_REUSE_DEPTH = 0      # open reuse_fp8_weights() blocks
 
-    :meth:`get` returns :func:`quantize_expert_weights` of this call's ``w1``, ``w2`` (possibly
-    autocast or transposed views of the parameters), reused while the parameters are
-    unchanged: keyed on each parameter's data pointer, version counter (bumped by every
-    in-place update: ``optimizer.step``, ``load_state_dict``), shape and device, and on the
-    dtype of the weights quantized and the backend. Not part of any ``state_dict``; a copy of
-    the owner should start from an empty cache (the copies are derived data).
+
+@contextlib.contextmanager
+def reuse_fp8_weights() -> Iterator[None]:
+    """Reuse each layer's FP8 weight copies across the forwards inside the block.
+
+    Outside this block a :class:`sonic.MoE` (or Hugging Face experts module) with
+    ``precision="fp8"`` quantizes its weights in every forward, which costs one pass over the
+    weights per forward and is always the copy of the weights as they are now. Inside it, a
+    layer quantizes once and reuses the copies while its parameters keep their data pointer,
+    version counter, shape and device — for several forwards between two optimizer steps
+    (gradient accumulation, activation checkpointing's recompute, evaluation, generation)::
+
+        with sonic.reuse_fp8_weights():
+            for micro_batch in micro_batches:
+                loss_fn(model(micro_batch)).backward()
+        optimizer.step()
+
+    ``optimizer.step``, ``load_state_dict`` and ``param.copy_`` bump the version counter and so
+    refresh the copies inside the block too; an in-place edit through ``param.data`` (or any
+    other tensor that shares the storage but not the version counter) does not: edit weights
+    that way only outside the block. Blocks nest; the copies are the module's own (not in its
+    ``state_dict``, not copied by ``copy.deepcopy`` or pickling).
+    """
+    global _REUSE_DEPTH
+    _REUSE_DEPTH += 1
+    try:
+        yield
+    finally:
+        _REUSE_DEPTH -= 1
+
+
+class Fp8WeightCache:
+    """The FP8 copies of a module's expert weights (:func:`quantize_expert_weights`).
+
+    :meth:`get` quantizes this call's ``w1``, ``w2`` (possibly autocast or transposed views of
+    the parameters) and keeps the copies, which :meth:`tensors` lists (they are the module's
+    state for :func:`sonic.profile_activation_memory`). It reuses them only inside
+    :func:`reuse_fp8_weights`, and only while the key is unchanged: each parameter's data
+    pointer, version counter, shape and device, the dtype of the weights quantized and the
+    backend. The version counter misses in-place edits through ``.data``, so outside that
+    explicit block nothing is reused. Not part of any ``state_dict``; a copy of the owner
+    starts from an empty cache (the copies are derived data).
     """
 
     def __init__(self):
@@ -128,24 +166,30 @@ class Fp8WeightCache:
 
     def get(self, w1: torch.Tensor, w2: torch.Tensor, params: tuple[torch.Tensor, ...],
             backend: str) -> Fp8ExpertWeights | None:
-        """The cached copies of ``w1``, ``w2`` (derived from ``params``; any strides, e.g.
-        transposed views), made now if stale. None when a weight is not bf16
-        (:func:`moe_experts` then raises its TypeError) and under ``torch.compile``
-        (quantized per call there)."""
+        """The copies of ``w1``, ``w2`` (derived from ``params``; any strides, e.g.
+        transposed views): made now, or reused inside :func:`reuse_fp8_weights` when the key
+        matches. None when a weight is not bf16 (:func:`moe_experts` then raises its
+        TypeError) and under ``torch.compile`` (quantized per call there)."""
         if (w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16
                 or torch.compiler.is_compiling()):
             return None
         key = (w1.dtype, backend) + tuple((p.data_ptr(), p._version, tuple(p.shape), p.device)
                                           for p in params)
-        if self._entry is None or self._entry[0] != key:
-            self._entry = None      # drop the stale copies before making new ones
+        if not _REUSE_DEPTH or self._entry is None or self._entry[0] != key:
+            self._entry = None      # drop the old copies before making new ones
             self._entry = (key, quantize_expert_weights(w1.contiguous(), w2.contiguous(),
                                                         backend))
         return self._entry[1]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The cached copies' tensors (empty when none)."""
+        """The kept copies' tensors (empty when none)."""
         return () if self._entry is None else tuple(self._entry[1])
+
+    def __deepcopy__(self, memo) -> "Fp8WeightCache":
+        return Fp8WeightCache()
+
+    def __reduce__(self):
+        return (Fp8WeightCache, ())
 
 
 def check_fp8_sizes(d: int, n: int) -> None:
@@ -157,10 +201,10 @@ def check_fp8_sizes(d: int, n: int) -> None:
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
-                token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: str = "concat",
-                backend: str = "auto", metadata: RoutingMetadata | None = None,
-                precision: str = "bf16", fp8_weights: Fp8ExpertWeights | None = None,
-                activation_cache: str = "bf16") -> torch.Tensor:
+                token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: GateUp = "concat",
+                backend: Backend = "auto", metadata: RoutingMetadata | None = None,
+                precision: Precision = "bf16", fp8_weights: Fp8ExpertWeights | None = None,
+                activation_cache: ActivationCache = "bf16") -> torch.Tensor:
     """Routed SwiGLU experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·SwiGLU(W1[e]·x_t)``.
 
     Args:
@@ -253,6 +297,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
         resolve_backend(backend, x.device)   # backend="cute" that cannot run fails here
         if precision == "fp8":
             check_fp8_backend(backend, x.device)
+    if metadata is not None and not isinstance(metadata, RoutingMetadata):
+        raise TypeError(f"metadata must be a sonic.RoutingMetadata, the result of "
+                        f"sonic.routing_metadata(routing), or None; got "
+                        f"{type(metadata).__name__}"
+                        + (" (pass sonic.routing_metadata(routing) instead of the routing)"
+                           if type(metadata).__name__ == "Routing" else ""))
     if metadata is None:
         check_index_ranges(token_idx=(token_idx, num_tokens), expert_idx=(expert_idx, num_experts))
         metadata = routing_metadata_op(token_idx, expert_idx, num_tokens, num_experts, None,

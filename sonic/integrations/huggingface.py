@@ -29,6 +29,7 @@ Source: transformers 5.x ``integrations/moe.py`` (the registry and its call sign
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import sonic
@@ -37,6 +38,7 @@ from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_exper
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
+from sonic.types import ActivationCache, Backend, Precision
 
 try:
     import transformers.integrations.moe as _hf_moe
@@ -87,7 +89,8 @@ def check_experts(module: nn.Module) -> str:
         ValueError: experts sonic cannot compute, naming the cause — no gate
             (``has_gate=False``), biases (``gate_up_proj_bias``/``down_proj_bias``), a
             post-expert norm, a custom ``_apply_gate`` (e.g. GPT-OSS's clamped SwiGLU), an
-            activation other than SiLU (``config.hidden_act``), or weights that are not
+            ``act_fn`` that is not SiLU (any form: ``nn.SiLU``, ``F.silu``, a function
+            computing it; the message names the input where it differs), or weights that are not
             bf16/fp16/fp32/fp64 (quantized experts).
     """
     name = type(module).__name__
@@ -106,18 +109,53 @@ def check_experts(module: nn.Module) -> str:
     if type(module)._apply_gate is not _hf_moe._default_apply_gate:
         raise ValueError(f"{name} overrides _apply_gate (a custom gating function); sonic "
                          f"computes silu(gate) * up only")
-    act_fn = getattr(module, "act_fn", None)
-    if not isinstance(act_fn, _SILU):
-        hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
-        raise ValueError(f"{name}.act_fn is {type(act_fn).__name__} (config.hidden_act="
-                         f"{hidden_act!r}); sonic computes SwiGLU only: hidden_act must be "
-                         f"'silu' (or 'swish')")
+    _check_silu(name, getattr(module, "act_fn", None),
+                getattr(getattr(module, "config", None), "hidden_act", None))
     for param in ("gate_up_proj", "down_proj"):
         dtype = getattr(module, param).dtype
         if dtype not in _WEIGHT_DTYPES:
             raise ValueError(f"{name}.{param} has dtype {dtype}; sonic takes bf16, fp16, fp32 "
                              f"or fp64 expert weights (not quantized ones)")
     return "concat"
+
+
+def _check_silu(name: str, act_fn, hidden_act) -> None:
+    """Raise ``ValueError`` unless ``act_fn`` computes SiLU: an ``nn.SiLU`` or transformers'
+    ``SiLUActivation`` module, or a parameter-free callable (``F.silu``, as LFM2-MoE uses, or
+    any other form) that matches ``F.silu`` in fp64 on probe points spanning its range."""
+    if isinstance(act_fn, _SILU):
+        return
+    what = f"{name}.act_fn ({_describe(act_fn)}, config.hidden_act={hidden_act!r})"
+    if not callable(act_fn):
+        raise ValueError(f"{what} is not callable; sonic computes SwiGLU experts, "
+                         f"silu(gate) * up")
+    if isinstance(act_fn, nn.Module) and any(True for _ in act_fn.parameters()):
+        raise ValueError(f"{what} has parameters (a learnable activation); sonic computes "
+                         f"SwiGLU experts with the fixed silu(gate) * up")
+    probe = torch.cat([torch.linspace(-30, 30, 121, dtype=torch.float64),
+                       torch.tensor([-1e-3, 1e-3, 0.5, 1.5], dtype=torch.float64)])
+    want = F.silu(probe)
+    try:
+        with torch.no_grad():
+            got = act_fn(probe.clone())
+    except Exception as err:    # any failure means it is not a SiLU sonic can stand in for
+        raise ValueError(f"{what} failed on a float64 probe ({type(err).__name__}: {err}); "
+                         f"sonic computes SwiGLU experts, silu(gate) * up") from err
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        raise ValueError(f"{what} does not map a tensor elementwise to one of its shape; sonic "
+                         f"computes SwiGLU experts, silu(gate) * up")
+    diff = (got.to(torch.float64) - want).abs()
+    worst = int(diff.argmax())
+    if not diff[worst] <= 1e-6 * (1 + want[worst].abs()):
+        raise ValueError(f"{what} is not SiLU: at x={probe[worst].item():g} it gives "
+                         f"{got[worst].item():.6g}, silu gives {want[worst].item():.6g}; sonic "
+                         f"computes SwiGLU experts only (hidden_act 'silu' or 'swish')")
+
+
+def _describe(act_fn) -> str:
+    if isinstance(act_fn, nn.Module):
+        return type(act_fn).__name__
+    return getattr(act_fn, "__qualname__", type(act_fn).__name__)
 
 
 def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
@@ -189,9 +227,8 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
 
 def _fp8_cache(module: nn.Module) -> Fp8WeightCache:
     """The experts module's FP8 weight copies (``module._sonic_fp8_cache``), made on first
-    use. A plain attribute, not a buffer: not in the ``state_dict``; ``copy.deepcopy`` of the
-    module copies it, and its key (the parameters' data pointers) then misses, so the copy
-    quantizes its own weights."""
+    use. A plain attribute, not a buffer: not in the ``state_dict``; ``copy.deepcopy`` and
+    pickling of the module give the copy an empty cache."""
     cache = getattr(module, "_sonic_fp8_cache", None)
     if cache is None:
         cache = module._sonic_fp8_cache = Fp8WeightCache()
@@ -209,8 +246,8 @@ def _check_fp8_options(module: nn.Module, precision: str, activation_cache: str)
         check_fp8_d_expert(n)
 
 
-def use_sonic_experts(model: nn.Module, backend: str = "auto", *, precision: str = "bf16",
-                      activation_cache: str = "bf16") -> nn.Module:
+def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision: Precision = "bf16",
+                      activation_cache: ActivationCache = "bf16") -> nn.Module:
     """Switch a transformers MoE model's routed experts to sonic, in place.
 
     Registers ``"sonic"`` (:func:`register`), checks every experts module
@@ -227,8 +264,8 @@ def use_sonic_experts(model: nn.Module, backend: str = "auto", *, precision: str
         precision: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 expert GEMMs, bf16
             weight gradients; needs bf16 compute — bf16 weights or ``torch.autocast`` — and
             ``hidden_size`` and the experts' intermediate size multiples of 128). The FP8
-            copies of each experts module's weights are cached on it and remade after every
-            in-place weight update (``optimizer.step``, ``load_state_dict``).
+            copies of each experts module's weights are made in every forward, and once per
+            weight update inside :func:`sonic.reuse_fp8_weights`.
         activation_cache: ``"bf16"`` or ``"fp8"`` (H kept for backward in e4m3 + 1×128
             scales; bf16/fp16 compute, intermediate size a multiple of 64); see
             :func:`sonic.moe_experts`.

@@ -6,6 +6,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal, get_args, overload
 
 import torch
 from torch import nn
@@ -21,8 +22,10 @@ from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
 from sonic.routing.topk import SCORES, topk_routing
 from sonic.routing.types import Routing
+from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
+                         Score)
 
-ROUTERS = ("topk", "token_rounding")
+ROUTERS: tuple[Router, ...] = get_args(Router)
 
 
 def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -90,9 +93,12 @@ def collect_aux_losses(model: nn.Module | None = None) -> Iterator[list[torch.Te
             collects from every layer.
 
     Reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``) runs the
-    forward without grad and again during backward, so a collected loss from inside a
-    reentrant-checkpointed region trains nothing; there, return it from the checkpointed
-    function instead (``layer(x, return_aux_loss=True)``). Non-reentrant checkpointing works.
+    forward without grad and again during backward, so a loss collected there could train
+    nothing: a layer whose parameters require grad raises ``RuntimeError`` when it would
+    collect with gradients disabled. There, return the loss from the checkpointed function
+    (``layer(x, return_aux_loss=True)``) or use non-reentrant checkpointing, which works
+    eagerly. Under ``torch.compile`` a layer inside a checkpointed region cannot append to the
+    list (Dynamo refuses side effects there): return the loss from the region instead.
     """
     sink: list[torch.Tensor] = []
     layers = None if model is None else [m for m in model.modules() if isinstance(m, MoE)]
@@ -113,6 +119,18 @@ def _collector_for(layer: "MoE") -> list | None:
     return None
 
 
+def _checked_setting(name: str, check) -> property:
+    """A layer setting kept in ``_<name>``, checked by ``check(layer, value)`` (which raises)
+    on every assignment, so a bad value fails where it is set rather than in a forward."""
+    private = "_" + name
+
+    def fset(layer, value):
+        check(layer, value)
+        setattr(layer, private, value)
+
+    return property(lambda layer: getattr(layer, private), fset)
+
+
 class MoE(nn.Module):
     """Mixture-of-Experts FFN: a linear router and ``E`` SwiGLU experts run by :func:`moe_experts`.
 
@@ -128,6 +146,8 @@ class MoE(nn.Module):
         score: top-K score function, ``"softmax_topk"`` or ``"topk_softmax"``.
         renormalize: renormalise ``"topk_softmax"`` scores to sum to 1 (a ``bool``).
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
+        ``top_k``, ``tile``, ``score``, ``renormalize`` and ``rounding`` are settable later
+        (``layer.top_k = 4``) and checked on assignment, with the errors of the constructor.
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
             scale); a finite number ``>= 0``, settable later (checked again then).
@@ -135,10 +155,10 @@ class MoE(nn.Module):
         precision: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 GEMMs, see :func:`moe_experts`;
             needs ``d_model`` and ``d_expert`` multiples of 128, bf16 compute — a bf16 layer or
             ``torch.autocast(dtype=torch.bfloat16)`` — and Hopper for the CuTe backend);
-            settable later. The FP8 copies of ``w1``/``w2`` are made once per weight update:
-            cached on the weights' ``(data_ptr, _version, shape, device)``, which
-            ``optimizer.step`` and ``load_state_dict`` change; the cache is not part of the
-            ``state_dict`` and is dropped by copies and pickling.
+            settable later. The FP8 copies of ``w1``/``w2`` are made in every forward, and
+            once per weight update inside :func:`sonic.reuse_fp8_weights` (gradient
+            accumulation, evaluation); they are not part of the ``state_dict`` and are
+            dropped by copies and pickling.
         activation_cache: how H is kept for backward, ``"bf16"`` (as computed) or ``"fp8"``
             (e4m3 + 1×128 fp32 scales, about half the bytes; needs ``d_expert`` a multiple of 64
             and bf16/fp16 compute, i.e. bf16/fp16 parameters or ``torch.autocast``); see
@@ -154,7 +174,10 @@ class MoE(nn.Module):
     loss trains the router. :func:`collect_aux_losses` collects it from every layer of a model
     instead. Under ``torch.autocast`` the layer accepts any float input and computes in the
     autocast dtype, as ``nn.Linear`` does. :attr:`last_routing` holds the :class:`Routing`
-    of the last forward with detached scores (for inspection; not set under ``torch.export``);
+    of the last eager forward with detached scores (for inspection). A forward traced by
+    ``torch.compile`` or ``torch.export`` writes nothing to the module (a write would break
+    the graph under activation checkpointing): there it is left as the last eager forward
+    set it (``None`` if none ran);
     token rounding leaves a padded one there (``last_routing.trim()`` gives the exact pairs).
     Router scores are fp32 (fp64 in an fp64 layer, so ``gradcheck`` works).
 
@@ -172,10 +195,11 @@ class MoE(nn.Module):
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                 router: str = "topk", tile: int = 128, score: str = "softmax_topk",
-                 renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
-                 aux_loss_coef: float = 0.0, backend: str = "auto", precision: str = "bf16",
-                 activation_cache: str = "bf16", device=None, dtype=None):
+                 router: Router = "topk", tile: int = 128, score: Score = "softmax_topk",
+                 renormalize: bool = False, rounding: Rounding = "nearest",
+                 gate_up: GateUp = "concat", aux_loss_coef: float = 0.0,
+                 backend: Backend = "auto", precision: Precision = "bf16",
+                 activation_cache: ActivationCache = "bf16", device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
@@ -188,20 +212,17 @@ class MoE(nn.Module):
         self.reset_parameters()
 
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                   router: str, tile: int, score: str, renormalize: bool, rounding: str,
-                   gate_up: str, aux_loss_coef: float, backend: str,
-                   precision: str = "bf16", activation_cache: str = "bf16") -> None:
+                   router: Router, tile: int, score: Score, renormalize: bool,
+                   rounding: Rounding, gate_up: GateUp, aux_loss_coef: float,
+                   backend: Backend, precision: Precision = "bf16",
+                   activation_cache: ActivationCache = "bf16") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
         check_int("d_expert", d_expert, low=1)
         check_int("num_experts", num_experts, low=1)
-        check_int("top_k", top_k, low=1, high=num_experts)
-        check_int("tile", tile, low=1)
-        check_choice("score", score, SCORES)
-        check_choice("rounding", rounding, ROUNDINGS)
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-        check_bool("renormalize", renormalize)
+        # top_k, tile, score, rounding, renormalize: checked by their setters, here and later.
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
@@ -212,32 +233,41 @@ class MoE(nn.Module):
         self.last_routing: Routing | None = None
         self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
 
+    top_k = _checked_setting("top_k", lambda layer, value: check_int(
+        "top_k", value, low=1, high=layer.num_experts))
+    tile = _checked_setting("tile", lambda layer, value: check_int("tile", value, low=1))
+    score = _checked_setting("score", lambda layer, value: check_choice("score", value, SCORES))
+    rounding = _checked_setting("rounding", lambda layer, value: check_choice(
+        "rounding", value, ROUNDINGS))
+    renormalize = _checked_setting("renormalize", lambda layer, value: check_bool(
+        "renormalize", value))
+
     @property
-    def router(self) -> str:
+    def router(self) -> Router:
         return self._router
 
     @router.setter
-    def router(self, value: str) -> None:
+    def router(self, value: Router) -> None:
         check_choice("router", value, ROUTERS)
         self._router = value
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> Precision:
         return self._precision
 
     @precision.setter
-    def precision(self, value: str) -> None:
+    def precision(self, value: Precision) -> None:
         check_choice("precision", value, PRECISIONS)
         if value == "fp8":
             check_fp8_sizes(self.d_model, self.d_expert)
         self._precision = value
 
     @property
-    def activation_cache(self) -> str:
+    def activation_cache(self) -> ActivationCache:
         return self._activation_cache
 
     @activation_cache.setter
-    def activation_cache(self, value: str) -> None:
+    def activation_cache(self, value: ActivationCache) -> None:
         check_choice("activation_cache", value, ACTIVATION_CACHES)
         if value == "fp8":
             check_fp8_d_expert(self.d_expert)
@@ -276,6 +306,9 @@ class MoE(nn.Module):
         if state.get("_fp8_cache") is None:     # pickled before the cache was an object
             state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
+        for name in ("top_k", "tile", "score", "rounding", "renormalize"):
+            if name in state:       # pickled when these were plain attributes
+                state["_" + name] = state.pop(name)
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
@@ -314,13 +347,27 @@ class MoE(nn.Module):
 
     def _fp8_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> Fp8ExpertWeights | None:
         """FP8 copies of this forward's (possibly autocast) ``w1``, ``w2`` from the layer's
-        :class:`~sonic.experts.moe_experts.Fp8WeightCache` (made once per weight update);
-        None for bf16 layers."""
+        :class:`~sonic.experts.moe_experts.Fp8WeightCache` (see
+        :func:`sonic.reuse_fp8_weights`); None for bf16 layers."""
         if self.precision != "fp8":
             return None
         return self._fp8_cache.get(w1, w2, (self.w1, self.w2), self.backend)
 
-    def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
+    if TYPE_CHECKING:
+        # What `layer(x)` returns, for type checkers (nn.Module's __call__ is untyped).
+        @overload
+        def __call__(self, x: torch.Tensor, *,
+                     return_aux_loss: Literal[False] = False) -> torch.Tensor: ...
+
+        @overload
+        def __call__(self, x: torch.Tensor, *,
+                     return_aux_loss: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+        def __call__(self, x: torch.Tensor, *, return_aux_loss: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x)
         dtype = self.w1.dtype
         autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
@@ -348,21 +395,30 @@ class MoE(nn.Module):
         else:
             aux_loss = logits.new_zeros((), dtype=accumulate_dtype(logits.dtype))
         out = out.reshape(*x.shape[:-1], self.d_model)
-        exporting = torch.compiler.is_exporting()
-        if not exporting:
+        # Traced code writes nothing to the module: under activation checkpointing a write is a
+        # side effect that torch.compile cannot keep in one graph (and export drops it).
+        traced = torch.compiler.is_compiling()
+        if not traced:
             self.last_routing = Routing(routing.token_idx, routing.expert_idx,
                                         routing.scores.detach(), routing.num_tokens,
                                         routing.num_experts, routing.top_k, routing.validated,
                                         routing.num_valid)
-        if return_aux_loss:
             self._aux_loss = None
+        if return_aux_loss:
             return out, aux_loss
         sink = _collector_for(self)
-        if sink is not None:
-            self._aux_loss = None
-            if self.aux_loss_coef and self.training:
-                sink.append(aux_loss)
-        elif not exporting:
+        collecting = self.aux_loss_coef and self.training
+        if sink is not None and collecting:
+            if not torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+                raise RuntimeError(
+                    "collect_aux_losses: this MoE layer ran with gradients disabled while its "
+                    "aux loss is collected, so the collected loss could not train the router "
+                    "(reentrant activation checkpointing, checkpoint(..., use_reentrant=True), "
+                    "runs the forward this way). Use use_reentrant=False, or return the loss "
+                    "from the checkpointed function: layer(x, return_aux_loss=True); under "
+                    "torch.no_grad, call layer.eval() or collect nothing")
+            sink.append(aux_loss)
+        elif sink is None and not traced:
             self._aux_loss = aux_loss     # deprecated path
         return out
 

@@ -59,7 +59,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         a: ``(P, k)`` rows grouped by expert, or with ``gather_idx`` the ``(T, k)`` source rows
             (``A[r] = a[gather_idx[r]]``; the reference gathers into a transient copy).
         b: ``(E, k, m)`` per-expert right operand (any strides, e.g. a transposed weight view).
-        offsets: ``(E+1,)`` int32 expert row offsets (``offsets[E] == P``).
+        offsets: ``(E+1,)`` int32 expert row offsets; rows past ``offsets[E]`` (a padded
+            routing's padding) are not computed: they hold zeros, so the result is a function
+            of the inputs.
         gather_idx: ``(P,)`` integer row indices into ``a``, or None.
 
     Returns:
@@ -70,12 +72,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     if a.device.type == "meta":  # shapes only: nothing to compute, no offsets to read
         return a.new_empty(a.shape[0], b.shape[-1])
     if _use_grouped_mm(b.shape[-1], a, b):
-        return torch._grouped_mm(a, b, offs=offsets[1:])
+        out = torch._grouped_mm(a, b, offs=offsets[1:])
+        # On the device, without reading offsets[E] back (CUDA graphs).
+        padding = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
+        return out.masked_fill_(padding[:, None], 0)
     out = a.new_empty(a.shape[0], b.shape[-1])
     bounds = _expert_bounds(offsets)
     for e in range(b.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         torch.matmul(a[lo:hi], b[e], out=out[lo:hi])
+    out[bounds[-1]:].zero_()
     return out
 
 

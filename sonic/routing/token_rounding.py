@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from sonic._validation import check_bool, check_choice, check_int
 from sonic.reference.ops import accumulate_dtype
 from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
+from sonic.types import Backend, Rounding
 
-ROUNDINGS = ("nearest", "up", "down")
+ROUNDINGS: tuple[Rounding, ...] = get_args(Rounding)
 # The most tokens rounding can add to one expert, per rounding mode, for a tile.
 MAX_ADDED = {"nearest": lambda tile: tile - tile // 2, "up": lambda tile: tile - 1,
              "down": lambda tile: 0}
@@ -37,7 +40,7 @@ def capacity(num_tokens: int, num_experts: int, k: int, tile: int, rounding: str
 
 
 def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
-                           rounding: str = "nearest", backend: str = "auto",
+                           rounding: Rounding = "nearest", backend: Backend = "auto",
                            padded: bool = False) -> Routing:
     """Token rounding: top-K token choice, then each expert's token count rounded to a tile.
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from sonic._validation import check_bool, check_choice, check_float, check_int
 from sonic.reference.ops import accumulate_dtype
 from sonic.routing.types import Routing
+from sonic.types import Backend, Score
 
-SCORES = ("softmax_topk", "topk_softmax")
+SCORES: tuple[Score, ...] = get_args(Score)
 
 
 def check_router_args(logits, k) -> None:
@@ -21,8 +24,8 @@ def token_major_pairs(num_tokens: int, k: int, device) -> torch.Tensor:
     return torch.arange(num_tokens, dtype=torch.int32, device=device).repeat_interleave(k)
 
 
-def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
-                 renormalize: bool = False, backend: str = "auto") -> Routing:
+def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
+                 renormalize: bool = False, backend: Backend = "auto") -> Routing:
     """Top-K token choice: every token picks the K experts with the largest logits.
 
     Args:

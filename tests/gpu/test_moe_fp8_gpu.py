@@ -232,3 +232,29 @@ def test_quantizing_epilogues_give_the_store_paths_results_bitwise(gate_up, acti
         finally:
             set_fp8_epilogues(previous)
     assert all(torch.equal(a, b) for a, b in zip(results["store"], results["quantizing"]))
+
+
+@pytest.mark.parametrize("edit", ["data_mul", "copy_"])
+def test_fp8_layer_sees_weight_edits_on_the_kernels(edit):
+    """The CuTe path quantizes the weights the forward reads: an edit through ``.data`` (no
+    version bump) or ``copy_`` between two forwards gives the output of a fresh layer with the
+    edited weights; inside ``reuse_fp8_weights`` the copies are reused bit for bit."""
+    _require_hopper()
+    torch.manual_seed(0)
+    layer = sonic.MoE(256, 128, 8, 2, precision="fp8", backend="cute", device="cuda",
+                      dtype=torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    with sonic.reuse_fp8_weights():
+        before = layer(x)
+        assert torch.equal(layer(x), before)
+    with torch.no_grad():
+        if edit == "data_mul":
+            layer.w2.data.mul_(3)
+        else:
+            layer.w2.copy_(torch.randn_like(layer.w2) * 0.05)
+    after = layer(x)
+    fresh = sonic.MoE(256, 128, 8, 2, precision="fp8", backend="cute", device="cuda",
+                      dtype=torch.bfloat16)
+    fresh.load_state_dict(layer.state_dict())
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh(x))
