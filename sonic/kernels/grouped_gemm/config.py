@@ -30,9 +30,6 @@ CONSUMER_WARPGROUPS = 2
 # CTAs per cluster of the multicast kernels.
 CLUSTER = 2
 THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
-# Address arguments of a grouped-GEMM launch (:class:`.base.GroupedGemmKernel`): A, B, C, act,
-# H, scores, ds, both gather indices, expert_offsets, A's and B's FP8 scales.
-LAUNCH_ADDRESSES = 12
 # Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
 # 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
 # conflicts.
