@@ -337,3 +337,15 @@ def test_launcher_signature_follows_the_bundles():
     names = list(inspect.signature(call).parameters)[1:]
     assert names == ([f"{f}_addr" for f in Operands._fields] + list(Sizes._fields)
                      + ["stream"])
+
+
+def test_named_barriers_do_not_collide():
+    """Every role's per-warpgroup named barrier ids are distinct, none is the CTA barrier (0),
+    and all fit the 16 hardware barriers."""
+    from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, NamedBarrier
+
+    bases = [NamedBarrier.MMA_TURN, NamedBarrier.EPILOGUE]
+    ids = [base + wg for base in bases for wg in range(CONSUMER_WARPGROUPS)]
+    assert len(set(ids)) == len(ids)
+    assert all(0 < i < 16 for i in ids)
+    assert all(type(base) is int for base in bases)

@@ -21,10 +21,10 @@ Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contr
   reading warpgroup (ping-pong: 1, cooperative: 2) × cluster CTAs: every MMA warp arrives once
   on the stage's barrier in every CTA of the cluster when done reading it (on a cluster both
   CTAs' producers write into the stage of both).
-* Named barriers: 1 + wg / 2 - wg hand the tensor cores between ping-pong warpgroups
-  (256 threads); 3 + wg orders a warpgroup's epilogue staging (128 threads) where its warps
-  share staged rows (transposed varlen-K blocks, sm_100); otherwise each warp stages its own
-  rows and synchronises with itself.
+* Named barriers (:class:`~.config.NamedBarrier`): ``MMA_TURN + wg`` hand the tensor cores
+  between the consumer warpgroups (256 threads); ``EPILOGUE + wg`` orders a warpgroup's
+  epilogue staging (128 threads) where its warps share staged rows (transposed varlen-K
+  blocks, sm_100); otherwise each warp stages its own rows and synchronises with itself.
 * Cluster sync after barrier init and tile-table build, and before exit (no CTA leaves while
   its peer can still arrive on its barriers).
 

@@ -30,6 +30,26 @@ CONSUMER_WARPGROUPS = 2
 # CTAs per cluster of the multicast kernels.
 CLUSTER = 2
 THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
+
+
+class NamedBarrier:
+    """The hardware named barriers (``bar.sync`` / ``bar.arrive`` ids) of the grouped GEMM,
+    all in one place (id 0 is the CTA-wide barrier). A role with one barrier per consumer
+    warpgroup ``wg`` (0 or 1) uses ids ``BASE + wg``; plain ints, since the kernels add a
+    traced warpgroup index to them.
+
+    Attributes:
+        MMA_TURN: turns at the tensor cores between the two consumer warpgroups (256
+            threads): ping-pong hands the mainloop over (warpgroup ``wg`` waits at
+            ``MMA_TURN + wg``, arrives at the other's), and the FP8 mainloop with one partial
+            accumulator queues its WGMMAs in turn the same way (it never runs ping-pong).
+        EPILOGUE: a warpgroup's epilogue staging (128 threads), ``EPILOGUE + wg``, where its
+            warps share staged rows (transposed varlen-K blocks, sm_100's one epilogue
+            warpgroup).
+    """
+
+    MMA_TURN = 1
+    EPILOGUE = MMA_TURN + CONSUMER_WARPGROUPS
 # Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
 # 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
 # conflicts.

@@ -59,8 +59,7 @@ from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, K
                                              OperandTmas, RowSources, SchedulerArgs,
                                              StageMemory, WorkItems)
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import SLAB, TILE_M
-from sonic.kernels.grouped_gemm.epilogue.base import BARRIER
+from sonic.kernels.grouped_gemm.config import SLAB, TILE_M, NamedBarrier
 
 EPILOGUE_WARPS = 4
 MMA_WARP = EPILOGUE_WARPS + 4
@@ -217,7 +216,8 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         else:
             self.epilogue_warps(tidx, work, tiled_mma, acc, storage.sC.data_ptr(),
                                 pointers.epilogue, epi_tmas, sched, stages, acc_bars)
-            cute.arch.barrier(barrier_id=BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
+            cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE,
+                              number_of_threads=32 * EPILOGUE_WARPS)
             if warp == 0:
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 

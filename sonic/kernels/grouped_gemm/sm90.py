@@ -20,7 +20,8 @@ from sonic.kernels.grouped_gemm.args import (EpilogueThreads, KernelPointers, Op
                                              RowSources, SchedulerArgs, StageMemory,
                                              WorkItems)
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, PRODUCER_THREADS, SLAB
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PRODUCER_THREADS, SLAB,
+                                               NamedBarrier)
 
 
 class ColumnPair(NamedTuple):
@@ -207,7 +208,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             k_tiles = self.scheduler.tile_k_tiles(t, sched)
             if cutlass.const_expr(cfg.pingpong):
                 if t != first:
-                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+                    cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg, number_of_threads=256)
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
@@ -237,7 +238,8 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             if cutlass.const_expr(cfg.pingpong):
                 # The other warpgroup's next tile is t + stride; it may start its mainloop.
                 if t + stride < total:
-                    cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+                    cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
+                                             number_of_threads=256)
                     stage, phase = self.ring.skip(
                         stage, phase, self.scheduler.tile_k_tiles(t + stride, sched))
             if cutlass.const_expr(deferred):

@@ -71,14 +71,12 @@ from cutlass.cute.nvgpu import warpgroup
 
 from sonic.kernels.grouped_gemm.args import (EpilogueThreads, KernelPointers, RowSources,
                                              SchedulerArgs, StageMemory, WorkItems)
-from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, SLAB, TILE_K_FP8, TILE_M
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, SLAB, TILE_K_FP8, TILE_M,
+                                               NamedBarrier)
 from sonic.kernels.grouped_gemm.sm90 import ColumnPair, Sm90GroupedGemm, WgmmaAccumulator
 
 # N of one WGMMA and of a partial accumulator: one B scale block.
 SUB_N = TILE_K_FP8
-# Named barriers of the warpgroups' turns to queue WGMMAs with one partial accumulator (ids 1
-# and 2: the bf16 ping-pong schedule's, which FP8 does not run): warpgroup w waits at TURN + w.
-TURN = 1
 
 
 class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
@@ -170,7 +168,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         if cutlass.const_expr(in_turn):
             # Warpgroup 0 queues first.
             if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=TURN, number_of_threads=256)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
         while t < total:
             tile = self.scheduler.decode(t, sched)
             e, row0, rows, nt, mt, _ = tile
@@ -226,10 +224,11 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                     cute.arch.mbarrier_wait(full + stage, phase)
                     for g in cutlass.range_constexpr(subs):
                         if cutlass.const_expr(in_turn):
-                            cute.arch.barrier(barrier_id=TURN + wg, number_of_threads=256)
+                            cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg,
+                                              number_of_threads=256)
                         tiled_mma = self.issue(tiled_mma, parts[0], t_ca, t_cb, g, stage)
                         if cutlass.const_expr(in_turn):
-                            cute.arch.barrier_arrive(barrier_id=TURN + 1 - wg,
+                            cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
                                                      number_of_threads=256)
                         col_scales = None
                         if cutlass.const_expr(cfg.varlen_k):
@@ -245,7 +244,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         if cutlass.const_expr(in_turn):
             # Warpgroup 1's arrival after its last WGMMAs.
             if wg == 0:
-                cute.arch.barrier(barrier_id=TURN, number_of_threads=256)
+                cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
 
     @cute.jit
     def load_scales(self, a_sc: cute.Tensor, b_sc: cute.Tensor, h: cutlass.Constexpr,

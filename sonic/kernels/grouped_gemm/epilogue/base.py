@@ -17,11 +17,9 @@ from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, StageMemory,
                                              TileCoord, Tma)
-from sonic.kernels.grouped_gemm.config import PAD, SLAB, VEC, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, VEC, GroupedGemmConfig, NamedBarrier
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
 
-# Named barrier of consumer warpgroup ``wg``'s epilogue: 3 + wg (1 and 2 are ping-pong's).
-BARRIER = 3
 # Rows of each 64-row block one warp holds in an accumulator with ``warp_private`` rows.
 WARP_ROWS = 16
 
@@ -216,7 +214,7 @@ class Epilogue:
         if cutlass.const_expr(private):
             cute.arch.sync_warp()
         else:
-            cute.arch.barrier(barrier_id=BARRIER + wg.index, number_of_threads=128)
+            cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE + wg.index, number_of_threads=128)
 
     @cute.jit
     def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
