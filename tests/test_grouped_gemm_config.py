@@ -349,3 +349,24 @@ def test_named_barriers_do_not_collide():
     assert len(set(ids)) == len(ids)
     assert all(0 < i < 16 for i in ids)
     assert all(type(base) is int for base in bases)
+
+
+@pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl) is not importable")
+def test_schedulers_and_accumulator_views_meet_their_protocols():
+    """Both tile schedulers are TileSchedulers and both accumulator views carry every member
+    of AccumulatorView (what the warp roles and the epilogues call)."""
+    from sonic.kernels.grouped_gemm import protocols
+    from sonic.kernels.grouped_gemm.sm90 import WgmmaAccumulator
+    from sonic.kernels.grouped_gemm.sm100 import TmemAccumulator
+    from sonic.kernels.grouped_gemm.tile_scheduler import make_scheduler
+
+    for cfg in (heuristic.varlen_m_config(512, 1536, True),
+                heuristic.varlen_k_config(1536, 512, True, False)):
+        assert isinstance(make_scheduler(cfg), protocols.TileScheduler)
+    members = [m for m in dir(protocols.AccumulatorView) if not m.startswith("_")]
+    members += list(protocols.AccumulatorView.__annotations__)
+    assert {"pairs", "coord", "value", "warp_private"} <= set(members)
+    for view in (WgmmaAccumulator, TmemAccumulator):
+        missing = [m for m in members if not hasattr(view, m)
+                   and m not in getattr(view, "__init__").__code__.co_names]
+        assert not missing, (view.__name__, missing)

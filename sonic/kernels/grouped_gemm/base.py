@@ -48,6 +48,7 @@ from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, GroupedGemm
 from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 from sonic.kernels.grouped_gemm.load import FULL_ARRIVALS, TmaProducers
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
+from sonic.kernels.grouped_gemm.protocols import TileScheduler
 from sonic.kernels.grouped_gemm.tile_scheduler import make_scheduler
 
 
@@ -63,7 +64,7 @@ class GroupedGemmKernel(TmaProducers):
     def __init__(self, cfg: GroupedGemmConfig):
         self.cfg = cfg
         self.ring = OperandRing(cfg)
-        self.scheduler = make_scheduler(cfg)
+        self.scheduler: TileScheduler = make_scheduler(cfg)
         self.epilogue = make_epilogue(cfg, self.ring)
         self.contract = barrier_contract(cfg)
         self.threads = THREADS

@@ -26,10 +26,10 @@ ones byte for byte (``tests/test_sm100_compile.py`` compares them), so the produ
 boxes, one-row gather boxes (one ``1 x TILE_K`` box per row at the row's 128-byte line) and
 varlen-K ``64 x 1`` row boxes land where UMMA reads them.
 
-Epilogue: the epilogue classes are sm_90's, fed by :class:`TmemAccumulator`, a view with the
-interface of :class:`.sm90.WgmmaAccumulator` over ``tcgen05.ld`` loads of one ``SLAB`` of
-columns (``32x32b.x64``: 64 consecutive fp32 columns of the thread's row), so the SwiGLU /
-dSwiGLU maths, the masking (rows of the expert, columns of N, whole 16-byte chunks) and the
+Epilogue: the epilogue classes are sm_90's, fed by :class:`TmemAccumulator`, an
+:class:`.protocols.AccumulatorView` (as :class:`.sm90.WgmmaAccumulator` is) over ``tcgen05.ld``
+loads of one ``SLAB`` of columns (``32x32b.x64``: 64 consecutive fp32 columns of the thread's
+row), so the SwiGLU / dSwiGLU maths, the masking (rows of the expert, columns of N, whole 16-byte chunks) and the
 stores through the staging buffer are the same code. What differs follows from the layout:
 a thread holds whole rows (no quad reduction of ds), and the view loads a slab when the
 epilogue first asks for it (``tcgen05.ld`` is warp-collective, so the epilogues call the view
@@ -90,7 +90,8 @@ def load_slab(copy, src: cute.Tensor, frag: cute.Tensor, written):
 
 class TmemAccumulator:
     """A tile's fp32 TMEM accumulator as this thread's row, in sub-tiles of SLAB columns (the
-    epilogue's view; interface of :class:`sonic.kernels.grouped_gemm.sm90.WgmmaAccumulator`).
+    epilogue's :class:`~.protocols.AccumulatorView`, as
+    :class:`sonic.kernels.grouped_gemm.sm90.WgmmaAccumulator`).
 
     A sub-tile is loaded (``tcgen05.ld`` + wait) the first time the epilogue asks for it,
     into one of two register buffers (SwiGLU "concat" reads two sub-tiles at once); when

@@ -47,7 +47,9 @@ class ColumnPair(NamedTuple):
 
 
 class WgmmaAccumulator:
-    """A warpgroup's fp32 WGMMA accumulator as sub-tiles of SLAB columns (the epilogue's view).
+    """A warpgroup's fp32 WGMMA accumulator as sub-tiles of SLAB columns: the epilogue's
+    :class:`~.protocols.AccumulatorView`, whose :meth:`pairs` also takes a 64-row block (the
+    deferred store and 256-row tiles stage one block at a time).
 
     The WGMMA accumulator holds, per 8-column group, a column pair (v0 = 0, 1) on each of two
     rows (v1 = 0, 1) for each 64-row block; a thread of a quad holds the same rows. All

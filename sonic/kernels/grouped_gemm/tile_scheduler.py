@@ -12,6 +12,7 @@ from cutlass import Int32, cute
 
 from sonic.kernels.grouped_gemm.args import SchedulerArgs, TileCoord
 from sonic.kernels.grouped_gemm.config import GroupedGemmConfig
+from sonic.kernels.grouped_gemm.protocols import TileScheduler
 
 
 @cute.jit
@@ -31,7 +32,9 @@ def last_at_most(starts: cute.Tensor, value: Int32, count: Int32) -> Int32:
 
 
 class VarlenMScheduler:
-    """varlen-M: linear m-tiles of all experts × n-tiles, via a per-CTA table in shared memory.
+    """A :class:`~.protocols.TileScheduler`.
+
+    varlen-M: linear m-tiles of all experts × n-tiles, via a per-CTA table in shared memory.
 
     ``table[e]`` is expert ``e``'s first linear m-tile (built from ``expert_offsets`` by one warp
     scan) and a binary search maps a linear m-tile back to its expert. On a 2-CTA cluster the
@@ -140,7 +143,9 @@ class VarlenMScheduler:
 
 
 class VarlenKScheduler:
-    """varlen-K: experts × m-tiles of M × n-tiles of N, each reducing over its expert's rows.
+    """A :class:`~.protocols.TileScheduler`.
+
+    varlen-K: experts × m-tiles of M × n-tiles of N, each reducing over its expert's rows.
 
     On a 2-CTA cluster both CTAs take the same expert and n-tile and consecutive m-tiles, so
     the B rows are always shared (multicast); with ``multicast_a`` the same m-tile and
@@ -193,6 +198,6 @@ class VarlenKScheduler:
         return (m_off[e + 1] - m_off[e] + self.tile_k - 1) // self.tile_k
 
 
-def make_scheduler(cfg: GroupedGemmConfig):
+def make_scheduler(cfg: GroupedGemmConfig) -> TileScheduler:
     """The scheduler of ``cfg``'s mode."""
     return VarlenKScheduler(cfg) if cfg.varlen_k else VarlenMScheduler(cfg)

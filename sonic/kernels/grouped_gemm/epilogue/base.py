@@ -19,6 +19,7 @@ from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, S
                                              TileCoord, Tma)
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, VEC, GroupedGemmConfig, NamedBarrier
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
+from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
 # Rows of each 64-row block one warp holds in an accumulator with ``warp_private`` rows.
 WARP_ROWS = 16
@@ -163,14 +164,12 @@ class Epilogue:
                                          cute.group_modes(g_box, 0, 2))
         cute.copy(tma.atom, t_s, t_g)
 
-    def visit(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: tuple,
-              tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
+              tmas: tuple, tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
         """The one hook: store this warpgroup's part of a finished tile.
 
         Args:
-            acc: fp32 accumulator view (``pairs``, ``coord``, ``value``, ``row_coord``,
-                ``rows_per_thread``, ``pairs_per_slab``, ``reduce_row``,
-                ``writes_row_total``): sm_90's WGMMA registers or sm_100's TMEM loads.
+            acc: the fp32 accumulator: sm_90's WGMMA registers or sm_100's TMEM loads.
             wg: the warpgroup running the epilogue and its staging buffer.
             outs: the epilogues' global pointers.
             tmas: :meth:`make_tma`'s copies, as kernel parameters.
@@ -304,8 +303,9 @@ class StoreEpilogue(Epilogue):
                             cfg.dim_n, row0, rows, nt * cfg.tile_n + sl * SLAB, cfg.dim_n)
 
     @cute.jit
-    def visit(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: StoreTmas,
-              tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
+              tmas: StoreTmas, tile: TileCoord, stages: StageMemory, stage: Int32,
+              phase: Int32):
         """bf16 store of this warpgroup's rows of the tile, masked to the expert's rows
         (varlen-M) or to M (varlen-K), and to N.
 

@@ -37,6 +37,7 @@ from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, S
                                              TileCoord, Tma)
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M
 from sonic.kernels.grouped_gemm.epilogue.base import Epilogue, swizzled
+from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
 # Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
 H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
@@ -140,8 +141,9 @@ class DswigluEpilogue(Epilogue):
         return stage, phase
 
     @cute.jit
-    def visit(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: DswigluTmas,
-              tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
+              tmas: DswigluTmas, tile: TileCoord, stages: StageMemory, stage: Int32,
+              phase: Int32):
         """Per SLAB of columns, this thread's gate and up values of H are read from the slab's
         ring stage (which is then released to the producer) and dH's gate half, dH's up half
         and A' are computed from fp32 dA', g, u and s and stored (:meth:`store_slabs` or

@@ -16,6 +16,7 @@ from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, S
                                              TileCoord)
 from sonic.kernels.grouped_gemm.config import PAD, SLAB
 from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
+from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
 
 class SwigluEpilogue(Epilogue):
@@ -28,7 +29,7 @@ class SwigluEpilogue(Epilogue):
     gone (H200, benchmarks/RESULTS.md, sixteenth and seventeenth sessions)."""
 
     @cute.jit
-    def visit(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: tuple,
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: tuple,
               tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
         """Store H, then A, slab by slab through the staging buffer.
 
