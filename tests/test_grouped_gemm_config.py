@@ -370,3 +370,22 @@ def test_schedulers_and_accumulator_views_meet_their_protocols():
         missing = [m for m in members if not hasattr(view, m)
                    and m not in getattr(view, "__init__").__code__.co_names]
         assert not missing, (view.__name__, missing)
+
+
+def test_no_long_host_functions_in_the_package():
+    """Host-side (not ``@cute.jit`` / ``@cute.kernel``) functions of the grouped-GEMM package
+    stay within 150 lines, so each can be read whole."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(ROOT, "sonic", "kernels", "grouped_gemm")
+    long = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if any(ast.unparse(d).startswith("cute.") for d in node.decorator_list):
+                continue
+            if node.end_lineno - node.lineno + 1 > 150:
+                long.append(f"{path.name}:{node.name}")
+    assert not long, long
