@@ -370,7 +370,7 @@ class GroupedGemmConfig:
         H200 (OLMoE and 30B shapes, time in turn / free): gathered up-proj 0.92-0.94, dA'
         0.91-0.94, fused dSwiGLU 0.94-0.96, down-proj 0.97-0.99, dX and the weight gradients
         level (0.99-1.01), the layer's FP8 step 0.95-0.98; the fused SwiGLU up-proj
-        1.00-1.06, slower, so not there (benchmarks/RESULTS.md, tenth session)."""
+        1.00-1.06, slower, so not there (benchmarks/RESULTS.md)."""
         return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
 
     @property

@@ -26,7 +26,7 @@ class SwigluEpilogue(Epilogue):
     next tile's accumulator and its H and A boxes stored during that tile's k-tiles, the
     outputs were bitwise the same but the kernel 1–2% ("concat") and 3–7% ("interleaved")
     slower, even once the spills (LLVM hoisting the held tile's SwiGLU out of the k-loop) were
-    gone (H200, benchmarks/RESULTS.md, sixteenth and seventeenth sessions)."""
+    gone (H200, benchmarks/RESULTS.md)."""
 
     @cute.jit
     def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: tuple,
