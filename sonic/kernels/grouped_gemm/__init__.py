@@ -16,6 +16,9 @@ Layout of the package, one concern per module (only the modules marked *kernel* 
   pipeline's barrier contract, and :data:`MAINLOOPS`, the architecture -> kernel-class table.
 * :mod:`.heuristic` — the tile plan, each choice citing its measurement.
 * :mod:`.interface` — validation, allocation, architecture dispatch, launch; variants.
+* :mod:`.protocols` — the interfaces of the tile schedulers and of the accumulator views.
+* :mod:`.args` — the named argument bundles the launch and the kernel's roles pass (operands,
+  sizes, TMA copies, scheduler arguments, ring memory, epilogue threads and outputs).
 * :mod:`.tile_scheduler` (kernel) — varlen-M / varlen-K persistent schedulers.
 * :mod:`.pipeline` (kernel) — the operand ring (stages, phases, cluster release).
 * :mod:`.load` (kernel) — TMA producers: contiguous tiles, gathered rows, multicast.

@@ -21,10 +21,10 @@ Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contr
   reading warpgroup (ping-pong: 1, cooperative: 2) × cluster CTAs: every MMA warp arrives once
   on the stage's barrier in every CTA of the cluster when done reading it (on a cluster both
   CTAs' producers write into the stage of both).
-* Named barriers: 1 + wg / 2 - wg hand the tensor cores between ping-pong warpgroups
-  (256 threads); 3 + wg orders a warpgroup's epilogue staging (128 threads) where its warps
-  share staged rows (transposed varlen-K blocks, sm_100); otherwise each warp stages its own
-  rows and synchronises with itself.
+* Named barriers (:class:`~.config.NamedBarrier`): ``MMA_TURN + wg`` hand the tensor cores
+  between the consumer warpgroups (256 threads); ``EPILOGUE + wg`` orders a warpgroup's
+  epilogue staging (128 threads) where its warps share staged rows (transposed varlen-K
+  blocks, sm_100); otherwise each warp stages its own rows and synchronises with itself.
 * Cluster sync after barrier init and tile-table build, and before exit (no CTA leaves while
   its peer can still arrive on its barriers).
 
@@ -40,11 +40,15 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from sonic.kernels import runtime
+from sonic.kernels.grouped_gemm.args import (BlockScales, EpilogueOutputs, KernelPointers,
+                                             OperandTmas, RowSources, SchedulerArgs,
+                                             StageMemory, WorkItems)
 from sonic.kernels.grouped_gemm.config import (MAX_EXPERTS, THREADS, GroupedGemmConfig,
                                                barrier_contract)
 from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 from sonic.kernels.grouped_gemm.load import FULL_ARRIVALS, TmaProducers
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
+from sonic.kernels.grouped_gemm.protocols import TileScheduler
 from sonic.kernels.grouped_gemm.tile_scheduler import make_scheduler
 
 
@@ -52,22 +56,15 @@ class GroupedGemmKernel(TmaProducers):
     """One static configuration of the grouped GEMM (architecture-independent part).
 
     Subclasses implement :meth:`make_tiled_mma` and :meth:`run_roles`, and may extend the
-    shared storage (:meth:`extra_storage`) and warp 0's setup (:meth:`setup_warp0`). Launch
-    arguments (all addresses ``Int64``): A, B, C, act (SwiGLU's A or
-    dSwiGLU's A'), H, scores, ds, A's and B's gather indices, ``expert_offsets``, A's and B's
-    FP8 block scales; then
-    ``rows_a``, ``rows_b`` (varlen-K: the source row counts; varlen-M: ``rows_b`` = P),
-    ``num_experts``, ``num_ctas`` and the stream. Addresses a configuration never reads may
-    be any value. The epilogue's global pointers reach the kernel as one tuple ``outs``:
-    ``(C, act, scores, ds)``, and for the FP8 configurations (``cfg.fp8``: e4m3 A and B) also
-    A's and B's fp32 block scales (``outs[4]``, ``outs[5]``), so every epilogue keeps its own
-    slots and the bf16 kernels' parameters stay as they are.
+    shared storage (:meth:`extra_storage`) and warp 0's setup (:meth:`setup_warp0`). The
+    launcher takes the addresses of :class:`~.args.Operands` and the :class:`~.args.Sizes`
+    (:meth:`__call__`); inside, the arguments travel as the bundles of :mod:`.args`.
     """
 
     def __init__(self, cfg: GroupedGemmConfig):
         self.cfg = cfg
         self.ring = OperandRing(cfg)
-        self.scheduler = make_scheduler(cfg)
+        self.scheduler: TileScheduler = make_scheduler(cfg)
         self.epilogue = make_epilogue(cfg, self.ring)
         self.contract = barrier_contract(cfg)
         self.threads = THREADS
@@ -83,11 +80,11 @@ class GroupedGemmKernel(TmaProducers):
         """The tiled MMA of the mainloop."""
         raise NotImplementedError
 
-    def run_roles(self, tidx, warp, first, step, total, tiled_mma, storage, tma_a, tma_b,
-                  tma_epi, a_smem, b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b, rows_a,
-                  rows_b, m_off, table, num_experts, full, empty):
+    def run_roles(self, tidx, warp, work: WorkItems, tiled_mma, storage, tmas: OperandTmas,
+                  epi_tmas: tuple, stages: StageMemory, pointers: KernelPointers,
+                  rows: RowSources, sched: SchedulerArgs):
         """Every thread after setup: its warp's role (producer, MMA, epilogue) over the CTA's
-        work items ``first, first + step, ... < total``."""
+        ``work`` items."""
         raise NotImplementedError
 
     def setup_warp0(self, storage):
@@ -153,43 +150,49 @@ class GroupedGemmKernel(TmaProducers):
     @cute.jit
     def __call__(self, a_addr: Int64, b_addr: Int64, c_addr: Int64, act_addr: Int64,
                  h_addr: Int64, scores_addr: Int64, ds_addr: Int64,
-                 gidx_a_addr: Int64, gidx_b_addr: Int64, offsets_addr: Int64,
+                 gather_a_addr: Int64, gather_b_addr: Int64, offsets_addr: Int64,
                  a_scales_addr: Int64, b_scales_addr: Int64, rows_a: Int32,
                  rows_b: Int32, num_experts: Int32, num_ctas: Int32,
                  stream: cuda.CUstream):
+        """The compiled launcher's entry, the one flat signature: the addresses of
+        :class:`~.args.Operands` in field order, then :class:`~.args.Sizes`, then the
+        stream; everything past here travels in bundles."""
         cfg = self.cfg
         gmem = runtime.gmem_ptr
         a, b = gmem(self.ab_type, a_addr, 16), gmem(self.ab_type, b_addr, 16)
         c = gmem(BF16, c_addr, 16)
         act = gmem(BF16, act_addr, 16)
         h, scores, ds = gmem(BF16, h_addr, 16), gmem(F32, scores_addr, 4), gmem(F32, ds_addr, 4)
-        gidx_a, gidx_b = gmem(Int32, gidx_a_addr, 4), gmem(Int32, gidx_b_addr, 4)
+        gather_a, gather_b = gmem(Int32, gather_a_addr, 4), gmem(Int32, gather_b_addr, 4)
         offsets = gmem(Int32, offsets_addr, 4)
-        outs = (c, act, scores, ds)
+        scales = None
         if cutlass.const_expr(cfg.fp8):
-            outs = outs + (gmem(F32, a_scales_addr, 4),
-                           gmem(F32, b_scales_addr, cfg.b_scales_align))
+            scales = BlockScales(gmem(F32, a_scales_addr, 4),
+                                 gmem(F32, b_scales_addr, cfg.b_scales_align))
+        pointers = KernelPointers(EpilogueOutputs(c, act, scores, ds), scales)
         tiled_mma = self.make_tiled_mma()
         self.check_contract(tiled_mma)
         a_smem, b_smem = self.make_smem_layouts()
-        tma = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
+        tmas = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
         # dSwiGLU reads H (P, 2n) and writes dH and A' (P rows), with P passed as rows_b.
-        tma["epi"] = self.epilogue.make_tma(h, c, act, rows_b, a_smem)
+        epi_tmas = self.epilogue.make_tma(h, c, act, rows_b, a_smem)
         self.storage_type = self.shared_storage(a_smem, b_smem)
-        self.kernel(tiled_mma, *tma["a"], *tma["b"], *tma["a_row"], *tma["b_row"],
-                    *tma["mc"], *tma["mc_row"], tma["epi"], a_smem, b_smem, outs, gidx_a,
-                    gidx_b, offsets, rows_a, rows_b, num_experts).launch(
+        self.kernel(tiled_mma, tmas, epi_tmas, a_smem, b_smem, pointers, gather_a, gather_b,
+                    offsets, rows_a, rows_b, num_experts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[cfg.cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a, tma_a, tma_atom_b, tma_b,
-               tma_atom_a_row, tma_a_row, tma_atom_b_row, tma_b_row, tma_atom_mc, tma_mc,
-               tma_atom_mc_row, tma_mc_row, tma_epi: tuple,
-               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, outs: tuple,
-               gidx_a: cute.Pointer, gidx_b: cute.Pointer, offsets: cute.Pointer,
+    def kernel(self, tiled_mma: cute.TiledMma, tmas, epi_tmas: tuple,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, pointers: tuple,
+               gather_a: cute.Pointer, gather_b: cute.Pointer, offsets: cute.Pointer,
                rows_a: Int32, rows_b: Int32, num_experts: Int32):
-        """Setup (barrier init, tile table, :meth:`setup_warp0`), then :meth:`run_roles`."""
+        """Setup (barrier init, tile table, :meth:`setup_warp0`), then :meth:`run_roles`.
+
+        ``tmas``: :class:`~.args.OperandTmas`; ``epi_tmas``: the epilogue's
+        (:meth:`.epilogue.base.Epilogue.make_tma`); ``pointers``:
+        :class:`~.args.KernelPointers`. The parameters keep the order of the kernel's
+        PTX parameters."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -203,26 +206,29 @@ class GroupedGemmKernel(TmaProducers):
         s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         # Raw stage memory (A space, B space, swizzle) for an epilogue's own loads, and the
         # stages' B column scales (FP8 varlen-K; :meth:`col_scale_stages`).
-        stage_mem = (storage.sA.data_ptr(), storage.sB.data_ptr(), a_smem.inner,
-                     self.col_scale_stages(storage))
+        a_base, b_base = storage.sA.data_ptr(), storage.sB.data_ptr()
+        col_scales = self.col_scale_stages(storage)
         s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        stages = StageMemory(s_a, s_b, a_base, b_base, a_smem.inner, b_smem.inner, col_scales,
+                             full, empty)
         m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
+        sched = SchedulerArgs(m_off, table, num_experts)
 
         if warp == 0:
-            cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
+            cpasync.prefetch_descriptor(tmas.a.atom)
+            cpasync.prefetch_descriptor(tmas.b.atom)
             if cutlass.const_expr(cfg.mn_major_k):
-                cpasync.prefetch_descriptor(tma_atom_a_row)
-                cpasync.prefetch_descriptor(tma_atom_b_row)
+                cpasync.prefetch_descriptor(tmas.a_row.atom)
+                cpasync.prefetch_descriptor(tmas.b_row.atom)
             if cutlass.const_expr(self.epilogue.has_producer_loads):
-                self.epilogue.prefetch(tma_epi)
+                self.epilogue.prefetch(epi_tmas)
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(cfg.stages):
                     cute.arch.mbarrier_init(full + s, self.contract.full)
                     cute.arch.mbarrier_init(empty + s, self.contract.empty)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(not cfg.varlen_k):
-                self.scheduler.prepare(m_off, table, num_experts)
+                self.scheduler.prepare(sched)
             self.setup_warp0(storage)
         self.ring.sync_cluster()
 
@@ -231,14 +237,10 @@ class GroupedGemmKernel(TmaProducers):
         first, step = bidx, grid
         if cutlass.const_expr(cfg.cluster > 1):
             first, step = bidx // cfg.cluster, grid // cfg.cluster
-        total = self.scheduler.total(table, num_experts)
+        work = WorkItems(first, step, self.scheduler.total(sched))
 
-        self.run_roles(tidx, warp, first, step, total, tiled_mma, storage,
-                       (tma_atom_a, tma_a, tma_atom_a_row, tma_a_row),
-                       (tma_atom_b, tma_b, tma_atom_b_row, tma_b_row, tma_atom_mc, tma_mc,
-                        tma_atom_mc_row, tma_mc_row), tma_epi, a_smem,
-                       b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b,
-                       rows_a, rows_b, m_off, table, num_experts, full, empty)
+        self.run_roles(tidx, warp, work, tiled_mma, storage, tmas, epi_tmas, stages, pointers,
+                       RowSources(gather_a, gather_b, rows_a, rows_b), sched)
         # On a cluster no CTA may exit while the other can still arrive on its barriers.
         if cutlass.const_expr(cfg.cluster > 1):
             self.ring.sync_cluster()

@@ -30,9 +30,26 @@ CONSUMER_WARPGROUPS = 2
 # CTAs per cluster of the multicast kernels.
 CLUSTER = 2
 THREADS = PRODUCER_THREADS + 128 * CONSUMER_WARPGROUPS
-# Address arguments of a grouped-GEMM launch (:class:`.base.GroupedGemmKernel`): A, B, C, act,
-# H, scores, ds, both gather indices, expert_offsets, A's and B's FP8 scales.
-LAUNCH_ADDRESSES = 12
+
+
+class NamedBarrier:
+    """The hardware named barriers (``bar.sync`` / ``bar.arrive`` ids) of the grouped GEMM,
+    all in one place (id 0 is the CTA-wide barrier). A role with one barrier per consumer
+    warpgroup ``wg`` (0 or 1) uses ids ``BASE + wg``; plain ints, since the kernels add a
+    traced warpgroup index to them.
+
+    Attributes:
+        MMA_TURN: turns at the tensor cores between the two consumer warpgroups (256
+            threads): ping-pong hands the mainloop over (warpgroup ``wg`` waits at
+            ``MMA_TURN + wg``, arrives at the other's), and the FP8 mainloop with one partial
+            accumulator queues its WGMMAs in turn the same way (it never runs ping-pong).
+        EPILOGUE: a warpgroup's epilogue staging (128 threads), ``EPILOGUE + wg``, where its
+            warps share staged rows (transposed varlen-K blocks, sm_100's one epilogue
+            warpgroup).
+    """
+
+    MMA_TURN = 1
+    EPILOGUE = MMA_TURN + CONSUMER_WARPGROUPS
 # Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
 # 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
 # conflicts.
@@ -353,7 +370,7 @@ class GroupedGemmConfig:
         H200 (OLMoE and 30B shapes, time in turn / free): gathered up-proj 0.92-0.94, dA'
         0.91-0.94, fused dSwiGLU 0.94-0.96, down-proj 0.97-0.99, dX and the weight gradients
         level (0.99-1.01), the layer's FP8 step 0.95-0.98; the fused SwiGLU up-proj
-        1.00-1.06, slower, so not there (benchmarks/RESULTS.md, tenth session)."""
+        1.00-1.06, slower, so not there (benchmarks/RESULTS.md)."""
         return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
 
     @property

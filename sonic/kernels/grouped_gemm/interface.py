@@ -17,8 +17,8 @@ import torch
 
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm import heuristic
-from sonic.kernels.grouped_gemm.config import (CLUSTER, LAUNCH_ADDRESSES, MAINLOOPS,
-                                               MAX_EXPERTS, TILE_K_FP8, VEC,
+from sonic.kernels.grouped_gemm.args import Operands, Sizes
+from sonic.kernels.grouped_gemm.config import (CLUSTER, MAINLOOPS, MAX_EXPERTS, TILE_K_FP8, VEC,
                                                GroupedGemmConfig)
 from sonic.kernels.registry import KernelVariant, register
 from sonic.types import GATE_UP_LAYOUTS
@@ -34,12 +34,17 @@ def kernel_class(cfg: GroupedGemmConfig):
 def compile_config(cfg: GroupedGemmConfig, keep_ptx: bool = False):
     """Compile ``cfg`` with placeholder arguments (on the CPU for the compile check, or on the
     GPU at first launch): a :class:`sonic.kernels.runtime.Launcher`."""
+    return compile_kernel(kernel_class(cfg)(cfg), keep_ptx)
+
+
+def compile_kernel(kernel, keep_ptx: bool = False):
+    """Compile the kernel object ``kernel`` (a :class:`.base.GroupedGemmKernel`) with
+    placeholder :class:`~.args.Operands` addresses and :class:`~.args.Sizes`."""
     import cutlass
 
-    kernel = kernel_class(cfg)(cfg)
-    addresses = [runtime.fake_address() for _ in range(LAUNCH_ADDRESSES)]
-    sizes = [cutlass.Int32(1) for _ in range(4)]
-    return runtime.compile_launcher(kernel, *addresses, *sizes, keep_ptx=keep_ptx)
+    operands = Operands(*(runtime.fake_address() for _ in Operands._fields))
+    sizes = Sizes(*(cutlass.Int32(1) for _ in Sizes._fields))
+    return runtime.compile_launcher(kernel, *operands, *sizes, keep_ptx=keep_ptx)
 
 
 def _launcher(cfg: GroupedGemmConfig):
@@ -319,32 +324,33 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
     if num_pairs == 0 or a.shape[0] == 0:
         return (out, act) if dswiglu is None else (out.zero_(), act.zero_(), ds_parts.sum(1))
     addr = runtime.address
-    offsets_addr = addr(expert_offsets, 4)
-    # Without gather the index addresses are never read; expert_offsets' stands in for them.
-    idx = addr(gather_idx, 4) if gathered else offsets_addr
-    out_addr = addr(out, 16)
-    # Addresses a variant never reads: out's stands in for them.
-    h_addr, scores_addr, ds_addr = (
-        (addr(dswiglu[0], 16), addr(dswiglu[1], 4), addr(ds_parts, 4)) if dswiglu is not None
-        else (out_addr,) * 3)
-    _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a, 16), addr(b, 16), out_addr,
-                     addr(act, 16) if act is not None else out_addr, h_addr, scores_addr,
-                     ds_addr, idx, idx, offsets_addr, out_addr, out_addr, a.shape[0],
-                     num_pairs)
+    operands = Operands(a=addr(a, 16), b=addr(b, 16), c=addr(out, 16),
+                        act=addr(act, 16) if act is not None else None,
+                        gather_a=addr(gather_idx, 4) if gathered else None,
+                        offsets=addr(expert_offsets, 4))
+    if dswiglu is not None:
+        operands = operands._replace(h=addr(dswiglu[0], 16), scores=addr(dswiglu[1], 4),
+                                     ds=addr(ds_parts, 4))
+    _launch_varlen_m(cfg, device, operands, a.shape[0], num_pairs, num_experts)
     if dswiglu is not None:
         return out, act, ds_parts.sum(1)
     return out, act
 
 
-def _launch_varlen_m(cfg: GroupedGemmConfig, device, num_pairs: int, num_experts: int,
-                     *args) -> None:
-    """Launch varlen-M ``cfg`` over ``num_pairs`` rows on a persistent grid; ``args``: the
-    :data:`~.config.LAUNCH_ADDRESSES` addresses and ``rows_a``, ``rows_b`` of
-    :class:`.base.GroupedGemmKernel`."""
+def _launch(cfg: GroupedGemmConfig, device, operands: Operands, rows_a: int, rows_b: int,
+            num_experts: int, work_items: int) -> None:
+    """Launch ``cfg`` on a persistent grid of at most ``work_items`` CTAs (clusters)."""
+    sizes = Sizes(rows_a, rows_b, num_experts, _num_ctas(device, work_items, cfg.cluster))
+    _launcher(cfg)(*operands.addresses(), *sizes)
+
+
+def _launch_varlen_m(cfg: GroupedGemmConfig, device, operands: Operands, rows_a: int,
+                     num_pairs: int, num_experts: int) -> None:
+    """Launch varlen-M ``cfg`` over ``num_pairs`` rows (of ``rows_a`` source rows of A)."""
     # Each expert adds at most one partial m-tile.
     m_tiles_bound = (num_pairs + cfg.tile_m - 1) // cfg.tile_m + num_experts
-    work_items = cfg.varlen_m_work_items(m_tiles_bound)
-    _launcher(cfg)(*args, num_experts, _num_ctas(device, work_items, cfg.cluster))
+    _launch(cfg, device, operands, rows_a, num_pairs, num_experts,
+            cfg.varlen_m_work_items(m_tiles_bound))
 
 
 def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
@@ -392,9 +398,8 @@ def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tenso
                                     arch=runtime.device_arch(device))
     if num_pairs == 0 or a_q.shape[0] == 0:
         return out
-    out_addr = runtime.address(out, 16)
     _launch_fp8(cfg, device, num_pairs, num_experts, a_q, a_scales, b_q, b_scales,
-                expert_offsets, gather_idx, out_addr, out_addr)
+                expert_offsets, gather_idx, c=runtime.address(out, 16))
     return out
 
 
@@ -453,7 +458,8 @@ def grouped_gemm_fp8_swiglu(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: tor
     if num_pairs == 0 or x_q.shape[0] == 0:
         return h, act
     _launch_fp8(cfg, device, num_pairs, num_experts, x_q, x_scales, w1_q, w1_scales,
-                expert_offsets, gather_idx, runtime.address(h, 16), runtime.address(act, 16))
+                expert_offsets, gather_idx, c=runtime.address(h, 16),
+                act=runtime.address(act, 16))
     return h, act
 
 
@@ -517,8 +523,8 @@ def grouped_gemm_fp8_dswiglu(dout_q: torch.Tensor, dout_scales: torch.Tensor,
         return dh, act, ds_parts.sum(1)
     addr = runtime.address
     _launch_fp8(cfg, device, num_pairs, num_experts, dout_q, dout_scales, w2t_q, w2t_scales,
-                expert_offsets, gather_idx, addr(dh, 16), addr(act, 16),
-                (addr(h, 16), addr(row_scores, 4), addr(ds_parts, 4)))
+                expert_offsets, gather_idx, c=addr(dh, 16), act=addr(act, 16),
+                h=addr(h, 16), scores=addr(row_scores, 4), ds=addr(ds_parts, 4))
     return dh, act, ds_parts.sum(1)
 
 
@@ -578,20 +584,16 @@ def _output(name: str, out, shape: tuple, device) -> torch.Tensor:
 
 
 def _launch_fp8(cfg, device, num_pairs, num_experts, a_q, a_scales, b_q, b_scales,
-                expert_offsets, gather_idx, c_addr: int, act_addr: int,
-                dswiglu_addrs: tuple | None = None) -> None:
-    """Launch an FP8 varlen-M ``cfg`` writing C (store: the output, SwiGLU: H, dSwiGLU: dH)
-    and act; ``dswiglu_addrs``: the dH kernel's ``(H, row scores, ds partials)``."""
+                expert_offsets, gather_idx, **epilogue_addrs: int) -> None:
+    """Launch an FP8 varlen-M ``cfg``; ``epilogue_addrs``: the epilogue's
+    :class:`~.args.Operands` (``c``: the output, SwiGLU's H or dSwiGLU's dH; ``act``; the dH
+    kernel's ``h``, ``scores``, ``ds``)."""
     addr = runtime.address
-    offsets_addr = addr(expert_offsets, 4)
-    # Without gather the index addresses are never read; expert_offsets' stands in for them.
-    idx = addr(gather_idx, 4) if gather_idx is not None else offsets_addr
-    # Slots an epilogue never reads: C's address stands in for them.
-    h_addr, scores_addr, ds_addr = dswiglu_addrs or (c_addr,) * 3
-    _launch_varlen_m(cfg, device, num_pairs, num_experts, addr(a_q, 16), addr(b_q, 16),
-                     c_addr, act_addr, h_addr, scores_addr, ds_addr, idx, idx, offsets_addr,
-                     addr(a_scales, 4), addr(b_scales, 4), a_q.shape[0],
-                     num_pairs if dswiglu_addrs is not None else 0)
+    operands = Operands(a=addr(a_q, 16), b=addr(b_q, 16),
+                        gather_a=addr(gather_idx, 4) if gather_idx is not None else None,
+                        offsets=addr(expert_offsets, 4), a_scales=addr(a_scales, 4),
+                        b_scales=addr(b_scales, 4), **epilogue_addrs)
+    _launch_varlen_m(cfg, device, operands, a_q.shape[0], num_pairs, num_experts)
 
 
 def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
@@ -647,16 +649,13 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, gather_idx_a
         dim_m, dim_n, ga, gb = dim_n, dim_m, gb, ga
     cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
-    fn = _launcher(cfg)
-    work_items = num_experts * cfg.varlen_k_items_per_expert
     addr = runtime.address
-    offsets_addr = addr(expert_offsets, 4)
-    # An index address that is not gathered is never read; expert_offsets' stands in for it.
-    out_addr = addr(out, 16)
-    fn(addr(a, 16), addr(b, 16), out_addr, out_addr, out_addr, out_addr, out_addr,
-       addr(gather_idx_a, 4) if ga else offsets_addr,
-       addr(gather_idx_b, 4) if gb else offsets_addr, offsets_addr, out_addr, out_addr,
-       a.shape[0], b.shape[0], num_experts, _num_ctas(device, work_items, cfg.cluster))
+    operands = Operands(a=addr(a, 16), b=addr(b, 16), c=addr(out, 16),
+                        gather_a=addr(gather_idx_a, 4) if ga else None,
+                        gather_b=addr(gather_idx_b, 4) if gb else None,
+                        offsets=addr(expert_offsets, 4))
+    _launch(cfg, device, operands, a.shape[0], b.shape[0], num_experts,
+            num_experts * cfg.varlen_k_items_per_expert)
     return out
 
 
@@ -723,15 +722,12 @@ def grouped_gemm_varlen_k_fp8(a_t_q: torch.Tensor, a_scales: torch.Tensor,
     out = torch.empty(num_experts, dim_m, dim_n, dtype=torch.bfloat16, device=device)
     if k_rows == 0:
         return out.zero_()
-    work_items = num_experts * cfg.varlen_k_items_per_expert
     addr = runtime.address
-    offsets_addr, out_addr = addr(k_offsets, 4), addr(out, 16)
-    # Slots this configuration never reads: out's and the offsets' addresses stand in.
-    _launcher(cfg)(addr(a_t_q, 16, "a_t_q"), addr(b_t_q, 16, "b_t_q"), out_addr, out_addr,
-                   out_addr, out_addr, out_addr, offsets_addr, offsets_addr, offsets_addr,
-                   addr(a_scales, 4),
-                   addr(b_scales, cfg.b_scales_align, "b_scales"), k_rows, k_rows, num_experts,
-                   _num_ctas(device, work_items, cfg.cluster))
+    operands = Operands(a=addr(a_t_q, 16, "a_t_q"), b=addr(b_t_q, 16, "b_t_q"),
+                        c=addr(out, 16), offsets=addr(k_offsets, 4), a_scales=addr(a_scales, 4),
+                        b_scales=addr(b_scales, cfg.b_scales_align, "b_scales"))
+    _launch(cfg, device, operands, k_rows, k_rows, num_experts,
+            num_experts * cfg.varlen_k_items_per_expert)
     return out
 
 

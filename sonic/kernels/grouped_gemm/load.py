@@ -31,21 +31,23 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
+from sonic.kernels.grouped_gemm.args import (KernelPointers, OperandTmas, RowSources,
+                                             SchedulerArgs, StageMemory, Tma, WorkItems)
 from sonic.kernels.grouped_gemm.config import TILE_K, TILE_K_FP8, TILE_M
 
 # Arrivals on a stage's full barrier per fill: one elected producer thread's expect-tx.
 FULL_ARRIVALS = 1
 
 
-def mn_major_tma(ptr, rows, width: int, smem, multicast: bool = False):
-    """TMA atoms for an MN-major varlen-K operand ``(rows, width)``: ``64 x TILE_K`` boxes
+def mn_major_tma(ptr, rows, width: int, smem, multicast: bool = False) -> tuple[Tma, Tma]:
+    """TMA copies of an MN-major varlen-K operand ``(rows, width)``: ``64 x TILE_K`` boxes
     and ``64 x 1`` row boxes (``multicast``: issued with a cluster mask)."""
     m_x = cute.make_tensor(ptr, cute.make_layout((width, rows), stride=(1, width)))
     op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast
           else cpasync.CopyBulkTensorTileG2SOp())
-    return tuple(cpasync.make_tiled_tma_atom(
+    return tuple(Tma(*cpasync.make_tiled_tma_atom(
         op, m_x, cute.make_composed_layout(
-            smem.inner, 0, cute.make_layout(box, stride=(1, 64))), box)
+            smem.inner, 0, cute.make_layout(box, stride=(1, 64))), box))
         for box in ((64, TILE_K), (64, 1)))
 
 
@@ -54,9 +56,9 @@ class TmaProducers:
     :class:`sonic.kernels.grouped_gemm.base.GroupedGemmKernel`, whose ``cfg``, ``scheduler``,
     ``ring`` and ``epilogue`` it uses)."""
 
-    def make_operand_tmas(self, a, b, rows_a, rows_b, num_experts, a_smem, b_smem) -> dict:
-        """Host side: the TMA atoms and tensors of A and B (``(atom, tensor)`` pairs; absent
-        ones ``(None, None)``).
+    def make_operand_tmas(self, a, b, rows_a, rows_b, num_experts, a_smem,
+                          b_smem) -> OperandTmas:
+        """Host side: the TMA copies of A and B.
 
         varlen-M: B by tiles, A by tiles or (gathered) one row per box. varlen-K: both operands
         MN-major, by 64 x TILE_K boxes (whole k-tiles of contiguous rows) or by 64 x 1 row boxes
@@ -64,18 +66,15 @@ class TmaProducers:
         take an out-of-bounds row and so arrive as zeros).
         """
         cfg = self.cfg
-        tma = {"a_row": (None, None), "b_row": (None, None), "mc": (None, None),
-               "mc_row": (None, None)}
         if cfg.mn_major_k:
-            tma["a"], tma["a_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem)
-            tma["b"], tma["b_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem)
+            a_box, a_row = mn_major_tma(a, rows_a, cfg.dim_m, a_smem)
+            b_box, b_row = mn_major_tma(b, rows_b, cfg.dim_n, b_smem)
+            mc = mc_row = None
             if cfg.multicast_a:
-                tma["mc"], tma["mc_row"] = mn_major_tma(a, rows_a, cfg.dim_m, a_smem,
-                                                        multicast=True)
+                mc, mc_row = mn_major_tma(a, rows_a, cfg.dim_m, a_smem, multicast=True)
             elif cfg.cluster > 1:
-                tma["mc"], tma["mc_row"] = mn_major_tma(b, rows_b, cfg.dim_n, b_smem,
-                                                        multicast=True)
-            return tma
+                mc, mc_row = mn_major_tma(b, rows_b, cfg.dim_n, b_smem, multicast=True)
+            return OperandTmas(a_box, b_box, a_row, b_row, mc, mc_row)
         if cfg.varlen_k:
             # FP8 varlen-K: K-major copies Aᵀ (M, R) and Bᵀ (N, R), R = rows_a = rows_b
             # (a multiple of 128), tiled like varlen-M's contiguous A and one expert's B.
@@ -96,115 +95,103 @@ class TmaProducers:
         a_box_smem = (cute.make_composed_layout(
             a_smem.inner, 0, cute.make_layout(a_box, stride=(cfg.tile_k, 1)))
             if cfg.gather_a else cute.slice_(a_smem, (None, None, 0)))
-        tma["a"] = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box)
+        tma_a = Tma(*cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box))
         b_box = (cfg.tile_n // 2 if cfg.b_halves else cfg.tile_n, cfg.tile_k)
         b_box_smem = (cute.make_composed_layout(
             b_smem.inner, 0, cute.make_layout(b_box, stride=(cfg.tile_k, 1)))
             if cfg.b_halves else cute.slice_(b_smem, (None, None, 0)))
-        tma["b"] = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box)
+        tma_b = Tma(*cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box))
+        mc = None
         if cfg.multicast_a:
             # The shared A tile: each CTA multicasts half of its rows (gathered: each of its
             # row boxes whole).
-            tma["mc"] = cpasync.make_tiled_tma_atom(
+            mc = Tma(*cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp(), m_a, a_box_smem, a_box,
-                num_multicast=1 if cfg.gather_a else cfg.cluster)
+                num_multicast=1 if cfg.gather_a else cfg.cluster))
         elif cfg.cluster > 1:
             # A shared B tile: each CTA multicasts its half (a B tile of two half boxes is
             # split already, so each CTA multicasts one of them).
-            tma["mc"] = cpasync.make_tiled_tma_atom(
+            mc = Tma(*cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b, b_box_smem, b_box,
-                num_multicast=1 if cfg.b_halves else cfg.cluster)
-        return tma
+                num_multicast=1 if cfg.b_halves else cfg.cluster))
+        return OperandTmas(tma_a, tma_b, mc=mc)
 
     @cute.jit
-    def produce(self, warp: Int32, first: Int32, step: Int32, total: Int32, tma_a: tuple,
-                tma_b: tuple, epi_tma: tuple, a_smem: cute.ComposedLayout,
-                b_smem: cute.ComposedLayout, s_a: cute.Tensor, s_b: cute.Tensor,
-                stage_mem: tuple, outs: tuple, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
-                rows_a: Int32, rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor,
-                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+    def produce(self, warp: Int32, work: WorkItems, tmas: OperandTmas, epi_tmas: tuple,
+                stages: StageMemory, pointers: KernelPointers, rows: RowSources,
+                sched: SchedulerArgs):
         """The producer warpgroup: the loader of the configuration's mode and gathers.
 
-        ``tma_a``: A's ``(atom, tensor, row atom, row tensor)``; ``tma_b``: B's the same, then
-        the cluster's multicast ``(atom, tensor, row atom, row tensor)`` of the shared operand,
-        B's or (``multicast_a``) A's (see :meth:`make_operand_tmas`). ``outs``: the kernel's
-        global pointers (FP8 varlen-K: B's scales, ``outs[5]``, go into ``stage_mem[3]``).
+        On a cluster the shared operand, B's or (``multicast_a``) A's, arrives by
+        ``tmas.mc`` / ``tmas.mc_row`` (see :meth:`make_operand_tmas`). FP8 varlen-K also
+        copies B's column scales (``pointers.scales.b``) into ``stages.col_scales``.
         """
-        s_a_base, s_b_base = stage_mem[0], stage_mem[1]
-        if cutlass.const_expr(self.cfg.mn_major_k):
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.mn_major_k):
             # The operand the cluster shares arrives by the multicast atoms.
-            shared_a = self.cfg.multicast_a
-            shared_b = self.cfg.cluster > 1 and not shared_a
+            shared_a = cfg.multicast_a
+            shared_b = cfg.cluster > 1 and not shared_a
             self.produce_varlen_k(
-                warp, first, step, total, tma_b[4:] if shared_a else tma_a,
-                tma_b[4:] if shared_b else tma_b[:4], a_smem, b_smem, s_a_base,
-                s_b_base, gidx_a, gidx_b, rows_a, rows_b, m_off, table, num_experts, full,
-                empty)
-        elif cutlass.const_expr(self.cfg.gather_a):
-            self.produce_gather_m(warp, first, step, total,
-                                  *(tma_b[4:6] if self.cfg.multicast_a else tma_a[:2]),
-                                  (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), a_smem, b_smem,
-                                  s_a_base, s_b_base, s_b, gidx_a, m_off, table, num_experts,
-                                  full, empty, epi_tma, stage_mem)
+                warp, work, (tmas.mc, tmas.mc_row) if shared_a else (tmas.a, tmas.a_row),
+                (tmas.mc, tmas.mc_row) if shared_b else (tmas.b, tmas.b_row), stages, rows,
+                sched)
+        elif cutlass.const_expr(cfg.gather_a):
+            self.produce_gather_m(warp, work, tmas.mc if cfg.multicast_a else tmas.a, tmas.b,
+                                  tmas.mc, stages, rows.gather_a, sched, epi_tmas)
         else:
             if warp == 0:
-                if cutlass.const_expr(self.cfg.multicast_a):
-                    self.produce_tma(first, step, total, tma_b[4], tma_b[5],
-                                     (tma_b[0], tma_b[1], None, None), s_a, s_b, m_off,
-                                     table, num_experts, full, empty)
+                if cutlass.const_expr(cfg.multicast_a):
+                    self.produce_tma(work, tmas.mc, tmas.b, None, stages, sched)
                 else:
                     col_scales = None
-                    if cutlass.const_expr(self.cfg.col_scale_bytes):
-                        col_scales = (outs[5], stage_mem[3])
-                    self.produce_tma(first, step, total, tma_a[0], tma_a[1],
-                                     (tma_b[0], tma_b[1], tma_b[4], tma_b[5]), s_a, s_b, m_off,
-                                     table, num_experts, full, empty, col_scales)
+                    if cutlass.const_expr(cfg.col_scale_bytes):
+                        col_scales = (pointers.scales.b, stages.col_scales)
+                    self.produce_tma(work, tmas.a, tmas.b, tmas.mc, stages, sched, col_scales)
 
     @cute.jit
-    def produce_tma(self, first: Int32, step: Int32, total: Int32, tma_atom_a, tma_a,
-                    tma_b: tuple, s_a: cute.Tensor, s_b: cute.Tensor,
-                    m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                    full: cute.Pointer, empty: cute.Pointer, col_scales=None):
+    def produce_tma(self, work: WorkItems, tma_a: Tma, tma_b: Tma, tma_b_mc: Tma | None,
+                    stages: StageMemory, sched: SchedulerArgs, col_scales=None):
         """varlen-M with contiguous A, or FP8 varlen-K: one warp issues the TMA loads of A
         and B tiles. FP8 varlen-K's expert ``e`` is the k-tiles from its padded first row
         ``row0`` of the K-major copies: A tile rows ``mt·tile_m ..``, B's of the one
         ``(N, R)`` copy, and (``col_scales``: B's scales ``(R/128, N)`` and the stages'
         scale slots) the k-tile's scales of the tile's columns. With ``multicast_a``,
-        ``tma_atom_a`` is A's multicast atom: this CTA loads its rank's half of the A tile into
-        both CTAs, and its whole B tile."""
+        ``tma_a`` is A's multicast copy: this CTA loads its rank's half of the A tile into
+        both CTAs, and its whole B tile (``tma_b_mc``: the cluster's share of a B tile)."""
         cfg = self.cfg
+        full, empty = stages.full, stages.empty
         rank, a_ctas = 0, 1
         if cutlass.const_expr(cfg.multicast_a):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             a_ctas = cfg.cluster
         stage = Int32(0)
         phase = Int32(1)
-        t = first
-        while t < total:
-            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+        t = work.first
+        while t < work.total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, sched)
             origin = (row0, 0)
             k_tiles, kt0, e_b = Int32(cfg.k_tiles), Int32(0), e
             if cutlass.const_expr(cfg.varlen_k):
                 origin = (mt * cfg.tile_m, row0)
                 k_tiles, kt0, e_b = rows // cfg.tile_k, row0 // cfg.tile_k, Int32(0)
-            g_a = cute.local_tile(cute.domain_offset(origin, tma_a),
+            g_a = cute.local_tile(cute.domain_offset(origin, tma_a.tensor),
                                   (cfg.tile_m, cfg.tile_k), (0, None))
-            t_sa, t_ga = cpasync.tma_partition(tma_atom_a, rank, cute.make_layout(a_ctas),
-                                               cute.group_modes(s_a, 0, 2),
+            t_sa, t_ga = cpasync.tma_partition(tma_a.atom, rank, cute.make_layout(a_ctas),
+                                               cute.group_modes(stages.a, 0, 2),
                                                cute.group_modes(g_a, 0, 2))
             for kt in cutlass.range(k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(empty + stage, phase)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
-                self.tma_copy(tma_atom_a, t_ga[None, kt], t_sa[None, stage], full + stage,
+                self.tma_copy(tma_a.atom, t_ga[None, kt], t_sa[None, stage], full + stage,
                               cfg.multicast_a)
-                self.load_b(tma_b, s_b, None, nt, kt0 + kt, e_b, stage, full, shared)
+                self.load_b(tma_b, tma_b_mc, stages, nt, kt0 + kt, e_b, stage, shared)
                 if cutlass.const_expr(col_scales is not None):
                     self.copy_col_scales(col_scales, nt, kt0 + kt, stage, full)
                 stage, phase = self.ring.next_stage(stage, phase)
-            t += step
+            t += work.step
 
     @cute.jit
     def copy_col_scales(self, col_scales: tuple, nt: Int32, kt: Int32, stage: Int32,
@@ -225,13 +212,9 @@ class TmaProducers:
             cute.copy(atom, g, s, mbar_ptr=full + stage)
 
     @cute.jit
-    def produce_gather_m(self, warp: Int32, first: Int32, step: Int32, total: Int32,
-                         tma_atom_a, tma_a, tma_b: tuple, a_smem: cute.ComposedLayout,
-                         b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
-                         s_b_base: cute.Pointer, s_b: cute.Tensor, gidx: cute.Pointer,
-                         m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                         full: cute.Pointer, empty: cute.Pointer, epi_tma: tuple,
-                         stage_mem: tuple):
+    def produce_gather_m(self, warp: Int32, work: WorkItems, tma_a: Tma, tma_b: Tma,
+                         tma_b_mc: Tma | None, stages: StageMemory, gidx: cute.Pointer,
+                         sched: SchedulerArgs, epi_tmas: tuple):
         """varlen-M, gathered A: every tile row arrives by its own TMA row copy.
 
         Producer warp ``w`` owns tile rows ``32w .. 32w+31``; lane ``l`` reads the source
@@ -246,11 +229,13 @@ class TmaProducers:
         same kernel on an identity index is as slow as on a random one, and 4–7% slower than
         on the rows gathered beforehand; benchmarks/RESULTS.md). A phantom CTA (no rows of
         its own) still copies its half for its peer. After a tile's k-tiles the epilogue may
-        queue its own loads into the ring (:meth:`Epilogue.producer_loads`).
+        queue its own loads into the ring (:meth:`Epilogue.producer_loads`). ``tma_a``: A's
+        row copy, or with ``multicast_a`` its multicast one.
         """
         cfg = self.cfg
+        full, empty = stages.full, stages.empty
         tile_k = cfg.tile_k
-        g_a = cute.group_modes(cute.local_tile(tma_a, (1, tile_k), (None, None)), 0, 2)
+        g_a = cute.group_modes(cute.local_tile(tma_a.tensor, (1, tile_k), (None, None)), 0, 2)
         row_layout = cute.make_layout((1, tile_k), stride=(tile_k, 1))
         lane = cute.arch.lane_idx()
         warp_rows = TILE_M // 4
@@ -261,11 +246,11 @@ class TmaProducers:
                          * (TILE_M // cfg.cluster) + warp * warp_rows)
         stage = Int32(0)
         phase = Int32(1)
-        t = first
-        while t < total:
-            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+        t = work.first
+        while t < work.total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, sched)
             if cutlass.const_expr(cfg.multicast_a):
-                rows = m_off[e + 1] - row0
+                rows = sched.offsets[e + 1] - row0
             r = first_row + lane % warp_rows
             if r >= rows:
                 r = Int32(0)
@@ -275,96 +260,87 @@ class TmaProducers:
                 if warp == 0:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, cfg.tma_bytes)
-                    self.load_b(tma_b, s_b, (s_b_base, b_smem.inner), nt, kt, e, stage,
-                                full, shared)
+                    self.load_b(tma_b, tma_b_mc, stages, nt, kt, e, stage, shared)
                 for i in cutlass.range_constexpr(warp_rows):
                     src = cute.arch.shuffle_sync(src_row, i)
                     dst = cute.make_tensor(cute.recast_ptr(
-                        s_a_base + (stage * TILE_M + first_row + i) * tile_k,
-                        a_smem.inner), row_layout)
-                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
+                        stages.a_base + (stage * TILE_M + first_row + i) * tile_k,
+                        stages.a_swizzle), row_layout)
+                    t_sa, t_ga = cpasync.tma_partition(tma_a.atom, 0, cute.make_layout(1),
                                                        cute.group_modes(dst, 0, 2), g_a)
-                    self.tma_copy(tma_atom_a, t_ga[None, src, kt], t_sa, full + stage,
+                    self.tma_copy(tma_a.atom, t_ga[None, src, kt], t_sa, full + stage,
                                   cfg.multicast_a)
                 stage, phase = self.ring.next_stage(stage, phase)
             if cutlass.const_expr(self.epilogue.has_producer_loads):
-                stage, phase = self.epilogue.producer_loads(warp, epi_tma, stage_mem, row0, nt,
-                                                            stage, phase, full, empty)
-            t += step
+                stage, phase = self.epilogue.producer_loads(warp, epi_tmas, stages, row0, nt,
+                                                            stage, phase)
+            t += work.step
 
     @cute.jit
-    def load_b(self, tma_b: tuple, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32, kt: Int32,
-               e: Int32, stage: Int32, full: cute.Pointer, shared):
+    def load_b(self, tma_b: Tma, tma_b_mc: Tma | None, stages: StageMemory, nt: Int32,
+               kt: Int32, e: Int32, stage: Int32, shared):
         """varlen-M: B n-tile ``nt`` of expert ``e``, k-tile ``kt`` → ``stage``: one box, or
         with ``b_halves`` two half boxes (rows ``nt·tile_n/2 ..`` and ``N/2 + nt·tile_n/2 ..``).
         On a cluster with ``shared``, this CTA loads its share (its rank's half of the box, or
-        its rank's half box) and multicasts it to both CTAs (never with ``multicast_a``,
-        where the CTAs share A instead)."""
-        atom, tensor, atom_mc, tensor_mc = tma_b
-        bar = full + stage
+        its rank's half box, by ``tma_b_mc``) and multicasts it to both CTAs (never with
+        ``multicast_a``, where the CTAs share A instead)."""
+        bar = stages.full + stage
         if cutlass.const_expr(self.cfg.cluster > 1 and not self.cfg.multicast_a):
             if shared:
                 rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
                 if cutlass.const_expr(self.cfg.b_halves):
-                    self.copy_b_half(atom_mc, tensor_mc, s_b_raw, rank, nt, kt, e, stage,
-                                     bar, True)
+                    self.copy_b_half(tma_b_mc, stages, rank, nt, kt, e, stage, bar, True)
                 else:
-                    self.copy_b_tile(atom_mc, tensor_mc, s_b, rank, nt, kt, e, stage, bar,
-                                     True)
+                    self.copy_b_tile(tma_b_mc, stages.b, rank, nt, kt, e, stage, bar, True)
             else:
-                self.load_b_whole(atom, tensor, s_b, s_b_raw, nt, kt, e, stage, bar)
+                self.load_b_whole(tma_b, stages, nt, kt, e, stage, bar)
         else:
-            self.load_b_whole(atom, tensor, s_b, s_b_raw, nt, kt, e, stage, bar)
+            self.load_b_whole(tma_b, stages, nt, kt, e, stage, bar)
 
     @cute.jit
-    def load_b_whole(self, atom, tensor, s_b: cute.Tensor, s_b_raw: tuple, nt: Int32,
-                     kt: Int32, e: Int32, stage: Int32, bar: cute.Pointer):
+    def load_b_whole(self, tma: Tma, stages: StageMemory, nt: Int32, kt: Int32, e: Int32,
+                     stage: Int32, bar: cute.Pointer):
         """The whole B tile into this CTA only."""
         if cutlass.const_expr(self.cfg.b_halves):
             for h in cutlass.range_constexpr(2):
-                self.copy_b_half(atom, tensor, s_b_raw, h, nt, kt, e, stage, bar, False)
+                self.copy_b_half(tma, stages, h, nt, kt, e, stage, bar, False)
         else:
-            self.copy_b_tile(atom, tensor, s_b, 0, nt, kt, e, stage, bar, False)
+            self.copy_b_tile(tma, stages.b, 0, nt, kt, e, stage, bar, False)
 
     @cute.jit
-    def copy_b_tile(self, atom, tensor, s_b: cute.Tensor, rank, nt: Int32, kt: Int32,
+    def copy_b_tile(self, tma: Tma, s_b: cute.Tensor, rank, nt: Int32, kt: Int32,
                     e: Int32, stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
         """B tile as one box into this CTA, or (``multicast``) this CTA's ``rank`` share of
         it into both CTAs of the cluster."""
         g_b = cute.group_modes(
-            cute.local_tile(tensor, (self.cfg.tile_n, self.cfg.tile_k), (None, None, None)),
-            0, 2)
+            cute.local_tile(tma.tensor, (self.cfg.tile_n, self.cfg.tile_k),
+                            (None, None, None)), 0, 2)
         t_s, t_g = cpasync.tma_partition(
-            atom, rank, cute.make_layout(self.cfg.cluster if multicast else 1),
+            tma.atom, rank, cute.make_layout(self.cfg.cluster if multicast else 1),
             cute.group_modes(s_b, 0, 2), g_b)
-        self.tma_copy(atom, t_g[None, nt, kt, e], t_s[None, stage], bar, multicast)
+        self.tma_copy(tma.atom, t_g[None, nt, kt, e], t_s[None, stage], bar, multicast)
 
     @cute.jit
-    def copy_b_half(self, atom, tensor, s_b_raw: tuple, h, nt: Int32, kt: Int32, e: Int32,
+    def copy_b_half(self, tma: Tma, stages: StageMemory, h, nt: Int32, kt: Int32, e: Int32,
                     stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
         """``b_halves``: half box ``h`` (0: rows of the first half of N, 1: the matching rows
         of the second half) of B n-tile ``nt``, to this CTA or (``multicast``) to both CTAs of
         the cluster."""
         half = self.cfg.tile_n // 2
         tile_k = self.cfg.tile_k
-        g_b = cute.group_modes(cute.local_tile(tensor, (half, tile_k), (None, None, None)),
-                               0, 2)
-        s_b_base, swizzle = s_b_raw
+        g_b = cute.group_modes(cute.local_tile(tma.tensor, (half, tile_k),
+                                               (None, None, None)), 0, 2)
         dst = cute.make_tensor(cute.recast_ptr(
-            s_b_base + (stage * self.cfg.tile_n + h * half) * tile_k, swizzle),
+            stages.b_base + (stage * self.cfg.tile_n + h * half) * tile_k, stages.b_swizzle),
             cute.make_layout((half, tile_k), stride=(tile_k, 1)))
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+        t_s, t_g = cpasync.tma_partition(tma.atom, 0, cute.make_layout(1),
                                          cute.group_modes(dst, 0, 2), g_b)
-        self.tma_copy(atom, t_g[None, h * (self.cfg.dim_n // 2 // half) + nt, kt, e], t_s, bar,
+        self.tma_copy(tma.atom, t_g[None, h * (self.cfg.dim_n // 2 // half) + nt, kt, e], t_s, bar,
                       multicast)
 
     @cute.jit
-    def produce_varlen_k(self, warp: Int32, first: Int32, step: Int32, total: Int32,
-                         tma_a: tuple, tma_b: tuple, a_smem: cute.ComposedLayout,
-                         b_smem: cute.ComposedLayout, s_a_base: cute.Pointer,
-                         s_b_base: cute.Pointer, gidx_a: cute.Pointer, gidx_b: cute.Pointer,
-                         rows_a: Int32, rows_b: Int32, m_off: cute.Tensor, table: cute.Tensor,
-                         num_experts: Int32, full: cute.Pointer, empty: cute.Pointer):
+    def produce_varlen_k(self, warp: Int32, work: WorkItems, tmas_a: tuple, tmas_b: tuple,
+                         stages: StageMemory, sources: RowSources, sched: SchedulerArgs):
         """varlen-K: both operands are ``TILE_K`` rows of the expert per k-tile, MN-major in
         shared memory, loaded by TMA.
 
@@ -378,14 +354,17 @@ class TmaProducers:
         On a cluster, B (the same rows of the same expert for both CTAs) is split by columns:
         each CTA loads its half of the 64-column blocks and multicasts them; with
         ``multicast_a`` A is, so each CTA issues half of a gathered A's row copies.
+        ``tmas_a``, ``tmas_b``: each operand's (box, row box) copies.
         """
+        full, empty = stages.full, stages.empty
+        gidx_a, gidx_b, rows_a, rows_b = sources
         lane = cute.arch.lane_idx()
         row_in_tile = warp * (TILE_K // 4) + lane % (TILE_K // 4)
         stage = Int32(0)
         phase = Int32(1)
-        t = first
-        while t < total:
-            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+        t = work.first
+        while t < work.total:
+            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, sched)
             k_tiles = (rows + TILE_K - 1) // TILE_K
             src_a = self.row_source(gidx_a, self.cfg.gather_a, row0, rows, row_in_tile, Int32(0),
                                     rows_a)
@@ -397,10 +376,10 @@ class TmaProducers:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
                 whole = (kt + 1) * TILE_K <= rows
-                self.load_k_tile(warp, tma_a, a_smem.inner, s_a_base, self.cfg.tile_m,
+                self.load_k_tile(warp, tmas_a, stages.a_swizzle, stages.a_base, self.cfg.tile_m,
                                  mt * self.cfg.tile_m, self.cfg.gather_a, whole, src_a, row0,
                                  kt, stage, full, self.cfg.multicast_a)
-                self.load_k_tile(warp, tma_b, b_smem.inner, s_b_base, self.cfg.tile_n,
+                self.load_k_tile(warp, tmas_b, stages.b_swizzle, stages.b_base, self.cfg.tile_n,
                                  nt * self.cfg.tile_n, self.cfg.gather_b, whole, src_b, row0, kt,
                                  stage, full, self.cfg.cluster > 1 and not self.cfg.multicast_a)
                 src_a = self.row_source(gidx_a, self.cfg.gather_a, row0, rows, row_in_tile,
@@ -408,7 +387,7 @@ class TmaProducers:
                 src_b = self.row_source(gidx_b, self.cfg.gather_b, row0, rows, row_in_tile,
                                         kt + 1, rows_b)
                 stage, phase = self.ring.next_stage(stage, phase)
-            t += step
+            t += work.step
 
     @cute.jit
     def row_source(self, gidx: cute.Pointer, gathered: cutlass.Constexpr, row0: Int32,
@@ -423,26 +402,27 @@ class TmaProducers:
         return src
 
     @cute.jit
-    def load_k_tile(self, warp: Int32, tma: tuple, swizzle, s_base: cute.Pointer,
+    def load_k_tile(self, warp: Int32, tmas: tuple, swizzle, s_base: cute.Pointer,
                     tile_mn: cutlass.Constexpr, col0: Int32, gathered: cutlass.Constexpr,
                     whole, src: Int32, row0: Int32, kt: Int32, stage: Int32,
                     full: cute.Pointer, split: cutlass.Constexpr):
         """Issue the TMA copies of one operand's k-tile into ``stage``; with ``split`` only
-        this CTA's share of the 64-column blocks, multicast to the cluster."""
-        atom_box, tma_box, atom_row, tma_row = tma
+        this CTA's share of the 64-column blocks, multicast to the cluster. ``tmas``: the
+        operand's (box, row box) copies."""
+        box, row = tmas
         stage_base = s_base + stage * (tile_mn * TILE_K)
         blocks = tile_mn // 64 // (self.cfg.cluster if split else 1)
         j0 = Int32(0)
         if cutlass.const_expr(split):
             j0 = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) * blocks
         if cutlass.const_expr(gathered):
-            self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, blocks, j0, col0,
-                           src, full + stage, split)
+            self.copy_rows(warp, row, swizzle, stage_base, blocks, j0, col0, src,
+                           full + stage, split)
         else:
             if whole:
                 if warp == 0:
                     g_box = cute.group_modes(cute.local_tile(
-                        cute.domain_offset((0, row0), tma_box), (64, TILE_K), (None, None)),
+                        cute.domain_offset((0, row0), box.tensor), (64, TILE_K), (None, None)),
                         0, 2)
                     for jj in cutlass.range_constexpr(blocks):
                         j = j0 + jj
@@ -450,21 +430,21 @@ class TmaProducers:
                             cute.recast_ptr(stage_base + j * (64 * TILE_K), swizzle),
                             cute.make_layout((64, TILE_K), stride=(1, 64)))
                         t_s, t_g = cpasync.tma_partition(
-                            atom_box, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                            box.atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
                             g_box)
-                        self.tma_copy(atom_box, t_g[None, col0 // 64 + j, kt], t_s,
+                        self.tma_copy(box.atom, t_g[None, col0 // 64 + j, kt], t_s,
                                       full + stage, split)
             else:
-                self.copy_rows(warp, atom_row, tma_row, swizzle, stage_base, blocks, j0,
-                               col0, src, full + stage, split)
+                self.copy_rows(warp, row, swizzle, stage_base, blocks, j0, col0, src,
+                               full + stage, split)
 
     @cute.jit
-    def copy_rows(self, warp: Int32, atom_row, tma_row, swizzle, stage_base: cute.Pointer,
+    def copy_rows(self, warp: Int32, tma_row: Tma, swizzle, stage_base: cute.Pointer,
                   blocks: cutlass.Constexpr, j0: Int32, col0: Int32, src: Int32,
                   bar: cute.Pointer, multicast: cutlass.Constexpr):
         """This warp's ``TILE_K / 4`` rows of a k-tile, one ``64 x 1`` box per 64 columns of
         blocks ``j0 .. j0 + blocks``."""
-        g_row = cute.group_modes(cute.local_tile(tma_row, (64, 1), (None, None)), 0, 2)
+        g_row = cute.group_modes(cute.local_tile(tma_row.tensor, (64, 1), (None, None)), 0, 2)
         for i in cutlass.range_constexpr(TILE_K // 4):
             row = cute.arch.shuffle_sync(src, i)
             for jj in cutlass.range_constexpr(blocks):
@@ -473,8 +453,8 @@ class TmaProducers:
                     stage_base + j * (64 * TILE_K) + (warp * (TILE_K // 4) + i) * 64,
                     swizzle), cute.make_layout((64, 1), stride=(1, 64)))
                 t_s, t_g = cpasync.tma_partition(
-                    atom_row, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), g_row)
-                self.tma_copy(atom_row, t_g[None, col0 // 64 + j, row], t_s, bar, multicast)
+                    tma_row.atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), g_row)
+                self.tma_copy(tma_row.atom, t_g[None, col0 // 64 + j, row], t_s, bar, multicast)
 
     @cute.jit
     def tma_copy(self, atom, src: cute.Tensor, dst: cute.Tensor, bar: cute.Pointer,

@@ -26,10 +26,10 @@ ones byte for byte (``tests/test_sm100_compile.py`` compares them), so the produ
 boxes, one-row gather boxes (one ``1 x TILE_K`` box per row at the row's 128-byte line) and
 varlen-K ``64 x 1`` row boxes land where UMMA reads them.
 
-Epilogue: the epilogue classes are sm_90's, fed by :class:`TmemAccumulator`, a view with the
-interface of :class:`.sm90.WgmmaAccumulator` over ``tcgen05.ld`` loads of one ``SLAB`` of
-columns (``32x32b.x64``: 64 consecutive fp32 columns of the thread's row), so the SwiGLU /
-dSwiGLU maths, the masking (rows of the expert, columns of N, whole 16-byte chunks) and the
+Epilogue: the epilogue classes are sm_90's, fed by :class:`TmemAccumulator`, an
+:class:`.protocols.AccumulatorView` (as :class:`.sm90.WgmmaAccumulator` is) over ``tcgen05.ld``
+loads of one ``SLAB`` of columns (``32x32b.x64``: 64 consecutive fp32 columns of the thread's
+row), so the SwiGLU / dSwiGLU maths, the masking (rows of the expert, columns of N, whole 16-byte chunks) and the
 stores through the staging buffer are the same code. What differs follows from the layout:
 a thread holds whole rows (no quad reduction of ds), and the view loads a slab when the
 epilogue first asks for it (``tcgen05.ld`` is warp-collective, so the epilogues call the view
@@ -55,9 +55,11 @@ from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
+from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, KernelPointers,
+                                             OperandTmas, RowSources, SchedulerArgs,
+                                             StageMemory, WorkItems)
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import SLAB, TILE_M
-from sonic.kernels.grouped_gemm.epilogue.base import BARRIER
+from sonic.kernels.grouped_gemm.config import SLAB, TILE_M, NamedBarrier
 
 EPILOGUE_WARPS = 4
 MMA_WARP = EPILOGUE_WARPS + 4
@@ -88,7 +90,8 @@ def load_slab(copy, src: cute.Tensor, frag: cute.Tensor, written):
 
 class TmemAccumulator:
     """A tile's fp32 TMEM accumulator as this thread's row, in sub-tiles of SLAB columns (the
-    epilogue's view; interface of :class:`sonic.kernels.grouped_gemm.sm90.WgmmaAccumulator`).
+    epilogue's :class:`~.protocols.AccumulatorView`, as
+    :class:`sonic.kernels.grouped_gemm.sm90.WgmmaAccumulator`).
 
     A sub-tile is loaded (``tcgen05.ld`` + wait) the first time the epilogue asks for it,
     into one of two register buffers (SwiGLU "concat" reads two sub-tiles at once); when
@@ -196,13 +199,9 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         cute.arch.relinquish_tmem_alloc_permit()
 
     @cute.jit
-    def run_roles(self, tidx: Int32, warp: Int32, first: Int32, step: Int32, total: Int32,
-                  tiled_mma: cute.TiledMma, storage, tma_a: tuple, tma_b: tuple,
-                  tma_epi: tuple, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-                  s_a: cute.Tensor, s_b: cute.Tensor, stage_mem: tuple, outs: tuple,
-                  gidx_a: cute.Pointer, gidx_b: cute.Pointer, rows_a: Int32, rows_b: Int32,
-                  m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                  full: cute.Pointer, empty: cute.Pointer):
+    def run_roles(self, tidx: Int32, warp: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+                  storage, tmas: OperandTmas, epi_tmas: tuple, stages: StageMemory,
+                  pointers: KernelPointers, rows: RowSources, sched: SchedulerArgs):
         """Producers (warps 4–7), the MMA warp (8), the epilogue warpgroup (0–3), which frees
         the tensor memory once every tile's accumulator has been read."""
         acc_layout = tiled_mma.make_fragment_C(cute.append(
@@ -211,39 +210,37 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         acc = cute.make_tensor(tmem, acc_layout)
         acc_bars = (storage.acc_full.data_ptr(), storage.acc_empty.data_ptr())
         if warp >= EPILOGUE_WARPS and warp < MMA_WARP:
-            self.produce(warp - EPILOGUE_WARPS, first, step, total, tma_a, tma_b, tma_epi,
-                         a_smem, b_smem, s_a, s_b, stage_mem, outs, gidx_a, gidx_b, rows_a,
-                         rows_b, m_off, table, num_experts, full, empty)
+            self.produce(warp - EPILOGUE_WARPS, work, tmas, epi_tmas, stages, pointers, rows,
+                         sched)
         elif warp == MMA_WARP:
-            self.mma(first, step, total, tiled_mma, s_a, s_b, acc, m_off, num_experts, full,
-                     empty, acc_bars)
+            self.mma(work, tiled_mma, stages, acc, sched, acc_bars)
         else:
-            self.epilogue_warps(tidx, first, step, total, tiled_mma, acc, storage.sC.data_ptr(),
-                                outs, tma_epi, m_off, table, num_experts, stage_mem, full,
-                                empty, acc_bars)
-            cute.arch.barrier(barrier_id=BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
+            self.epilogue_warps(tidx, work, tiled_mma, acc, storage.sC.data_ptr(),
+                                pointers.epilogue, epi_tmas, sched, stages, acc_bars)
+            cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE,
+                              number_of_threads=32 * EPILOGUE_WARPS)
             if warp == 0:
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     @cute.jit
-    def mma(self, first: Int32, step: Int32, total: Int32, tiled_mma: cute.TiledMma,
-            s_a: cute.Tensor, s_b: cute.Tensor, acc: cute.Tensor, m_off: cute.Tensor,
-            num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, acc_bars: tuple):
+    def mma(self, work: WorkItems, tiled_mma: cute.TiledMma, stages: StageMemory,
+            acc: cute.Tensor, sched: SchedulerArgs, acc_bars: tuple):
         """Per tile: wait for a free accumulator, issue the UMMAs of every k-tile (each stage
         freed by ``tcgen05.commit`` once its MMAs complete), commit the accumulator to the
         epilogue, and skip the ring stages the epilogue's own loads take."""
         acc_full, acc_empty = acc_bars
+        full, empty = stages.full, stages.empty
         thr_mma = tiled_mma.get_slice(0)
-        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
+        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
         k_blocks = cute.size(t_ca, mode=[2])
         stage = Int32(0)
         phase = Int32(0)
         acc_stage = Int32(0)
         acc_phase = Int32(1)
-        t = first
-        while t < total:
-            k_tiles = self.scheduler.tile_k_tiles(t, m_off, num_experts)
+        t = work.first
+        while t < work.total:
+            k_tiles = self.scheduler.tile_k_tiles(t, sched)
             cute.arch.mbarrier_wait(acc_empty + acc_stage, acc_phase)
             tile_acc = acc[None, None, None, acc_stage]
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
@@ -261,7 +258,7 @@ class Sm100GroupedGemm(GroupedGemmKernel):
             if cutlass.const_expr(self.epilogue.has_producer_loads):
                 stage, phase = self.ring.skip(stage, phase, self.epilogue.producer_stages)
             acc_stage, acc_phase = self.next_acc(acc_stage, acc_phase)
-            t += step
+            t += work.step
 
     @cute.jit
     def next_acc(self, acc_stage: Int32, acc_phase: Int32):
@@ -273,11 +270,10 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         return acc_stage, acc_phase
 
     @cute.jit
-    def epilogue_warps(self, tidx: Int32, first: Int32, step: Int32, total: Int32,
-                       tiled_mma: cute.TiledMma, acc: cute.Tensor, s_c: cute.Pointer,
-                       outs: tuple, tma_epi: tuple, m_off: cute.Tensor, table: cute.Tensor,
-                       num_experts: Int32, stage_mem: tuple, full: cute.Pointer,
-                       empty: cute.Pointer, acc_bars: tuple):
+    def epilogue_warps(self, tidx: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+                       acc: cute.Tensor, s_c: cute.Pointer, outs: EpilogueOutputs,
+                       epi_tmas: tuple,
+                       sched: SchedulerArgs, stages: StageMemory, acc_bars: tuple):
         """Per tile: wait for its accumulator, run the epilogue on a :class:`TmemAccumulator`
         (the ring position follows the producers' when the epilogue reads ring stages), then
         hand the accumulator back to the MMA warp."""
@@ -299,10 +295,10 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         phase = Int32(0)
         acc_stage = Int32(0)
         acc_phase = Int32(0)
-        t = first
-        while t < total:
-            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
-            k_tiles = self.scheduler.tile_k_tiles(t, m_off, num_experts)
+        t = work.first
+        while t < work.total:
+            tile = self.scheduler.decode(t, sched)
+            k_tiles = self.scheduler.tile_k_tiles(t, sched)
             cute.arch.mbarrier_wait(acc_full + acc_stage, acc_phase)
             written = True
             if cutlass.const_expr(self.cfg.varlen_k):
@@ -314,10 +310,10 @@ class Sm100GroupedGemm(GroupedGemmKernel):
             # wg 0, first row 0; the thread index stands for the lane so that one thread
             # releases an H stage (the empty barriers expect one arrival).
             stage, phase = self.epilogue.visit(
-                view, s_c, tidx, Int32(0), Int32(0), tidx, outs, tma_epi, e, row0, rows, nt,
-                mt, stage_mem, stage, phase, full, empty)
+                view, EpilogueThreads(s_c, tidx, Int32(0), Int32(0), tidx), outs, epi_tmas,
+                tile, stages, stage, phase)
             # Every TMEM load of the tile was waited for inside the view.
             if lane == 0:
                 cute.arch.mbarrier_arrive(acc_empty + acc_stage)
             acc_stage, acc_phase = self.next_acc(acc_stage, acc_phase)
-            t += step
+            t += work.step

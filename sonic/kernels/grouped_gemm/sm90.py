@@ -16,8 +16,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, cute
 from cutlass.cute.nvgpu import warpgroup
 
+from sonic.kernels.grouped_gemm.args import (EpilogueThreads, KernelPointers, OperandTmas,
+                                             RowSources, SchedulerArgs, StageMemory,
+                                             WorkItems)
 from sonic.kernels.grouped_gemm.base import GroupedGemmKernel
-from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, PRODUCER_THREADS, SLAB
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, PRODUCER_THREADS, SLAB,
+                                               NamedBarrier)
 
 
 class ColumnPair(NamedTuple):
@@ -43,7 +47,9 @@ class ColumnPair(NamedTuple):
 
 
 class WgmmaAccumulator:
-    """A warpgroup's fp32 WGMMA accumulator as sub-tiles of SLAB columns (the epilogue's view).
+    """A warpgroup's fp32 WGMMA accumulator as sub-tiles of SLAB columns: the epilogue's
+    :class:`~.protocols.AccumulatorView`, whose :meth:`pairs` also takes a 64-row block (the
+    deferred store and 256-row tiles stage one block at a time).
 
     The WGMMA accumulator holds, per 8-column group, a column pair (v0 = 0, 1) on each of two
     rows (v1 = 0, 1) for each 64-row block; a thread of a quad holds the same rows. All
@@ -130,35 +136,26 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             None, None))
 
     @cute.jit
-    def run_roles(self, tidx: Int32, warp: Int32, first: Int32, step: Int32, total: Int32,
-                  tiled_mma: cute.TiledMma, storage, tma_a: tuple, tma_b: tuple,
-                  tma_epi: tuple, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-                  s_a: cute.Tensor, s_b: cute.Tensor, stage_mem: tuple, outs: tuple,
-                  gidx_a: cute.Pointer, gidx_b: cute.Pointer, rows_a: Int32, rows_b: Int32,
-                  m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32,
-                  full: cute.Pointer, empty: cute.Pointer):
+    def run_roles(self, tidx: Int32, warp: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+                  storage, tmas: OperandTmas, epi_tmas: tuple, stages: StageMemory,
+                  pointers: KernelPointers, rows: RowSources, sched: SchedulerArgs):
         """Warpgroup 0 produces (registers handed to the consumers), warpgroups 1..2 run the
         WGMMA mainloop and the epilogue."""
         cfg = self.cfg
         if tidx < PRODUCER_THREADS:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            self.produce(warp, first, step, total, tma_a, tma_b, tma_epi, a_smem, b_smem, s_a,
-                         s_b, stage_mem, outs, gidx_a, gidx_b, rows_a, rows_b, m_off, table,
-                         num_experts, full, empty)
+            self.produce(warp, work, tmas, epi_tmas, stages, pointers, rows, sched)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(tidx - PRODUCER_THREADS, first, step, total, tiled_mma, s_a, s_b,
-                         storage.sC.data_ptr(), outs, tma_epi, m_off, table, num_experts,
-                         full, empty, stage_mem, gidx_a, rows_a)
+            self.consume(tidx - PRODUCER_THREADS, work, tiled_mma, stages,
+                         storage.sC.data_ptr(), pointers, epi_tmas, sched, rows)
 
     @cute.jit
-    def consume(self, ctid: Int32, first: Int32, stride: Int32, total: Int32,
-                tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor,
-                s_c: cute.Pointer, outs: tuple, tma_epi: tuple, m_off: cute.Tensor,
-                table: cute.Tensor, num_experts: Int32, full: cute.Pointer,
-                empty: cute.Pointer, stage_mem: tuple, gidx_a: cute.Pointer, rows_a: Int32):
-        """WGMMA over the k-tiles of each tile, then the epilogue. ``gidx_a``, ``rows_a``
-        (A's row sources) serve subclasses whose mainloop reads per-row data (the FP8
+    def consume(self, ctid: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+                stages: StageMemory, s_c: cute.Pointer, pointers: KernelPointers,
+                epi_tmas: tuple, sched: SchedulerArgs, rows: RowSources):
+        """WGMMA over the k-tiles of each tile, then the epilogue. ``rows`` (A's row sources)
+        and ``pointers.scales`` serve subclasses whose mainloop reads per-row data (the FP8
         mainloop's A scales); this one loads rows through the producers only.
 
         Cooperative: both warpgroups run every tile of the CTA; a deferring epilogue
@@ -170,6 +167,9 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         other's mainloop (SonicMoE §4.2). A warpgroup skips the stages of the other's tiles.
         """
         cfg = self.cfg
+        first, stride, total = work
+        full, empty = stages.full, stages.empty
+        outs = pointers.epilogue
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
         stage_c = s_c + wg * cfg.staged_block_elems
@@ -184,12 +184,13 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             step = 2 * stride
             t = first + wg * stride
         thr_mma = tiled_mma.get_slice(mma_tid)
-        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
+        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_m, cfg.tile_n)), F32)
         k_blocks = cute.size(t_ca, mode=[2])
         coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         lane = cute.arch.lane_idx()
+        threads = EpilogueThreads(stage_c, wg_tid, wg, wg_row0, lane)
         stage = Int32(0)
         phase = Int32(0)
         deferred = self.epilogue.deferred
@@ -198,18 +199,18 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             packed = cute.make_rmem_tensor_like(acc, BF16)
             held = WgmmaAccumulator(packed, coords)
             held_row0, held_rows, held_nt = Int32(0), Int32(0), Int32(0)
-            swizzle = stage_mem[2]
+            swizzle = stages.a_swizzle
         if cutlass.const_expr(cfg.pingpong):
             if wg == 1:
                 if first < total:
                     stage, phase = self.ring.skip(
-                        stage, phase, self.scheduler.tile_k_tiles(first, m_off, num_experts))
+                        stage, phase, self.scheduler.tile_k_tiles(first, sched))
         while t < total:
-            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
-            k_tiles = self.scheduler.tile_k_tiles(t, m_off, num_experts)
+            tile = self.scheduler.decode(t, sched)
+            k_tiles = self.scheduler.tile_k_tiles(t, sched)
             if cutlass.const_expr(cfg.pingpong):
                 if t != first:
-                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+                    cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg, number_of_threads=256)
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
@@ -225,9 +226,8 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                     # k-tiles' WGMMAs.
                     for part in cutlass.range_constexpr(self.epilogue.parts):
                         if kt == part:
-                            self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0,
-                                                     outs, tma_epi, swizzle, held_row0,
-                                                     held_rows, held_nt)
+                            self.epilogue.store_part(held, part, threads, outs, epi_tmas,
+                                                     swizzle, held_row0, held_rows, held_nt)
                 # Keep one WGMMA batch in flight; the previous stage is then free.
                 warpgroup.wait_group(1)
                 if kt > 0:
@@ -240,26 +240,24 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             if cutlass.const_expr(cfg.pingpong):
                 # The other warpgroup's next tile is t + stride; it may start its mainloop.
                 if t + stride < total:
-                    cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+                    cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
+                                             number_of_threads=256)
                     stage, phase = self.ring.skip(
-                        stage, phase, self.scheduler.tile_k_tiles(t + stride, m_off,
-                                                                  num_experts))
+                        stage, phase, self.scheduler.tile_k_tiles(t + stride, sched))
             if cutlass.const_expr(deferred):
                 # Parts this tile's k-tiles did not reach, then hold this tile.
                 for part in cutlass.range_constexpr(self.epilogue.parts):
                     if part >= k_tiles:
-                        self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0,
-                                                 outs, tma_epi, swizzle, held_row0,
-                                                 held_rows, held_nt)
+                        self.epilogue.store_part(held, part, threads, outs, epi_tmas, swizzle,
+                                                 held_row0, held_rows, held_nt)
                 packed.store(acc.load().to(BF16))
-                held_row0, held_rows, held_nt = row0, rows, nt
+                held_row0, held_rows, held_nt = tile.row0, tile.rows, tile.n_tile
             else:
-                stage, phase = self.epilogue.visit(
-                    WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
-                    tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
+                stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, coords), threads,
+                                                   outs, epi_tmas, tile, stages, stage, phase)
             t += step
         if cutlass.const_expr(deferred):
             for part in cutlass.range_constexpr(self.epilogue.parts):
-                self.epilogue.store_part(held, part, stage_c, wg_tid, wg_row0, outs,
-                                         tma_epi, swizzle, held_row0, held_rows, held_nt)
+                self.epilogue.store_part(held, part, threads, outs, epi_tmas, swizzle,
+                                         held_row0, held_rows, held_nt)
         self.epilogue.finish()

@@ -40,8 +40,8 @@ compile-time size): in a rolled loop ptxas cannot tell which group a wait retire
 serialises every WGMMA (its C7514 warning). Gathered A keeps one partial accumulator: its
 row-copy producers need registers the third accumulator would take.
 Epilogues: the store, SwiGLU and dSwiGLU epilogues run unchanged on the promoted accumulator
-(the scales arrive as two more pointers of ``outs``, after the epilogues' own). With SwiGLU
-"concat" the B tile is two half boxes, gate rows ``nt·tile_n/2 ..`` and up rows
+(the scales reach the mainloop beside the epilogues' pointers, :class:`~.args.BlockScales`).
+With SwiGLU "concat" the B tile is two half boxes, gate rows ``nt·tile_n/2 ..`` and up rows
 ``n + nt·tile_n/2 ..`` (:attr:`~.config.GroupedGemmConfig.b_halves`): on a 256-wide tile each
 half is one sub-tile and one scale block; on a 128-wide one (n a multiple of 64 only) each
 64-row half lies inside one block, but the two halves' blocks differ, so the promotion scales
@@ -69,14 +69,14 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import warpgroup
 
-from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, SLAB, TILE_K_FP8, TILE_M
+from sonic.kernels.grouped_gemm.args import (EpilogueThreads, KernelPointers, RowSources,
+                                             SchedulerArgs, StageMemory, WorkItems)
+from sonic.kernels.grouped_gemm.config import (CONSUMER_WARPGROUPS, SLAB, TILE_K_FP8, TILE_M,
+                                               NamedBarrier)
 from sonic.kernels.grouped_gemm.sm90 import ColumnPair, Sm90GroupedGemm, WgmmaAccumulator
 
 # N of one WGMMA and of a partial accumulator: one B scale block.
 SUB_N = TILE_K_FP8
-# Named barriers of the warpgroups' turns to queue WGMMAs with one partial accumulator (ids 1
-# and 2: the bf16 ping-pong schedule's, which FP8 does not run): warpgroup w waits at TURN + w.
-TURN = 1
 
 
 class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
@@ -105,33 +105,34 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
             tiler_mn=(64, SUB_N))
 
     @cute.jit
-    def consume(self, ctid: Int32, first: Int32, step: Int32, total: Int32,
-                tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, s_c: cute.Pointer,
-                outs: tuple, tma_epi: tuple, m_off: cute.Tensor, table: cute.Tensor,
-                num_experts: Int32, full: cute.Pointer, empty: cute.Pointer, stage_mem: tuple,
-                gidx: cute.Pointer, rows_a: Int32):
+    def consume(self, ctid: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+                stages: StageMemory, s_c: cute.Pointer, pointers: KernelPointers,
+                epi_tmas: tuple, sched: SchedulerArgs, sources: RowSources):
         """Per tile: for each k-tile and 128-column sub-tile, WGMMA into a partial accumulator,
         promote it with the k-block's scales (overlapped with the next k-tile's WGMMAs where
         :attr:`~.config.GroupedGemmConfig.overlapped_promotion`); then the epilogue on the
         promoted fp32 accumulator.
 
-        ``outs[4]``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads column
-        ``gidx[r]`` when gathered); ``outs[5]``: B's ``(E, N/128, K/128)`` fp32, one scale
-        per k-tile and sub-tile, or with ``b_halves`` on a 128-wide tile one per column half.
-        varlen-K (K-major copies ``(M, R)``, ``(N, R)``): A's ``(R/128, M)`` and B's
-        ``(R/128, N)``, one scale per k-tile and row of each copy, so the promotion scales
-        each column by its own B scale (32 per thread, read from the stage's copy,
-        ``stage_mem[3]``).
+        ``pointers.scales.a``: A's scales ``(K/128, rows_a)`` fp32 (row ``r`` of the tile reads
+        column ``gather_a[r]`` when gathered); ``pointers.scales.b``: B's ``(E, N/128, K/128)``
+        fp32, one scale per k-tile and sub-tile, or with ``b_halves`` on a 128-wide tile one
+        per column half. varlen-K (K-major copies ``(M, R)``, ``(N, R)``): A's ``(R/128, M)``
+        and B's ``(R/128, N)``, one scale per k-tile and row of each copy, so the promotion
+        scales each column by its own B scale (32 per thread, read from the stage's copy,
+        ``stages.col_scales``).
         """
         cfg = self.cfg
+        first, step, total = work
+        full, empty = stages.full, stages.empty
+        gidx, rows_a = sources.gather_a, sources.rows_a
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
         stage_c = s_c + wg * cfg.staged_block_elems
         wg_row0 = wg * cfg.rows_wg
         thr_mma = tiled_mma.get_slice(ctid)
-        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
         # (V, sub-tiles, k-blocks, stages): sub-tile g is B rows g·SUB_N ..
-        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, cfg.tile_n)), F32)
         part_shape = thr_mma.partition_shape_C((TILE_M, SUB_N))
         # With overlapped promotion, two partial accumulators: the WGMMAs of k-tile kt run
@@ -140,7 +141,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
         part_coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, SUB_N)))
         n_rows = 2 * cute.size(acc, mode=[1])
-        a_scales, b_scales = outs[4], outs[5]
+        a_scales, b_scales = pointers.scales
         subs = cfg.tile_n // SUB_N
         # B scale segments of a tile: one per sub-tile, or a 128-wide tile's two column halves
         # with b_halves (each half in its own scale block).
@@ -158,6 +159,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         if cutlass.const_expr(cfg.varlen_k):
             a_stride = Int32(cfg.dim_m)
         lane = cute.arch.lane_idx()
+        threads = EpilogueThreads(stage_c, wg_tid, wg, wg_row0, lane)
         stage = Int32(0)
         phase = Int32(0)
         prev = Int32(0)
@@ -166,9 +168,10 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         if cutlass.const_expr(in_turn):
             # Warpgroup 0 queues first.
             if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=TURN, number_of_threads=256)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
         while t < total:
-            e, row0, rows, nt, mt, shared = self.scheduler.decode(t, m_off, table, num_experts)
+            tile = self.scheduler.decode(t, sched)
+            e, row0, rows, nt, mt, _ = tile
             # First k-tile of the tile's scale rows: varlen-K's expert starts at its padded row.
             kt0 = Int32(0)
             tile_k_tiles = Int32(k_tiles)
@@ -221,26 +224,27 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                     cute.arch.mbarrier_wait(full + stage, phase)
                     for g in cutlass.range_constexpr(subs):
                         if cutlass.const_expr(in_turn):
-                            cute.arch.barrier(barrier_id=TURN + wg, number_of_threads=256)
+                            cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg,
+                                              number_of_threads=256)
                         tiled_mma = self.issue(tiled_mma, parts[0], t_ca, t_cb, g, stage)
                         if cutlass.const_expr(in_turn):
-                            cute.arch.barrier_arrive(barrier_id=TURN + 1 - wg,
+                            cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
                                                      number_of_threads=256)
                         col_scales = None
                         if cutlass.const_expr(cfg.varlen_k):
-                            col_scales = stage_mem[3] + stage * cfg.tile_n + g * SUB_N
+                            col_scales = stages.col_scales + stage * cfg.tile_n + g * SUB_N
                         self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, part_coords, g, 0,
                                     empty + stage if g == subs - 1 else None, lane, col_scales)
                     stage, phase = self.ring.next_stage(stage, phase)
-            stage, phase = self.epilogue.visit(
-                WgmmaAccumulator(acc, coords), stage_c, wg_tid, wg, wg_row0, lane, outs,
-                tma_epi, e, row0, rows, nt, mt, stage_mem, stage, phase, full, empty)
+            stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, coords), threads,
+                                               pointers.epilogue, epi_tmas, tile, stages,
+                                               stage, phase)
             t += step
         self.epilogue.finish()
         if cutlass.const_expr(in_turn):
             # Warpgroup 1's arrival after its last WGMMAs.
             if wg == 0:
-                cute.arch.barrier(barrier_id=TURN, number_of_threads=256)
+                cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
 
     @cute.jit
     def load_scales(self, a_sc: cute.Tensor, b_sc: cute.Tensor, h: cutlass.Constexpr,

@@ -10,7 +10,9 @@ Imports ``cutlass``: only the kernel modules import this one.
 import cutlass
 from cutlass import Int32, cute
 
+from sonic.kernels.grouped_gemm.args import SchedulerArgs, TileCoord
 from sonic.kernels.grouped_gemm.config import GroupedGemmConfig
+from sonic.kernels.grouped_gemm.protocols import TileScheduler
 
 
 @cute.jit
@@ -30,7 +32,9 @@ def last_at_most(starts: cute.Tensor, value: Int32, count: Int32) -> Int32:
 
 
 class VarlenMScheduler:
-    """varlen-M: linear m-tiles of all experts × n-tiles, via a per-CTA table in shared memory.
+    """A :class:`~.protocols.TileScheduler`.
+
+    varlen-M: linear m-tiles of all experts × n-tiles, via a per-CTA table in shared memory.
 
     ``table[e]`` is expert ``e``'s first linear m-tile (built from ``expert_offsets`` by one warp
     scan) and a binary search maps a linear m-tile back to its expert. On a 2-CTA cluster the
@@ -47,12 +51,13 @@ class VarlenMScheduler:
         self.tile_m = cfg.tile_m
 
     @cute.jit
-    def prepare(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+    def prepare(self, sched: SchedulerArgs):
         """``table[e]`` = first linear m-tile of expert ``e``; ``table[E]`` = all m-tiles.
 
         One warp: each lane sums the m-tile counts of a contiguous chunk of experts, a
         shuffle scan turns the sums into chunk starts, then each lane writes its chunk.
         """
+        m_off, table, num_experts = sched
         lane = cute.arch.lane_idx()
         chunk = (num_experts + 31) // 32
         lo = lane * chunk
@@ -74,13 +79,13 @@ class VarlenMScheduler:
         if lane == 31:
             table[num_experts] = inclusive
 
-    def total(self, table: cute.Tensor, num_experts: Int32):
+    def total(self, sched: SchedulerArgs):
         """Work items: :meth:`GroupedGemmConfig.varlen_m_work_items` of all m-tiles."""
-        return self.cfg.varlen_m_work_items(table[num_experts])
+        return self.cfg.varlen_m_work_items(sched.table[sched.num_experts])
 
     @cute.jit
-    def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
-        """Work item ``t`` → (expert, first row of the tile, rows, n-tile, m-tile, shared).
+    def decode(self, t: Int32, sched: SchedulerArgs) -> TileCoord:
+        """Work item ``t`` → its :class:`~.args.TileCoord`.
 
         The first row is a row of ``P`` and ``rows`` the rows of the expert left from it. On a
         cluster, ``t`` is a pair of linear m-tiles and this CTA takes the one of its rank. With
@@ -89,6 +94,7 @@ class VarlenMScheduler:
         of n-tiles of one m-tile, and with an odd n-tile count the last pair's second CTA
         takes the last n-tile with no rows (it loads its half of A and stores nothing).
         """
+        m_off, table, num_experts = sched
         shared = False
         n_groups = self.cfg.n_groups
         mg = t // n_groups
@@ -121,7 +127,7 @@ class VarlenMScheduler:
         if cutlass.const_expr(self.cluster > 1):
             if phantom:
                 rows = Int32(0)
-        return e, row0, rows, nt, mt, shared
+        return TileCoord(e, row0, rows, nt, mt, shared)
 
     @cute.jit
     def expert_of(self, mg: Int32, table: cute.Tensor, num_experts: Int32) -> Int32:
@@ -131,13 +137,15 @@ class VarlenMScheduler:
         return last_at_most(table, mg, num_experts)
 
     @cute.jit
-    def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
+    def tile_k_tiles(self, t: Int32, sched: SchedulerArgs) -> Int32:
         """k-tiles of every tile: ``K / TILE_K``."""
         return Int32(self.k_tiles)
 
 
 class VarlenKScheduler:
-    """varlen-K: experts × m-tiles of M × n-tiles of N, each reducing over its expert's rows.
+    """A :class:`~.protocols.TileScheduler`.
+
+    varlen-K: experts × m-tiles of M × n-tiles of N, each reducing over its expert's rows.
 
     On a 2-CTA cluster both CTAs take the same expert and n-tile and consecutive m-tiles, so
     the B rows are always shared (multicast); with ``multicast_a`` the same m-tile and
@@ -153,18 +161,19 @@ class VarlenKScheduler:
         self.tile_k = cfg.tile_k
 
     @cute.jit
-    def prepare(self, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
+    def prepare(self, sched: SchedulerArgs):
         """Nothing to build: work items map to experts arithmetically."""
         pass
 
-    def total(self, table: cute.Tensor, num_experts: Int32):
+    def total(self, sched: SchedulerArgs):
         """Work items: experts × (m-tiles / cluster) × n-tiles."""
-        return num_experts * self.per_expert
+        return sched.num_experts * self.per_expert
 
     @cute.jit
-    def decode(self, t: Int32, m_off: cute.Tensor, table: cute.Tensor, num_experts: Int32):
-        """Work item ``t`` → (expert, expert's first row of ``P``, its row count, n-tile,
-        m-tile of ``M``, shared)."""
+    def decode(self, t: Int32, sched: SchedulerArgs) -> TileCoord:
+        """Work item ``t`` → its :class:`~.args.TileCoord` (the expert's first row of ``P``
+        and its row count, the n-tile, the m-tile of ``M``)."""
+        m_off = sched.offsets
         shared = False
         e = t // self.per_expert
         rest = t - e * self.per_expert
@@ -179,15 +188,16 @@ class VarlenKScheduler:
             else:
                 shared = True
                 mt = mt * self.cluster + rank
-        return e, row0, rows, nt, mt, shared
+        return TileCoord(e, row0, rows, nt, mt, shared)
 
     @cute.jit
-    def tile_k_tiles(self, t: Int32, m_off: cute.Tensor, num_experts: Int32) -> Int32:
+    def tile_k_tiles(self, t: Int32, sched: SchedulerArgs) -> Int32:
         """k-tiles of tile ``t``: its expert's rows over the k-tile."""
+        m_off = sched.offsets
         e = t // self.per_expert
         return (m_off[e + 1] - m_off[e] + self.tile_k - 1) // self.tile_k
 
 
-def make_scheduler(cfg: GroupedGemmConfig):
+def make_scheduler(cfg: GroupedGemmConfig) -> TileScheduler:
     """The scheduler of ``cfg``'s mode."""
     return VarlenKScheduler(cfg) if cfg.varlen_k else VarlenMScheduler(cfg)

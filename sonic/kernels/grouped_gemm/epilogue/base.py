@@ -9,15 +9,18 @@ and columns, so a tile never writes rows of the next expert.
 Imports ``cutlass``: only the kernel modules import this one.
 """
 
+from typing import NamedTuple
+
 import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
-from sonic.kernels.grouped_gemm.config import PAD, SLAB, VEC, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, StageMemory,
+                                             TileCoord, Tma)
+from sonic.kernels.grouped_gemm.config import PAD, SLAB, VEC, GroupedGemmConfig, NamedBarrier
 from sonic.kernels.grouped_gemm.pipeline import OperandRing
+from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
-# Named barrier of consumer warpgroup ``wg``'s epilogue: 3 + wg (1 and 2 are ping-pong's).
-BARRIER = 3
 # Rows of each 64-row block one warp holds in an accumulator with ``warp_private`` rows.
 WARP_ROWS = 16
 
@@ -56,13 +59,17 @@ class Epilogue:
         return self.cfg.staging_elems
 
     def make_tma(self, h, c, act, rows, a_smem) -> tuple:
-        """Host side: the ``(atom, tensor)`` pairs of the epilogue's own TMA copies, or one
-        ``(None, None)`` (``h``, ``c``, ``act``: H, C and act; ``rows``: their rows;
-        ``a_smem``: A's staged layout, whose 128-byte swizzle the copies share)."""
-        return ((None, None),)
+        """Host side: the epilogue's own TMA copies, a named tuple of :class:`~.args.Tma`
+        (``None`` where a configuration has none), or ``()`` (``h``, ``c``, ``act``: H, C
+        and act; ``rows``: their rows; ``a_smem``: A's staged layout, whose 128-byte swizzle
+        the copies share)."""
+        return ()
 
-    def prefetch(self, tma: tuple):
+    def prefetch(self, tmas: tuple):
         """Prefetch the descriptors of the epilogue's TMA copies (warp 0)."""
+        for copy in tmas:
+            if copy is not None:
+                cpasync.prefetch_descriptor(copy.atom)
 
     @cute.jit
     def finish(self):
@@ -86,20 +93,20 @@ class Epilogue:
                 and not cfg.fp8)
 
     def tma_atom(self, op, ptr, rows, width: int, pitch: int, a_smem,
-                 box: tuple = (WARP_ROWS, SLAB)):
-        """``(atom, tensor)``: TMA copies ``op`` of ``box`` boxes (rows x SLAB columns) of
-        ``(rows, width)`` of row pitch ``pitch`` at ``ptr``, 128-byte swizzled like the
-        operand stages (``a_smem``'s swizzle; TMA clips a box at ``width`` and ``rows``)."""
+                 box: tuple = (WARP_ROWS, SLAB)) -> Tma:
+        """TMA copies ``op`` of ``box`` boxes (rows x SLAB columns) of ``(rows, width)`` of
+        row pitch ``pitch`` at ``ptr``, 128-byte swizzled like the operand stages
+        (``a_smem``'s swizzle; TMA clips a box at ``width`` and ``rows``)."""
         tensor = cute.make_tensor(ptr, cute.make_layout((rows, width), stride=(pitch, 1)))
-        return cpasync.make_tiled_tma_atom(op, tensor, cute.make_composed_layout(
-            a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box)
+        return Tma(*cpasync.make_tiled_tma_atom(op, tensor, cute.make_composed_layout(
+            a_smem.inner, 0, cute.make_layout(box, stride=(SLAB, 1))), box))
 
-    def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
-                   wg_row0: Int32, outs: tuple, epi_tma: tuple, swizzle, row0: Int32,
-                   rows: Int32, nt: Int32):
+    def store_part(self, packed, part: int, wg: EpilogueThreads, outs: EpilogueOutputs,
+                   tmas: tuple, swizzle, row0: Int32, rows: Int32, nt: Int32):
         """Deferred: box ``part`` of ``parts`` of this warp's rows of the held tile
         (``packed``: the accumulator view of its bf16-rounded registers; ``row0``, ``rows``,
-        ``nt``: its scheduler coordinates)."""
+        ``nt``: its scheduler coordinates; ``tmas``: :meth:`make_tma`'s copies;
+        ``swizzle``: the staging block's)."""
         raise NotImplementedError
 
     @cute.jit
@@ -111,7 +118,7 @@ class Epilogue:
 
     @cute.jit
     def store_warp_box(self, stage_c: cute.Pointer, wg_tid: Int32, block_row0: Int32,
-                       tma: tuple, swizzle, dst: cute.Pointer, pitch: int, row0: Int32,
+                       tma: Tma, swizzle, dst: cute.Pointer, pitch: int, row0: Int32,
                        rows: Int32, col0: Int32, col_limit):
         """After a warp staged its ``WARP_ROWS x SLAB`` box of the 64-row staging block of
         tile rows ``block_row0 ..`` (swizzled, :func:`swizzled`): its first lane TMA-stores
@@ -145,39 +152,29 @@ class Epilogue:
         return warp_row0, whole, thread_rows
 
     @cute.jit
-    def tma_box(self, tma: tuple, swizzle, src: cute.Pointer, row: Int32, col: Int32):
+    def tma_box(self, tma: Tma, swizzle, src: cute.Pointer, row: Int32, col: Int32):
         """TMA store of the swizzled ``WARP_ROWS x SLAB`` box at ``src`` to rows ``row ..``,
         columns ``col ..`` of ``tma``'s tensor (one lane)."""
-        atom, tensor = tma
         box = (WARP_ROWS, SLAB)
         s_box = cute.make_tensor(cute.recast_ptr(src, swizzle),
                                  cute.make_layout(box, stride=(SLAB, 1)))
-        g_box = cute.local_tile(cute.domain_offset((row, col), tensor), box, (0, 0))
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+        g_box = cute.local_tile(cute.domain_offset((row, col), tma.tensor), box, (0, 0))
+        t_s, t_g = cpasync.tma_partition(tma.atom, 0, cute.make_layout(1),
                                          cute.group_modes(s_box, 0, 2),
                                          cute.group_modes(g_box, 0, 2))
-        cute.copy(atom, t_s, t_g)
+        cute.copy(tma.atom, t_s, t_g)
 
-    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
+              tmas: tuple, tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
         """The one hook: store this warpgroup's part of a finished tile.
 
         Args:
-            acc: fp32 accumulator view (``pairs``, ``coord``, ``value``, ``row_coord``,
-                ``rows_per_thread``, ``pairs_per_slab``, ``reduce_row``,
-                ``writes_row_total``): sm_90's WGMMA registers or sm_100's TMEM loads.
-            stage_c: this warpgroup's staging buffer; ``wg_tid`` the thread in the
-                warpgroup, ``wg`` the warpgroup, ``wg_row0`` its first tile row; ``lane``
-                releases ring stages (:meth:`OperandRing.release` arrives where it is 0:
-                the lane on sm_90, one per warp; sm_100 passes the epilogue thread index,
-                one arrival per stage).
-            outs: the global pointers ``(c, act, scores, ds)`` (FP8 configurations: then
-                A's and B's block scales, read by the mainloop).
-            epi_tma: :meth:`make_tma`'s pairs as kernel parameters.
-            e, row0, rows, nt, mt: the scheduler's tile coordinates.
-            stage_mem, stage, phase, full, empty: the operand ring.
+            acc: the fp32 accumulator: sm_90's WGMMA registers or sm_100's TMEM loads.
+            wg: the warpgroup running the epilogue and its staging buffer.
+            outs: the epilogues' global pointers.
+            tmas: :meth:`make_tma`'s copies, as kernel parameters.
+            tile: the scheduler's tile coordinates.
+            stages, stage, phase: the operand ring and this warpgroup's position in it.
 
         Returns:
             The ring position ``(stage, phase)`` after the epilogue.
@@ -210,13 +207,13 @@ class Epilogue:
                     stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
 
     @cute.jit
-    def sync(self, wg: Int32, private: bool):
+    def sync(self, wg: EpilogueThreads, private: bool):
         """Order a staging buffer's writes before its reads (and the reads before the next
         writes): among the warp when ``private``, else among the warpgroup."""
         if cutlass.const_expr(private):
             cute.arch.sync_warp()
         else:
-            cute.arch.barrier(barrier_id=BARRIER + wg, number_of_threads=128)
+            cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE + wg.index, number_of_threads=128)
 
     @cute.jit
     def flush(self, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32, width: int,
@@ -258,6 +255,12 @@ class Epilogue:
                         cute.make_layout(VEC)))
 
 
+class StoreTmas(NamedTuple):
+    """The store epilogue's TMA copies: deferred, the box stores into C."""
+
+    c: Tma | None
+
+
 class StoreEpilogue(Epilogue):
     """C = the accumulator in bf16 (varlen-M ``(P, N)``, varlen-K ``C[e]`` or ``C[e]ᵀ``);
     deferred where :meth:`Epilogue.defers`."""
@@ -271,22 +274,22 @@ class StoreEpilogue(Epilogue):
         """Boxes a warp stores per deferred tile: its 64-row blocks × SLAB-column slabs."""
         return self.cfg.rows_wg // 64 * (self.cfg.tile_n // SLAB)
 
-    def make_tma(self, h, c, act, rows, a_smem) -> tuple:
+    def make_tma(self, h, c, act, rows, a_smem) -> StoreTmas:
         """Deferred: the box stores into C ``(P, N)`` (``rows`` = P)."""
         if not self.deferred:
-            return ((None, None),)
-        return (self.tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c, rows, self.cfg.dim_n,
-                              self.cfg.dim_n, a_smem),)
+            return StoreTmas(None)
+        return StoreTmas(self.tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c, rows,
+                                       self.cfg.dim_n, self.cfg.dim_n, a_smem))
 
     @cute.jit
-    def store_part(self, packed, part: int, stage_c: cute.Pointer, wg_tid: Int32,
-                   wg_row0: Int32, outs: tuple, epi_tma: tuple, swizzle, row0: Int32,
-                   rows: Int32, nt: Int32):
+    def store_part(self, packed, part: int, wg: EpilogueThreads, outs: EpilogueOutputs,
+                   tmas: StoreTmas, swizzle, row0: Int32, rows: Int32, nt: Int32):
         """Box ``part``: 64-row block ``part // slabs``, slab ``part % slabs`` of C."""
         cfg = self.cfg
+        stage_c = wg.staging
         slabs = cfg.tile_n // SLAB
         mm, sl = part // slabs, part % slabs
-        block_row0 = wg_row0 + mm * 64
+        block_row0 = wg.row0 + mm * 64
         self.begin_box()
         pair = cute.make_rmem_tensor((2,), BF16)
         for p in packed.pairs(sl, mm):
@@ -296,14 +299,13 @@ class StoreEpilogue(Epilogue):
             cute.autovec_copy(pair, cute.make_tensor(
                 stage_c + cute.assume(swizzled(m - block_row0, n - sl * SLAB), divby=2),
                 cute.make_layout(2)))
-        self.store_warp_box(stage_c, wg_tid, block_row0, epi_tma[0], swizzle, outs[0],
+        self.store_warp_box(stage_c, wg.tid, block_row0, tmas.c, swizzle, outs.c,
                             cfg.dim_n, row0, rows, nt * cfg.tile_n + sl * SLAB, cfg.dim_n)
 
     @cute.jit
-    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
+              tmas: StoreTmas, tile: TileCoord, stages: StageMemory, stage: Int32,
+              phase: Int32):
         """bf16 store of this warpgroup's rows of the tile, masked to the expert's rows
         (varlen-M) or to M (varlen-K), and to N.
 
@@ -312,7 +314,9 @@ class StoreEpilogue(Epilogue):
         ``C[e]ᵀ``, 8 threads covering a 128-byte line of it.
         """
         cfg = self.cfg
-        c = outs[0]
+        c = outs.c
+        e, row0, rows, nt, mt, _ = tile
+        stage_c, wg_tid, wg_row0 = wg.staging, wg.tid, wg.row0
         cols = cfg.dim_n - nt * cfg.tile_n
         if cutlass.const_expr(cfg.varlen_k):
             rows = cfg.dim_m - mt * cfg.tile_m

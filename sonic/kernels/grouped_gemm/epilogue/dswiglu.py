@@ -26,16 +26,32 @@ rows per warpgroup; benchmarks/RESULTS.md).
 Imports ``cutlass``: only the kernel modules import this one.
 """
 
+from typing import NamedTuple
+
 import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels import activation
+from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, StageMemory,
+                                             TileCoord, Tma)
 from sonic.kernels.grouped_gemm.config import PAD, SLAB, TILE_M
 from sonic.kernels.grouped_gemm.epilogue.base import Epilogue, swizzled
+from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
 # Bytes of one ring stage of H: a TILE_M x SLAB gate slab and its up slab.
 H_STAGE_BYTES = 2 * TILE_M * SLAB * 2
+
+
+class DswigluTmas(NamedTuple):
+    """The dSwiGLU epilogue's TMA copies: the loads of H and, where
+    :attr:`DswigluEpilogue.tma_store`, the box stores of dH's gate half, dH's up half and
+    A'."""
+
+    h: Tma
+    dh_gate: Tma | None = None
+    dh_up: Tma | None = None
+    act: Tma | None = None
 
 
 class DswigluEpilogue(Epilogue):
@@ -56,7 +72,7 @@ class DswigluEpilogue(Epilogue):
         stage and store them with their threads."""
         return self.cfg.arch == "sm_90a" and not self.cfg.fp8
 
-    def make_tma(self, h, c, act, rows, a_smem) -> tuple:
+    def make_tma(self, h, c, act, rows, a_smem) -> DswigluTmas:
         """H ``(P, 2n)`` (``P`` = ``rows``): loads of ``TILE_M x SLAB`` boxes, 128-byte
         swizzled like A (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8
         rows hit distinct banks. With :attr:`tma_store` also the stores of ``WARP_ROWS x SLAB``
@@ -66,15 +82,11 @@ class DswigluEpilogue(Epilogue):
         load = self.tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, rows, 2 * n, 2 * n, a_smem,
                              (TILE_M, SLAB))
         if not self.tma_store:
-            return (load,)
+            return DswigluTmas(load)
         store = cpasync.CopyBulkTensorTileS2GOp()
-        return (load, self.tma_atom(store, c, rows, n, 2 * n, a_smem),
-                self.tma_atom(store, c + n, rows, n, 2 * n, a_smem),
-                self.tma_atom(store, act, rows, n, n, a_smem))
-
-    def prefetch(self, tma: tuple):
-        for atom, _ in tma:
-            cpasync.prefetch_descriptor(atom)
+        return DswigluTmas(load, self.tma_atom(store, c, rows, n, 2 * n, a_smem),
+                           self.tma_atom(store, c + n, rows, n, 2 * n, a_smem),
+                           self.tma_atom(store, act, rows, n, n, a_smem))
 
     @cute.jit
     def finish(self):
@@ -85,12 +97,12 @@ class DswigluEpilogue(Epilogue):
                 cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def h_slabs(self, stage_mem: tuple, stage: Int32):
+    def h_slabs(self, stages: StageMemory, stage: Int32):
         """Where ring stage ``stage`` holds the gate and up ``TILE_M x SLAB`` slabs of H
         (unswizzled pointers): gate where the stage's A k-tile goes, up at the start of
         its B k-tile."""
         cfg = self.cfg
-        a_space, b_space = stage_mem[0], stage_mem[1]
+        a_space, b_space = stages.a_base, stages.b_base
         if cutlass.const_expr(cfg.fp8):
             # The ring's pointers count e4m3 elements, H is bf16: recast the (1024-byte
             # aligned) bases, not the stage pointers, so 4-byte pair loads keep their alignment.
@@ -101,22 +113,22 @@ class DswigluEpilogue(Epilogue):
         return (a_space + stage * (TILE_M * row), b_space + stage * (cfg.tile_n * row))
 
     @cute.jit
-    def producer_loads(self, warp: Int32, tma_h: tuple, stage_mem: tuple, row0: Int32,
-                       nt: Int32, stage: Int32, phase: Int32, full: cute.Pointer,
-                       empty: cute.Pointer):
+    def producer_loads(self, warp: Int32, tmas: DswigluTmas, stages: StageMemory,
+                       row0: Int32, nt: Int32, stage: Int32, phase: Int32):
         """Queue the tile's H, one ring stage per SLAB of columns (the gate columns
         ``nt·tile_n + sl·SLAB ..`` and the matching up columns ``n + ..``). Rows past P and
         columns past 2n arrive as zeros; the rest beyond the tile's expert or n only reach
         masked outputs. Returns the producer's ring position after them."""
-        atom, tensor = tma_h[0]
+        atom, tensor = tmas.h
+        full, empty = stages.full, stages.empty
         for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
             cute.arch.mbarrier_wait(empty + stage, phase)
             if warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(full + stage, H_STAGE_BYTES)
-                slabs = self.h_slabs(stage_mem, stage)
+                slabs = self.h_slabs(stages, stage)
                 for half in cutlass.range_constexpr(2):
-                    dst = cute.make_tensor(cute.recast_ptr(slabs[half], stage_mem[2]),
+                    dst = cute.make_tensor(cute.recast_ptr(slabs[half], stages.a_swizzle),
                                            cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1)))
                     g_h = cute.local_tile(cute.domain_offset(
                         (row0, half * self.cfg.dim_n + nt * self.cfg.tile_n + sl * SLAB),
@@ -129,17 +141,17 @@ class DswigluEpilogue(Epilogue):
         return stage, phase
 
     @cute.jit
-    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
+              tmas: DswigluTmas, tile: TileCoord, stages: StageMemory, stage: Int32,
+              phase: Int32):
         """Per SLAB of columns, this thread's gate and up values of H are read from the slab's
         ring stage (which is then released to the producer) and dH's gate half, dH's up half
         and A' are computed from fp32 dA', g, u and s and stored (:meth:`store_slabs` or
         :meth:`stage_slabs`); the ds partial of each of the thread's rows is reduced over the
         quad of threads holding the row and stored once per tile. Returns the ring position
         after the tile's H stages."""
-        scores, ds = outs[2], outs[3]
+        scores, ds = outs.scores, outs.ds
+        row0, rows, nt = tile.row0, tile.rows, tile.n_tile
         row_count = acc.rows_per_thread
         # Score of each of this thread's rows, zero past the expert.
         s_row = cute.make_rmem_tensor((row_count,), F32)
@@ -151,29 +163,25 @@ class DswigluEpilogue(Epilogue):
             if m < rows:
                 s_row[i] = cute.make_tensor(scores + row0, cute.make_layout(TILE_M))[m]
         if cutlass.const_expr(self.tma_store):
-            stage, phase = self.store_slabs(acc, stage_c, wg_tid, wg_row0, lane, outs, epi_tma,
-                                            row0, rows, nt, stage_mem, stage, phase, full,
-                                            empty, s_row, partial)
+            stage, phase = self.store_slabs(acc, wg, outs, tmas, tile, stages, stage, phase,
+                                            s_row, partial)
         else:
-            stage, phase = self.stage_slabs(acc, stage_c, wg_tid, wg, wg_row0, lane, outs,
-                                            row0, rows, nt, stage_mem, stage, phase, full,
-                                            empty, s_row, partial)
+            stage, phase = self.stage_slabs(acc, wg, outs, tile, stages, stage, phase, s_row,
+                                            partial)
         n_tiles = self.cfg.n_tiles
         for i in cutlass.range_constexpr(row_count):
             total = acc.reduce_row(partial[i])
             m = acc.row_coord(i)
-            if acc.writes_row_total(lane):
+            if acc.writes_row_total(wg.lane):
                 if m < rows:
                     cute.make_tensor(ds + (Int64(row0 + m) * n_tiles + nt),
                                      cute.make_layout(1))[0] = total
         return stage, phase
 
     @cute.jit
-    def store_slabs(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg_row0: Int32,
-                    lane: Int32, outs: tuple, epi_tma: tuple, row0: Int32, rows: Int32,
-                    nt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-                    full: cute.Pointer, empty: cute.Pointer, s_row: cute.Tensor,
-                    partial: cute.Tensor):
+    def store_slabs(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: DswigluTmas,
+                    tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32,
+                    s_row: cute.Tensor, partial: cute.Tensor):
         """sm_90, warp by warp (each warp holds ``WARP_ROWS`` whole rows of the tile): one
         pass per slab writes d_gate over g and d_up over u in the slab's ring stage and A' into
         the warpgroup's staging block, all swizzled like the stage; then the warp's first lane
@@ -183,7 +191,10 @@ class DswigluEpilogue(Epilogue):
         the expert's end (they belong to the next expert's tiles) stores its valid rows with
         its threads instead."""
         assert acc.warp_private, "TMA-stored dSwiGLU slabs need warp-private accumulator rows"
-        dh, a_scaled = outs[0], outs[1]
+        dh, a_scaled = outs.c, outs.act
+        stage_c, wg_tid, wg_row0, lane = wg.staging, wg.tid, wg.row0, wg.lane
+        row0, rows, nt = tile.row0, tile.rows, tile.n_tile
+        full, empty, swizzle = stages.full, stages.empty, stages.a_swizzle
         n = self.cfg.dim_n
         cols = n - nt * self.cfg.tile_n
         warp_row0, whole, thread_rows = self.warp_rows(wg_tid, wg_row0, rows)
@@ -194,7 +205,7 @@ class DswigluEpilogue(Epilogue):
         prev = stage
         for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
             cute.arch.mbarrier_wait(full + stage, phase)
-            gate, up = self.h_slabs(stage_mem, stage)
+            gate, up = self.h_slabs(stages, stage)
             # A' block and the tile row of its first row.
             act_block, act_row0 = stage_c, wg_row0
             if cutlass.const_expr(deferred):
@@ -208,10 +219,10 @@ class DswigluEpilogue(Epilogue):
             if whole:
                 with cute.arch.elect_one():
                     row = row0 + warp_row0
-                    self.tma_box(epi_tma[1], stage_mem[2], gate + warp_row0 * SLAB, row, col0)
-                    self.tma_box(epi_tma[2], stage_mem[2], up + warp_row0 * SLAB, row, col0)
-                    self.tma_box(epi_tma[3], stage_mem[2],
-                                 act_block + (warp_row0 - act_row0) * SLAB, row, col0)
+                    self.tma_box(tmas.dh_gate, swizzle, gate + warp_row0 * SLAB, row, col0)
+                    self.tma_box(tmas.dh_up, swizzle, up + warp_row0 * SLAB, row, col0)
+                    self.tma_box(tmas.act, swizzle, act_block + (warp_row0 - act_row0) * SLAB,
+                                 row, col0)
                     cute.arch.cp_async_bulk_commit_group()
                     # Deferred: the previous slab's boxes have been read; else this one's.
                     if cutlass.const_expr(not deferred):
@@ -279,22 +290,23 @@ class DswigluEpilogue(Epilogue):
                     dst + cute.assume(swizzled(row, c), divby=2), cute.make_layout(2)))
 
     @cute.jit
-    def stage_slabs(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32,
-                    wg_row0: Int32, lane: Int32, outs: tuple, row0: Int32, rows: Int32,
-                    nt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-                    full: cute.Pointer, empty: cute.Pointer, s_row: cute.Tensor,
+    def stage_slabs(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tile: TileCoord,
+                    stages: StageMemory, stage: Int32, phase: Int32, s_row: cute.Tensor,
                     partial: cute.Tensor):
         """FP8 and sm_100: per slab, dH's gate half, dH's up half and A' staged (padded) and
         stored by the threads in turn (:meth:`stage_dswiglu_slab`), the slab's ring stage
         released after the last."""
-        dh, a_scaled = outs[0], outs[1]
+        dh, a_scaled = outs.c, outs.act
+        stage_c, wg_tid, wg_row0, lane = wg.staging, wg.tid, wg.row0, wg.lane
+        row0, rows, nt = tile.row0, tile.rows, tile.n_tile
+        full, empty = stages.full, stages.empty
         n = self.cfg.dim_n
         silu = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
         private = acc.warp_private
         cols = n - nt * self.cfg.tile_n
         for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
             cute.arch.mbarrier_wait(full + stage, phase)
-            slabs = self.h_slabs(stage_mem, stage)
+            slabs = self.h_slabs(stages, stage)
             col0 = nt * self.cfg.tile_n + sl * SLAB
             for part in cutlass.range_constexpr(3):
                 self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, silu, s_row,

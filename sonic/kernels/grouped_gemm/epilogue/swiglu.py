@@ -12,8 +12,11 @@ import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
 
 from sonic.kernels import activation
+from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, StageMemory,
+                                             TileCoord)
 from sonic.kernels.grouped_gemm.config import PAD, SLAB
 from sonic.kernels.grouped_gemm.epilogue.base import Epilogue
+from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
 
 class SwigluEpilogue(Epilogue):
@@ -23,19 +26,19 @@ class SwigluEpilogue(Epilogue):
     next tile's accumulator and its H and A boxes stored during that tile's k-tiles, the
     outputs were bitwise the same but the kernel 1–2% ("concat") and 3–7% ("interleaved")
     slower, even once the spills (LLVM hoisting the held tile's SwiGLU out of the k-loop) were
-    gone (H200, benchmarks/RESULTS.md, sixteenth and seventeenth sessions)."""
+    gone (H200, benchmarks/RESULTS.md)."""
 
     @cute.jit
-    def visit(self, acc, stage_c: cute.Pointer, wg_tid: Int32, wg: Int32, wg_row0: Int32,
-              lane: Int32, outs: tuple, epi_tma: tuple, e: Int32, row0: Int32, rows: Int32,
-              nt: Int32, mt: Int32, stage_mem: tuple, stage: Int32, phase: Int32,
-              full: cute.Pointer, empty: cute.Pointer):
+    def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: tuple,
+              tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):
         """Store H, then A, slab by slab through the staging buffer.
 
         A is computed from the bf16-rounded H values with the standalone SwiGLU kernel's
         formula, so it equals what the backward recomputes from the saved H bitwise."""
         cfg = self.cfg
-        h_out, act = outs[0], outs[1]
+        h_out, act = outs.c, outs.act
+        stage_c, wg_tid, wg_row0 = wg.staging, wg.tid, wg.row0
+        row0, rows, nt = tile.row0, tile.rows, tile.n_tile
         n = cfg.dim_n // 2
         slabs = cfg.tile_n // SLAB
         concat = cfg.gate_up == "concat"
