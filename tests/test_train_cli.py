@@ -133,10 +133,11 @@ def test_jsonl_log_has_one_line_per_step(tmp_path):
                        "16", "--eval-batches", "1", "--eval-every", "2", "--device", "cpu",
                        "--no-progress", "--log-jsonl", str(log)]) == 0
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all({"loss", "aux_loss", "lr", "tokens_per_s"} <= r.keys() for r in records)
-    assert all(math.isfinite(r["loss"]) and r["aux_loss"] > 0 for r in records)
-    assert "val_loss" in records[1] and "val_loss" not in records[0]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    steps = records[1:]   # records[0]: the step-0 validation loss
+    assert all({"loss", "aux_loss", "lr", "tokens_per_s"} <= r.keys() for r in steps)
+    assert all(math.isfinite(r["loss"]) and r["aux_loss"] > 0 for r in steps)
+    assert "val_loss" in records[2] and "val_loss" not in records[1]
 
 
 def test_tensorboard_missing_is_a_usage_error(capsys, monkeypatch):
@@ -179,7 +180,51 @@ def test_tensorboard_writer_gets_the_scalars(monkeypatch, tmp_path):
     assert ("train/loss", 4) in written
 
 
-def test_progress_bar_shows_the_latest_validation_loss():
-    proc = run_cli(*TINY, "--steps", "4", "--eval-every", "2")
+# ------------------------------------------------------------- what a new user hit
+
+def test_help_states_each_default_once_and_no_doubled_percent():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "%%" not in proc.stdout
+    # argparse wraps an option's help over several lines: split the text at each option.
+    import re
+
+    options = re.split(r"\n  (?=-)", proc.stdout)
+    for text in options:
+        assert text.count("default") <= 1, text
+    assert "default: None" not in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "cute"], "backend: 'cute' needs sonic's CuTe kernels"),
+    (["--device", "meta"], "device: expected 'cpu', 'cuda' or 'cuda:N', got 'meta'"),
+    (["--seed", str(2**70)], "seed: expected an integer in [0, 9223372036854775807)"),
+    (["--seed", "-1"], "--seed"),
+    (["--log-jsonl", "no/such/folder/log.jsonl"], "the folder 'no/such/folder'"),
+    (["--save", "no/such/folder/ckpt.pt"], "the folder 'no/such/folder'"),
+])
+def test_usage_errors_before_training(args, message):
+    proc = run_cli(*TINY, "--no-progress", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "train[" not in proc.stderr   # no step ran
+
+
+@pytest.mark.parametrize("eval_every", [0, 2, 3])
+def test_jsonl_log_has_the_first_and_last_validation_loss(tmp_path, eval_every):
+    log = tmp_path / "log.jsonl"
+    result = train(TrainConfig(**{**FAST, "steps": 5, "eval_every": eval_every}),
+                   progress=False, log_jsonl=str(log))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0] == {"step": 0, "val_loss": result["val_loss_initial"]}
+    assert records[-1]["step"] == 5 and records[-1]["val_loss"] == result["val_loss"]
+    logged = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
+    assert logged == result["val_history"]
+    expected = [0] + ([s for s in range(1, 5) if s % eval_every == 0] if eval_every else []) + [5]
+    assert [s for s, _ in logged] == expected
+
+
+def test_progress_bar_ends_on_the_last_validation_loss():
+    proc = run_cli(*TINY, "--steps", "5", "--eval-every", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "val@2=" in proc.stderr and "val@0=" not in proc.stderr.splitlines()[-1]
+    last_bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if "train[" in line][-1]
+    assert "val@5=" in last_bar, last_bar

@@ -39,6 +39,17 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default once: not where its help already states it, and not for
+    options without a value (``None``) or flags."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if "default" in help_text or action.default in (None, False, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser; its defaults are `TrainConfig`'s."""
     d = TrainConfig()
@@ -46,17 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sonic.train",
         description="Train a byte-level transformer LM whose FFNs are sonic.MoE layers. "
                     "Default corpus: the CPython documentation topics (pydoc_data); the last "
-                    "10%% of the bytes are held out for validation, which always routes by "
+                    "10% of the bytes are held out for validation, which always routes by "
                     "top-K (also after a token-rounding run). The defaults finish in under "
                     "3 minutes on a 2-core CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
     p.add_argument("--router", choices=("topk", "token_rounding"), default=d.router,
                    help="training-time router of every MoE layer")
     p.add_argument("--data", default=d.data, metavar="FILE",
                    help="UTF-8 text file to train on (default: pydoc_data.topics)")
     p.add_argument("--device", default=d.device,
-                   help="torch device (default: cuda if available, else cpu)")
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d.dtype,
                    help="parameter dtype; auto = bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--backend", choices=("auto", "torch", "cute"), default=d.backend,
@@ -71,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how every MoE layer keeps H for backward: bf16 (as computed) or fp8 "
                         "(e4m3 + fp32 1x128 scales, about half the bytes; needs --dtype "
                         "bfloat16, d-expert a multiple of 64, --ep 1)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the initialisation and of the training windows")
+    p.add_argument("--seed", type=_non_negative_int, default=d.seed,
+                   help="seed of the initialisation and of the training windows (0 to 2**63 - 2)")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                    help="windows per step (B); T = B * seq-len tokens per MoE layer")
     p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="bytes per window")

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
+from sonic._output import check_writable
 from sonic.autograd.moe_experts import PRECISIONS
+from sonic.backend import kernel_support
 from sonic.autograd.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
@@ -25,6 +27,10 @@ from sonic.train.model import ByteMoELM
 _VAL_SEED = 1234
 """Seed of the validation windows: fixed, so runs with different seeds or routers are scored on
 the same bytes."""
+
+_MAX_SEED = 2**63 - 1
+"""Seeds go to ``torch.manual_seed`` (at most ``2**64 - 1``), the probe batch uses ``seed + 1``;
+``2**63 - 1`` keeps both in int64."""
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _BACKENDS = ("auto", "torch", "cute")
@@ -96,6 +102,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
         if self.router not in ("topk", "token_rounding"):
             raise ValueError(f"router: expected 'topk' or 'token_rounding', got {self.router!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_SEED:
+            raise ValueError(f"seed: expected an integer in [0, {_MAX_SEED}), got {self.seed!r}")
         if not isinstance(self.ep_recompute_dispatch, bool):
             raise ValueError(f"ep_recompute_dispatch: expected a bool, got "
                              f"{self.ep_recompute_dispatch!r}")
@@ -147,9 +155,22 @@ def _resolve_device(name: str | None) -> torch.device:
     except RuntimeError as err:
         raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', "
                          f"got {name!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {name!r} (training "
+                         f"needs real tensors)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} requested but CUDA is not available")
     return device
+
+
+def _check_backend(backend: str, device: torch.device) -> None:
+    """``backend="cute"`` where the kernels cannot run fails here, before the model is built,
+    instead of in the first forward."""
+    if backend == "cute":
+        ok, reason = kernel_support(device)
+        if not ok:
+            raise ValueError(f"backend: 'cute' needs sonic's CuTe kernels, which cannot run "
+                             f"here ({reason}); use --backend auto or torch")
 
 
 def _lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -300,6 +321,10 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
             not divide the world size or ``config.experts``.
     """
     device = _resolve_device(config.device)
+    _check_backend(config.backend, device)
+    for option, path in (("log_jsonl", log_jsonl), ("save", save)):
+        if path is not None:
+            check_writable(option, path)
     par, device = parallel.setup(config.ep, config.experts, device)
     try:
         return _train(config, par, device, progress=progress and par.is_main, save=save,
@@ -387,6 +412,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         return time.perf_counter()
 
     log = open(log_jsonl, "a" if resume else "w", encoding="utf-8") if log_jsonl else None
+    if state is None:   # the step-0 validation loss; a resumed run's log already has it
+        if log is not None:
+            log.write(json.dumps({"step": 0, "val_loss": val_history[0][1]}) + "\n")
+        if writer is not None:
+            writer.add_scalar("val/loss", val_history[0][1], 0)
     # Throughput is timed from the end of this call's first step, which pays for one-off
     # warm-up (kernel compilation, allocator growth); a 1-step run times that step itself.
     started = clock()
@@ -419,7 +449,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             if warm is None:
                 warm = clock()
             evaluated = None
-            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+            if done == config.steps or (config.eval_every and done % config.eval_every == 0):
                 eval_started = clock()
                 evaluated = validate()
                 val_history.append([done, evaluated])
@@ -462,10 +492,9 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     else:
         tokens_per_s = 0.0
 
-    if end == config.steps and val_history[-1][0] != end:
+    if end == config.steps and val_history[-1][0] != end:   # resumed at its last step
         val_history.append([config.steps, validate()])
     if writer is not None:
-        writer.add_scalar("val/loss", val_history[-1][1], val_history[-1][0])
         writer.close()
     if save:
         save_checkpoint(save, checkpoint_state(end))
