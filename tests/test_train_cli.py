@@ -96,6 +96,7 @@ def test_corpus_windows_are_shifted_by_one_byte():
 # ------------------------------------------------- checkpoints, per-step logs, TensorBoard
 
 from sonic.train.__main__ import main as train_main  # noqa: E402
+from sonic.train.checkpoint import MAGIC, read_checkpoint, write_checkpoint  # noqa: E402
 from sonic.train.loop import TrainConfig, train  # noqa: E402
 
 FAST = dict(steps=4, batch_size=2, seq_len=16, d_model=32, layers=1, heads=2, experts=4,
@@ -114,7 +115,7 @@ def test_resume_continues_exactly(tmp_path, router):
     assert first["losses"] + resumed["losses"][2:] == straight["losses"]
     assert resumed["losses"] == straight["losses"] and resumed["steps"] == 4
     assert resumed["val_history"] == straight["val_history"]
-    state = torch.load(ckpt, weights_only=False)
+    state = read_checkpoint(ckpt)
     assert state["step"] == 4 and state["config"]["router"] == router
     assert {"model", "optimizer", "train_generator"} <= state.keys()
 
@@ -228,3 +229,139 @@ def test_progress_bar_ends_on_the_last_validation_loss():
     assert proc.returncode == 0, proc.stderr
     last_bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if "train[" in line][-1]
     assert "val@5=" in last_bar, last_bar
+
+
+# ------------------------------------------------------------- checkpoint integrity
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A checkpoint after 2 of 4 steps, and the losses of the run resumed from it."""
+    ckpt = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
+    train(TrainConfig(**FAST), progress=False, save=str(ckpt), stop_after=2)
+    return ckpt, ckpt.read_bytes()
+
+
+def resume_from(path):
+    return train(TrainConfig(**FAST), progress=False, resume=str(path))
+
+
+def forge(path, state):
+    """Write ``state`` as write_checkpoint does, with a valid checksum but none of its checks:
+    what a hand-edited file re-saved by someone who knows the format looks like."""
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    path.write_bytes(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_corrupted_byte_is_refused(saved_run, tmp_path, seed):
+    _, data = saved_run
+    rng = random.Random(seed)
+    offset = rng.randrange(len(MAGIC) + 65, len(data))   # anywhere in the payload
+    corrupted = bytearray(data)
+    corrupted[offset] ^= 1 << rng.randrange(8)
+    path = tmp_path / "bad.pt"
+    path.write_bytes(bytes(corrupted))
+    with pytest.raises(ValueError, match="is corrupted: its SHA-256 does not match"):
+        resume_from(path)
+
+
+def test_a_corrupted_checksum_is_refused(saved_run, tmp_path):
+    _, data = saved_run
+    corrupted = bytearray(data)
+    corrupted[len(MAGIC) + 3] = ord("0") if corrupted[len(MAGIC) + 3] != ord("0") else ord("1")
+    (tmp_path / "bad.pt").write_bytes(bytes(corrupted))
+    with pytest.raises(ValueError, match="is corrupted"):
+        resume_from(tmp_path / "bad.pt")
+
+
+@pytest.mark.parametrize("step", [1, 3, 0])
+def test_an_edited_step_is_detected(saved_run, tmp_path, step):
+    """A step changed and saved again with a valid checksum: the losses, the validation
+    history and the optimizer's step count no longer fit it."""
+    state = read_checkpoint(saved_run[0])
+    state["step"] = step
+    forge(tmp_path / "edited.pt", state)
+    with pytest.raises(ValueError, match=f"is at step {step} but holds 2 step losses"):
+        resume_from(tmp_path / "edited.pt")
+    state["losses"] = state["losses"][:step] + [1.0] * max(0, step - 2)   # edited as well
+    forge(tmp_path / "edited.pt", state)
+    with pytest.raises(ValueError, match="optimizer state has taken|validation steps"):
+        resume_from(tmp_path / "edited.pt")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"step: 2\nloss: 1.5\n", "is not a sonic.train checkpoint"),
+])
+def test_empty_and_text_files_are_refused(tmp_path, content, message):
+    (tmp_path / "c.pt").write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        resume_from(tmp_path / "c.pt")
+
+
+def test_a_plain_torch_save_is_refused(saved_run, tmp_path):
+    torch.save(read_checkpoint(saved_run[0]), tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="is not a sonic.train checkpoint"):
+        resume_from(tmp_path / "plain.pt")
+
+
+@pytest.mark.parametrize("key", ["model", "optimizer", "losses", "rng"])
+def test_missing_keys_are_named(saved_run, tmp_path, key):
+    state = read_checkpoint(saved_run[0])
+    del state[key]
+    forge(tmp_path / "c.pt", state)
+    with pytest.raises(ValueError, match=f"lacks {key}"):
+        resume_from(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match=f"lacks {key}"):
+        write_checkpoint(tmp_path / "d.pt", state)
+
+
+def test_model_tensors_of_another_shape_or_dtype_are_refused(saved_run, tmp_path):
+    state = read_checkpoint(saved_run[0])
+    w1 = state["model"]["blocks.0.moe.w1"]
+    state["model"]["blocks.0.moe.w1"] = w1.double()
+    write_checkpoint(tmp_path / "c.pt", state)
+    with pytest.raises(ValueError, match="blocks.0.moe.w1 is .* torch.float64, the model's"):
+        resume_from(tmp_path / "c.pt")
+    state["model"]["blocks.0.moe.w1"] = w1[:, :-1]
+    write_checkpoint(tmp_path / "c.pt", state)
+    with pytest.raises(ValueError, match="blocks.0.moe.w1 is"):
+        resume_from(tmp_path / "c.pt")
+    del state["model"]["blocks.0.moe.w1"]
+    write_checkpoint(tmp_path / "c.pt", state)
+    with pytest.raises(ValueError, match="do not match the model"):
+        resume_from(tmp_path / "c.pt")
+
+
+def test_an_optimizer_moment_of_another_shape_is_refused(saved_run, tmp_path):
+    state = read_checkpoint(saved_run[0])
+    moments = state["optimizer"]["state"][0]
+    moments["exp_avg"] = moments["exp_avg"][:-1]
+    write_checkpoint(tmp_path / "c.pt", state)
+    with pytest.raises(ValueError, match="an optimizer exp_avg is"):
+        resume_from(tmp_path / "c.pt")
+
+
+def test_the_unedited_copy_still_resumes(saved_run, tmp_path):
+    (tmp_path / "copy.pt").write_bytes(saved_run[1])
+    assert resume_from(tmp_path / "copy.pt")["steps"] == 4
+
+
+def test_save_to_a_read_only_folder_fails_before_training(tmp_path):
+    import os
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        proc = run_cli(*TINY, "--no-progress", "--save", str(folder / "c.pt"))
+        assert proc.returncode == 2 and "is not writable" in proc.stderr
+    finally:
+        folder.chmod(0o700)

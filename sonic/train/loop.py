@@ -21,6 +21,7 @@ from sonic.backend import kernel_support
 from sonic.autograd.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
+from sonic.train.checkpoint import read_checkpoint, write_checkpoint
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
 from sonic.train.model import ByteMoELM
 
@@ -215,7 +216,7 @@ def _activation_mib(model: ByteMoELM, inputs: torch.Tensor) -> float:
     return profile_activation_memory(moe, x).activation_mib
 
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 # Fields a resumed run may change; every other one must match the checkpoint's.
 # ep_chunks only reorders the sums of expert weight gradients and ep_recompute_dispatch changes
 # no value: a run may resume with others.
@@ -223,26 +224,20 @@ _RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunk
                       "ep_recompute_dispatch")
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` with ``torch.save`` atomically (a temporary file, then a rename), so an
-    interrupted save never leaves a truncated checkpoint behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1,
+                    rank: int = 0) -> dict:
+    """Read a checkpoint written by :func:`train` with ``save=``
+    (:func:`sonic.train.checkpoint.read_checkpoint`: checksum and history verified) and check
+    that ``config`` may continue it (same model, data and optimisation settings, same number
+    of processes and rank; ``steps`` and evaluation settings may differ).
 
-
-def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1) -> dict:
-    """Read a checkpoint written by :func:`train` with ``save=`` and check that ``config`` may
-    continue it (same model, data and optimisation settings, same number of processes;
-    ``steps`` and evaluation settings may differ). Raises ``ValueError`` otherwise."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as err:
-        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {err}") from err
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"resume: {str(path)!r} is not a sonic.train checkpoint")
+    Raises:
+        ValueError: a corrupted or foreign file, or one ``config`` may not continue.
+    """
+    state = read_checkpoint(path)
+    if state["version"] != CHECKPOINT_VERSION:
+        raise ValueError(f"resume: {str(path)!r} is a version {state['version']!r} checkpoint; "
+                         f"this sonic reads version {CHECKPOINT_VERSION}")
     saved = state["config"]
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     differ = [f.name for f in fields(TrainConfig) if f.name not in _RESUMABLE_CHANGES
@@ -251,13 +246,40 @@ def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: in
         detail = ", ".join(f"{n}={saved.get(n, defaults[n])!r} (now {getattr(config, n)!r})"
                            for n in differ)
         raise ValueError(f"resume: the checkpoint was trained with different settings: {detail}")
-    if state.get("world_size", 1) != world_size:
-        raise ValueError(f"resume: the checkpoint was trained on {state.get('world_size', 1)} "
-                         f"processes, this run has {world_size}")
+    if (state["world_size"], state["rank"]) != (world_size, rank):
+        raise ValueError(f"resume: the checkpoint is rank {state['rank']} of "
+                         f"{state['world_size']} processes, this is rank {rank} of {world_size}")
     if state["step"] > config.steps:
         raise ValueError(f"resume: the checkpoint is at step {state['step']}, past "
                          f"steps={config.steps}")
     return state
+
+
+def _check_model_state(saved: dict, model: torch.nn.Module, path: str) -> None:
+    """The checkpoint's model tensors have the model's names, shapes and dtypes."""
+    expected = model.state_dict()
+    if saved.keys() != expected.keys():
+        raise ValueError(f"resume: checkpoint {path!r} holds parameters "
+                         f"{sorted(saved.keys() ^ expected.keys())} that do not match the model")
+    for key, tensor in expected.items():
+        got = saved[key]
+        if not isinstance(got, torch.Tensor) or got.shape != tensor.shape \
+                or got.dtype != tensor.dtype:
+            what = (f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor)
+                    else type(got).__name__)
+            raise ValueError(f"resume: checkpoint {path!r}: {key} is {what}, the model's is "
+                             f"{tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Every AdamW moment has its parameter's shape (``load_state_dict`` checks only the
+    number of parameters)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if key != "step" and value.shape != p.shape:
+                    raise ValueError(f"resume: checkpoint {path!r}: an optimizer {key} is "
+                                     f"{tuple(value.shape)}, its parameter {tuple(p.shape)}")
 
 
 def _tensorboard_writer(logdir: str):
@@ -348,7 +370,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     if par.distributed:   # one checkpoint file per rank
         save = f"{save}.rank{par.rank}" if save else None
         resume = f"{resume}.rank{par.rank}" if resume else None
-    state = load_checkpoint(resume, config, par.world) if resume else None
+    state = load_checkpoint(resume, config, par.world, par.rank) if resume else None
     writer = _tensorboard_writer(tensorboard) if tensorboard else None
 
     torch.manual_seed(config.seed)
@@ -385,8 +407,10 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     train_gen = torch.Generator().manual_seed(config.seed)
 
     if state is not None:
+        _check_model_state(state["model"], model, resume)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        _check_optimizer_state(optimizer, resume)
         train_gen.set_state(state["train_generator"])
         torch.set_rng_state(state["rng"])
         start = state["step"]
@@ -478,7 +502,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                     postfix["tok/s"] = f"{rate:.0f}"
                 bar.set_postfix(postfix, refresh=False)
             if save and save_every and done % save_every == 0 and done < end:
-                save_checkpoint(save, checkpoint_state(done))
+                write_checkpoint(save, checkpoint_state(done))
         finished = clock()
     finally:
         bar.close()
@@ -497,7 +521,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     if writer is not None:
         writer.close()
     if save:
-        save_checkpoint(save, checkpoint_state(end))
+        write_checkpoint(save, checkpoint_state(end))
     tail = max(1, len(losses) // 10)
     probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
                                    torch.Generator().manual_seed(config.seed + 1)))[0]
