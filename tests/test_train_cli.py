@@ -365,3 +365,72 @@ def test_save_to_a_read_only_folder_fails_before_training(tmp_path):
         assert proc.returncode == 2 and "is not writable" in proc.stderr
     finally:
         folder.chmod(0o700)
+
+
+# ------------------------------------------------------- schedule and logging
+
+def expected_lr(step, steps, warmup, peak):
+    """Linear warmup, then cosine decay from the peak to a tenth of it at `steps`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@pytest.mark.parametrize("steps, warmup", [(7, 3), (5, 0), (4, 4)])
+def test_lr_schedule_values(tmp_path, steps, warmup):
+    log = tmp_path / "log.jsonl"
+    config = TrainConfig(**{**FAST, "steps": steps, "warmup": warmup, "lr": 2e-3,
+                            "eval_every": 0})
+    train(config, progress=False, log_jsonl=str(log))
+    lrs = [json.loads(line)["lr"] for line in log.read_text().splitlines()[1:]]
+    assert lrs == pytest.approx([expected_lr(s, steps, warmup, 2e-3) for s in range(steps)],
+                                rel=1e-12, abs=0)
+
+
+def test_lr_schedule_of_a_resumed_run(tmp_path):
+    config = TrainConfig(**{**FAST, "steps": 6, "warmup": 2, "eval_every": 0})
+    ckpt, log = tmp_path / "c.pt", tmp_path / "log.jsonl"
+    train(config, progress=False, save=str(ckpt), stop_after=3, log_jsonl=str(log))
+    train(config, progress=False, resume=str(ckpt), log_jsonl=str(log))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "lr" in r]
+    assert [r["step"] for r in records if "lr" in r] == [1, 2, 3, 4, 5, 6]
+    assert lrs == pytest.approx([expected_lr(s, 6, 2, config.lr) for s in range(6)],
+                                rel=1e-12, abs=0)
+
+
+def test_log_lines_go_to_stderr_through_logging():
+    proc = run_cli(*TINY, "--steps", "4", "--eval-every", "2", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "sonic.train" in line]
+    assert any("model: 1 layers" in line for line in lines)
+    assert [line.split(": ", 1)[1].split(":")[0] for line in lines if "val loss" in line] == \
+        ["step 2", "step 4"]
+    quiet = run_cli(*TINY, "--no-progress", "--log-level", "warning")
+    assert "sonic.train" not in quiet.stderr and quiet.returncode == 0
+
+
+@pytest.mark.parametrize("env, level, prefix", [
+    ({}, "INFO", ""),
+    ({"WORLD_SIZE": "4", "RANK": "0"}, "INFO", "[rank 0] "),
+    ({"WORLD_SIZE": "4", "RANK": "3"}, "WARNING", "[rank 3] "),
+])
+def test_logging_is_rank_aware(monkeypatch, env, level, prefix):
+    import logging
+
+    from sonic.train.__main__ import configure_logging
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    logger = logging.getLogger("sonic")
+    saved = logger.handlers, logger.level, logger.propagate
+    try:
+        configure_logging()
+        assert logging.getLevelName(logger.level) == level
+        record = logging.LogRecord("sonic.train", logging.WARNING, __file__, 1, "hi", None, None)
+        assert logger.handlers[0].format(record) == f"{prefix}WARNING sonic.train: hi"
+    finally:
+        logger.handlers, logger.level, logger.propagate = saved

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 
@@ -144,10 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also log those scalars to TensorBoard in DIR (needs the tensorboard "
                         "package)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info", help="level of the log lines on stderr (rank 0; the other "
+                                        "ranks log warnings and errors)")
     p.add_argument("--json", action="store_true",
                    help="print the results as one JSON object on the last line")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Log sonic's messages to stderr: rank 0 from ``level`` up, the other ranks of a
+    ``torchrun`` job only warnings and errors, each line prefixed with its rank."""
+    world, rank, _ = world_from_env()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        (f"[rank {rank}] " if world > 1 else "") + "%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("sonic")
+    root.handlers = [handler]
+    root.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    root.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     as_json, progress = args.pop("json"), not args.pop("no_progress")
+    configure_logging(getattr(logging, args.pop("log_level").upper()))
     options = {name: args.pop(name) for name in ("save", "save_every", "resume", "stop_after",
                                                  "log_jsonl", "tensorboard")}
     try:

@@ -3,7 +3,9 @@ top-K validation, and the activation memory one MoE layer keeps for backward."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import os
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
 from sonic._output import check_writable
@@ -28,6 +31,8 @@ from sonic.train.model import ByteMoELM
 _VAL_SEED = 1234
 """Seed of the validation windows: fixed, so runs with different seeds or routers are scored on
 the same bytes."""
+
+logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**63 - 1
 """Seeds go to ``torch.manual_seed`` (at most ``2**64 - 1``), the probe batch uses ``seed + 1``;
@@ -174,8 +179,10 @@ def _check_backend(backend: str, device: torch.device) -> None:
                              f"here ({reason}); use --backend auto or torch")
 
 
-def _lr_factor(step: int, steps: int, warmup: int) -> float:
-    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+def lr_factor(step: int, *, steps: int, warmup: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) over the peak: linear warmup to 1
+    over ``warmup`` steps, then cosine decay towards 0.1 at step ``steps`` (the
+    ``torch.optim.lr_scheduler.LambdaLR`` factor of :func:`train`)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
@@ -386,6 +393,10 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
                             recompute_dispatch=config.ep_recompute_dispatch)
     parallel.broadcast_replicated(model, par)
+    logger.info("model: %d layers, d=%d, E=%d experts of n=%d, top-%d, %s router; %s %s on %s; "
+                "T=%d tokens per MoE layer and step", config.layers, config.d_model,
+                config.experts, config.d_expert, config.top_k, config.router, dtype,
+                config.precision, device, config.batch_size * config.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
 
@@ -421,6 +432,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         val_history = [[0, validate()]]
         losses = []
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
+    # Built at the resumed step (the optimizer state holds its initial_lr) from this run's
+    # `steps`, which a resumed run may change.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, steps=config.steps, warmup=config.warmup),
+        last_epoch=start - 1)
     tokens_per_step = config.batch_size * config.seq_len * par.world   # all ranks'
 
     def checkpoint_state(step: int) -> dict:
@@ -448,11 +464,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     eval_seconds = 0.0
     bar = tqdm(range(start, end), disable=not progress, desc=f"train[{config.router}]",
                unit="step", dynamic_ncols=True, initial=start, total=config.steps)
+    redirect = logging_redirect_tqdm(loggers=[logging.getLogger("sonic")])
+    redirect.__enter__()   # log lines above the bar, not through it
     try:
         for step in bar:
-            lr = config.lr * _lr_factor(step, config.steps, config.warmup)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = scheduler.get_last_lr()[0]
             inputs, targets = to_device(corpus.batch("train", config.batch_size,
                                                      config.seq_len, train_gen,
                                                      shard=par.rank, num_shards=par.world))
@@ -465,6 +481,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             parallel.reduce_gradients(model, par)
             parallel.clip_grad_norm(model, config.grad_clip, par)
             optimizer.step()
+            scheduler.step()
             if par.distributed:   # the losses of the global batch: means over the ranks
                 lm_loss, aux_loss = parallel.mean_over_world(
                     torch.stack([lm_loss.detach().float(), aux_loss.detach().float()]), par)
@@ -476,6 +493,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             if done == config.steps or (config.eval_every and done % config.eval_every == 0):
                 eval_started = clock()
                 evaluated = validate()
+                logger.info("step %d: val loss %.4f", done, evaluated)
                 val_history.append([done, evaluated])
                 eval_seconds += clock() - eval_started
             rate = None
@@ -503,9 +521,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                 bar.set_postfix(postfix, refresh=False)
             if save and save_every and done % save_every == 0 and done < end:
                 write_checkpoint(save, checkpoint_state(done))
+                logger.info("step %d: checkpoint written to %s", done, save)
         finished = clock()
     finally:
         bar.close()
+        redirect.__exit__(None, None, None)
         if log is not None:
             log.close()
     steps_run = end - start
@@ -522,6 +542,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         writer.close()
     if save:
         write_checkpoint(save, checkpoint_state(end))
+        logger.info("step %d: checkpoint written to %s", end, save)
     tail = max(1, len(losses) // 10)
     probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
                                    torch.Generator().manual_seed(config.seed + 1)))[0]
