@@ -28,6 +28,25 @@ from sonic.train.checkpoint import read_checkpoint, write_checkpoint
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
 from sonic.train.model import ByteMoELM
 
+EXPERTS_IMPLS = ("sonic", "torch-gmm")
+"""Who runs the MoE layers: `sonic.MoE`, or the torch-gmm baseline on the same parameters
+(`sonic.train.model.TorchGmmMoE`)."""
+
+PRESETS = {
+    "cpu": {},
+    "gpu": dict(d_model=1024, layers=8, heads=8, experts=64, top_k=8, d_expert=1024,
+                batch_size=32, seq_len=1024, tile=128, lr=1e-3, steps=300),
+}
+"""Sizes of :class:`TrainConfig` per preset: ``"cpu"`` is the defaults (0.97 M parameters, a
+few minutes on two cores); ``"gpu"`` is a model whose MoE layers dominate the step (about 83%
+of its FLOPs: T = 32768 tokens, d = 1024, E = 64 experts of n = 1024, top-8; 1.6 G
+parameters), so the experts' speed decides the run's, and which fits one 80 GB GPU also with
+the torch-gmm experts."""
+
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
+"""Dense bf16 tensor-core peak per GPU (NVIDIA data sheets), matched against
+``torch.cuda.get_device_name`` in this order; the denominator of MFU."""
+
 _VAL_SEED = 1234
 """Seed of the validation windows: fixed, so runs with different seeds or routers are scored on
 the same bytes."""
@@ -95,8 +114,22 @@ class TrainConfig:
     ep_chunks: int = 1
     ep_recompute_dispatch: bool = False
     activation_cache: str = "bf16"
+    experts_impl: str = "sonic"
+    peak_tflops: float | None = None
 
     def __post_init__(self):
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl: expected one of {EXPERTS_IMPLS}, got "
+                             f"{self.experts_impl!r}")
+        if self.experts_impl == "torch-gmm" and (self.router, self.precision, self.activation_cache,
+                                                 self.ep) != ("topk", "bf16", "bf16", 1):
+            raise ValueError("experts_impl: torch-gmm trains top-K routing with bf16 experts on "
+                             "one process (router topk, precision bf16, activation_cache bf16, "
+                             "ep 1)")
+        if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float))
+                                                 and math.isfinite(self.peak_tflops)
+                                                 and self.peak_tflops > 0):
+            raise ValueError(f"peak_tflops: expected a positive number, got {self.peak_tflops!r}")
         positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "experts",
                     "top_k", "d_expert", "tile", "eval_batches", "ep", "ep_chunks")
         for name in positive:
@@ -151,6 +184,47 @@ class TrainConfig:
             if (2 * self.d_expert) % 128:
                 raise ValueError(f"activation_cache: 'fp8' needs d_expert a multiple of 64, "
                                  f"got {self.d_expert}")
+
+
+def preset_config(preset: str, **overrides) -> TrainConfig:
+    """A :class:`TrainConfig` with the sizes of :data:`PRESETS` ``[preset]`` and ``overrides``.
+
+    Raises:
+        ValueError: unknown ``preset``, or what :class:`TrainConfig` raises.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {tuple(PRESETS)}, got {preset!r}")
+    return TrainConfig(**{**PRESETS[preset], **overrides})
+
+
+def flops_per_token(config: TrainConfig) -> float:
+    """Training FLOPs (forward and backward) per token of the model :class:`TrainConfig`
+    describes, counting matrix products only (PaLM's MFU convention, Chowdhery et al. 2022,
+    App. B, with causal attention scoring half of the ``S²`` pairs):
+
+    * MoE layer, ``18·K·d·n``: the up-projection ``2·d·2n`` and down-projection ``2·n·d`` per
+      routed pair, times 3 for backward (SonicMoE §2);
+    * router ``6·d·E``; attention projections ``24·d²``; attention scores ``6·S·d`` (``QKᵀ``
+      and ``AV`` over the causal half);
+    * the output head ``6·d·256``.
+    """
+    d, n, S = config.d_model, config.d_expert, config.seq_len
+    per_layer = 18 * config.top_k * d * n + 6 * d * config.experts + 24 * d * d + 6 * S * d
+    return config.layers * per_layer + 6 * d * VOCAB_SIZE
+
+
+def moe_flops_share(config: TrainConfig) -> float:
+    """The MoE layers' ``18·K·d·n`` share of :func:`flops_per_token`."""
+    moe = config.layers * 18 * config.top_k * config.d_model * config.d_expert
+    return moe / flops_per_token(config)
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """:data:`PEAK_TFLOPS` of ``device``'s GPU model; ``None`` on the CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
 
 
 def _resolve_device(name: str | None) -> torch.device:
@@ -228,7 +302,7 @@ CHECKPOINT_VERSION = 2
 # ep_chunks only reorders the sums of expert weight gradients and ep_recompute_dispatch changes
 # no value: a run may resume with others.
 _RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunks",
-                      "ep_recompute_dispatch")
+                      "ep_recompute_dispatch", "peak_tflops")
 
 
 def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1,
@@ -341,7 +415,12 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         after the first of this call, which pays for warm-up; periodic evaluations excluded),
         ``activation_MiB_per_layer``, ``params``, ``device``, ``dtype``, ``backend`` (what
         ``"auto"`` resolved to, and why), ``seed``, ``config``, ``losses`` (cross-entropy of
-        every step), ``world_size``, ``ep``; under ``torchrun``, ``tokens_per_s`` is the global
+        every step), ``world_size``, ``ep``, ``experts_impl``, ``tokens_per_s_history`` (the
+        running ``tokens_per_s`` after each step of this call; ``None`` for its first),
+        ``peak_memory_MiB`` (CUDA allocator peak of this call; ``None`` on the CPU),
+        ``flops_per_token`` (:func:`flops_per_token`), ``moe_flops_share``, ``peak_tflops``
+        (``config.peak_tflops`` or :func:`peak_tflops`) and ``mfu`` (model FLOPs utilisation,
+        ``None`` without a known peak); under ``torchrun``, ``tokens_per_s`` is the global
         rate (all ranks' tokens) and ``params`` counts every expert once.
 
     Raises:
@@ -380,6 +459,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     state = load_checkpoint(resume, config, par.world, par.rank) if resume else None
     writer = _tensorboard_writer(tensorboard) if tensorboard else None
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config.seed)
     model = ByteMoELM(max_seq_len=config.seq_len, d_model=config.d_model,
                       num_layers=config.layers, num_heads=config.heads,
@@ -389,6 +470,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                       precision=config.precision,
                       activation_cache=config.activation_cache,
                       device=device, dtype=dtype)
+    if config.experts_impl == "torch-gmm":
+        model.use_torch_gmm_experts()
     if par.ep > 1:
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
                             recompute_dispatch=config.ep_recompute_dispatch)
@@ -462,6 +545,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     started = clock()
     warm = None
     eval_seconds = 0.0
+    rates: list[float | None] = []   # tokens/s after each step of this call
     bar = tqdm(range(start, end), disable=not progress, desc=f"train[{config.router}]",
                unit="step", dynamic_ncols=True, initial=start, total=config.steps)
     redirect = logging_redirect_tqdm(loggers=[logging.getLogger("sonic")])
@@ -474,6 +558,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                                                      shard=par.rank, num_shards=par.world))
             with collect_aux_losses(model) as aux_losses:
                 lm_loss = _lm_loss(model, inputs, targets)
+            aux_losses += model.take_aux_losses()
             aux_loss = sum(aux_losses) if aux_losses else lm_loss.new_zeros(())
             loss = lm_loss + aux_loss
             optimizer.zero_grad(set_to_none=True)
@@ -500,6 +585,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             if done - start > 1:
                 rate = (done - start - 1) * tokens_per_step / (
                     time.perf_counter() - warm - eval_seconds)
+            rates.append(rate)
             if log is not None or writer is not None:
                 record = {"step": done, "loss": losses[-1].item(), "aux_loss": float(aux_loss.detach()),
                           "lr": lr, "tokens_per_s": rate}
@@ -543,6 +629,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     if save:
         write_checkpoint(save, checkpoint_state(end))
         logger.info("step %d: checkpoint written to %s", end, save)
+    peak_mib = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+                else None)
+    peak = config.peak_tflops or peak_tflops(device)
+    mfu = (tokens_per_s * flops_per_token(config) / (peak * 1e12 * par.world)
+           if peak and tokens_per_s else None)
     tail = max(1, len(losses) // 10)
     probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
                                    torch.Generator().manual_seed(config.seed + 1)))[0]
@@ -565,6 +656,13 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         "losses": [float(v) for v in losses],
         "world_size": par.world,
         "ep": par.ep,
+        "experts_impl": config.experts_impl,
+        "tokens_per_s_history": rates,
+        "peak_memory_MiB": peak_mib,
+        "flops_per_token": flops_per_token(config),
+        "moe_flops_share": moe_flops_share(config),
+        "peak_tflops": peak,
+        "mfu": mfu,
     }
 
 
