@@ -105,3 +105,18 @@ def test_block_runs(tmp_path, monkeypatch, path, line, lang, marker, code):
         proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, f"{path}:{line}: {command}\n{proc.stderr[-3000:]}"
+
+
+def test_package_metadata():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["authors"] and project["urls"] and project["keywords"]
+    classifiers = project["classifiers"]
+    assert len(set(classifiers)) == len(classifiers) and classifiers == sorted(classifiers)
+    # PEP 639: a license expression excludes License :: classifiers (setuptools refuses both).
+    assert project["license"] == "Apache-2.0"
+    assert not any(c.startswith("License ::") for c in classifiers)
+    versions = {c.rsplit(" ", 1)[1] for c in classifiers
+                if c.startswith("Programming Language :: Python :: 3.")}
+    assert min(versions, key=lambda v: tuple(map(int, v.split(".")))) == \
+        project["requires-python"].removeprefix(">=")
