@@ -91,20 +91,3 @@ def test_cli_plot_errors_come_before_measuring(tmp_path, capsys, monkeypatch, pl
     with pytest.raises(SystemExit) as exc:
         main(argv + (["--scales", scales] if scales else []))
     assert exc.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_cli_plot_into_read_only_folder(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    import os
-
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    folder.chmod(0o500)
-    try:
-        if os.access(folder, os.W_OK):
-            pytest.skip("running as a user who can write anywhere")
-        with pytest.raises(SystemExit):
-            main(["--config", "256,64,64,4,1", "--plot", str(folder / "f.png")])
-        assert "is not writable" in capsys.readouterr().err
-    finally:
-        folder.chmod(0o700)

@@ -227,7 +227,8 @@ def test_jsonl_log_has_the_first_and_last_validation_loss(tmp_path, eval_every):
 def test_progress_bar_ends_on_the_last_validation_loss():
     proc = run_cli(*TINY, "--steps", "5", "--eval-every", "2")
     assert proc.returncode == 0, proc.stderr
-    last_bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if "train[" in line][-1]
+    bars = [line for line in proc.stderr.replace("\r", "\n").splitlines() if "train[" in line]
+    last_bar = bars[-1]
     assert "val@5=" in last_bar, last_bar
 
 
@@ -351,20 +352,6 @@ def test_the_unedited_copy_still_resumes(saved_run, tmp_path):
     (tmp_path / "copy.pt").write_bytes(saved_run[1])
     assert resume_from(tmp_path / "copy.pt")["steps"] == 4
 
-
-def test_save_to_a_read_only_folder_fails_before_training(tmp_path):
-    import os
-
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    folder.chmod(0o500)
-    try:
-        if os.access(folder, os.W_OK):
-            pytest.skip("running as a user who can write anywhere")
-        proc = run_cli(*TINY, "--no-progress", "--save", str(folder / "c.pt"))
-        assert proc.returncode == 2 and "is not writable" in proc.stderr
-    finally:
-        folder.chmod(0o700)
 
 
 # ------------------------------------------------------- schedule and logging

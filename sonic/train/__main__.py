@@ -47,11 +47,13 @@ def _non_negative_float(text: str) -> float:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default once: not where its help already states it, and not for
-    options without a value (``None``) or flags."""
+    """Shows an option's default once: the default of each `--preset` for the sizes, none
+    where the help already states it, or for options without a value (``None``) or flags."""
 
     def _get_help_string(self, action):
         help_text = action.help or ""
+        if action.dest in PRESETS["gpu"]:
+            return help_text + _preset_default(action.dest)
         if "default" in help_text or action.default in (None, False, argparse.SUPPRESS):
             return help_text
         return super()._get_help_string(action)
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=_positive_float, default=None, metavar="TFLOPS",
                    help="the GPU's dense bf16 peak for MFU (default: known for H100, H200, "
                         "H800, A100)")
-    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps" + _preset_default("steps"))
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="optimizer steps")
     p.add_argument("--router", choices=("topk", "token_rounding"), default=d.router,
                    help="training-time router of every MoE layer")
     p.add_argument("--data", default=d.data, metavar="FILE",
@@ -115,26 +118,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, default=d.seed,
                    help="seed of the initialisation and of the training windows (0 to 2**63 - 2)")
     p.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="windows per step (B); T = B * seq-len tokens per MoE layer" + _preset_default("batch_size"))
-    p.add_argument("--seq-len", type=_positive_int, default=None, help="bytes per window" + _preset_default("seq_len"))
-    p.add_argument("--d-model", type=_positive_int, default=None, help="model dim d" + _preset_default("d_model"))
-    p.add_argument("--layers", type=_positive_int, default=None, help="transformer blocks" + _preset_default("layers"))
-    p.add_argument("--heads", type=_positive_int, default=None, help="attention heads" + _preset_default("heads"))
-    p.add_argument("--experts", type=_positive_int, default=None, help="experts E per layer" + _preset_default("experts"))
-    p.add_argument("--top-k", type=_positive_int, default=None, help="experts K per token" + _preset_default("top_k"))
+                   help="windows per step (B); T = B * seq-len tokens per MoE layer")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="bytes per window")
+    p.add_argument("--d-model", type=_positive_int, default=None,
+                   help="model dim d")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="transformer blocks")
+    p.add_argument("--heads", type=_positive_int, default=None,
+                   help="attention heads")
+    p.add_argument("--experts", type=_positive_int, default=None,
+                   help="experts E per layer")
+    p.add_argument("--top-k", type=_positive_int, default=None,
+                   help="experts K per token")
     p.add_argument("--d-expert", type=_positive_int, default=None,
-                   help="expert intermediate dim n" + _preset_default("d_expert"))
+                   help="expert intermediate dim n")
     p.add_argument("--tile", type=_positive_int, default=None,
                    help="M_tile of token rounding: each expert's token count is rounded to a "
                         "multiple of it. Hopper kernels use 128, which suits experts that get "
                         "many tiles of tokens per step (gpu preset: T*K/E = 4096); the cpu "
                         "preset gives each expert T*K/E = 2048*2/8 = 512 tokens, where a tile "
                         "of 32 moves a count by at most 16 (~3%%) under nearest rounding and "
-                        "128 by up to 64 (~12%%). Keep it well below T*K/E." + _preset_default("tile"))
+                        "128 by up to 64 (~12%%). Keep it well below T*K/E.")
     p.add_argument("--aux-loss-coef", type=_non_negative_float, default=d.aux_loss_coef,
                    help="coefficient of each MoE layer's load-balancing loss")
     p.add_argument("--lr", type=_positive_float, default=None,
-                   help="peak AdamW learning rate (linear warmup, cosine decay to 10%%)" + _preset_default("lr"))
+                   help="peak AdamW learning rate (linear warmup, cosine decay to 10%%)")
     p.add_argument("--warmup", type=_non_negative_int, default=d.warmup, help="warmup steps")
     p.add_argument("--eval-every", type=_non_negative_int, default=d.eval_every,
                    help="also evaluate every N steps (0: only at step 0 and at the end); the "

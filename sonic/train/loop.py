@@ -78,9 +78,13 @@ class TrainConfig:
     the global batch ``WORLD_SIZE·batch_size`` windows; ``ep_chunks`` the ``num_chunks`` of
     every `sonic.distributed.ExpertParallelMoE` (all-to-alls overlapped with the experts of
     other chunks; no effect with ``ep = 1``), ``ep_recompute_dispatch`` its
-    ``recompute_dispatch`` (received rows sent again in backward instead of kept). ``activation_cache`` is every `sonic.MoE`'s
-    (``"fp8"`` keeps H in e4m3 for backward; it needs bfloat16 parameters and ``d_expert`` a
-    multiple of 64).
+    ``recompute_dispatch`` (received rows sent again in backward instead of kept).
+    ``activation_cache`` is every `sonic.MoE`'s (``"fp8"`` keeps H in e4m3 for backward; it
+    needs bfloat16 parameters and ``d_expert`` a multiple of 64). ``experts_impl`` is who runs
+    the MoE layers (:data:`EXPERTS_IMPLS`; ``"torch-gmm"`` needs top-K, bf16 and ``ep = 1``).
+    ``peak_tflops`` is the GPU's dense bf16 peak for MFU (``None``: :func:`peak_tflops`).
+    :func:`preset_config` gives the sizes of a preset (:data:`PRESETS`); the defaults are
+    the ``"cpu"`` preset's.
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -587,8 +591,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                     time.perf_counter() - warm - eval_seconds)
             rates.append(rate)
             if log is not None or writer is not None:
-                record = {"step": done, "loss": losses[-1].item(), "aux_loss": float(aux_loss.detach()),
-                          "lr": lr, "tokens_per_s": rate}
+                record = {"step": done, "loss": losses[-1].item(),
+                          "aux_loss": float(aux_loss.detach()), "lr": lr, "tokens_per_s": rate}
                 if evaluated is not None:
                     record["val_loss"] = evaluated
                 if log is not None:
