@@ -135,3 +135,14 @@ def test_deferred_stores_where_measured(changes, deferred, parts):
     assert epilogue.deferred is deferred
     if deferred:
         assert epilogue.parts == parts
+
+
+def test_compile_check_without_cutlass_names_the_extra():
+    # sys.modules["cutlass"] = None makes both the import and importlib's find_spec miss it.
+    code = ("import runpy, sys; sys.modules['cutlass'] = None; "
+            "sys.argv = ['sonic.kernels', '--compile-check', 'sm_90a']; "
+            "runpy.run_module('sonic.kernels', run_name='__main__')")
+    proc = _run("-c", code)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install -e ".[gpu]"' in lines[0], proc.stderr

@@ -138,6 +138,11 @@ def main(argv=None) -> int:
     group.add_argument("--compile-check", metavar="ARCH",
                        help="compile every variant of ARCH (sm_90a or sm_100a) without a GPU")
     args = parser.parse_args(argv)
+    if args.compile_check and importlib.util.find_spec("cutlass") is None:
+        # Every variant would fail on the same missing import: one line instead of a traceback
+        # per variant.
+        parser.exit(2, f"{parser.prog}: --compile-check needs the CuTe DSL (module 'cutlass'), "
+                       f"which is not installed: pip install -e \".[gpu]\" (the 'gpu' extra)\n")
     if args.list:
         from sonic.kernels import registry
 

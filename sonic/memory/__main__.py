@@ -4,7 +4,7 @@ Measures (not estimates) the bytes one layer — router and experts, bf16 — ke
 running :class:`sonic.MoE` and the torch-gmm baseline under
 :func:`sonic.memory.profile_activation_memory`. On the default ``meta`` device nothing is
 allocated, so the paper's configurations (docs/design.md §5) run on a CPU in seconds. The floor of
-docs/design.md §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metadata.
+SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routing metadata (docs/memory.md).
 
     python -m sonic.memory --config 7B
     python -m sonic.memory --config 64,32,16,8,2 --json   # last line: one JSON object
@@ -13,12 +13,13 @@ docs/design.md §3 / SonicMoE §3.2 is ``H = T·K·2n·2`` bytes plus O(P) routi
 
 ``--activation-cache fp8`` adds a third row, ``sonic-fp8c``: sonic with H kept for backward in
 e4m3 with 1×128 fp32 scales (:mod:`sonic.activation_cache`), and its bytes
-relative to sonic's bf16 cache (the target: at most 55%).
+relative to sonic's bf16 cache.
 
 ``--plot FILE`` (needs matplotlib, the ``plot`` extra) sweeps expert granularity at fixed FLOPs
 (SonicMoE Fig. 1): each scale ``s`` of ``--scales`` measures ``(T, d, n/s, E·s, K·s)``, so
 ``K·n`` (the FLOPs) and ``K/E`` (the activation ratio) stay those of ``--config`` while the
 granularity ``d/n`` grows ``s``-fold, and draws both implementations' bytes over ``d/n``.
+``--plot`` and ``--scales`` are checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import copy
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 import sonic
+from sonic._output import image_path
 from sonic.baselines import torch_gmm_moe
 from sonic.baselines.configs import ACCEPTED, CONFIGS, parse_config
 from sonic.memory.profile import ActivationMemoryReport, profile_activation_memory
@@ -127,12 +130,33 @@ def granularity_sweep(sizes: tuple[int, int, int, int, int], scales: tuple[int, 
     return rows
 
 
-def _matplotlib_figure():
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError("--plot needs matplotlib: pip install 'sonic-cute-moe[plot]'") from err
-    return Figure
+DEFAULT_SCALES = (1, 2, 4, 8, 16)
+
+
+def check_scales(sizes: tuple[int, int, int, int, int], scales: tuple[int, ...],
+                 device: torch.device) -> None:
+    """Raise ``ValueError`` unless every scale ``s`` gives a point :func:`measure` can run:
+    ``s`` divides ``n``, and on ``meta`` ``n/s`` is a multiple of 8. Checked before measuring."""
+    n = sizes[2]
+    for s in scales:
+        if n % s:
+            raise ValueError(f"scale {s} does not divide n={n}")
+        if device.type == "meta" and (n // s) % 8:
+            raise ValueError(f"scale {s} gives n/s={n // s}, not a multiple of 8 as meta "
+                             f"needs (use smaller scales or --device cpu)")
+
+
+def default_scales(sizes: tuple[int, int, int, int, int], device: torch.device
+                   ) -> tuple[int, ...]:
+    """The scales of :data:`DEFAULT_SCALES` that :func:`check_scales` accepts for ``sizes``."""
+    usable = []
+    for s in DEFAULT_SCALES:
+        try:
+            check_scales(sizes, (s,), device)
+        except ValueError:
+            continue
+        usable.append(s)
+    return tuple(usable)
 
 
 def plot_sweep(rows: list[dict], path: str) -> None:
@@ -142,7 +166,8 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     Raises:
         ImportError: matplotlib is not installed (the ``plot`` extra).
     """
-    Figure = _matplotlib_figure()
+    from matplotlib.figure import Figure
+
     first = rows[0]
     # A bare Figure (no pyplot) leaves matplotlib's global backend and figure list alone.
     fig = Figure(figsize=(6, 4), layout="constrained")
@@ -193,24 +218,36 @@ def fp8_cache_ratio(reports: dict[str, ActivationMemoryReport]) -> float:
     return reports["sonic-fp8c"].activation_bytes / max(reports["sonic"].activation_bytes, 1)
 
 
-def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace, sizes: tuple,
-          device: torch.device) -> list[dict]:
-    """``--plot``: run the sweep, print it, draw it; bad arguments end in ``parser.error``."""
-    scales = args.scales or (1, 2, 4, 8, 16)
-    try:  # before the sweep, so a missing matplotlib fails fast
-        _matplotlib_figure()
-    except ImportError as err:
+def _plot_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, sizes: tuple,
+                    device: torch.device) -> tuple[Path, tuple[int, ...]]:
+    """``--plot`` and ``--scales`` checked before anything is measured: the file matplotlib
+    will write and the scales of the sweep; bad ones end in ``parser.error``."""
+    try:
+        path = image_path("--plot", args.plot)
+    except (ImportError, ValueError) as err:
         parser.error(str(err))
+    if args.scales is None:
+        scales = default_scales(sizes, device)
+        if len(scales) < 2:
+            parser.error(f"--plot: --config {args.config[0]} leaves fewer than two of the "
+                         f"default scales {','.join(map(str, DEFAULT_SCALES))} usable on "
+                         f"{device} (n={sizes[2]}); pass --scales")
+        return path, scales
     try:
-        rows = granularity_sweep(sizes, scales, device)
+        check_scales(sizes, args.scales, device)
     except ValueError as err:
-        parser.error(f"--scales {','.join(map(str, scales))} with --config: {err}")
-    try:
-        plot_sweep(rows, args.plot)
-    except (OSError, ValueError) as err:
-        parser.error(f"--plot {args.plot}: {err}")
+        parser.error(f"--scales {','.join(map(str, args.scales))} with --config "
+                     f"{args.config[0]}: {err}")
+    return path, args.scales
+
+
+def _plot(path: Path, scales: tuple[int, ...], sizes: tuple, device: torch.device
+          ) -> list[dict]:
+    """``--plot``: run the sweep, draw it into ``path``, print it."""
+    rows = granularity_sweep(sizes, scales, device)
+    plot_sweep(rows, str(path))
     lines = ["", f"granularity sweep at fixed FLOPs (K*n = {sizes[4] * sizes[2]}), "
-             f"plotted to {args.plot}",
+             f"plotted to {path}",
              f"  {'d/n':>6} {'n':>6} {'E':>6} {'K':>4} {'sonic MiB':>10} {'torch MiB':>10}"]
     lines += [f"  {r['granularity']:>6g} {r['n']:>6} {r['E']:>6} {r['K']:>4} "
               f"{r['sonic_MiB']:>10.2f} {r['torch_MiB']:>10.2f}" for r in rows]
@@ -238,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=6, help="saved storages listed per impl")
     parser.add_argument("--plot", metavar="FILE",
                         help="also sweep granularity at fixed FLOPs (SonicMoE Fig. 1) from "
-                             "--config and draw it into FILE (.png, .pdf, ...; needs matplotlib)")
+                             "--config and draw it into FILE (.png, .pdf, ...; no suffix: .png "
+                             "is added; needs matplotlib)")
     parser.add_argument("--scales", type=parse_scales, metavar="S,S,...",
-                        help="--plot: scale s measures (T, d, n/s, E*s, K*s); default 1,2,4,8,16")
+                        help="--plot: scale s measures (T, d, n/s, E*s, K*s); default: those "
+                             "of 1,2,4,8,16 that divide n (on meta: with n/s a multiple of 8)")
     args = parser.parse_args(argv)
     if args.scales is not None and not args.plot:
         parser.error("--scales only applies with --plot FILE")
@@ -250,12 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device available")
     name, sizes = args.config
     device = torch.device(args.device)
+    plot = _plot_arguments(parser, args, sizes, device) if args.plot else None
     try:
         reports = measure(sizes, device, args.activation_cache)
     except ValueError as err:
         parser.error(f"--config {name}: {err}")
     print(_table(name, sizes, device, reports, args.top))
-    sweep = _plot(parser, args, sizes, device) if args.plot else None
+    sweep = _plot(*plot, sizes, device) if plot else None
     if args.json:
         summary = {"config": name, **dict(zip("TdnEK", sizes)),
                    "sonic_MiB": round(reports["sonic"].activation_mib, 3),

@@ -5,7 +5,8 @@ routing (SonicMoE §5.2) and validated with top-K routing.
 """
 
 from sonic.train.data import ByteCorpus, load_text
-from sonic.train.loop import TrainConfig, evaluate, train
+from sonic.train.loop import PRESETS, TrainConfig, evaluate, preset_config, train
 from sonic.train.model import ByteMoELM
 
-__all__ = ["ByteCorpus", "ByteMoELM", "TrainConfig", "evaluate", "load_text", "train"]
+__all__ = ["PRESETS", "ByteCorpus", "ByteMoELM", "TrainConfig", "evaluate", "load_text",
+           "preset_config", "train"]

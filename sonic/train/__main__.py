@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
 import math
 import sys
+from dataclasses import replace
 
-from sonic.train.loop import TrainConfig, train
+import torch
+
+from sonic._output import image_path
+from sonic.train.loop import PRESETS, TrainConfig, preset_config, train
+from sonic.train.report import comparison_lines, plot_runs, summary_lines
 from sonic.train.parallel import world_from_env
 
 
@@ -39,24 +46,61 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default once: the default of each `--preset` for the sizes, none
+    where the help already states it, or for options without a value (``None``) or flags."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if action.dest in PRESETS["gpu"]:
+            return help_text + _preset_default(action.dest)
+        if "default" in help_text or action.default in (None, False, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)
+
+
+def _preset_default(field: str) -> str:
+    values = {name: PRESETS[name].get(field, getattr(TrainConfig(), field)) for name in PRESETS}
+    return " (default: " + ", ".join(f"{v} with --preset {n}" for n, v in values.items()) + ")"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser; its defaults are `TrainConfig`'s."""
+    """The CLI's argument parser; its defaults are `TrainConfig`'s, the sizes those of
+    `--preset`."""
     d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="python -m sonic.train",
         description="Train a byte-level transformer LM whose FFNs are sonic.MoE layers. "
                     "Default corpus: the CPython documentation topics (pydoc_data); the last "
-                    "10%% of the bytes are held out for validation, which always routes by "
-                    "top-K (also after a token-rounding run). The defaults finish in under "
+                    "10% of the bytes are held out for validation, which always routes by "
+                    "top-K (also after a token-rounding run). The cpu preset finishes in under "
                     "3 minutes on a 2-core CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
+        formatter_class=_HelpFormatter)
+    p.add_argument("--preset", choices=("auto",) + tuple(PRESETS), default="auto",
+                   help="sizes of the model and batch: cpu = a 0.97 M-parameter model that "
+                        "trains in minutes on a laptop; gpu = MoE layers at a size where they "
+                        "dominate the step (d_model 1024, 8 layers, 64 experts of d_expert "
+                        "1024, top-8, 32 x 1024 tokens per step; fits one 80 GB GPU); auto = "
+                        "gpu on a CUDA device, else cpu. Size options override it")
+    p.add_argument("--compare", choices=("torch-gmm",), default=None,
+                   help="after the run, train the same model (same seed, data and steps) "
+                        "with its MoE layers run by the torch-gmm baseline (torch._grouped_mm "
+                        "and PyTorch autograd) and print both side by side: tokens/s, MFU, "
+                        "peak memory, losses at equal steps")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="draw the loss and tokens/s over steps (of both runs with --compare) "
+                        "into FILE (.png, .pdf, .svg ...; needs matplotlib)")
+    p.add_argument("--peak-tflops", type=_positive_float, default=None, metavar="TFLOPS",
+                   help="the GPU's dense bf16 peak for MFU (default: known for H100, H200, "
+                        "H800, A100)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="optimizer steps")
     p.add_argument("--router", choices=("topk", "token_rounding"), default=d.router,
                    help="training-time router of every MoE layer")
     p.add_argument("--data", default=d.data, metavar="FILE",
                    help="UTF-8 text file to train on (default: pydoc_data.topics)")
     p.add_argument("--device", default=d.device,
-                   help="torch device (default: cuda if available, else cpu)")
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d.dtype,
                    help="parameter dtype; auto = bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--backend", choices=("auto", "torch", "cute"), default=d.backend,
@@ -71,28 +115,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how every MoE layer keeps H for backward: bf16 (as computed) or fp8 "
                         "(e4m3 + fp32 1x128 scales, about half the bytes; needs --dtype "
                         "bfloat16, d-expert a multiple of 64, --ep 1)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the initialisation and of the training windows")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+    p.add_argument("--seed", type=_non_negative_int, default=d.seed,
+                   help="seed of the initialisation and of the training windows (0 to 2**63 - 2)")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="windows per step (B); T = B * seq-len tokens per MoE layer")
-    p.add_argument("--seq-len", type=_positive_int, default=d.seq_len, help="bytes per window")
-    p.add_argument("--d-model", type=_positive_int, default=d.d_model, help="model dim d")
-    p.add_argument("--layers", type=_positive_int, default=d.layers, help="transformer blocks")
-    p.add_argument("--heads", type=_positive_int, default=d.heads, help="attention heads")
-    p.add_argument("--experts", type=_positive_int, default=d.experts, help="experts E per layer")
-    p.add_argument("--top-k", type=_positive_int, default=d.top_k, help="experts K per token")
-    p.add_argument("--d-expert", type=_positive_int, default=d.d_expert,
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="bytes per window")
+    p.add_argument("--d-model", type=_positive_int, default=None,
+                   help="model dim d")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="transformer blocks")
+    p.add_argument("--heads", type=_positive_int, default=None,
+                   help="attention heads")
+    p.add_argument("--experts", type=_positive_int, default=None,
+                   help="experts E per layer")
+    p.add_argument("--top-k", type=_positive_int, default=None,
+                   help="experts K per token")
+    p.add_argument("--d-expert", type=_positive_int, default=None,
                    help="expert intermediate dim n")
-    p.add_argument("--tile", type=_positive_int, default=d.tile,
+    p.add_argument("--tile", type=_positive_int, default=None,
                    help="M_tile of token rounding: each expert's token count is rounded to a "
-                        "multiple of it. Hopper kernels use 128, but that only makes sense "
-                        "when an expert gets many tiles of tokens; the defaults give each "
-                        "expert T*K/E = 2048*2/8 = 512 tokens per step, and a tile of 32 "
-                        "moves a count by at most 16 (~3%%) under nearest rounding, whereas "
-                        "128 would move it by up to 64 (~12%%). Keep it well below T*K/E.")
+                        "multiple of it. Hopper kernels use 128, which suits experts that get "
+                        "many tiles of tokens per step (gpu preset: T*K/E = 4096); the cpu "
+                        "preset gives each expert T*K/E = 2048*2/8 = 512 tokens, where a tile "
+                        "of 32 moves a count by at most 16 (~3%%) under nearest rounding and "
+                        "128 by up to 64 (~12%%). Keep it well below T*K/E.")
     p.add_argument("--aux-loss-coef", type=_non_negative_float, default=d.aux_loss_coef,
                    help="coefficient of each MoE layer's load-balancing loss")
-    p.add_argument("--lr", type=_positive_float, default=d.lr,
+    p.add_argument("--lr", type=_positive_float, default=None,
                    help="peak AdamW learning rate (linear warmup, cosine decay to 10%%)")
     p.add_argument("--warmup", type=_non_negative_int, default=d.warmup, help="warmup steps")
     p.add_argument("--eval-every", type=_non_negative_int, default=d.eval_every,
@@ -133,10 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also log those scalars to TensorBoard in DIR (needs the tensorboard "
                         "package)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info", help="level of the log lines on stderr (rank 0; the other "
+                                        "ranks log warnings and errors)")
     p.add_argument("--json", action="store_true",
                    help="print the results as one JSON object on the last line")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Log sonic's messages to stderr: rank 0 from ``level`` up, the other ranks of a
+    ``torchrun`` job only warnings and errors, each line prefixed with its rank."""
+    world, rank, _ = world_from_env()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        (f"[rank {rank}] " if world > 1 else "") + "%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("sonic")
+    root.handlers = [handler]
+    root.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    root.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,27 +210,52 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     as_json, progress = args.pop("json"), not args.pop("no_progress")
+    configure_logging(getattr(logging, args.pop("log_level").upper()))
     options = {name: args.pop(name) for name in ("save", "save_every", "resume", "stop_after",
                                                  "log_jsonl", "tensorboard")}
+    preset, compare, plot = args.pop("preset"), args.pop("compare"), args.pop("plot")
     try:
-        config = TrainConfig(**args)
-        result = train(config, progress=progress, **options)
-    except ValueError as err:
+        if preset == "auto":
+            device = args["device"]
+            on_gpu = (device or "cuda").startswith("cuda") and torch.cuda.is_available()
+            preset = "gpu" if on_gpu else "cpu"
+        config = preset_config(preset, **{k: v for k, v in args.items() if v is not None})
+        plot = image_path("--plot", plot) if plot else None
+        if compare:
+            _check_compare(config, options)
+        results = {"sonic": train(config, progress=progress, **options)}
+        if compare:
+            gc.collect()   # the first run's model and optimizer go before the second's come
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            results[compare] = train(replace(config, experts_impl=compare), progress=progress)
+    except (ValueError, ImportError) as err:
         parser.error(str(err))
     if world_from_env()[1] != 0:   # under torchrun, rank 0 reports
         return 0
+    if plot:
+        plot_runs(results, plot)
     if as_json:
-        print(json.dumps(result))
-    else:
-        if result["world_size"] > 1:
-            print(f"world size {result['world_size']}  ep {result['ep']}  (tokens/s: all ranks)")
-        print(f"router {result['router']}  steps {result['steps']}  device {result['device']} "
-              f"({result['dtype']}, {result['precision']} experts)  params {result['params']:,}")
-        print(f"val loss {result['val_loss_initial']:.4f} -> {result['val_loss']:.4f} nats/byte  "
-              f"train loss {result['train_loss']:.4f}")
-        print(f"tokens/s {result['tokens_per_s']:.0f}  activation memory per MoE layer "
-              f"{result['activation_MiB_per_layer']:.3f} MiB")
+        print(json.dumps(results if compare else results["sonic"]))
+        return 0
+    print("\n".join(summary_lines(results["sonic"])))
+    if compare:
+        print()
+        print("\n".join(comparison_lines(results)))
+    if plot:
+        print(f"plotted to {plot}")
     return 0
+
+
+def _check_compare(config: TrainConfig, options: dict) -> None:
+    """``--compare`` trains twice in one process from scratch: no checkpoints, logs or
+    torchrun, and a config torch-gmm can run."""
+    used = [f"--{k.replace('_', '-')}" for k, v in options.items() if v not in (None, 0)]
+    if used:
+        raise ValueError(f"--compare: not with {', '.join(used)} (two runs in one process)")
+    if world_from_env()[0] > 1:
+        raise ValueError("--compare: runs in one process, not under torchrun")
+    replace(config, experts_impl="torch-gmm")   # raises what torch-gmm cannot run
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ top-K validation, and the activation memory one MoE layer keeps for backward."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import os
 import time
@@ -13,18 +15,47 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
+from sonic._output import check_writable
 from sonic.autograd.moe_experts import PRECISIONS
+from sonic.backend import kernel_support
 from sonic.autograd.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
+from sonic.train.checkpoint import read_checkpoint, write_checkpoint
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
 from sonic.train.model import ByteMoELM
+
+EXPERTS_IMPLS = ("sonic", "torch-gmm")
+"""Who runs the MoE layers: `sonic.MoE`, or the torch-gmm baseline on the same parameters
+(`sonic.train.model.TorchGmmMoE`)."""
+
+PRESETS = {
+    "cpu": {},
+    "gpu": dict(d_model=1024, layers=8, heads=8, experts=64, top_k=8, d_expert=1024,
+                batch_size=32, seq_len=1024, tile=128, lr=1e-3, steps=300),
+}
+"""Sizes of :class:`TrainConfig` per preset: ``"cpu"`` is the defaults (0.97 M parameters, a
+few minutes on two cores); ``"gpu"`` is a model whose MoE layers dominate the step (about 83%
+of its FLOPs: T = 32768 tokens, d = 1024, E = 64 experts of n = 1024, top-8; 1.6 G
+parameters), so the experts' speed decides the run's, and which fits one 80 GB GPU also with
+the torch-gmm experts."""
+
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
+"""Dense bf16 tensor-core peak per GPU (NVIDIA data sheets), matched against
+``torch.cuda.get_device_name`` in this order; the denominator of MFU."""
 
 _VAL_SEED = 1234
 """Seed of the validation windows: fixed, so runs with different seeds or routers are scored on
 the same bytes."""
+
+logger = logging.getLogger(__name__)
+
+_MAX_SEED = 2**63 - 1
+"""Seeds go to ``torch.manual_seed`` (at most ``2**64 - 1``), the probe batch uses ``seed + 1``;
+``2**63 - 1`` keeps both in int64."""
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _BACKENDS = ("auto", "torch", "cute")
@@ -47,9 +78,13 @@ class TrainConfig:
     the global batch ``WORLD_SIZE·batch_size`` windows; ``ep_chunks`` the ``num_chunks`` of
     every `sonic.distributed.ExpertParallelMoE` (all-to-alls overlapped with the experts of
     other chunks; no effect with ``ep = 1``), ``ep_recompute_dispatch`` its
-    ``recompute_dispatch`` (received rows sent again in backward instead of kept). ``activation_cache`` is every `sonic.MoE`'s
-    (``"fp8"`` keeps H in e4m3 for backward; it needs bfloat16 parameters and ``d_expert`` a
-    multiple of 64).
+    ``recompute_dispatch`` (received rows sent again in backward instead of kept).
+    ``activation_cache`` is every `sonic.MoE`'s (``"fp8"`` keeps H in e4m3 for backward; it
+    needs bfloat16 parameters and ``d_expert`` a multiple of 64). ``experts_impl`` is who runs
+    the MoE layers (:data:`EXPERTS_IMPLS`; ``"torch-gmm"`` needs top-K, bf16 and ``ep = 1``).
+    ``peak_tflops`` is the GPU's dense bf16 peak for MFU (``None``: :func:`peak_tflops`).
+    :func:`preset_config` gives the sizes of a preset (:data:`PRESETS`); the defaults are
+    the ``"cpu"`` preset's.
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -83,8 +118,22 @@ class TrainConfig:
     ep_chunks: int = 1
     ep_recompute_dispatch: bool = False
     activation_cache: str = "bf16"
+    experts_impl: str = "sonic"
+    peak_tflops: float | None = None
 
     def __post_init__(self):
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl: expected one of {EXPERTS_IMPLS}, got "
+                             f"{self.experts_impl!r}")
+        if self.experts_impl == "torch-gmm" and (self.router, self.precision, self.activation_cache,
+                                                 self.ep) != ("topk", "bf16", "bf16", 1):
+            raise ValueError("experts_impl: torch-gmm trains top-K routing with bf16 experts on "
+                             "one process (router topk, precision bf16, activation_cache bf16, "
+                             "ep 1)")
+        if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float))
+                                                 and math.isfinite(self.peak_tflops)
+                                                 and self.peak_tflops > 0):
+            raise ValueError(f"peak_tflops: expected a positive number, got {self.peak_tflops!r}")
         positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads", "experts",
                     "top_k", "d_expert", "tile", "eval_batches", "ep", "ep_chunks")
         for name in positive:
@@ -96,6 +145,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
         if self.router not in ("topk", "token_rounding"):
             raise ValueError(f"router: expected 'topk' or 'token_rounding', got {self.router!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_SEED:
+            raise ValueError(f"seed: expected an integer in [0, {_MAX_SEED}), got {self.seed!r}")
         if not isinstance(self.ep_recompute_dispatch, bool):
             raise ValueError(f"ep_recompute_dispatch: expected a bool, got "
                              f"{self.ep_recompute_dispatch!r}")
@@ -139,6 +190,47 @@ class TrainConfig:
                                  f"got {self.d_expert}")
 
 
+def preset_config(preset: str, **overrides) -> TrainConfig:
+    """A :class:`TrainConfig` with the sizes of :data:`PRESETS` ``[preset]`` and ``overrides``.
+
+    Raises:
+        ValueError: unknown ``preset``, or what :class:`TrainConfig` raises.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {tuple(PRESETS)}, got {preset!r}")
+    return TrainConfig(**{**PRESETS[preset], **overrides})
+
+
+def flops_per_token(config: TrainConfig) -> float:
+    """Training FLOPs (forward and backward) per token of the model :class:`TrainConfig`
+    describes, counting matrix products only (PaLM's MFU convention, Chowdhery et al. 2022,
+    App. B, with causal attention scoring half of the ``S²`` pairs):
+
+    * MoE layer, ``18·K·d·n``: the up-projection ``2·d·2n`` and down-projection ``2·n·d`` per
+      routed pair, times 3 for backward (SonicMoE §2);
+    * router ``6·d·E``; attention projections ``24·d²``; attention scores ``6·S·d`` (``QKᵀ``
+      and ``AV`` over the causal half);
+    * the output head ``6·d·256``.
+    """
+    d, n, S = config.d_model, config.d_expert, config.seq_len
+    per_layer = 18 * config.top_k * d * n + 6 * d * config.experts + 24 * d * d + 6 * S * d
+    return config.layers * per_layer + 6 * d * VOCAB_SIZE
+
+
+def moe_flops_share(config: TrainConfig) -> float:
+    """The MoE layers' ``18·K·d·n`` share of :func:`flops_per_token`."""
+    moe = config.layers * 18 * config.top_k * config.d_model * config.d_expert
+    return moe / flops_per_token(config)
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """:data:`PEAK_TFLOPS` of ``device``'s GPU model; ``None`` on the CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
+
+
 def _resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,13 +239,28 @@ def _resolve_device(name: str | None) -> torch.device:
     except RuntimeError as err:
         raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', "
                          f"got {name!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {name!r} (training "
+                         f"needs real tensors)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} requested but CUDA is not available")
     return device
 
 
-def _lr_factor(step: int, steps: int, warmup: int) -> float:
-    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+def _check_backend(backend: str, device: torch.device) -> None:
+    """``backend="cute"`` where the kernels cannot run fails here, before the model is built,
+    instead of in the first forward."""
+    if backend == "cute":
+        ok, reason = kernel_support(device)
+        if not ok:
+            raise ValueError(f"backend: 'cute' needs sonic's CuTe kernels, which cannot run "
+                             f"here ({reason}); use --backend auto or torch")
+
+
+def lr_factor(step: int, *, steps: int, warmup: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) over the peak: linear warmup to 1
+    over ``warmup`` steps, then cosine decay towards 0.1 at step ``steps`` (the
+    ``torch.optim.lr_scheduler.LambdaLR`` factor of :func:`train`)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
@@ -194,34 +301,28 @@ def _activation_mib(model: ByteMoELM, inputs: torch.Tensor) -> float:
     return profile_activation_memory(moe, x).activation_mib
 
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 # Fields a resumed run may change; every other one must match the checkpoint's.
 # ep_chunks only reorders the sums of expert weight gradients and ep_recompute_dispatch changes
 # no value: a run may resume with others.
 _RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunks",
-                      "ep_recompute_dispatch")
+                      "ep_recompute_dispatch", "peak_tflops")
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` with ``torch.save`` atomically (a temporary file, then a rename), so an
-    interrupted save never leaves a truncated checkpoint behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1,
+                    rank: int = 0) -> dict:
+    """Read a checkpoint written by :func:`train` with ``save=``
+    (:func:`sonic.train.checkpoint.read_checkpoint`: checksum and history verified) and check
+    that ``config`` may continue it (same model, data and optimisation settings, same number
+    of processes and rank; ``steps`` and evaluation settings may differ).
 
-
-def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1) -> dict:
-    """Read a checkpoint written by :func:`train` with ``save=`` and check that ``config`` may
-    continue it (same model, data and optimisation settings, same number of processes;
-    ``steps`` and evaluation settings may differ). Raises ``ValueError`` otherwise."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as err:
-        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {err}") from err
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"resume: {str(path)!r} is not a sonic.train checkpoint")
+    Raises:
+        ValueError: a corrupted or foreign file, or one ``config`` may not continue.
+    """
+    state = read_checkpoint(path)
+    if state["version"] != CHECKPOINT_VERSION:
+        raise ValueError(f"resume: {str(path)!r} is a version {state['version']!r} checkpoint; "
+                         f"this sonic reads version {CHECKPOINT_VERSION}")
     saved = state["config"]
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     differ = [f.name for f in fields(TrainConfig) if f.name not in _RESUMABLE_CHANGES
@@ -230,13 +331,40 @@ def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: in
         detail = ", ".join(f"{n}={saved.get(n, defaults[n])!r} (now {getattr(config, n)!r})"
                            for n in differ)
         raise ValueError(f"resume: the checkpoint was trained with different settings: {detail}")
-    if state.get("world_size", 1) != world_size:
-        raise ValueError(f"resume: the checkpoint was trained on {state.get('world_size', 1)} "
-                         f"processes, this run has {world_size}")
+    if (state["world_size"], state["rank"]) != (world_size, rank):
+        raise ValueError(f"resume: the checkpoint is rank {state['rank']} of "
+                         f"{state['world_size']} processes, this is rank {rank} of {world_size}")
     if state["step"] > config.steps:
         raise ValueError(f"resume: the checkpoint is at step {state['step']}, past "
                          f"steps={config.steps}")
     return state
+
+
+def _check_model_state(saved: dict, model: torch.nn.Module, path: str) -> None:
+    """The checkpoint's model tensors have the model's names, shapes and dtypes."""
+    expected = model.state_dict()
+    if saved.keys() != expected.keys():
+        raise ValueError(f"resume: checkpoint {path!r} holds parameters "
+                         f"{sorted(saved.keys() ^ expected.keys())} that do not match the model")
+    for key, tensor in expected.items():
+        got = saved[key]
+        if not isinstance(got, torch.Tensor) or got.shape != tensor.shape \
+                or got.dtype != tensor.dtype:
+            what = (f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor)
+                    else type(got).__name__)
+            raise ValueError(f"resume: checkpoint {path!r}: {key} is {what}, the model's is "
+                             f"{tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Every AdamW moment has its parameter's shape (``load_state_dict`` checks only the
+    number of parameters)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if key != "step" and value.shape != p.shape:
+                    raise ValueError(f"resume: checkpoint {path!r}: an optimizer {key} is "
+                                     f"{tuple(value.shape)}, its parameter {tuple(p.shape)}")
 
 
 def _tensorboard_writer(logdir: str):
@@ -291,7 +419,12 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         after the first of this call, which pays for warm-up; periodic evaluations excluded),
         ``activation_MiB_per_layer``, ``params``, ``device``, ``dtype``, ``backend`` (what
         ``"auto"`` resolved to, and why), ``seed``, ``config``, ``losses`` (cross-entropy of
-        every step), ``world_size``, ``ep``; under ``torchrun``, ``tokens_per_s`` is the global
+        every step), ``world_size``, ``ep``, ``experts_impl``, ``tokens_per_s_history`` (the
+        running ``tokens_per_s`` after each step of this call; ``None`` for its first),
+        ``peak_memory_MiB`` (CUDA allocator peak of this call; ``None`` on the CPU),
+        ``flops_per_token`` (:func:`flops_per_token`), ``moe_flops_share``, ``peak_tflops``
+        (``config.peak_tflops`` or :func:`peak_tflops`) and ``mfu`` (model FLOPs utilisation,
+        ``None`` without a known peak); under ``torchrun``, ``tokens_per_s`` is the global
         rate (all ranks' tokens) and ``params`` counts every expert once.
 
     Raises:
@@ -300,6 +433,10 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
             not divide the world size or ``config.experts``.
     """
     device = _resolve_device(config.device)
+    _check_backend(config.backend, device)
+    for option, path in (("log_jsonl", log_jsonl), ("save", save)):
+        if path is not None:
+            check_writable(option, path)
     par, device = parallel.setup(config.ep, config.experts, device)
     try:
         return _train(config, par, device, progress=progress and par.is_main, save=save,
@@ -323,9 +460,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     if par.distributed:   # one checkpoint file per rank
         save = f"{save}.rank{par.rank}" if save else None
         resume = f"{resume}.rank{par.rank}" if resume else None
-    state = load_checkpoint(resume, config, par.world) if resume else None
+    state = load_checkpoint(resume, config, par.world, par.rank) if resume else None
     writer = _tensorboard_writer(tensorboard) if tensorboard else None
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config.seed)
     model = ByteMoELM(max_seq_len=config.seq_len, d_model=config.d_model,
                       num_layers=config.layers, num_heads=config.heads,
@@ -335,10 +474,16 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                       precision=config.precision,
                       activation_cache=config.activation_cache,
                       device=device, dtype=dtype)
+    if config.experts_impl == "torch-gmm":
+        model.use_torch_gmm_experts()
     if par.ep > 1:
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
                             recompute_dispatch=config.ep_recompute_dispatch)
     parallel.broadcast_replicated(model, par)
+    logger.info("model: %d layers, d=%d, E=%d experts of n=%d, top-%d, %s router; %s %s on %s; "
+                "T=%d tokens per MoE layer and step", config.layers, config.d_model,
+                config.experts, config.d_expert, config.top_k, config.router, dtype,
+                config.precision, device, config.batch_size * config.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
 
@@ -360,8 +505,10 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     train_gen = torch.Generator().manual_seed(config.seed)
 
     if state is not None:
+        _check_model_state(state["model"], model, resume)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        _check_optimizer_state(optimizer, resume)
         train_gen.set_state(state["train_generator"])
         torch.set_rng_state(state["rng"])
         start = state["step"]
@@ -372,6 +519,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         val_history = [[0, validate()]]
         losses = []
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
+    # Built at the resumed step (the optimizer state holds its initial_lr) from this run's
+    # `steps`, which a resumed run may change.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, steps=config.steps, warmup=config.warmup),
+        last_epoch=start - 1)
     tokens_per_step = config.batch_size * config.seq_len * par.world   # all ranks'
 
     def checkpoint_state(step: int) -> dict:
@@ -387,23 +539,30 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         return time.perf_counter()
 
     log = open(log_jsonl, "a" if resume else "w", encoding="utf-8") if log_jsonl else None
+    if state is None:   # the step-0 validation loss; a resumed run's log already has it
+        if log is not None:
+            log.write(json.dumps({"step": 0, "val_loss": val_history[0][1]}) + "\n")
+        if writer is not None:
+            writer.add_scalar("val/loss", val_history[0][1], 0)
     # Throughput is timed from the end of this call's first step, which pays for one-off
     # warm-up (kernel compilation, allocator growth); a 1-step run times that step itself.
     started = clock()
     warm = None
     eval_seconds = 0.0
+    rates: list[float | None] = []   # tokens/s after each step of this call
     bar = tqdm(range(start, end), disable=not progress, desc=f"train[{config.router}]",
                unit="step", dynamic_ncols=True, initial=start, total=config.steps)
+    redirect = logging_redirect_tqdm(loggers=[logging.getLogger("sonic")])
+    redirect.__enter__()   # log lines above the bar, not through it
     try:
         for step in bar:
-            lr = config.lr * _lr_factor(step, config.steps, config.warmup)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = scheduler.get_last_lr()[0]
             inputs, targets = to_device(corpus.batch("train", config.batch_size,
                                                      config.seq_len, train_gen,
                                                      shard=par.rank, num_shards=par.world))
             with collect_aux_losses(model) as aux_losses:
                 lm_loss = _lm_loss(model, inputs, targets)
+            aux_losses += model.take_aux_losses()
             aux_loss = sum(aux_losses) if aux_losses else lm_loss.new_zeros(())
             loss = lm_loss + aux_loss
             optimizer.zero_grad(set_to_none=True)
@@ -411,6 +570,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             parallel.reduce_gradients(model, par)
             parallel.clip_grad_norm(model, config.grad_clip, par)
             optimizer.step()
+            scheduler.step()
             if par.distributed:   # the losses of the global batch: means over the ranks
                 lm_loss, aux_loss = parallel.mean_over_world(
                     torch.stack([lm_loss.detach().float(), aux_loss.detach().float()]), par)
@@ -419,18 +579,20 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             if warm is None:
                 warm = clock()
             evaluated = None
-            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+            if done == config.steps or (config.eval_every and done % config.eval_every == 0):
                 eval_started = clock()
                 evaluated = validate()
+                logger.info("step %d: val loss %.4f", done, evaluated)
                 val_history.append([done, evaluated])
                 eval_seconds += clock() - eval_started
             rate = None
             if done - start > 1:
                 rate = (done - start - 1) * tokens_per_step / (
                     time.perf_counter() - warm - eval_seconds)
+            rates.append(rate)
             if log is not None or writer is not None:
-                record = {"step": done, "loss": losses[-1].item(), "aux_loss": float(aux_loss.detach()),
-                          "lr": lr, "tokens_per_s": rate}
+                record = {"step": done, "loss": losses[-1].item(),
+                          "aux_loss": float(aux_loss.detach()), "lr": lr, "tokens_per_s": rate}
                 if evaluated is not None:
                     record["val_loss"] = evaluated
                 if log is not None:
@@ -448,10 +610,12 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                     postfix["tok/s"] = f"{rate:.0f}"
                 bar.set_postfix(postfix, refresh=False)
             if save and save_every and done % save_every == 0 and done < end:
-                save_checkpoint(save, checkpoint_state(done))
+                write_checkpoint(save, checkpoint_state(done))
+                logger.info("step %d: checkpoint written to %s", done, save)
         finished = clock()
     finally:
         bar.close()
+        redirect.__exit__(None, None, None)
         if log is not None:
             log.close()
     steps_run = end - start
@@ -462,13 +626,18 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     else:
         tokens_per_s = 0.0
 
-    if end == config.steps and val_history[-1][0] != end:
+    if end == config.steps and val_history[-1][0] != end:   # resumed at its last step
         val_history.append([config.steps, validate()])
     if writer is not None:
-        writer.add_scalar("val/loss", val_history[-1][1], val_history[-1][0])
         writer.close()
     if save:
-        save_checkpoint(save, checkpoint_state(end))
+        write_checkpoint(save, checkpoint_state(end))
+        logger.info("step %d: checkpoint written to %s", end, save)
+    peak_mib = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+                else None)
+    peak = config.peak_tflops or peak_tflops(device)
+    mfu = (tokens_per_s * flops_per_token(config) / (peak * 1e12 * par.world)
+           if peak and tokens_per_s else None)
     tail = max(1, len(losses) // 10)
     probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
                                    torch.Generator().manual_seed(config.seed + 1)))[0]
@@ -491,6 +660,13 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         "losses": [float(v) for v in losses],
         "world_size": par.world,
         "ep": par.ep,
+        "experts_impl": config.experts_impl,
+        "tokens_per_s_history": rates,
+        "peak_memory_MiB": peak_mib,
+        "flops_per_token": flops_per_token(config),
+        "moe_flops_share": moe_flops_share(config),
+        "peak_tflops": peak,
+        "mfu": mfu,
     }
 
 

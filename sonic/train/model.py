@@ -7,7 +7,65 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonic import MoE
+from sonic.baselines import torch_gmm_moe
 from sonic.train.data import VOCAB_SIZE
+
+
+def switch_load_balancing_loss(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``E · Σ_e f_e·p_e`` (Switch Transformer eq. 4, with ``f_e`` the top-``k`` pairs of expert
+    ``e`` over ``T`` and ``p_e`` its mean router probability) from stock PyTorch ops: the aux
+    loss a plain PyTorch MoE computes, equal to `sonic.load_balancing_loss` of top-K routing.
+
+    Args:
+        logits: ``(T, E)`` router logits.
+        k: experts per token.
+
+    Returns:
+        A 0-d float32 tensor (float64 for float64 logits), attached to ``logits``' graph.
+    """
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(logits.to(acc), dim=-1)
+    experts = logits.topk(k, dim=-1).indices.reshape(-1)
+    counts = torch.zeros(logits.shape[1], device=logits.device, dtype=acc)
+    counts.scatter_add_(0, experts, counts.new_ones(1).expand(experts.shape[0]))
+    num_tokens = max(logits.shape[0], 1)
+    return logits.shape[1] * (counts / num_tokens * probs.mean(dim=0)).sum()
+
+
+class TorchGmmMoE(nn.Module):
+    """A `sonic.MoE`'s router and experts run by the torch-gmm baseline
+    (`sonic.baselines.torch_gmm_moe`: ``torch._grouped_mm`` and PyTorch's autograd), for
+    comparing training speed and memory with sonic on the same model.
+
+    Shares the parameters of ``moe`` (``gate``, ``w1``, ``w2``, same state-dict names) and its
+    top-K routing (``top_k``, ``score``); in training mode with ``aux_loss_coef > 0`` each
+    forward appends ``aux_loss_coef ·`` :func:`switch_load_balancing_loss` to
+    :attr:`aux_losses`, which the caller empties (`ByteMoELM.take_aux_losses`).
+
+    Raises:
+        ValueError: ``moe`` trains with another router than top-K, or with FP8.
+    """
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        if moe.router != "topk" or moe.precision != "bf16" or moe.activation_cache != "bf16":
+            raise ValueError(f"experts: torch-gmm runs top-K routing with bf16 GEMMs and cache, "
+                             f"got router={moe.router!r}, precision={moe.precision!r}, "
+                             f"activation_cache={moe.activation_cache!r}")
+        self.gate, self.w1, self.w2 = moe.gate, moe.w1, moe.w2
+        self.top_k, self.score, self.aux_loss_coef = moe.top_k, moe.score, moe.aux_loss_coef
+        self.aux_losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., d)`` → ``(..., d)``."""
+        tokens = x.reshape(-1, x.shape[-1])
+        out = torch_gmm_moe(tokens, self.gate.weight, self.w1, self.w2, self.top_k,
+                            score=self.score)
+        if self.training and self.aux_loss_coef:
+            logits = tokens @ self.gate.weight.t()
+            self.aux_losses.append(self.aux_loss_coef
+                                   * switch_load_balancing_loss(logits, self.top_k))
+        return out.reshape(x.shape)
 
 
 class CausalSelfAttention(nn.Module):
@@ -115,6 +173,22 @@ class ByteMoELM(nn.Module):
             block.moe = ExpertParallelMoE.from_moe(block.moe, group=group,
                                                    num_chunks=num_chunks,
                                                    recompute_dispatch=recompute_dispatch)
+
+    def use_torch_gmm_experts(self) -> None:
+        """Run every block's MoE by the torch-gmm baseline (:class:`TorchGmmMoE`), keeping
+        its parameters: the model computes what it computed, with PyTorch's ops."""
+        for block in self.blocks:
+            block.moe = TorchGmmMoE(block.moe)
+
+    def take_aux_losses(self) -> list[torch.Tensor]:
+        """The aux losses the :class:`TorchGmmMoE` layers appended since the last call (sonic's
+        layers hand theirs to `sonic.collect_aux_losses`), emptying their lists."""
+        taken = []
+        for block in self.blocks:
+            if isinstance(block.moe, TorchGmmMoE):
+                taken += block.moe.aux_losses
+                block.moe.aux_losses = []
+        return taken
 
     @property
     def moe_layers(self) -> list[MoE]:
