@@ -48,7 +48,7 @@ def _sonic_imports(path: pathlib.Path, package: str) -> list[tuple[int, str]]:
 # matching prefix; the package ``sonic`` (the public API) belongs to the top layer, and
 # ``__main__`` modules (command-line tools) sit above all.
 LAYERS = (
-    ("types", ("sonic.types", "sonic._validation")),
+    ("types", ("sonic.types", "sonic._validation", "sonic._output")),
     ("reference", ("sonic.reference",)),
     ("kernels", ("sonic.kernels",)),
     ("backend", ("sonic.backend", "sonic.activation_cache")),
