@@ -65,7 +65,7 @@ def test_router_bad_input(router):
 def test_router_bad_options():
     logits = torch.randn(6, 4)
     with pytest.raises(ValueError, match="score must be one of"):
-        sonic.topk_routing(logits, 2, score="sigmoid")
+        sonic.topk_routing(logits, 2, score="tanh")
     with pytest.raises(ValueError, match="rounding must be one of"):
         sonic.token_rounding_routing(logits, 2, rounding="sideways")
     with pytest.raises(ValueError, match="tile must be >= 1"):

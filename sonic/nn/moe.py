@@ -17,9 +17,10 @@ from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightC
 from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.gate import gate_logits
+from sonic.routing.losses import expert_load, router_z_loss, sequence_balance_loss
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
-from sonic.routing.topk import SCORES, topk_routing
+from sonic.routing.topk import SCORES, check_group_args, check_positive, topk_routing
 from sonic.routing.types import Routing
 
 ROUTERS = ("topk", "token_rounding")
@@ -113,6 +114,15 @@ def _collector_for(layer: "MoE") -> list | None:
     return None
 
 
+def update_expert_biases(model: nn.Module, group=None) -> None:
+    """:meth:`MoE.update_expert_bias` of every :class:`MoE` in ``model`` (itself included)
+    built with ``bias_update_rate > 0``: call it once per optimizer step, e.g. right after
+    ``optimizer.step()`` (aux-loss-free balancing, DeepSeek-V3 §2.1.2). ``group``: as there."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.bias_update_rate:
+            module.update_expert_bias(group)
+
+
 class MoE(nn.Module):
     """Mixture-of-Experts FFN: a linear router and ``E`` SwiGLU experts run by :func:`moe_experts`.
 
@@ -125,8 +135,34 @@ class MoE(nn.Module):
             settable later: ``layer.router = "token_rounding"``. In ``eval()`` mode the layer
             always routes by top-K, as the paper evaluates token-rounding models.
         tile: ``M_tile`` that token rounding rounds expert counts to.
-        score: top-K score function, ``"softmax_topk"`` or ``"topk_softmax"``.
-        renormalize: renormalise ``"topk_softmax"`` scores to sum to 1 (a ``bool``).
+        score: top-K score function, ``"softmax_topk"``, ``"topk_softmax"`` or ``"sigmoid"``
+            (see :func:`sonic.topk_routing`); token rounding rounds the token choice made with
+            it and the layer's other scoring options.
+        renormalize: renormalise ``"topk_softmax"`` / ``"sigmoid"`` scores to sum to 1 (a
+            ``bool``).
+        routed_scaling_factor: finite ``> 0``, multiplies every routed score after
+            renormalisation (DeepSeek-V3's ``routed_scaling_factor``); default 1.
+        n_group, topk_group: group-limited routing (DeepSeek-V3 §2.1.2 node-limited routing;
+            DeepSeek-V2 device-limited routing): the experts form ``n_group`` groups of
+            consecutive experts and a token chooses among its ``topk_group`` best groups
+            (:func:`sonic.routing.topk.group_limited_choice`); ``n_group=1`` disables it.
+        expert_bias: keep a per-expert selection bias, the fp32 buffer ``expert_bias (E,)`` in
+            the ``state_dict``, added to the affinities for the choice of experts only
+            (DeepSeek-V3 §2.1.2, aux-loss-free balancing; transformers' DeepSeek-V3 and
+            GLM4-MoE call it ``e_score_correction_bias``). Implied by ``bias_update_rate > 0``.
+        bias_update_rate: ``γ >= 0`` of aux-loss-free balancing. When ``> 0``, every forward
+            in training mode adds the experts' routed pair counts to the non-persistent
+            buffer ``tokens_per_expert (E,)`` (on the device, no host read), and
+            :meth:`update_expert_bias` — call it once per optimizer step, e.g. right after
+            ``optimizer.step()``, or :func:`update_expert_biases` for a whole model — applies
+            DeepSeek-V3's rule ``b_i += γ·sign(mean_j c_j − c_i)`` to those counts ``c`` and
+            resets them. The bias is never differentiated.
+        seq_aux_loss_coef: weight ``α`` of DeepSeek-V3's sequence-wise balance loss
+            (:func:`sonic.routing.losses.sequence_balance_loss`; a sequence is the
+            second-to-last dim of ``x``: ``x (B, S, d)`` has B sequences of S tokens, a 2-D
+            ``x`` is one sequence); finite ``>= 0``, settable later.
+        z_loss_coef: weight of ST-MoE's router z-loss
+            (:func:`sonic.routing.losses.router_z_loss`); finite ``>= 0``, settable later.
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
@@ -149,7 +185,9 @@ class MoE(nn.Module):
 
     ``forward(x, *, return_aux_loss=False)``: ``x (..., d)`` in the layer's dtype → same shape
     and dtype; with ``return_aux_loss=True``, ``(out, aux_loss)`` where ``aux_loss`` is
-    ``aux_loss_coef ·`` :func:`load_balancing_loss` in training mode (a zero tensor when the
+    ``aux_loss_coef ·`` :func:`load_balancing_loss` ``+ seq_aux_loss_coef ·``
+    :func:`~sonic.routing.losses.sequence_balance_loss` ``+ z_loss_coef ·``
+    :func:`~sonic.routing.losses.router_z_loss` in training mode (a zero tensor when every
     coefficient is 0 or in eval mode), attached to the forward's graph so that adding it to the
     loss trains the router. :func:`collect_aux_losses` collects it from every layer of a model
     instead. Under ``torch.autocast`` the layer accepts any float input and computes in the
@@ -175,13 +213,26 @@ class MoE(nn.Module):
                  router: str = "topk", tile: int = 128, score: str = "softmax_topk",
                  renormalize: bool = False, rounding: str = "nearest", gate_up: str = "concat",
                  aux_loss_coef: float = 0.0, backend: str = "auto", precision: str = "bf16",
-                 activation_cache: str = "bf16", device=None, dtype=None):
+                 activation_cache: str = "bf16", routed_scaling_factor: float = 1.0,
+                 n_group: int = 1, topk_group: int | None = None, expert_bias: bool = False,
+                 bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
-                        precision=precision, activation_cache=activation_cache)
+                        precision=precision, activation_cache=activation_cache,
+                        routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                        topk_group=topk_group, bias_update_rate=bias_update_rate,
+                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef)
         factory = {"device": device, "dtype": dtype}
+        check_bool("expert_bias", expert_bias)
+        if expert_bias or bias_update_rate:
+            self.register_buffer("expert_bias",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
+        if bias_update_rate:
+            self.register_buffer("tokens_per_expert", torch.zeros(
+                num_experts, device=device, dtype=torch.float32), persistent=False)
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
@@ -190,7 +241,10 @@ class MoE(nn.Module):
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                    router: str, tile: int, score: str, renormalize: bool, rounding: str,
                    gate_up: str, aux_loss_coef: float, backend: str,
-                   precision: str = "bf16", activation_cache: str = "bf16") -> None:
+                   precision: str = "bf16", activation_cache: str = "bf16",
+                   routed_scaling_factor: float = 1.0, n_group: int = 1,
+                   topk_group: int | None = None, bias_update_rate: float = 0.0,
+                   seq_aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -202,6 +256,12 @@ class MoE(nn.Module):
         check_choice("rounding", rounding, ROUNDINGS)
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
         check_bool("renormalize", renormalize)
+        check_positive("routed_scaling_factor", routed_scaling_factor)
+        self.topk_group = check_group_args(num_experts, top_k, n_group, topk_group)
+        check_non_negative("bias_update_rate", bias_update_rate)
+        self.routed_scaling_factor, self.n_group = routed_scaling_factor, n_group
+        self.bias_update_rate = bias_update_rate
+        self.seq_aux_loss_coef, self.z_loss_coef = seq_aux_loss_coef, z_loss_coef
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
@@ -253,6 +313,81 @@ class MoE(nn.Module):
         self._aux_loss_coef = value
 
     @property
+    def seq_aux_loss_coef(self) -> float:
+        return self._seq_aux_loss_coef
+
+    @seq_aux_loss_coef.setter
+    def seq_aux_loss_coef(self, value: float) -> None:
+        check_non_negative("seq_aux_loss_coef", value)
+        self._seq_aux_loss_coef = value
+
+    @property
+    def z_loss_coef(self) -> float:
+        return self._z_loss_coef
+
+    @z_loss_coef.setter
+    def z_loss_coef(self, value: float) -> None:
+        check_non_negative("z_loss_coef", value)
+        self._z_loss_coef = value
+
+    def _has_aux_loss(self) -> bool:
+        return self.training and bool(self.aux_loss_coef or self.seq_aux_loss_coef
+                                      or self.z_loss_coef)
+
+    def _aux_losses(self, logits: torch.Tensor, routing: Routing, seq_len: int) -> torch.Tensor:
+        """The weighted sum of the enabled auxiliary losses (:meth:`_has_aux_loss`)."""
+        terms = []
+        if self.aux_loss_coef:
+            terms.append(self.aux_loss_coef * load_balancing_loss(logits, routing))
+        if self.seq_aux_loss_coef:
+            terms.append(self.seq_aux_loss_coef * sequence_balance_loss(
+                logits, routing, seq_len, score=self.score, top_k=self.top_k))
+        if self.z_loss_coef:
+            terms.append(self.z_loss_coef * router_z_loss(logits))
+        return sum(terms[1:], terms[0])
+
+    def options_beyond(self, supported: tuple[str, ...] = ()) -> list[str]:
+        """The options of this layer set away from their defaults (``"score='sigmoid'"``,
+        ``"n_group=4"``, ...) among the routing, loss, activation and shared-expert options
+        added after the first release, less those in ``supported``: what a consumer that
+        carries only the original options (e.g. an expert-parallel copy) must refuse."""
+        defaults = {"score": SCORES[:2], "routed_scaling_factor": (1.0,), "n_group": (1,),
+                    "bias_update_rate": (0.0,), "seq_aux_loss_coef": (0.0,),
+                    "z_loss_coef": (0.0,)}
+        found = [f"{name}={getattr(self, name)!r}" for name, allowed in defaults.items()
+                 if name not in supported and getattr(self, name) not in allowed]
+        if "expert_bias" not in supported and hasattr(self, "expert_bias"):
+            found.append("expert_bias=True")
+        return found
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """Aux-loss-free balancing's bias update (DeepSeek-V3 §2.1.2): with ``c`` the routed
+        pairs per expert counted by the training forwards since the last update (buffer
+        ``tokens_per_expert``), ``expert_bias += bias_update_rate · sign(mean(c) − c)`` —
+        an overloaded expert's bias drops by γ, an underloaded one's rises by γ, one at the
+        mean keeps it — then ``c`` is reset. Call it once per optimizer step (all micro-batches
+        counted), outside autograd; no host read.
+
+        Args:
+            group: a ``torch.distributed`` process group whose ranks' counts are summed first
+                (all-reduce), so that data-parallel replicas of the layer keep equal biases;
+                ``None`` uses this process's counts.
+
+        Raises:
+            RuntimeError: the layer was built without ``bias_update_rate > 0``.
+        """
+        if not self.bias_update_rate:
+            raise RuntimeError("update_expert_bias needs a layer built with "
+                               "bias_update_rate > 0 (aux-loss-free balancing)")
+        counts = self.tokens_per_expert
+        if group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(counts, group=group)
+        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=self.bias_update_rate)
+        counts.zero_()
+
+    @property
     def aux_loss(self) -> torch.Tensor | None:
         """Deprecated: the last forward's aux loss, when it was neither returned nor collected.
         Use ``layer(x, return_aux_loss=True)`` or :func:`collect_aux_losses`."""
@@ -276,6 +411,10 @@ class MoE(nn.Module):
         if state.get("_fp8_cache") is None:     # pickled before the cache was an object
             state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
+        for name, default in (("routed_scaling_factor", 1.0), ("n_group", 1),
+                              ("topk_group", 1), ("bias_update_rate", 0.0),
+                              ("_seq_aux_loss_coef", 0.0), ("_z_loss_coef", 0.0)):
+            state.setdefault(name, default)     # pickled before the routing options existed
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
@@ -286,13 +425,15 @@ class MoE(nn.Module):
         nn.init.normal_(self.gate.weight, std=0.02)
 
     def route(self, logits: torch.Tensor) -> Routing:
-        """Routing for ``logits (T, E)`` under the current router and mode."""
+        """Routing for ``logits (T, E)`` under the current router, mode and scoring options."""
+        scoring = dict(score=self.score, renormalize=self.renormalize,
+                       expert_bias=getattr(self, "expert_bias", None), n_group=self.n_group,
+                       topk_group=self.topk_group, scaling_factor=self.routed_scaling_factor)
         if self.training and self.router == "token_rounding":
             # Padded: no host read of P, so a training step can be captured in a CUDA graph.
             return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding,
-                                          backend=self.backend, padded=True)
-        return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
-                            backend=self.backend)
+                                          backend=self.backend, padded=True, **scoring)
+        return topk_routing(logits, self.top_k, backend=self.backend, **scoring)
 
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 routing: Routing) -> torch.Tensor:
@@ -342,9 +483,13 @@ class MoE(nn.Module):
         else:
             logits = self.gate(tokens)
         routing = self.route(logits)
+        if self.bias_update_rate and self.training:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(expert_load(routing))
         out = self.experts(tokens, w1, w2, routing)
-        if self.aux_loss_coef and self.training:
-            aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
+        if self._has_aux_loss():
+            seq_len = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]
+            aux_loss = self._aux_losses(logits, routing, seq_len)
         else:
             aux_loss = logits.new_zeros((), dtype=accumulate_dtype(logits.dtype))
         out = out.reshape(*x.shape[:-1], self.d_model)
@@ -360,7 +505,7 @@ class MoE(nn.Module):
         sink = _collector_for(self)
         if sink is not None:
             self._aux_loss = None
-            if self.aux_loss_coef and self.training:
+            if self._has_aux_loss():
                 sink.append(aux_loss)
         elif not exporting:
             self._aux_loss = aux_loss     # deprecated path
@@ -371,4 +516,9 @@ class MoE(nn.Module):
                 f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}, "
                 f"precision={self.precision!r}"
                 + (f", activation_cache={self.activation_cache!r}"
-                   if self.activation_cache != "bf16" else ""))
+                   if self.activation_cache != "bf16" else "")
+                + (f", score={self.score!r}" if self.score != "softmax_topk" else "")
+                + (f", n_group={self.n_group}, topk_group={self.topk_group}"
+                   if self.n_group > 1 else "")
+                + (f", bias_update_rate={self.bias_update_rate}"
+                   if self.bias_update_rate else ""))
