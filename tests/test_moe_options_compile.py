@@ -13,6 +13,8 @@ OPTIONS = {
                                 n_group=4, topk_group=2, bias_update_rate=1e-3,
                                 seq_aux_loss_coef=1e-3, z_loss_coef=1e-3, aux_loss_coef=0.01),
     "softmax_groups": dict(score="topk_softmax", n_group=2, topk_group=1, expert_bias=True),
+    "geglu": dict(activation="geglu"),
+    "relu2": dict(activation="relu2", score="sigmoid"),
 }
 
 

@@ -15,7 +15,9 @@ from sonic._validation import (check_bool, check_choice, check_float, check_int,
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
                                         autocast_experts, check_fp8_sizes, moe_experts)
 from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
+from sonic.reference.activations import ACTIVATIONS, is_gated
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
+from sonic.nn.experts import activation_experts
 from sonic.routing.gate import gate_logits
 from sonic.routing.losses import expert_load, router_z_loss, sequence_balance_loss
 from sonic.routing.metadata import routing_metadata
@@ -163,6 +165,13 @@ class MoE(nn.Module):
             ``x`` is one sequence); finite ``>= 0``, settable later.
         z_loss_coef: weight of ST-MoE's router z-loss
             (:func:`sonic.routing.losses.router_z_loss`); finite ``>= 0``, settable later.
+        activation: the experts' activation (:mod:`sonic.reference.activations`):
+            ``"swiglu"`` (default), ``"geglu"``, ``"geglu_tanh"``, ``"reglu"`` (gated: ``w1``
+            is ``(E, 2n, d)``) or ``"relu2"``, ``"gelu"`` (not gated: ``w1`` is ``(E, n, d)``).
+            Only SwiGLU has fused CuTe epilogues: the others run the PyTorch reference path
+            (``torch.ops.sonic.moe_experts_act``, memory-minimal as the SwiGLU path) on every
+            device, so ``backend="cute"``, ``precision="fp8"`` and ``activation_cache="fp8"``
+            raise with them.
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
@@ -180,7 +189,8 @@ class MoE(nn.Module):
             and bf16/fp16 compute, i.e. bf16/fp16 parameters or ``torch.autocast``); see
             :func:`moe_experts`. Settable later (checked again then).
 
-    Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
+    Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)`` (``(E, n, d)`` for a non-gated
+    ``activation``), ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
 
     ``forward(x, *, return_aux_loss=False)``: ``x (..., d)`` in the layer's dtype → same shape
@@ -216,8 +226,10 @@ class MoE(nn.Module):
                  activation_cache: str = "bf16", routed_scaling_factor: float = 1.0,
                  n_group: int = 1, topk_group: int | None = None, expert_bias: bool = False,
                  bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, device=None, dtype=None):
+                 z_loss_coef: float = 0.0, activation: str = "swiglu", device=None, dtype=None):
         super().__init__()
+        check_choice("activation", activation, ACTIVATIONS)
+        self.activation = activation
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
@@ -234,7 +246,8 @@ class MoE(nn.Module):
             self.register_buffer("tokens_per_expert", torch.zeros(
                 num_experts, device=device, dtype=torch.float32), persistent=False)
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
+        rows = 2 * d_expert if is_gated(activation) else d_expert
+        self.w1 = nn.Parameter(torch.empty(num_experts, rows, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
         self.reset_parameters()
 
@@ -268,9 +281,25 @@ class MoE(nn.Module):
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         self.precision = precision
         self.activation_cache = activation_cache
+        self._check_activation_support()
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
+
+    def _check_activation_support(self) -> None:
+        """Raise ``ValueError`` where an activation other than SwiGLU meets an option only the
+        SwiGLU path has (the CuTe backend, FP8 GEMMs or the FP8 activation cache)."""
+        activation = getattr(self, "activation", "swiglu")
+        if activation == "swiglu":
+            return
+        for name, value, refused in (("backend", self.backend, "cute"),
+                                     ("precision", self.precision, "fp8"),
+                                     ("activation_cache", self.activation_cache, "fp8")):
+            if value == refused:
+                raise ValueError(
+                    f"activation={activation!r} runs only the PyTorch reference path: the "
+                    f"CuTe kernels' fused epilogues compute SwiGLU only, so {name}={value!r} "
+                    f"is not available with it (use backend='torch' or 'auto', bf16)")
 
     @property
     def router(self) -> str:
@@ -291,6 +320,8 @@ class MoE(nn.Module):
         if value == "fp8":
             check_fp8_sizes(self.d_model, self.d_expert)
         self._precision = value
+        if hasattr(self, "_activation_cache"):
+            self._check_activation_support()
 
     @property
     def activation_cache(self) -> str:
@@ -302,6 +333,7 @@ class MoE(nn.Module):
         if value == "fp8":
             check_fp8_d_expert(self.d_expert)
         self._activation_cache = value
+        self._check_activation_support()
 
     @property
     def aux_loss_coef(self) -> float:
@@ -351,7 +383,8 @@ class MoE(nn.Module):
         ``"n_group=4"``, ...) among the routing, loss, activation and shared-expert options
         added after the first release, less those in ``supported``: what a consumer that
         carries only the original options (e.g. an expert-parallel copy) must refuse."""
-        defaults = {"score": SCORES[:2], "routed_scaling_factor": (1.0,), "n_group": (1,),
+        defaults = {"score": SCORES[:2], "activation": ("swiglu",),
+                    "routed_scaling_factor": (1.0,), "n_group": (1,),
                     "bias_update_rate": (0.0,), "seq_aux_loss_coef": (0.0,),
                     "z_loss_coef": (0.0,)}
         found = [f"{name}={getattr(self, name)!r}" for name, allowed in defaults.items()
@@ -411,6 +444,7 @@ class MoE(nn.Module):
         if state.get("_fp8_cache") is None:     # pickled before the cache was an object
             state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
+        state.setdefault("activation", "swiglu")
         for name, default in (("routed_scaling_factor", 1.0), ("n_group", 1),
                               ("topk_group", 1), ("bias_update_rate", 0.0),
                               ("_seq_aux_loss_coef", 0.0), ("_z_loss_coef", 0.0)):
@@ -440,6 +474,12 @@ class MoE(nn.Module):
         """The expert computation of :meth:`forward`: ``tokens (T, d)``, the (possibly autocast)
         expert weights and the routing → ``(T, d)``. Subclasses that place experts elsewhere
         (:class:`sonic.distributed.ExpertParallelMoE`) override it."""
+        if self.activation != "swiglu":
+            self._check_activation_support()      # backend may have been set since
+            return activation_experts(tokens, w1, w2,
+                                      routing.scores.to(accumulate_dtype(tokens.dtype)),
+                                      routing_metadata(routing, backend="torch"),
+                                      self.activation, self.gate_up)
         return moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
                            routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
                            backend=self.backend,
@@ -518,6 +558,7 @@ class MoE(nn.Module):
                 + (f", activation_cache={self.activation_cache!r}"
                    if self.activation_cache != "bf16" else "")
                 + (f", score={self.score!r}" if self.score != "softmax_topk" else "")
+                + (f", activation={self.activation!r}" if self.activation != "swiglu" else "")
                 + (f", n_group={self.n_group}, topk_group={self.topk_group}"
                    if self.n_group > 1 else "")
                 + (f", bias_update_rate={self.bias_update_rate}"
