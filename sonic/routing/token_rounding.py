@@ -95,7 +95,8 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
     check_bool("padded", padded)
-    check_positive("scaling_factor", scaling_factor)
+    if not torch.compiler.is_compiling():     # a traced float may be symbolic
+        check_positive("scaling_factor", scaling_factor)
     num_tokens, num_experts = logits.shape
     acc = accumulate_dtype(logits.dtype)
     if num_tokens == 0:

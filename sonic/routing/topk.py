@@ -189,7 +189,8 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         resolve_backend(backend, logits.device)   # backend="cute" that cannot run fails here
     num_tokens, num_experts = logits.shape
     topk_group = check_group_args(num_experts, k, n_group, topk_group)
-    check_positive("scaling_factor", scaling_factor)
+    if not torch.compiler.is_compiling():     # a traced float may be symbolic
+        check_positive("scaling_factor", scaling_factor)
     if expert_bias is not None:
         check_float("expert_bias", expert_bias, ndim=1)
         check_same_device(logits=logits, expert_bias=expert_bias)
