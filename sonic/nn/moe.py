@@ -172,6 +172,20 @@ class MoE(nn.Module):
             (``torch.ops.sonic.moe_experts_act``, memory-minimal as the SwiGLU path) on every
             device, so ``backend="cute"``, ``precision="fp8"`` and ``activation_cache="fp8"``
             raise with them.
+        num_shared_experts: shared experts (DeepSeekMoE, Dai et al. 2024, §3.2; Qwen2-MoE):
+            dense experts with the layer's ``activation`` that every token passes through,
+            their output added to the routed output. ``m`` shared experts of size ``n`` are one
+            dense expert of size ``m·n`` (the sum of their outputs is that expert's output), so
+            the layer holds one: ``shared_w1 (1, 2·m·n, d)`` (``(1, m·n, d)`` not gated),
+            ``shared_w2 (1, d, m·n)``. It runs as a one-expert :func:`moe_experts` call with
+            every token routed to it — memory-minimal like the routed experts (keeps the input
+            by reference, its ``H (T, 2·m·n)``, the scores and the metadata), in bf16
+            precision whatever ``precision`` says.
+        shared_expert_d: the shared expert's size instead of ``num_shared_experts·d_expert``
+            (Qwen2-MoE's ``shared_expert_intermediate_size``); ``None``: that product.
+        shared_expert_gate: scale the shared expert's output per token by
+            ``sigmoid(x · shared_gate.weightᵀ)`` (Qwen2-MoE; ``shared_gate`` an
+            ``nn.Linear(d, 1, bias=False)``), as its score: differentiated like a routed score.
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
@@ -226,17 +240,18 @@ class MoE(nn.Module):
                  activation_cache: str = "bf16", routed_scaling_factor: float = 1.0,
                  n_group: int = 1, topk_group: int | None = None, expert_bias: bool = False,
                  bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, activation: str = "swiglu", device=None, dtype=None):
+                 z_loss_coef: float = 0.0, activation: str = "swiglu",
+                 num_shared_experts: int = 0, shared_expert_d: int | None = None,
+                 shared_expert_gate: bool = False, device=None, dtype=None):
         super().__init__()
-        check_choice("activation", activation, ACTIVATIONS)
-        self.activation = activation
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
                         precision=precision, activation_cache=activation_cache,
                         routed_scaling_factor=routed_scaling_factor, n_group=n_group,
                         topk_group=topk_group, bias_update_rate=bias_update_rate,
-                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef)
+                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef,
+                        activation=activation)
         factory = {"device": device, "dtype": dtype}
         check_bool("expert_bias", expert_bias)
         if expert_bias or bias_update_rate:
@@ -249,6 +264,22 @@ class MoE(nn.Module):
         rows = 2 * d_expert if is_gated(activation) else d_expert
         self.w1 = nn.Parameter(torch.empty(num_experts, rows, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
+        check_int("num_shared_experts", num_shared_experts, low=0)
+        check_bool("shared_expert_gate", shared_expert_gate)
+        if shared_expert_d is None:
+            shared_expert_d = num_shared_experts * d_expert
+        else:
+            check_int("shared_expert_d", shared_expert_d, low=1)
+        self.shared_expert_d = shared_expert_d
+        if shared_expert_d:
+            shared_rows = 2 * shared_expert_d if is_gated(activation) else shared_expert_d
+            self.shared_w1 = nn.Parameter(torch.empty(1, shared_rows, d_model, **factory))
+            self.shared_w2 = nn.Parameter(torch.empty(1, d_model, shared_expert_d, **factory))
+        elif shared_expert_gate:
+            raise ValueError("shared_expert_gate=True needs shared experts "
+                             "(num_shared_experts >= 1 or shared_expert_d)")
+        self.shared_gate = (nn.Linear(d_model, 1, bias=False, **factory)
+                            if shared_expert_gate else None)
         self.reset_parameters()
 
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
@@ -257,7 +288,8 @@ class MoE(nn.Module):
                    precision: str = "bf16", activation_cache: str = "bf16",
                    routed_scaling_factor: float = 1.0, n_group: int = 1,
                    topk_group: int | None = None, bias_update_rate: float = 0.0,
-                   seq_aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
+                   seq_aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                   activation: str = "swiglu") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -270,6 +302,9 @@ class MoE(nn.Module):
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
         check_bool("renormalize", renormalize)
         check_positive("routed_scaling_factor", routed_scaling_factor)
+        check_choice("activation", activation, ACTIVATIONS)
+        self.activation = activation
+        self.shared_expert_d, self.shared_gate = 0, None    # __init__ may add shared experts
         self.topk_group = check_group_args(num_experts, top_k, n_group, topk_group)
         check_non_negative("bias_update_rate", bias_update_rate)
         self.routed_scaling_factor, self.n_group = routed_scaling_factor, n_group
@@ -289,7 +324,7 @@ class MoE(nn.Module):
     def _check_activation_support(self) -> None:
         """Raise ``ValueError`` where an activation other than SwiGLU meets an option only the
         SwiGLU path has (the CuTe backend, FP8 GEMMs or the FP8 activation cache)."""
-        activation = getattr(self, "activation", "swiglu")
+        activation = self.activation
         if activation == "swiglu":
             return
         for name, value, refused in (("backend", self.backend, "cute"),
@@ -391,6 +426,8 @@ class MoE(nn.Module):
                  if name not in supported and getattr(self, name) not in allowed]
         if "expert_bias" not in supported and hasattr(self, "expert_bias"):
             found.append("expert_bias=True")
+        if "shared_expert_d" not in supported and getattr(self, "shared_expert_d", 0):
+            found.append(f"shared_expert_d={self.shared_expert_d}")
         return found
 
     @torch.no_grad()
@@ -445,6 +482,7 @@ class MoE(nn.Module):
             state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
         state.setdefault("activation", "swiglu")
+        state.setdefault("shared_expert_d", 0)
         for name, default in (("routed_scaling_factor", 1.0), ("n_group", 1),
                               ("topk_group", 1), ("bias_update_rate", 0.0),
                               ("_seq_aux_loss_coef", 0.0), ("_z_loss_coef", 0.0)):
@@ -452,11 +490,17 @@ class MoE(nn.Module):
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
-        """Experts like ``nn.Linear`` (U(±1/sqrt(fan_in))); router N(0, 0.02²) so that routing
-        starts near uniform."""
+        """Experts (routed and shared) like ``nn.Linear`` (U(±1/sqrt(fan_in))); router
+        N(0, 0.02²) so that routing starts near uniform; the shared gate as ``nn.Linear``."""
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_expert), 1 / math.sqrt(self.d_expert))
         nn.init.normal_(self.gate.weight, std=0.02)
+        if getattr(self, "shared_expert_d", 0):
+            bound = 1 / math.sqrt(self.shared_expert_d)
+            nn.init.uniform_(self.shared_w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+            nn.init.uniform_(self.shared_w2, -bound, bound)
+        if getattr(self, "shared_gate", None) is not None:
+            self.shared_gate.reset_parameters()
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Routing for ``logits (T, E)`` under the current router, mode and scoring options."""
@@ -474,18 +518,37 @@ class MoE(nn.Module):
         """The expert computation of :meth:`forward`: ``tokens (T, d)``, the (possibly autocast)
         expert weights and the routing → ``(T, d)``. Subclasses that place experts elsewhere
         (:class:`sonic.distributed.ExpertParallelMoE`) override it."""
+        return self._run_experts(tokens, w1, w2, routing, self.precision)
+
+    def _run_experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     routing: Routing, precision: str) -> torch.Tensor:
+        """This process's experts ``w1``, ``w2`` on the routing, with the layer's activation."""
+        scores = routing.scores.to(accumulate_dtype(tokens.dtype))
         if self.activation != "swiglu":
             self._check_activation_support()      # backend may have been set since
-            return activation_experts(tokens, w1, w2,
-                                      routing.scores.to(accumulate_dtype(tokens.dtype)),
+            return activation_experts(tokens, w1, w2, scores,
                                       routing_metadata(routing, backend="torch"),
                                       self.activation, self.gate_up)
-        return moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
-                           routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
-                           backend=self.backend,
+        return moe_experts(tokens, w1, w2, scores, routing.token_idx, routing.expert_idx,
+                           gate_up=self.gate_up, backend=self.backend,
                            metadata=routing_metadata(routing, backend=self.backend),
-                           precision=self.precision, activation_cache=self.activation_cache,
-                           fp8_weights=self._fp8_weights(w1, w2))
+                           precision=precision, activation_cache=self.activation_cache,
+                           fp8_weights=self._fp8_weights(w1, w2) if precision == "fp8" else None)
+
+    def shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output ``(T, d)`` for ``tokens (T, d)`` (see
+        ``num_shared_experts``), gated per token when ``shared_expert_gate``; under autocast
+        in the autocast dtype."""
+        tokens, w1, w2 = autocast_experts(tokens, self.shared_w1, self.shared_w2)
+        num_tokens = tokens.shape[0]
+        if self.shared_gate is None:
+            scores = tokens.new_ones(num_tokens, dtype=accumulate_dtype(tokens.dtype))
+        else:
+            scores = torch.sigmoid(self.shared_gate(tokens).squeeze(-1))
+        token_idx = torch.arange(num_tokens, dtype=torch.int32, device=tokens.device)
+        routing = Routing(token_idx, torch.zeros_like(token_idx), scores, num_tokens, 1,
+                          top_k=1, validated=True)
+        return self._run_experts(tokens, w1, w2, routing, "bf16")
 
     def weight_copies(self) -> tuple[torch.Tensor, ...]:
         """The tensors this layer derived from its weights and keeps across forwards: the
@@ -512,6 +575,7 @@ class MoE(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
+        layer_input = tokens
         if autocast:
             # Cast once per forward to the autocast dtype (as nn.Linear does): H is kept in it.
             tokens, w1, w2 = autocast_experts(tokens, self.w1, self.w2)
@@ -527,6 +591,10 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert.add_(expert_load(routing))
         out = self.experts(tokens, w1, w2, routing)
+        if self.shared_expert_d:
+            # The layer input itself, not the gate's fused alias, which only the routed
+            # experts may consume.
+            out = out + self.shared_experts(layer_input)
         if self._has_aux_loss():
             seq_len = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]
             aux_loss = self._aux_losses(logits, routing, seq_len)
@@ -559,6 +627,7 @@ class MoE(nn.Module):
                    if self.activation_cache != "bf16" else "")
                 + (f", score={self.score!r}" if self.score != "softmax_topk" else "")
                 + (f", activation={self.activation!r}" if self.activation != "swiglu" else "")
+                + (f", shared_expert_d={self.shared_expert_d}" if self.shared_expert_d else "")
                 + (f", n_group={self.n_group}, topk_group={self.topk_group}"
                    if self.n_group > 1 else "")
                 + (f", bias_update_rate={self.bias_update_rate}"
