@@ -195,8 +195,8 @@ def test_switch_back():
 
 
 def test_unsupported_activation_names_config_field():
-    model = tiny_model("qwen3_moe", hidden_act="gelu")
-    with pytest.raises(ValueError, match=r"config\.hidden_act='gelu'"):
+    model = tiny_model("qwen3_moe", hidden_act="quick_gelu")
+    with pytest.raises(ValueError, match=r"config\.hidden_act='quick_gelu'"):
         hf.use_sonic_experts(model)
     assert model.config._experts_implementation != "sonic"
 
