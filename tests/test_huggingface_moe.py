@@ -158,3 +158,30 @@ def test_unsupported_experts_refused_at_model_build_and_load(tmp_path):
     logits = model(ids).logits
     model.set_experts_implementation("grouped_mm")
     torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["relu2", "gelu"])
+def test_ungated_experts_run_through_sonic(act):
+    try:
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+    except ImportError:
+        pytest.skip("no Nemotron-H (ungated experts) in this transformers")
+    config = transformers.NemotronHConfig(hidden_size=D, n_routed_experts=6,
+                                          moe_intermediate_size=12, mlp_hidden_act=act)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    experts = NemotronHExperts(config).to(F64)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(10, D, dtype=F64, requires_grad=True)
+    index = torch.stack([torch.randperm(6)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, dtype=F64, requires_grad=True)
+    expect = experts(x, index, weights)
+    assert hf.expert_activation(experts) == act
+    out = hf.sonic_experts_forward(experts, x, index, weights)
+    torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-12)
+    params = [x, weights, experts.up_proj, experts.down_proj]
+    for a, b in zip(torch.autograd.grad(out.sum(), params),
+                    torch.autograd.grad(expect.sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
