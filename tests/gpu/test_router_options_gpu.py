@@ -81,3 +81,36 @@ def test_layer_cute_matches_torch_backend(name, router):
     if layers["cute"].bias_update_rate:
         torch.testing.assert_close(layers["cute"].tokens_per_expert,
                                    layers["torch"].tokens_per_expert)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "relu2"])
+def test_activation_and_shared_experts_on_cuda_match_cpu(activation):
+    """Non-SwiGLU activations (torch path on the GPU) and SwiGLU shared experts (CuTe path)."""
+    kw = dict(activation=activation, num_shared_experts=1, shared_expert_gate=True,
+              score="sigmoid", n_group=8, topk_group=4)
+    torch.manual_seed(0)
+    cpu = sonic.MoE(D, N, E, K, backend="torch", **kw)
+    gpu = sonic.MoE(D, N, E, K, backend="auto", device="cuda", **kw)
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(2, 256, D)
+    out_c = cpu(x.requires_grad_())
+    out_c.square().mean().backward()
+    xg = x.detach().cuda().requires_grad_()
+    out_g = gpu(xg)
+    out_g.square().mean().backward()
+    assert _rel(out_g.cpu(), out_c) < 1e-3
+    assert _rel(xg.grad.cpu(), x.grad) < 1e-3
+    for (name, p), q in zip(gpu.named_parameters(), cpu.parameters()):
+        assert _rel(p.grad.cpu(), q.grad) < 1e-3, name
+    with pytest.raises(ValueError, match=f"activation='{activation}'.*backend='cute'"):
+        sonic.MoE(D, N, E, K, activation=activation, backend="cute", device="cuda")
+
+
+def test_shared_swiglu_expert_cute_matches_torch_bf16():
+    torch.manual_seed(0)
+    layers = {b: sonic.MoE(D, N, E, K, backend=b, num_shared_experts=2, device="cuda",
+                           dtype=torch.bfloat16) for b in ("cute", "torch")}
+    layers["torch"].load_state_dict(layers["cute"].state_dict())
+    x = torch.randn(2048, D, device="cuda", dtype=torch.bfloat16)
+    outs = {b: layer(x) for b, layer in layers.items()}
+    assert _rel(outs["cute"], outs["torch"]) < 1e-2
