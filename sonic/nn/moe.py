@@ -378,6 +378,15 @@ class MoE(nn.Module):
     def aux_loss_coef(self, value: float) -> None:
         check_non_negative("aux_loss_coef", value)
         self._aux_loss_coef = value
+        self._update_aux_terms()
+
+    def _update_aux_terms(self) -> None:
+        # Names of the nonzero coefficients: a tuple of strings, which torch.compile treats as
+        # a constant, so that no coefficient is read in a Python condition (a traced float
+        # that only a condition reads gets specialised by a second trace of the forward).
+        self._aux_terms = tuple(name for name in ("aux_loss_coef", "seq_aux_loss_coef",
+                                                  "z_loss_coef")
+                                if getattr(self, "_" + name, 0.0))
 
     @property
     def seq_aux_loss_coef(self) -> float:
@@ -387,6 +396,7 @@ class MoE(nn.Module):
     def seq_aux_loss_coef(self, value: float) -> None:
         check_non_negative("seq_aux_loss_coef", value)
         self._seq_aux_loss_coef = value
+        self._update_aux_terms()
 
     @property
     def z_loss_coef(self) -> float:
@@ -396,21 +406,18 @@ class MoE(nn.Module):
     def z_loss_coef(self, value: float) -> None:
         check_non_negative("z_loss_coef", value)
         self._z_loss_coef = value
+        self._update_aux_terms()
 
     def _has_aux_loss(self) -> bool:
-        return self.training and bool(self.aux_loss_coef or self.seq_aux_loss_coef
-                                      or self.z_loss_coef)
+        return self.training and bool(self._aux_terms)
 
     def _aux_losses(self, logits: torch.Tensor, routing: Routing, seq_len: int) -> torch.Tensor:
         """The weighted sum of the enabled auxiliary losses (:meth:`_has_aux_loss`)."""
-        terms = []
-        if self.aux_loss_coef:
-            terms.append(self.aux_loss_coef * load_balancing_loss(logits, routing))
-        if self.seq_aux_loss_coef:
-            terms.append(self.seq_aux_loss_coef * sequence_balance_loss(
-                logits, routing, seq_len, score=self.score, top_k=self.top_k))
-        if self.z_loss_coef:
-            terms.append(self.z_loss_coef * router_z_loss(logits))
+        losses = {"aux_loss_coef": lambda: load_balancing_loss(logits, routing),
+                  "seq_aux_loss_coef": lambda: sequence_balance_loss(
+                      logits, routing, seq_len, score=self.score, top_k=self.top_k),
+                  "z_loss_coef": lambda: router_z_loss(logits)}
+        terms = [getattr(self, name) * losses[name]() for name in self._aux_terms]
         return sum(terms[1:], terms[0])
 
     def options_beyond(self, supported: tuple[str, ...] = ()) -> list[str]:
@@ -487,6 +494,7 @@ class MoE(nn.Module):
                               ("topk_group", 1), ("bias_update_rate", 0.0),
                               ("_seq_aux_loss_coef", 0.0), ("_z_loss_coef", 0.0)):
             state.setdefault(name, default)     # pickled before the routing options existed
+        state.setdefault("_aux_terms", ("aux_loss_coef",) if state.get("_aux_loss_coef") else ())
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
@@ -587,9 +595,10 @@ class MoE(nn.Module):
         else:
             logits = self.gate(tokens)
         routing = self.route(logits)
-        if self.bias_update_rate and self.training:
+        counts = getattr(self, "tokens_per_expert", None)    # present iff bias_update_rate > 0
+        if counts is not None and self.training:
             with torch.no_grad():
-                self.tokens_per_expert.add_(expert_load(routing))
+                counts.add_(expert_load(routing))
         out = self.experts(tokens, w1, w2, routing)
         if self.shared_expert_d:
             # The layer input itself, not the gate's fused alias, which only the routed

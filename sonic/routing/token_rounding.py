@@ -109,8 +109,7 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     tc = topk_routing(logits, k, backend=backend, score=score, renormalize=renormalize,
                       expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = _round(tc, affinity_scores(logits, score), tile, rounding, backend, padded)
-    if scaling_factor == 1.0:
-        return routing
+    # Unconditionally, as in topk_routing (a comparison would specialise a traced float).
     return dataclasses.replace(routing, scores=routing.scores * scaling_factor)
 
 

@@ -204,8 +204,9 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
     else:
         scores, idx = _scored_topk(logits, k, score, renormalize, expert_bias, n_group,
                                    topk_group)
-    if scaling_factor != 1.0:
-        scores = scores * scaling_factor
+    # Unconditionally (x·1.0 is x): a layer's factor may be a symbolic float under
+    # torch.compile, which a comparison would specialise at the cost of a second trace.
+    scores = scores * scaling_factor
     return Routing(
         token_idx=token_major_pairs(num_tokens, k, logits.device),
         expert_idx=idx.flatten(),
