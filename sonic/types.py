@@ -25,7 +25,7 @@ import torch
 # "interleaved": gate = even columns, up = odd columns.
 GateUp = Literal["concat", "interleaved"]
 Router = Literal["topk", "token_rounding"]
-Score = Literal["softmax_topk", "topk_softmax"]
+Score = Literal["softmax_topk", "topk_softmax", "sigmoid"]
 Rounding = Literal["nearest", "up", "down"]
 Backend = Literal["auto", "torch", "cute"]
 Precision = Literal["bf16", "fp8"]

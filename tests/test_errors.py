@@ -65,7 +65,7 @@ def test_router_bad_input(router):
 def test_router_bad_options():
     logits = torch.randn(6, 4)
     with pytest.raises(ValueError, match="score must be one of"):
-        sonic.topk_routing(logits, 2, score="sigmoid")
+        sonic.topk_routing(logits, 2, score="tanh")
     with pytest.raises(ValueError, match="rounding must be one of"):
         sonic.token_rounding_routing(logits, 2, rounding="sideways")
     with pytest.raises(ValueError, match="tile must be >= 1"):
@@ -178,7 +178,7 @@ def test_torch_func_transforms_raise_naming_the_alternative():
 
 @pytest.mark.parametrize("name, value, message", [
     ("top_k", 99, r"top_k must be in \[1, 4\], got 99"), ("top_k", 0, "top_k"),
-    ("top_k", 2.0, "top_k"), ("tile", 0, "tile"), ("score", "sigmoid", "score must be one of"),
+    ("top_k", 2.0, "top_k"), ("tile", 0, "tile"), ("score", "tanh", "score must be one of"),
     ("rounding", "floor", "rounding must be one of"), ("renormalize", 1, "renormalize")])
 def test_layer_settings_are_checked_on_assignment(name, value, message):
     layer, x, _ = _routed()

@@ -214,8 +214,13 @@ def test_any_silu_form_is_accepted_and_other_functions_name_where_they_differ():
     for silu in (torch.nn.functional.silu, torch.nn.SiLU(), lambda x: x * torch.sigmoid(x)):
         set_act(silu)
         assert hf.check_experts(experts) == "concat"
-    cases = {torch.nn.functional.gelu: r"not SiLU: at x=.* it gives .*silu gives",
-             torch.tanh: "not SiLU", torch.nn.PReLU(): "has parameters",
+        assert hf.expert_activation(experts) == "swiglu"
+    # Another activation sonic computes, as a bare function: recognised by its values.
+    set_act(torch.nn.functional.gelu)
+    assert hf.expert_activation(experts) == "geglu"
+    cases = {torch.tanh: r"none of sonic's activations.*not SiLU: at x=.* it gives .*silu gives",
+             (lambda x: torch.sigmoid(1.702 * x) * x): "not SiLU",
+             torch.nn.PReLU(): "has parameters",
              (lambda x: x[:1]): "elementwise", None: "not callable",
              (lambda x: x.cuda_only_method()): "failed on a float64 probe"}
     for act_fn, message in cases.items():
@@ -225,8 +230,8 @@ def test_any_silu_form_is_accepted_and_other_functions_name_where_they_differ():
 
 
 def test_unsupported_activation_names_config_field():
-    model = tiny_model("qwen3_moe", hidden_act="gelu")
-    with pytest.raises(ValueError, match=r"config\.hidden_act='gelu'"):
+    model = tiny_model("qwen3_moe", hidden_act="quick_gelu")
+    with pytest.raises(ValueError, match=r"config\.hidden_act='quick_gelu'"):
         hf.use_sonic_experts(model)
     assert model.config._experts_implementation != "sonic"
 

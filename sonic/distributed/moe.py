@@ -189,8 +189,13 @@ class ExpertParallelMoE(MoE):
         ``comm_sm_margin`` and ``recompute_dispatch`` as there.
 
         Raises:
-            ValueError: as the constructor.
+            ValueError: as the constructor, or ``moe`` uses options the expert-parallel
+                layer does not carry yet (:meth:`sonic.MoE.options_beyond`).
         """
+        unsupported = moe.options_beyond()
+        if unsupported:
+            raise ValueError(f"ExpertParallelMoE.from_moe cannot carry {', '.join(unsupported)} "
+                             "yet; build the single-process layer without them")
         layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
                     router=moe.router, score=moe.score, renormalize=moe.renormalize,
                     tile=moe.tile, rounding=moe.rounding,

@@ -28,6 +28,8 @@ Source: transformers 5.x ``integrations/moe.py`` (the registry and its call sign
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,11 +40,15 @@ from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_exper
 from sonic.autograd.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
+from sonic.nn.experts import activation_experts
+from sonic.reference.ops import accumulate_dtype
 from sonic.types import ActivationCache, Backend, Precision
 
 try:
     import transformers.integrations.moe as _hf_moe
+    from transformers import activations as _hf_act
     from transformers.activations import SiLUActivation
+    from transformers.modeling_utils import PreTrainedModel as _PreTrainedModel
 except ImportError as err:  # transformers missing, or older than the experts registry (v5)
     raise ImportError("sonic.integrations.huggingface needs transformers >= 5 (the experts "
                       "implementation registry): pip install 'sonic-cute-moe[hf]'") from err
@@ -50,7 +56,54 @@ except ImportError as err:  # transformers missing, or older than the experts re
 #: The name sonic is registered under in transformers' experts-implementation registry.
 IMPLEMENTATION = "sonic"
 
-_SILU = (nn.SiLU, SiLUActivation)
+# transformers' activation modules by the function they compute (exact classes: a subclass or
+# a clipped variant computes something else).
+_ACT_FUNCTIONS = {nn.SiLU: "silu", SiLUActivation: "silu", nn.ReLU: "relu",
+                  _hf_act.GELUTanh: "gelu_tanh", _hf_act.NewGELUActivation: "gelu_tanh",
+                  _hf_act.ReLUSquaredActivation: "relu2"}
+# sonic's activation of (gated, function).
+_SONIC_ACTIVATIONS = {(True, "silu"): "swiglu", (True, "gelu"): "geglu",
+                      (True, "gelu_tanh"): "geglu_tanh", (True, "relu"): "reglu",
+                      (False, "relu2"): "relu2", (False, "gelu"): "gelu"}
+
+
+# What an activation of another form is compared with (:func:`_probe_function`).
+_REFERENCE_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu,
+                        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+                        "relu2": lambda x: F.relu(x).square()}
+
+
+def _act_function(act_fn, what: str) -> str:
+    """The function ``act_fn`` computes, by sonic's names: from the class of transformers'
+    activation modules, else by probing it (:func:`_probe_function`, which raises)."""
+    if type(act_fn) is _hf_act.GELUActivation:
+        return "gelu"           # exact erf GELU (its python variant computes the same)
+    known = _ACT_FUNCTIONS.get(type(act_fn))
+    return known if known is not None else _probe_function(act_fn, what)
+
+
+def expert_activation(module: nn.Module) -> str:
+    """sonic's ``activation`` for a transformers experts module: its ``act_fn`` (made from
+    ``config.hidden_act``) on the gate of gated experts (``"swiglu"``, ``"geglu"``,
+    ``"geglu_tanh"``, ``"reglu"``) or on the whole up-projection of ungated ones
+    (``"relu2"``, ``"gelu"``); see :mod:`sonic.reference.activations`.
+
+    Raises:
+        ValueError: an activation sonic does not compute, naming it and ``config.hidden_act``.
+    """
+    act_fn = getattr(module, "act_fn", None)
+    gated = bool(getattr(module, "has_gate", True))
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    what = (f"{type(module).__name__}.act_fn ({_describe(act_fn)}, "
+            f"config.hidden_act={hidden_act!r})")
+    activation = _SONIC_ACTIVATIONS.get((gated, _act_function(act_fn, what)))
+    if activation is None:
+        supported = ", ".join(repr(k[1]) for k in _SONIC_ACTIVATIONS if k[0] == gated)
+        raise ValueError(f"{what}: sonic computes {'gated' if gated else 'ungated'} experts "
+                         f"with {supported} only")
+    return activation
+
+
 _WEIGHT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -59,9 +112,48 @@ def register() -> None:
 
     Afterwards ``model.set_experts_implementation("sonic")`` and
     ``from_pretrained(..., experts_implementation="sonic")`` select :func:`sonic_experts_forward`
-    (with ``backend="auto"`` unless :func:`use_sonic_experts` set another).
+    (with ``backend="auto"`` unless :func:`use_sonic_experts` set another). A model whose
+    experts sonic cannot compute is refused when it is built or loaded with
+    ``experts_implementation="sonic"`` or switched to it, not at its first forward: this wraps,
+    once, ``PreTrainedModel.post_init`` (the end of every model's ``__init__``, when its
+    modules exist; ``from_pretrained`` builds the model so) and
+    ``PreTrainedModel.get_correct_experts_implementation`` (which
+    ``set_experts_implementation`` asks) to run :func:`check_model` when the implementation
+    is ``"sonic"``. transformers has no hook of its own for this check.
     """
     _hf_moe.ExpertsInterface.register(IMPLEMENTATION, sonic_experts_forward)
+    for method in ("post_init", "get_correct_experts_implementation"):
+        current = getattr(_PreTrainedModel, method)
+        if not getattr(current, "_sonic_checks_experts", False):
+            setattr(_PreTrainedModel, method, _checking(current, method == "post_init"))
+
+
+def _checking(method, at_build: bool):
+    """``method`` of ``PreTrainedModel``, followed by :func:`check_model` when the model's
+    (``at_build``) or the requested (otherwise) experts implementation is sonic's."""
+    def checked(self, *args):
+        result = method(self, *args)
+        chosen = self.config._experts_implementation if at_build else result
+        if chosen == IMPLEMENTATION:
+            check_model(self)
+        return result
+    checked._sonic_checks_experts = True
+    return checked
+
+
+def check_model(model: nn.Module) -> None:
+    """:func:`check_experts` on every experts module of ``model``.
+
+    Raises:
+        ValueError: the first experts module sonic cannot compute, named by its path
+            (``model.layers.0.mlp.experts: ...``).
+    """
+    for name, module in model.named_modules():
+        if is_experts_module(module):
+            try:
+                check_experts(module)
+            except ValueError as err:
+                raise ValueError(f"model.{name}: {err}") from err
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -86,20 +178,17 @@ def check_experts(module: nn.Module) -> str:
 
     Raises:
         TypeError: ``module`` is not such an experts module.
-        ValueError: experts sonic cannot compute, naming the cause — no gate
-            (``has_gate=False``), biases (``gate_up_proj_bias``/``down_proj_bias``), a
-            post-expert norm, a custom ``_apply_gate`` (e.g. GPT-OSS's clamped SwiGLU), an
-            ``act_fn`` that is not SiLU (any form: ``nn.SiLU``, ``F.silu``, a function
-            computing it; the message names the input where it differs), or weights that are not
-            bf16/fp16/fp32/fp64 (quantized experts).
+        ValueError: experts sonic cannot compute, naming the cause — biases
+            (``gate_up_proj_bias``/``down_proj_bias``), a post-expert norm, a custom
+            ``_apply_gate`` (e.g. GPT-OSS's clamped SwiGLU), an activation sonic lacks
+            (:func:`expert_activation`; an ``act_fn`` of any form — module or function — is
+            recognised by what it computes, and the message names the input where it differs
+            from SiLU), or weights that are not bf16/fp16/fp32/fp64 (quantized experts).
     """
     name = type(module).__name__
     if not is_experts_module(module):
         raise TypeError(f"module must be a transformers experts module (a class decorated with "
                         f"@use_experts_implementation), got {name}")
-    if not module.has_gate:
-        raise ValueError(f"{name} has no gate (has_gate=False: up_proj and an activation); "
-                         f"sonic computes gated SwiGLU experts only")
     if module.has_bias:
         raise ValueError(f"{name} has expert biases (gate_up_proj_bias, down_proj_bias); sonic's "
                          f"experts have none")
@@ -109,9 +198,8 @@ def check_experts(module: nn.Module) -> str:
     if type(module)._apply_gate is not _hf_moe._default_apply_gate:
         raise ValueError(f"{name} overrides _apply_gate (a custom gating function); sonic "
                          f"computes silu(gate) * up only")
-    _check_silu(name, getattr(module, "act_fn", None),
-                getattr(getattr(module, "config", None), "hidden_act", None))
-    for param in ("gate_up_proj", "down_proj"):
+    expert_activation(module)
+    for param in (_up_name(module), "down_proj"):
         dtype = getattr(module, param).dtype
         if dtype not in _WEIGHT_DTYPES:
             raise ValueError(f"{name}.{param} has dtype {dtype}; sonic takes bf16, fp16, fp32 "
@@ -119,43 +207,55 @@ def check_experts(module: nn.Module) -> str:
     return "concat"
 
 
-def _check_silu(name: str, act_fn, hidden_act) -> None:
-    """Raise ``ValueError`` unless ``act_fn`` computes SiLU: an ``nn.SiLU`` or transformers'
-    ``SiLUActivation`` module, or a parameter-free callable (``F.silu``, as LFM2-MoE uses, or
-    any other form) that matches ``F.silu`` in fp64 on probe points spanning its range."""
-    if isinstance(act_fn, _SILU):
-        return
-    what = f"{name}.act_fn ({_describe(act_fn)}, config.hidden_act={hidden_act!r})"
+def _probe_function(act_fn, what: str) -> str:
+    """The activation a parameter-free callable ``act_fn`` computes (a name of
+    :data:`_REFERENCE_FUNCTIONS`), found by comparing it in fp64 with each on probe points
+    spanning its range (``F.silu``, as LFM2-MoE passes it, or any other form).
+
+    Raises:
+        ValueError: ``act_fn`` not callable, with parameters, failing on the probe, not
+            elementwise, or computing none of them (naming where it differs from SiLU).
+    """
     if not callable(act_fn):
-        raise ValueError(f"{what} is not callable; sonic computes SwiGLU experts, "
-                         f"silu(gate) * up")
+        raise ValueError(f"{what} is not callable")
     if isinstance(act_fn, nn.Module) and any(True for _ in act_fn.parameters()):
         raise ValueError(f"{what} has parameters (a learnable activation); sonic computes "
-                         f"SwiGLU experts with the fixed silu(gate) * up")
-    probe = torch.cat([torch.linspace(-30, 30, 121, dtype=torch.float64),
-                       torch.tensor([-1e-3, 1e-3, 0.5, 1.5], dtype=torch.float64)])
-    want = F.silu(probe)
+                         f"fixed activations only")
+    # On the CPU whatever device context the model is being built in (meta, under
+    # from_pretrained).
+    probe = torch.cat([torch.linspace(-30, 30, 121, dtype=torch.float64, device="cpu"),
+                       torch.tensor([-1e-3, 1e-3, 0.5, 1.5], dtype=torch.float64,
+                                    device="cpu")])
     try:
         with torch.no_grad():
             got = act_fn(probe.clone())
-    except Exception as err:    # any failure means it is not a SiLU sonic can stand in for
-        raise ValueError(f"{what} failed on a float64 probe ({type(err).__name__}: {err}); "
-                         f"sonic computes SwiGLU experts, silu(gate) * up") from err
+    except Exception as err:    # any failure means it is no activation sonic can stand in for
+        raise ValueError(f"{what} failed on a float64 probe ({type(err).__name__}: {err})") \
+            from err
     if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
-        raise ValueError(f"{what} does not map a tensor elementwise to one of its shape; sonic "
-                         f"computes SwiGLU experts, silu(gate) * up")
-    diff = (got.to(torch.float64) - want).abs()
-    worst = int(diff.argmax())
-    if not diff[worst] <= 1e-6 * (1 + want[worst].abs()):
-        raise ValueError(f"{what} is not SiLU: at x={probe[worst].item():g} it gives "
-                         f"{got[worst].item():.6g}, silu gives {want[worst].item():.6g}; sonic "
-                         f"computes SwiGLU experts only (hidden_act 'silu' or 'swish')")
+        raise ValueError(f"{what} does not map a tensor elementwise to one of its shape")
+    got = got.to(torch.float64)
+    for name, reference in _REFERENCE_FUNCTIONS.items():
+        want = reference(probe)
+        if bool(((got - want).abs() <= 1e-6 * (1 + want.abs())).all()):
+            return name
+    want = F.silu(probe)
+    worst = int((got - want).abs().argmax())
+    raise ValueError(f"{what} computes none of sonic's activations "
+                     f"({', '.join(_REFERENCE_FUNCTIONS)}); it is not SiLU: at "
+                     f"x={probe[worst].item():g} it gives {got[worst].item():.6g}, silu gives "
+                     f"{want[worst].item():.6g}")
 
 
 def _describe(act_fn) -> str:
     if isinstance(act_fn, nn.Module):
         return type(act_fn).__name__
     return getattr(act_fn, "__qualname__", type(act_fn).__name__)
+
+
+def _up_name(module: nn.Module) -> str:
+    """The up-projection parameter: ``gate_up_proj`` of gated experts, ``up_proj`` otherwise."""
+    return "gate_up_proj" if module.has_gate else "up_proj"
 
 
 def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
@@ -190,10 +290,11 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
             index out of range outside expert parallelism (from :func:`sonic.routing_metadata`).
     """
     gate_up = check_experts(self)
+    activation = expert_activation(self)
     backend = getattr(self, "_sonic_backend", "auto")
     precision = getattr(self, "_sonic_precision", "bf16")
     activation_cache = getattr(self, "_sonic_activation_cache", "bf16")
-    params = (self.gate_up_proj, self.down_proj)
+    params = (getattr(self, _up_name(self)), self.down_proj)
     w1, w2 = params
     if self.is_transposed:
         w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
@@ -215,6 +316,11 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     meta = sonic.routing_metadata(routing, backend=backend)
     # Autocast first, so that the cached FP8 copies are those of the weights the GEMMs use.
     x, w1, w2 = autocast_experts(hidden_states.to(w1.dtype), w1, w2)
+    if activation != "swiglu":
+        # The reference path of the other activations (the fused epilogues are SwiGLU's).
+        meta = sonic.routing_metadata(routing, backend="torch")
+        return activation_experts(x, w1, w2, scores.to(accumulate_dtype(x.dtype)), meta,
+                                  activation, gate_up).to(hidden_states.dtype)
     fp8_weights = None
     if precision == "fp8":
         fp8_weights = _fp8_cache(self).get(w1, w2, params, backend)
@@ -240,6 +346,10 @@ def _check_fp8_options(module: nn.Module, precision: str, activation_cache: str)
     per call: autocast may supply bf16)."""
     w2 = module.down_proj.transpose(1, 2) if module.is_transposed else module.down_proj
     d, n = w2.shape[1], w2.shape[2]
+    activation = expert_activation(module)
+    if activation != "swiglu" and (precision, activation_cache) != ("bf16", "bf16"):
+        raise ValueError(f"activation {activation!r} runs sonic's PyTorch reference path, "
+                         f"which has no precision='fp8' or activation_cache='fp8' (SwiGLU only)")
     if precision == "fp8":
         check_fp8_sizes(d, n)
     if activation_cache == "fp8":
@@ -294,6 +404,10 @@ def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision:
         try:
             check_experts(module)
             _check_fp8_options(module, precision, activation_cache)
+            if backend == "cute" and expert_activation(module) != "swiglu":
+                raise ValueError(f"activation {expert_activation(module)!r} has no CuTe "
+                                 f"kernels (fused epilogues are SwiGLU's); use backend="
+                                 f"'auto' or 'torch'")
         except ValueError as err:
             raise ValueError(f"model.{name}: {err}") from err
     register()
@@ -308,3 +422,170 @@ def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision:
         raise RuntimeError(f"transformers did not switch these experts modules to sonic: "
                            f"{', '.join(left)}")
     return model
+
+
+# ------------------------------------------------------------------ whole MoE blocks: moe_from_hf
+
+# Router classes by the routing they compute: "softmax" — softmax over E in fp32, top-K of the
+# probabilities, renormalised when ``norm_topk_prob`` (always for Mixtral); "sigmoid_groups" —
+# DeepSeek-V3's sigmoid scores, selection bias ``e_score_correction_bias``, group-limited
+# top-K, renormalisation and ``routed_scaling_factor``.
+_ROUTERS = {"Qwen3MoeTopKRouter": "softmax", "Qwen2MoeTopKRouter": "softmax",
+            "OlmoeTopKRouter": "softmax", "MixtralTopKRouter": "softmax",
+            "DeepseekV3TopkRouter": "sigmoid_groups", "Glm4MoeTopkRouter": "sigmoid_groups"}
+# MoE block classes: (router class, shared-expert attribute or None, shared gate attribute).
+_BLOCKS = {"Qwen3MoeSparseMoeBlock": ("Qwen3MoeTopKRouter", None, None),
+           "OlmoeSparseMoeBlock": ("OlmoeTopKRouter", None, None),
+           "MixtralSparseMoeBlock": ("MixtralTopKRouter", None, None),
+           "Qwen2MoeSparseMoeBlock": ("Qwen2MoeTopKRouter", "shared_expert",
+                                      "shared_expert_gate"),
+           "DeepseekV3MoE": ("DeepseekV3TopkRouter", "shared_experts", None),
+           "Glm4MoeMoE": ("Glm4MoeTopkRouter", "shared_experts", None)}
+
+
+def _check_block(block: nn.Module) -> tuple[str, str | None, str | None]:
+    """``(routing kind, shared-expert attribute, shared-gate attribute)`` of a supported HF MoE
+    block, or ``ValueError`` naming what differs."""
+    name = type(block).__name__
+    if name not in _BLOCKS:
+        raise ValueError(f"moe_from_hf supports the MoE blocks {', '.join(sorted(_BLOCKS))}; "
+                         f"got {name}")
+    router_cls, shared, shared_gate = _BLOCKS[name]
+    router = getattr(block, "gate", None)
+    if type(router).__name__ != router_cls:
+        raise ValueError(f"{name}.gate is {type(router).__name__}, expected {router_cls} (a "
+                         f"replaced router computes something moe_from_hf cannot know)")
+    check_experts(block.experts)
+    if getattr(block, "jitter_noise", 0):
+        raise ValueError(f"{name} has router_jitter_noise={block.jitter_noise}: its training "
+                         f"forward scales the input by random noise, which sonic.MoE does not")
+    if shared is not None:
+        mlp = getattr(block, shared)
+        if (_act_function(mlp.act_fn, f"{name}.{shared}.act_fn")
+                != _act_function(block.experts.act_fn, f"{name}.experts.act_fn")):
+            raise ValueError(f"{name}.{shared} uses {type(mlp.act_fn).__name__} but the routed "
+                             f"experts {type(block.experts.act_fn).__name__}; sonic.MoE has one "
+                             f"activation")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if getattr(mlp, proj).bias is not None:
+                raise ValueError(f"{name}.{shared}.{proj} has a bias; sonic's experts have none")
+    return _ROUTERS[router_cls], shared, shared_gate
+
+
+def _weight_pairs(layer: "sonic.MoE", block: nn.Module, shared: str | None,
+                  shared_gate: str | None) -> list[tuple[str, Callable, torch.Tensor]]:
+    """``(sonic parameter name, view, HF tensor)``: ``view(getattr(layer, name))`` (or of its
+    gradient) is the tensor laid out as the HF one. Used to copy either way and to compare."""
+    experts = block.experts
+    hf_w1, hf_w2 = getattr(experts, _up_name(experts)), experts.down_proj
+    if experts.is_transposed:
+        def flip(t):
+            return t.transpose(1, 2)
+    else:
+        def flip(t):
+            return t
+    pairs = [("gate.weight", lambda t: t, block.gate.weight),
+             ("w1", flip, hf_w1), ("w2", flip, hf_w2)]
+    if hasattr(layer, "expert_bias"):
+        pairs.append(("expert_bias", lambda t: t, block.gate.e_score_correction_bias))
+    if shared is not None:
+        mlp, n_s = getattr(block, shared), layer.shared_expert_d
+        pairs += [("shared_w1", lambda t: t[0, :n_s], mlp.gate_proj.weight),
+                  ("shared_w1", lambda t: t[0, n_s:], mlp.up_proj.weight),
+                  ("shared_w2", lambda t: t[0], mlp.down_proj.weight)]
+    if shared_gate is not None:
+        pairs.append(("shared_gate.weight", lambda t: t, getattr(block, shared_gate).weight))
+    return pairs
+
+
+def moe_from_hf(block: nn.Module, *, backend: str = "auto") -> "sonic.MoE":
+    """A :class:`sonic.MoE` computing what a Hugging Face MoE block computes, with its weights.
+
+    Supported blocks (transformers ≥ 5): Qwen3-MoE, OLMoE and Mixtral (softmax top-K, renormalised
+    per ``norm_topk_prob``, always for Mixtral), Qwen2-MoE (plus its shared expert and the
+    sigmoid gate on it), DeepSeek-V3 and GLM4-MoE (sigmoid scores, ``e_score_correction_bias``
+    as the selection bias ``expert_bias``, ``n_group``/``topk_group`` group-limited routing
+    with DeepSeek-V3's top-2-sum group score, ``norm_topk_prob`` and ``routed_scaling_factor``;
+    the shared experts MLP). The experts' activation comes from the model's ``hidden_act``
+    (:func:`expert_activation`). The copy is independent of the block (weights copied, not
+    shared); :func:`moe_to_hf` writes a layer's weights back.
+
+    Differences that remain: the router runs in the layer's dtype (DeepSeek-V3/GLM4 keep an fp32
+    router in a bf16 model), DeepSeek-V3's renormalisation adds 1e-20 to its denominator, and
+    ties between equal scores may be broken otherwise (sonic: the lower expert; ``torch.topk``:
+    unspecified). The layer's aux losses are off (HF computes its load-balancing loss at the
+    model level from the router logits); bias updates are off (``bias_update_rate=0``).
+
+    Args:
+        block: the MoE block, e.g. ``model.model.layers[i].mlp``.
+        backend: the new layer's backend.
+
+    Returns:
+        A :class:`sonic.MoE` on the block's device in its experts' dtype.
+
+    Raises:
+        ValueError: another block, a replaced router, experts sonic cannot compute
+            (:func:`check_experts`), Mixtral's router jitter noise, a shared expert with
+            another activation or with biases — the message names what differs.
+    """
+    kind, shared, shared_gate = _check_block(block)
+    sizes, options = _layer_config(block, kind, shared, shared_gate)
+    w2 = block.experts.down_proj
+    layer = sonic.MoE(*sizes, backend=backend, device=w2.device, dtype=w2.dtype, **options)
+    with torch.no_grad():
+        for name, view, hf_tensor in _weight_pairs(layer, block, shared, shared_gate):
+            view(layer.get_parameter(name) if name != "expert_bias"
+                 else layer.expert_bias).copy_(hf_tensor)
+    return layer
+
+
+def _layer_config(block: nn.Module, kind: str, shared: str | None,
+                  shared_gate: str | None) -> tuple[tuple[int, int, int, int], dict]:
+    """``((d, n, E, K), options)`` of the :class:`sonic.MoE` that mirrors ``block``."""
+    router, experts = block.gate, block.experts
+    w2 = experts.down_proj.transpose(1, 2) if experts.is_transposed else experts.down_proj
+    num_experts, d_model, d_expert = w2.shape
+    options = dict(activation=expert_activation(experts))
+    if kind == "softmax":
+        options.update(score="topk_softmax",
+                       renormalize=bool(getattr(router, "norm_topk_prob", True)))
+    else:
+        options.update(score="sigmoid", renormalize=bool(router.norm_topk_prob),
+                       routed_scaling_factor=float(router.routed_scaling_factor),
+                       n_group=router.num_group, topk_group=router.topk_group,
+                       expert_bias=True)
+    if shared is not None:
+        options.update(shared_expert_d=getattr(block, shared).gate_proj.out_features,
+                       shared_expert_gate=shared_gate is not None)
+    return (d_model, d_expert, num_experts, router.top_k), options
+
+
+def moe_to_hf(layer: "sonic.MoE", block: nn.Module) -> nn.Module:
+    """Write ``layer``'s weights (router, experts, shared experts and gate, expert bias) into the
+    HF MoE ``block`` it mirrors (the reverse of :func:`moe_from_hf`), in place; returns
+    ``block``.
+
+    Raises:
+        ValueError: a block :func:`moe_from_hf` does not support, or a layer whose
+            configuration differs from what ``moe_from_hf(block)`` would build (sizes,
+            scoring, groups, activation, shared experts), naming the first difference.
+    """
+    kind, shared, shared_gate = _check_block(block)
+    sizes, options = _layer_config(block, kind, shared, shared_gate)
+    expected = dict(zip(("d_model", "d_expert", "num_experts", "top_k"), sizes))
+    expected.update(options)
+    expected["shared_expert_gate"] = expected.get("shared_expert_gate", False)
+    expected["expert_bias"] = expected.get("expert_bias", False)
+    expected.setdefault("shared_expert_d", 0)
+    actual = dict(shared_expert_gate=layer.shared_gate is not None,
+                  expert_bias=hasattr(layer, "expert_bias"))
+    for attr, value in expected.items():
+        have = actual[attr] if attr in actual else getattr(layer, attr)
+        if have != value:
+            raise ValueError(f"layer has {attr}={have!r} but the {type(block).__name__} needs "
+                             f"{value!r}")
+    with torch.no_grad():
+        for name, view, hf_tensor in _weight_pairs(layer, block, shared, shared_gate):
+            source = layer.get_parameter(name) if name != "expert_bias" else layer.expert_bias
+            hf_tensor.copy_(view(source))
+    return block

@@ -1,5 +1,5 @@
 """PyTorch modules built on sonic's MoE computation."""
 
-from sonic.nn.moe import MoE, collect_aux_losses, load_balancing_loss
+from sonic.nn.moe import MoE, collect_aux_losses, load_balancing_loss, update_expert_biases
 
-__all__ = ["MoE", "collect_aux_losses", "load_balancing_loss"]
+__all__ = ["MoE", "collect_aux_losses", "load_balancing_loss", "update_expert_biases"]

@@ -16,11 +16,14 @@ from sonic._validation import (check_bool, check_choice, check_float, check_int,
 from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
                                         autocast_experts, check_fp8_sizes, moe_experts)
 from sonic.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
+from sonic.reference.activations import ACTIVATIONS, is_gated
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
+from sonic.nn.experts import activation_experts
 from sonic.routing.gate import gate_logits
+from sonic.routing.losses import expert_load, router_z_loss, sequence_balance_loss
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
-from sonic.routing.topk import SCORES, topk_routing
+from sonic.routing.topk import SCORES, check_group_args, check_positive, topk_routing
 from sonic.routing.types import Routing
 from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
                          Score)
@@ -131,6 +134,15 @@ def _checked_setting(name: str, check) -> property:
     return property(lambda layer: getattr(layer, private), fset)
 
 
+def update_expert_biases(model: nn.Module, group=None) -> None:
+    """:meth:`MoE.update_expert_bias` of every :class:`MoE` in ``model`` (itself included)
+    built with ``bias_update_rate > 0``: call it once per optimizer step, e.g. right after
+    ``optimizer.step()`` (aux-loss-free balancing, DeepSeek-V3 §2.1.2). ``group``: as there."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.bias_update_rate:
+            module.update_expert_bias(group)
+
+
 class MoE(nn.Module):
     """Mixture-of-Experts FFN: a linear router and ``E`` SwiGLU experts run by :func:`moe_experts`.
 
@@ -143,8 +155,55 @@ class MoE(nn.Module):
             settable later: ``layer.router = "token_rounding"``. In ``eval()`` mode the layer
             always routes by top-K, as the paper evaluates token-rounding models.
         tile: ``M_tile`` that token rounding rounds expert counts to.
-        score: top-K score function, ``"softmax_topk"`` or ``"topk_softmax"``.
-        renormalize: renormalise ``"topk_softmax"`` scores to sum to 1 (a ``bool``).
+        score: top-K score function, ``"softmax_topk"``, ``"topk_softmax"`` or ``"sigmoid"``
+            (see :func:`sonic.topk_routing`); token rounding rounds the token choice made with
+            it and the layer's other scoring options.
+        renormalize: renormalise ``"topk_softmax"`` / ``"sigmoid"`` scores to sum to 1 (a
+            ``bool``).
+        routed_scaling_factor: finite ``> 0``, multiplies every routed score after
+            renormalisation (DeepSeek-V3's ``routed_scaling_factor``); default 1.
+        n_group, topk_group: group-limited routing (DeepSeek-V3 §2.1.2 node-limited routing;
+            DeepSeek-V2 device-limited routing): the experts form ``n_group`` groups of
+            consecutive experts and a token chooses among its ``topk_group`` best groups
+            (:func:`sonic.routing.topk.group_limited_choice`); ``n_group=1`` disables it.
+        expert_bias: keep a per-expert selection bias, the fp32 buffer ``expert_bias (E,)`` in
+            the ``state_dict``, added to the affinities for the choice of experts only
+            (DeepSeek-V3 §2.1.2, aux-loss-free balancing; transformers' DeepSeek-V3 and
+            GLM4-MoE call it ``e_score_correction_bias``). Implied by ``bias_update_rate > 0``.
+        bias_update_rate: ``γ >= 0`` of aux-loss-free balancing. When ``> 0``, every forward
+            in training mode adds the experts' routed pair counts to the non-persistent
+            buffer ``tokens_per_expert (E,)`` (on the device, no host read), and
+            :meth:`update_expert_bias` — call it once per optimizer step, e.g. right after
+            ``optimizer.step()``, or :func:`update_expert_biases` for a whole model — applies
+            DeepSeek-V3's rule ``b_i += γ·sign(mean_j c_j − c_i)`` to those counts ``c`` and
+            resets them. The bias is never differentiated.
+        seq_aux_loss_coef: weight ``α`` of DeepSeek-V3's sequence-wise balance loss
+            (:func:`sonic.routing.losses.sequence_balance_loss`; a sequence is the
+            second-to-last dim of ``x``: ``x (B, S, d)`` has B sequences of S tokens, a 2-D
+            ``x`` is one sequence); finite ``>= 0``, settable later.
+        z_loss_coef: weight of ST-MoE's router z-loss
+            (:func:`sonic.routing.losses.router_z_loss`); finite ``>= 0``, settable later.
+        activation: the experts' activation (:mod:`sonic.reference.activations`):
+            ``"swiglu"`` (default), ``"geglu"``, ``"geglu_tanh"``, ``"reglu"`` (gated: ``w1``
+            is ``(E, 2n, d)``) or ``"relu2"``, ``"gelu"`` (not gated: ``w1`` is ``(E, n, d)``).
+            Only SwiGLU has fused CuTe epilogues: the others run the PyTorch reference path
+            (``torch.ops.sonic.moe_experts_act``, memory-minimal as the SwiGLU path) on every
+            device, so ``backend="cute"``, ``precision="fp8"`` and ``activation_cache="fp8"``
+            raise with them.
+        num_shared_experts: shared experts (DeepSeekMoE, Dai et al. 2024, §3.2; Qwen2-MoE):
+            dense experts with the layer's ``activation`` that every token passes through,
+            their output added to the routed output. ``m`` shared experts of size ``n`` are one
+            dense expert of size ``m·n`` (the sum of their outputs is that expert's output), so
+            the layer holds one: ``shared_w1 (1, 2·m·n, d)`` (``(1, m·n, d)`` not gated),
+            ``shared_w2 (1, d, m·n)``. It runs as a one-expert :func:`moe_experts` call with
+            every token routed to it — memory-minimal like the routed experts (keeps the input
+            by reference, its ``H (T, 2·m·n)``, the scores and the metadata), in bf16
+            precision whatever ``precision`` says.
+        shared_expert_d: the shared expert's size instead of ``num_shared_experts·d_expert``
+            (Qwen2-MoE's ``shared_expert_intermediate_size``); ``None``: that product.
+        shared_expert_gate: scale the shared expert's output per token by
+            ``sigmoid(x · shared_gate.weightᵀ)`` (Qwen2-MoE; ``shared_gate`` an
+            ``nn.Linear(d, 1, bias=False)``), as its score: differentiated like a routed score.
         rounding: token-rounding mode, ``"nearest"``, ``"up"`` or ``"down"``.
         ``top_k``, ``tile``, ``score``, ``renormalize`` and ``rounding`` are settable later
         (``layer.top_k = 4``) and checked on assignment, with the errors of the constructor.
@@ -164,12 +223,15 @@ class MoE(nn.Module):
             and bf16/fp16 compute, i.e. bf16/fp16 parameters or ``torch.autocast``); see
             :func:`moe_experts`. Settable later (checked again then).
 
-    Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)``; see
+    Parameters: ``gate.weight (E, d)``, ``w1 (E, 2n, d)`` (``(E, n, d)`` for a non-gated
+    ``activation``), ``w2 (E, d, n)``; see
     :meth:`reset_parameters` for their initialisation.
 
     ``forward(x, *, return_aux_loss=False)``: ``x (..., d)`` in the layer's dtype → same shape
     and dtype; with ``return_aux_loss=True``, ``(out, aux_loss)`` where ``aux_loss`` is
-    ``aux_loss_coef ·`` :func:`load_balancing_loss` in training mode (a zero tensor when the
+    ``aux_loss_coef ·`` :func:`load_balancing_loss` ``+ seq_aux_loss_coef ·``
+    :func:`~sonic.routing.losses.sequence_balance_loss` ``+ z_loss_coef ·``
+    :func:`~sonic.routing.losses.router_z_loss` in training mode (a zero tensor when every
     coefficient is 0 or in eval mode), attached to the forward's graph so that adding it to the
     loss trains the router. :func:`collect_aux_losses` collects it from every layer of a model
     instead. Under ``torch.autocast`` the layer accepts any float input and computes in the
@@ -199,23 +261,60 @@ class MoE(nn.Module):
                  renormalize: bool = False, rounding: Rounding = "nearest",
                  gate_up: GateUp = "concat", aux_loss_coef: float = 0.0,
                  backend: Backend = "auto", precision: Precision = "bf16",
-                 activation_cache: ActivationCache = "bf16", device=None, dtype=None):
+                 activation_cache: ActivationCache = "bf16", routed_scaling_factor: float = 1.0,
+                 n_group: int = 1, topk_group: int | None = None, expert_bias: bool = False,
+                 bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, activation: str = "swiglu",
+                 num_shared_experts: int = 0, shared_expert_d: int | None = None,
+                 shared_expert_gate: bool = False, device=None, dtype=None):
         super().__init__()
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
-                        precision=precision, activation_cache=activation_cache)
+                        precision=precision, activation_cache=activation_cache,
+                        routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                        topk_group=topk_group, bias_update_rate=bias_update_rate,
+                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef,
+                        activation=activation)
         factory = {"device": device, "dtype": dtype}
+        check_bool("expert_bias", expert_bias)
+        if expert_bias or bias_update_rate:
+            self.register_buffer("expert_bias",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
+        if bias_update_rate:
+            self.register_buffer("tokens_per_expert", torch.zeros(
+                num_experts, device=device, dtype=torch.float32), persistent=False)
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model, **factory))
+        rows = 2 * d_expert if is_gated(activation) else d_expert
+        self.w1 = nn.Parameter(torch.empty(num_experts, rows, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
+        check_int("num_shared_experts", num_shared_experts, low=0)
+        check_bool("shared_expert_gate", shared_expert_gate)
+        if shared_expert_d is None:
+            shared_expert_d = num_shared_experts * d_expert
+        else:
+            check_int("shared_expert_d", shared_expert_d, low=1)
+        self.shared_expert_d = shared_expert_d
+        if shared_expert_d:
+            shared_rows = 2 * shared_expert_d if is_gated(activation) else shared_expert_d
+            self.shared_w1 = nn.Parameter(torch.empty(1, shared_rows, d_model, **factory))
+            self.shared_w2 = nn.Parameter(torch.empty(1, d_model, shared_expert_d, **factory))
+        elif shared_expert_gate:
+            raise ValueError("shared_expert_gate=True needs shared experts "
+                             "(num_shared_experts >= 1 or shared_expert_d)")
+        self.shared_gate = (nn.Linear(d_model, 1, bias=False, **factory)
+                            if shared_expert_gate else None)
         self.reset_parameters()
 
     def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                    router: Router, tile: int, score: Score, renormalize: bool,
                    rounding: Rounding, gate_up: GateUp, aux_loss_coef: float,
                    backend: Backend, precision: Precision = "bf16",
-                   activation_cache: ActivationCache = "bf16") -> None:
+                   activation_cache: ActivationCache = "bf16",
+                   routed_scaling_factor: float = 1.0, n_group: int = 1,
+                   topk_group: int | None = None, bias_update_rate: float = 0.0,
+                   seq_aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                   activation: str = "swiglu") -> None:
         """Check and set the configuration and per-forward state (everything but the
         parameters); shared with subclasses that hold their experts differently."""
         check_int("d_model", d_model, low=1)
@@ -223,12 +322,22 @@ class MoE(nn.Module):
         check_int("num_experts", num_experts, low=1)
         check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
         # top_k, tile, score, rounding, renormalize: checked by their setters, here and later.
+        check_positive("routed_scaling_factor", routed_scaling_factor)
+        check_choice("activation", activation, ACTIVATIONS)
+        self.activation = activation
+        self.shared_expert_d, self.shared_gate = 0, None    # __init__ may add shared experts
+        check_non_negative("bias_update_rate", bias_update_rate)
+        self.routed_scaling_factor, self.n_group = routed_scaling_factor, n_group
+        self.bias_update_rate = bias_update_rate
+        self.seq_aux_loss_coef, self.z_loss_coef = seq_aux_loss_coef, z_loss_coef
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
+        self.topk_group = check_group_args(num_experts, top_k, n_group, topk_group)
         self.router = router
         self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
         self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
         self.precision = precision
         self.activation_cache = activation_cache
+        self._check_activation_support()
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
@@ -241,6 +350,21 @@ class MoE(nn.Module):
         "rounding", value, ROUNDINGS))
     renormalize = _checked_setting("renormalize", lambda layer, value: check_bool(
         "renormalize", value))
+
+    def _check_activation_support(self) -> None:
+        """Raise ``ValueError`` where an activation other than SwiGLU meets an option only the
+        SwiGLU path has (the CuTe backend, FP8 GEMMs or the FP8 activation cache)."""
+        activation = self.activation
+        if activation == "swiglu":
+            return
+        for name, value, refused in (("backend", self.backend, "cute"),
+                                     ("precision", self.precision, "fp8"),
+                                     ("activation_cache", self.activation_cache, "fp8")):
+            if value == refused:
+                raise ValueError(
+                    f"activation={activation!r} runs only the PyTorch reference path: the "
+                    f"CuTe kernels' fused epilogues compute SwiGLU only, so {name}={value!r} "
+                    f"is not available with it (use backend='torch' or 'auto', bf16)")
 
     @property
     def router(self) -> Router:
@@ -261,6 +385,8 @@ class MoE(nn.Module):
         if value == "fp8":
             check_fp8_sizes(self.d_model, self.d_expert)
         self._precision = value
+        if hasattr(self, "_activation_cache"):
+            self._check_activation_support()
 
     @property
     def activation_cache(self) -> ActivationCache:
@@ -272,6 +398,7 @@ class MoE(nn.Module):
         if value == "fp8":
             check_fp8_d_expert(self.d_expert)
         self._activation_cache = value
+        self._check_activation_support()
 
     @property
     def aux_loss_coef(self) -> float:
@@ -281,6 +408,91 @@ class MoE(nn.Module):
     def aux_loss_coef(self, value: float) -> None:
         check_non_negative("aux_loss_coef", value)
         self._aux_loss_coef = value
+        self._update_aux_terms()
+
+    def _update_aux_terms(self) -> None:
+        # Names of the nonzero coefficients: a tuple of strings, which torch.compile treats as
+        # a constant, so that no coefficient is read in a Python condition (a traced float
+        # that only a condition reads gets specialised by a second trace of the forward).
+        self._aux_terms = tuple(name for name in ("aux_loss_coef", "seq_aux_loss_coef",
+                                                  "z_loss_coef")
+                                if getattr(self, "_" + name, 0.0))
+
+    @property
+    def seq_aux_loss_coef(self) -> float:
+        return self._seq_aux_loss_coef
+
+    @seq_aux_loss_coef.setter
+    def seq_aux_loss_coef(self, value: float) -> None:
+        check_non_negative("seq_aux_loss_coef", value)
+        self._seq_aux_loss_coef = value
+        self._update_aux_terms()
+
+    @property
+    def z_loss_coef(self) -> float:
+        return self._z_loss_coef
+
+    @z_loss_coef.setter
+    def z_loss_coef(self, value: float) -> None:
+        check_non_negative("z_loss_coef", value)
+        self._z_loss_coef = value
+        self._update_aux_terms()
+
+    def _has_aux_loss(self) -> bool:
+        return self.training and bool(self._aux_terms)
+
+    def _aux_losses(self, logits: torch.Tensor, routing: Routing, seq_len: int) -> torch.Tensor:
+        """The weighted sum of the enabled auxiliary losses (:meth:`_has_aux_loss`)."""
+        losses = {"aux_loss_coef": lambda: load_balancing_loss(logits, routing),
+                  "seq_aux_loss_coef": lambda: sequence_balance_loss(
+                      logits, routing, seq_len, score=self.score, top_k=self.top_k),
+                  "z_loss_coef": lambda: router_z_loss(logits)}
+        terms = [getattr(self, name) * losses[name]() for name in self._aux_terms]
+        return sum(terms[1:], terms[0])
+
+    def options_beyond(self, supported: tuple[str, ...] = ()) -> list[str]:
+        """The options of this layer set away from their defaults (``"score='sigmoid'"``,
+        ``"n_group=4"``, ...) among the routing, loss, activation and shared-expert options
+        added after the first release, less those in ``supported``: what a consumer that
+        carries only the original options (e.g. an expert-parallel copy) must refuse."""
+        defaults = {"score": SCORES[:2], "activation": ("swiglu",),
+                    "routed_scaling_factor": (1.0,), "n_group": (1,),
+                    "bias_update_rate": (0.0,), "seq_aux_loss_coef": (0.0,),
+                    "z_loss_coef": (0.0,)}
+        found = [f"{name}={getattr(self, name)!r}" for name, allowed in defaults.items()
+                 if name not in supported and getattr(self, name) not in allowed]
+        if "expert_bias" not in supported and hasattr(self, "expert_bias"):
+            found.append("expert_bias=True")
+        if "shared_expert_d" not in supported and getattr(self, "shared_expert_d", 0):
+            found.append(f"shared_expert_d={self.shared_expert_d}")
+        return found
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """Aux-loss-free balancing's bias update (DeepSeek-V3 §2.1.2): with ``c`` the routed
+        pairs per expert counted by the training forwards since the last update (buffer
+        ``tokens_per_expert``), ``expert_bias += bias_update_rate · sign(mean(c) − c)`` —
+        an overloaded expert's bias drops by γ, an underloaded one's rises by γ, one at the
+        mean keeps it — then ``c`` is reset. Call it once per optimizer step (all micro-batches
+        counted), outside autograd; no host read.
+
+        Args:
+            group: a ``torch.distributed`` process group whose ranks' counts are summed first
+                (all-reduce), so that data-parallel replicas of the layer keep equal biases;
+                ``None`` uses this process's counts.
+
+        Raises:
+            RuntimeError: the layer was built without ``bias_update_rate > 0``.
+        """
+        if not self.bias_update_rate:
+            raise RuntimeError("update_expert_bias needs a layer built with "
+                               "bias_update_rate > 0 (aux-loss-free balancing)")
+        counts = self.tokens_per_expert
+        if group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(counts, group=group)
+        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=self.bias_update_rate)
+        counts.zero_()
 
     @property
     def aux_loss(self) -> torch.Tensor | None:
@@ -309,35 +521,75 @@ class MoE(nn.Module):
         for name in ("top_k", "tile", "score", "rounding", "renormalize"):
             if name in state:       # pickled when these were plain attributes
                 state["_" + name] = state.pop(name)
+        state.setdefault("activation", "swiglu")
+        state.setdefault("shared_expert_d", 0)
+        for name, default in (("routed_scaling_factor", 1.0), ("n_group", 1),
+                              ("topk_group", 1), ("bias_update_rate", 0.0),
+                              ("_seq_aux_loss_coef", 0.0), ("_z_loss_coef", 0.0)):
+            state.setdefault(name, default)     # pickled before the routing options existed
+        state.setdefault("_aux_terms", ("aux_loss_coef",) if state.get("_aux_loss_coef") else ())
         super().__setstate__(state)
 
     def reset_parameters(self) -> None:
-        """Experts like ``nn.Linear`` (U(±1/sqrt(fan_in))); router N(0, 0.02²) so that routing
-        starts near uniform."""
+        """Experts (routed and shared) like ``nn.Linear`` (U(±1/sqrt(fan_in))); router
+        N(0, 0.02²) so that routing starts near uniform; the shared gate as ``nn.Linear``."""
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_expert), 1 / math.sqrt(self.d_expert))
         nn.init.normal_(self.gate.weight, std=0.02)
+        if getattr(self, "shared_expert_d", 0):
+            bound = 1 / math.sqrt(self.shared_expert_d)
+            nn.init.uniform_(self.shared_w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+            nn.init.uniform_(self.shared_w2, -bound, bound)
+        if getattr(self, "shared_gate", None) is not None:
+            self.shared_gate.reset_parameters()
 
     def route(self, logits: torch.Tensor) -> Routing:
-        """Routing for ``logits (T, E)`` under the current router and mode."""
+        """Routing for ``logits (T, E)`` under the current router, mode and scoring options."""
+        scoring = dict(score=self.score, renormalize=self.renormalize,
+                       expert_bias=getattr(self, "expert_bias", None), n_group=self.n_group,
+                       topk_group=self.topk_group, scaling_factor=self.routed_scaling_factor)
         if self.training and self.router == "token_rounding":
             # Padded: no host read of P, so a training step can be captured in a CUDA graph.
             return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding,
-                                          backend=self.backend, padded=True)
-        return topk_routing(logits, self.top_k, score=self.score, renormalize=self.renormalize,
-                            backend=self.backend)
+                                          backend=self.backend, padded=True, **scoring)
+        return topk_routing(logits, self.top_k, backend=self.backend, **scoring)
 
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 routing: Routing) -> torch.Tensor:
         """The expert computation of :meth:`forward`: ``tokens (T, d)``, the (possibly autocast)
         expert weights and the routing → ``(T, d)``. Subclasses that place experts elsewhere
         (:class:`sonic.distributed.ExpertParallelMoE`) override it."""
-        return moe_experts(tokens, w1, w2, routing.scores.to(accumulate_dtype(tokens.dtype)),
-                           routing.token_idx, routing.expert_idx, gate_up=self.gate_up,
-                           backend=self.backend,
+        return self._run_experts(tokens, w1, w2, routing, self.precision)
+
+    def _run_experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     routing: Routing, precision: str) -> torch.Tensor:
+        """This process's experts ``w1``, ``w2`` on the routing, with the layer's activation."""
+        scores = routing.scores.to(accumulate_dtype(tokens.dtype))
+        if self.activation != "swiglu":
+            self._check_activation_support()      # backend may have been set since
+            return activation_experts(tokens, w1, w2, scores,
+                                      routing_metadata(routing, backend="torch"),
+                                      self.activation, self.gate_up)
+        return moe_experts(tokens, w1, w2, scores, routing.token_idx, routing.expert_idx,
+                           gate_up=self.gate_up, backend=self.backend,
                            metadata=routing_metadata(routing, backend=self.backend),
-                           precision=self.precision, activation_cache=self.activation_cache,
-                           fp8_weights=self._fp8_weights(w1, w2))
+                           precision=precision, activation_cache=self.activation_cache,
+                           fp8_weights=self._fp8_weights(w1, w2) if precision == "fp8" else None)
+
+    def shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output ``(T, d)`` for ``tokens (T, d)`` (see
+        ``num_shared_experts``), gated per token when ``shared_expert_gate``; under autocast
+        in the autocast dtype."""
+        tokens, w1, w2 = autocast_experts(tokens, self.shared_w1, self.shared_w2)
+        num_tokens = tokens.shape[0]
+        if self.shared_gate is None:
+            scores = tokens.new_ones(num_tokens, dtype=accumulate_dtype(tokens.dtype))
+        else:
+            scores = torch.sigmoid(self.shared_gate(tokens).squeeze(-1))
+        token_idx = torch.arange(num_tokens, dtype=torch.int32, device=tokens.device)
+        routing = Routing(token_idx, torch.zeros_like(token_idx), scores, num_tokens, 1,
+                          top_k=1, validated=True)
+        return self._run_experts(tokens, w1, w2, routing, "bf16")
 
     def weight_copies(self) -> tuple[torch.Tensor, ...]:
         """The tensors this layer derived from its weights and keeps across forwards: the
@@ -378,6 +630,7 @@ class MoE(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
+        layer_input = tokens
         if autocast:
             # Cast once per forward to the autocast dtype (as nn.Linear does): H is kept in it.
             tokens, w1, w2 = autocast_experts(tokens, self.w1, self.w2)
@@ -389,9 +642,18 @@ class MoE(nn.Module):
         else:
             logits = self.gate(tokens)
         routing = self.route(logits)
+        counts = getattr(self, "tokens_per_expert", None)    # present iff bias_update_rate > 0
+        if counts is not None and self.training:
+            with torch.no_grad():
+                counts.add_(expert_load(routing))
         out = self.experts(tokens, w1, w2, routing)
-        if self.aux_loss_coef and self.training:
-            aux_loss = self.aux_loss_coef * load_balancing_loss(logits, routing)
+        if self.shared_expert_d:
+            # The layer input itself, not the gate's fused alias, which only the routed
+            # experts may consume.
+            out = out + self.shared_experts(layer_input)
+        if self._has_aux_loss():
+            seq_len = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]
+            aux_loss = self._aux_losses(logits, routing, seq_len)
         else:
             aux_loss = logits.new_zeros((), dtype=accumulate_dtype(logits.dtype))
         out = out.reshape(*x.shape[:-1], self.d_model)
@@ -407,18 +669,20 @@ class MoE(nn.Module):
         if return_aux_loss:
             return out, aux_loss
         sink = _collector_for(self)
-        collecting = self.aux_loss_coef and self.training
-        if sink is not None and collecting:
-            if not torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-                raise RuntimeError(
-                    "collect_aux_losses: this MoE layer ran with gradients disabled while its "
-                    "aux loss is collected, so the collected loss could not train the router "
-                    "(reentrant activation checkpointing, checkpoint(..., use_reentrant=True), "
-                    "runs the forward this way). Use use_reentrant=False, or return the loss "
-                    "from the checkpointed function: layer(x, return_aux_loss=True); under "
-                    "torch.no_grad, call layer.eval() or collect nothing")
-            sink.append(aux_loss)
-        elif sink is None and not traced:
+        if sink is not None:
+            if self._has_aux_loss():
+                if not torch.is_grad_enabled() and any(p.requires_grad
+                                                       for p in self.parameters()):
+                    raise RuntimeError(
+                        "collect_aux_losses: this MoE layer ran with gradients disabled while "
+                        "its aux loss is collected, so the collected loss could not train the "
+                        "router (reentrant activation checkpointing, checkpoint(..., "
+                        "use_reentrant=True), runs the forward this way). Use "
+                        "use_reentrant=False, or return the loss from the checkpointed "
+                        "function: layer(x, return_aux_loss=True); under torch.no_grad, call "
+                        "layer.eval() or collect nothing")
+                sink.append(aux_loss)
+        elif not traced:
             self._aux_loss = aux_loss     # deprecated path
         return out
 
@@ -427,4 +691,11 @@ class MoE(nn.Module):
                 f"top_k={self.top_k}, router={self.router!r}, tile={self.tile}, "
                 f"precision={self.precision!r}"
                 + (f", activation_cache={self.activation_cache!r}"
-                   if self.activation_cache != "bf16" else ""))
+                   if self.activation_cache != "bf16" else "")
+                + (f", score={self.score!r}" if self.score != "softmax_topk" else "")
+                + (f", activation={self.activation!r}" if self.activation != "swiglu" else "")
+                + (f", shared_expert_d={self.shared_expert_d}" if self.shared_expert_d else "")
+                + (f", n_group={self.n_group}, topk_group={self.topk_group}"
+                   if self.n_group > 1 else "")
+                + (f", bias_update_rate={self.bias_update_rate}"
+                   if self.bias_update_rate else ""))

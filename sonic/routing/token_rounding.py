@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import get_args
 
 import torch
 
 from sonic._validation import check_bool, check_choice, check_int
 from sonic.reference.ops import accumulate_dtype
-from sonic.routing.topk import check_router_args, topk_routing
+from sonic.routing.topk import affinity_scores, check_positive, check_router_args, topk_routing
 from sonic.routing.types import Routing
-from sonic.types import Backend, Rounding
+from sonic.types import Backend, Rounding, Score
 
 ROUNDINGS: tuple[Rounding, ...] = get_args(Rounding)
 # The most tokens rounding can add to one expert, per rounding mode, for a tile.
@@ -41,18 +42,29 @@ def capacity(num_tokens: int, num_experts: int, k: int, tile: int, rounding: str
 
 def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
                            rounding: Rounding = "nearest", backend: Backend = "auto",
-                           padded: bool = False) -> Routing:
+                           padded: bool = False, score: Score = "softmax_topk",
+                           renormalize: bool = False, expert_bias: torch.Tensor | None = None,
+                           n_group: int = 1, topk_group: int | None = None,
+                           scaling_factor: float = 1.0) -> Routing:
     """Token rounding: top-K token choice, then each expert's token count rounded to a tile.
 
     Training-time routing that removes the padding waste of partially filled GEMM tiles:
-      1. ``S = softmax(logits)``; top-K token choice gives ``f_e`` tokens per expert.
-      2. Combined score ``C``: token-choice picks keep their score ``S/ΣS_picked``, every other
-         entry is ``S − 1``, so every pick outranks every non-pick.
+      1. ``S`` = the router's affinities (``softmax(logits)``, or ``sigmoid(logits)`` for
+         ``score="sigmoid"``); top-K token choice (:func:`topk_routing` with this call's
+         scoring options: bias, groups) gives ``f_e`` tokens per expert.
+      2. Combined score ``C``: token-choice picks keep their token-choice score (``S/ΣS_picked``
+         for the default ``"softmax_topk"``), every other entry is ``S − 1``, so every pick
+         outranks every non-pick.
       3. Each expert sorts tokens by ``C[:, e]`` (descending; lower token index first on ties).
       4. ``r_e`` = ``f_e`` rounded to a multiple of ``tile`` (``rounding``), clamped to
          ``[0, T]``; the expert keeps its top ``r_e`` tokens: rounding down drops its weakest
          picks, rounding up adds its strongest non-picks. ``|r_e − f_e| < tile``.
-      5. Kept picks are scored by their token-choice score, added pairs by ``S[t, e]``.
+      5. Kept picks are scored by their token-choice score, added pairs by ``S[t, e]``; all
+         scores then times ``scaling_factor``.
+
+    The rounding works on whatever scores the router made: an expert bias shifts a whole
+    column of ``S`` and so leaves every expert's order of tokens unchanged, and an added pair
+    may lie outside its token's ``topk_group`` groups (rounding adds by affinity alone).
 
     Args:
         logits: ``(T, E)`` float router logits.
@@ -66,6 +78,8 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
             the host once. ``True``: no host read (CUDA-graph capturable) — the pairs are padded
             to :func:`capacity` with ``Routing.num_valid`` the true ``P`` on the device;
             ``routing.trim()`` gives the exact routing.
+        score, renormalize, expert_bias, n_group, topk_group, scaling_factor: the token
+            choice's scoring, as in :func:`topk_routing`.
 
     Returns:
         A :class:`Routing` whose pairs are grouped by expert (ascending), each expert's tokens in
@@ -74,7 +88,8 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
 
     Raises:
         TypeError / ValueError: bad ``logits``, ``k`` outside ``[1, E]``, ``tile < 1``, unknown
-            ``rounding``, ``padded`` not a bool.
+            ``rounding``, ``padded`` not a bool, or a bad scoring option (see
+            :func:`topk_routing`).
 
     Use it for training only; evaluate with :func:`topk_routing` (paper §5.2).
     """
@@ -82,6 +97,8 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
     check_bool("padded", padded)
+    if not torch.compiler.is_compiling():     # a traced float may be symbolic
+        check_positive("scaling_factor", scaling_factor)
     num_tokens, num_experts = logits.shape
     acc = accumulate_dtype(logits.dtype)
     if num_tokens == 0:
@@ -89,11 +106,22 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
         num_valid = empty.new_zeros(()) if padded else None
         return Routing(empty, empty, logits.new_zeros(0, dtype=acc), 0, num_experts,
                        validated=True, num_valid=num_valid)
-    # Token choice (the bitonic top-K kernel where it runs): its scores S/ΣS_picked are the
-    # renormalised TC scores of step 2; its pairs are token-major.
-    tc = topk_routing(logits, k, backend=backend)
-    tc_scores = tc.scores.to(acc)
-    probs = torch.softmax(logits.to(acc), dim=-1)
+    # Token choice (the bitonic top-K kernel where it serves the scoring): the TC scores of
+    # step 2, unscaled so that they stay within S's range; its pairs are token-major.
+    tc = topk_routing(logits, k, backend=backend, score=score, renormalize=renormalize,
+                      expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
+    routing = _round(tc, affinity_scores(logits, score), tile, rounding, backend, padded)
+    # Unconditionally, as in topk_routing (a comparison would specialise a traced float).
+    return dataclasses.replace(routing, scores=routing.scores * scaling_factor)
+
+
+def _round(tc: Routing, probs: torch.Tensor, tile: int, rounding: str, backend: str,
+           padded: bool) -> Routing:
+    """Steps 2–5 of :func:`token_rounding_routing` on the token choice ``tc`` (token-major
+    top-K pairs) and the affinities ``probs (T, E)``."""
+    num_tokens, num_experts = probs.shape
+    k = tc.top_k
+    tc_scores = tc.scores.to(probs.dtype)
     size = capacity(num_tokens, num_experts, k, tile, rounding) if padded else None
     if _use_kernel(backend, probs):
         from sonic.kernels.token_rounding import token_rounding_select

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import get_args
 
 import torch
 
-from sonic._validation import check_bool, check_choice, check_float, check_int
-from sonic.reference.ops import accumulate_dtype
+from sonic._validation import check_bool, check_choice, check_float, check_int, check_same_device
+from sonic.reference.ops import accumulate_dtype, topk_indices
 from sonic.routing.types import Routing
 from sonic.types import Backend, Score
 
 SCORES: tuple[Score, ...] = get_args(Score)
+# Scores the fused top-K op computes; "sigmoid", an expert bias and groups run in torch.
+_KERNEL_SCORES = ("softmax_topk", "topk_softmax")
 
 
 def check_router_args(logits, k) -> None:
@@ -19,24 +23,128 @@ def check_router_args(logits, k) -> None:
     check_int("k", k, low=1, high=max(logits.shape[1], 1))
 
 
+def check_positive(name: str, value) -> None:
+    """Raise unless ``value`` is a finite real number ``> 0`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+
+
+
+
 def token_major_pairs(num_tokens: int, k: int, device) -> torch.Tensor:
     """``(T·k,)`` int32 token index of each pair when pair ``t·k + j`` is token t's j-th choice."""
     return torch.arange(num_tokens, dtype=torch.int32, device=device).repeat_interleave(k)
 
 
+
+
+
+
+def check_group_args(num_experts: int, k: int, n_group: int, topk_group: int | None) -> int:
+    """Check group-limited routing's arguments; returns ``topk_group`` (``n_group`` for None).
+
+    Raises:
+        TypeError / ValueError: ``n_group`` not an int dividing ``E``, ``topk_group`` outside
+            ``[1, n_group]``, or ``k`` larger than the ``topk_group·E/n_group`` experts a token
+            may choose among.
+    """
+    check_int("n_group", n_group, low=1, high=num_experts)
+    if num_experts % n_group:
+        raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
+    topk_group = n_group if topk_group is None else topk_group
+    check_int("topk_group", topk_group, low=1, high=n_group)
+    allowed = topk_group * (num_experts // n_group)
+    if k > allowed:
+        raise ValueError(f"top_k={k} is more than the topk_group·E/n_group = {topk_group}·"
+                         f"{num_experts // n_group} = {allowed} experts a token may choose among")
+    return topk_group
+
+
+def affinity_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """``(T, E)`` token-to-expert affinities ``s`` in the accumulation dtype: ``sigmoid(logits)``
+    for ``score="sigmoid"`` (DeepSeek-V3 §2.1.2), ``softmax(logits)`` over E otherwise.
+    Differentiable with respect to ``logits``."""
+    acc = accumulate_dtype(logits.dtype)
+    if score == "sigmoid":
+        return torch.sigmoid(logits.to(acc))
+    return torch.softmax(logits.to(acc), dim=-1)
+
+
+def group_limited_choice(choice: torch.Tensor, n_group: int, topk_group: int,
+                         score: str) -> torch.Tensor:
+    """``choice (T, E)`` with every expert outside each token's ``topk_group`` best groups set
+    to ``-inf`` (``E`` experts in ``n_group`` consecutive groups).
+
+    A group's score is the sum of its two highest choice scores for ``score="sigmoid"``
+    (DeepSeek-V3's node-limited routing, §2.1.2; the sum of one score for groups of one expert)
+    and its highest choice score for softmax scoring (DeepSeek-V2's device-limited routing,
+    §2.1.2). Best groups by a stable descending sort: the lower group first on ties.
+    """
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+    if score == "sigmoid":
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    else:
+        group_scores = grouped.amax(dim=-1)
+    keep = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=choice.device)
+    keep.scatter_(1, topk_indices(group_scores, topk_group), True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+
+
+def _scored_topk(logits: torch.Tensor, k: int, score: str, renormalize: bool,
+                 expert_bias: torch.Tensor | None, n_group: int, topk_group: int):
+    """``(scores (T, k), idx (T, k) int32)`` of the options the fused top-K op lacks, in torch
+    with no host read: selection on the detached affinities plus the bias, within the best
+    groups; weights from the unbiased affinities (or, ``"softmax_topk"``, a softmax over the
+    selected logits)."""
+    affinity = affinity_scores(logits, score)
+    choice = affinity.detach()
+    if expert_bias is not None:
+        choice = choice + expert_bias.to(choice.dtype)
+    if n_group > 1:
+        choice = group_limited_choice(choice, n_group, topk_group, score)
+    idx = topk_indices(choice, k)
+    if score == "softmax_topk":
+        acc = accumulate_dtype(logits.dtype)
+        scores = torch.softmax(logits.to(acc).gather(1, idx), dim=-1)
+    else:
+        scores = affinity.gather(1, idx)
+        if renormalize:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores, idx.to(torch.int32)
+
+
 def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
-                 renormalize: bool = False, backend: Backend = "auto") -> Routing:
+                 renormalize: bool = False, backend: Backend = "auto",
+                 expert_bias: torch.Tensor | None = None, n_group: int = 1,
+                 topk_group: int | None = None, scaling_factor: float = 1.0) -> Routing:
     """Top-K token choice: every token picks the K experts with the largest logits.
 
     Args:
         logits: ``(T, E)`` float router logits.
         k: experts per token, ``1 <= k <= E``.
-        score: ``"softmax_topk"`` — softmax over the K selected logits (sums to 1), or
-            ``"topk_softmax"`` — the K largest entries of the softmax over all E experts.
-        renormalize: with ``"topk_softmax"``, divide the K scores by their sum (a ``bool``).
+        score: ``"softmax_topk"`` — softmax over the K selected logits (sums to 1),
+            ``"topk_softmax"`` — the K largest entries of the softmax over all E experts, or
+            ``"sigmoid"`` — the K largest of ``sigmoid(logits)`` (DeepSeek-V3 §2.1.2).
+        renormalize: with ``"topk_softmax"`` or ``"sigmoid"``, divide the K scores by their
+            sum (a ``bool``; DeepSeek-V3 renormalises its sigmoid scores).
         backend: ``"auto"`` runs the bitonic top-K kernel (paper §4.3) on a supported GPU for
             bf16/fp32 logits with ``E <= 512`` and ``k <= 16``, a stable sort otherwise;
-            ``"torch"`` always the stable sort; ``"cute"`` requires a supported GPU.
+            ``"torch"`` always the stable sort; ``"cute"`` requires a supported GPU. The
+            kernel serves the softmax scores without ``expert_bias`` and groups; every other
+            choice is computed in torch on the logits' device (no host read) on every backend,
+            and its pairs feed the same metadata path.
+        expert_bias: optional ``(E,)`` float per-expert bias added to the affinities ``s``
+            (softmax or sigmoid of the logits) for the selection only; the scores stay the
+            unbiased ones (aux-loss-free balancing, DeepSeek-V3 §2.1.2). Not differentiated.
+        n_group: experts form ``n_group`` groups of ``E/n_group`` consecutive experts
+            (group-limited routing); ``1`` (default) disables it.
+        topk_group: each token chooses its ``k`` experts within its ``topk_group`` best groups
+            (see :func:`group_limited_choice`); ``None`` means ``n_group``.
+        scaling_factor: a finite float ``> 0`` multiplying every score after renormalisation
+            (DeepSeek-V3's ``routed_scaling_factor``).
 
     Returns:
         A :class:`Routing` with ``P = T·k`` pairs in token-major order (pair ``t·k + j`` is token
@@ -47,7 +155,9 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
 
     Raises:
         TypeError / ValueError: ``logits`` not a 2-D float tensor, ``k`` outside ``[1, E]``,
-            ``renormalize`` not a bool, unknown ``score`` or ``backend``.
+            ``renormalize`` not a bool, unknown ``score`` or ``backend``, an ``expert_bias``
+            that is not an ``(E,)`` float tensor on the logits' device, bad group arguments
+            (:func:`check_group_args`), ``scaling_factor`` not finite and positive.
     """
     import sonic.ops
     from sonic.backend import BACKENDS, resolve_backend
@@ -59,9 +169,25 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
     if not torch.compiler.is_compiling():
         resolve_backend(backend, logits.device)   # backend="cute" that cannot run fails here
     num_tokens, num_experts = logits.shape
-    # The op topk_routing: the bitonic kernel where it serves the call, a stable sort
-    # otherwise; backward (twice differentiable) registered with the op.
-    scores, idx = sonic.ops.call.topk_routing(logits, k, score, renormalize, backend)
+    topk_group = check_group_args(num_experts, k, n_group, topk_group)
+    if not torch.compiler.is_compiling():     # a traced float may be symbolic
+        check_positive("scaling_factor", scaling_factor)
+    if expert_bias is not None:
+        check_float("expert_bias", expert_bias, ndim=1)
+        check_same_device(logits=logits, expert_bias=expert_bias)
+        if expert_bias.shape[0] != num_experts:
+            raise ValueError(f"expert_bias must have shape (E={num_experts},), got "
+                             f"{tuple(expert_bias.shape)}")
+    if score in _KERNEL_SCORES and expert_bias is None and n_group == 1:
+        # The op topk_routing: the bitonic kernel where it serves the call, a stable sort
+        # otherwise; backward (twice differentiable) registered with the op.
+        scores, idx = sonic.ops.call.topk_routing(logits, k, score, renormalize, backend)
+    else:
+        scores, idx = _scored_topk(logits, k, score, renormalize, expert_bias, n_group,
+                                   topk_group)
+    # Unconditionally (x·1.0 is x): a layer's factor may be a symbolic float under
+    # torch.compile, which a comparison would specialise at the cost of a second trace.
+    scores = scores * scaling_factor
     return Routing(
         token_idx=token_major_pairs(num_tokens, k, logits.device),
         expert_idx=idx.flatten(),

@@ -1,0 +1,106 @@
+"""Expert activations beyond SwiGLU, and the routed expert computation for any of them.
+
+Gated (GLU variants, Shazeer 2020, "GLU Variants Improve Transformer"): ``H = X·W1ᵀ`` has
+``2n`` columns split into ``gate`` and ``up`` (``gate_up`` layout) and ``A = φ(gate) ⊙ up``:
+SwiGLU (φ = SiLU), GeGLU (φ = GELU, exact or tanh-approximated) and ReGLU (φ = ReLU).
+Non-gated: ``H`` has ``n`` columns and ``A = φ(H)``: ReLU² (So et al. 2021, "Primer") and GELU.
+The dataflow is SonicMoE's (§3.2, App. C) with the activation and its derivative as the only
+change: the forward keeps X (by reference), H, the scores and the metadata; the backward
+recomputes A from H and takes the score gradient as ``⟨dA', A⟩``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sonic.reference.ops import (accumulate_dtype, aggregate, grouped_mm, grouped_mm_varlen_k,
+                                 merge_gate_up, split_gate_up)
+
+GATED = ("swiglu", "geglu", "geglu_tanh", "reglu")
+ACTIVATIONS = GATED + ("relu2", "gelu")
+
+
+def is_gated(activation: str) -> bool:
+    """Whether ``activation`` is a GLU variant (``w1`` has ``2n`` rows) or not (``n`` rows)."""
+    return activation in GATED
+
+
+def _phi(g: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(φ(g), φ'(g))`` of the elementwise function of a gated activation, or of a non-gated
+    one, in ``g``'s dtype."""
+    if name in ("swiglu",):
+        sig = torch.sigmoid(g)
+        return g * sig, sig * (1 + g * (1 - sig))
+    if name in ("geglu", "gelu"):
+        cdf = 0.5 * (1 + torch.erf(g / math.sqrt(2)))
+        pdf = torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+        return g * cdf, cdf + g * pdf
+    if name == "geglu_tanh":
+        c = math.sqrt(2 / math.pi)
+        inner = c * (g + 0.044715 * g ** 3)
+        t = torch.tanh(inner)
+        return (0.5 * g * (1 + t),
+                0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g))
+    if name == "reglu":
+        return F.relu(g), (g > 0).to(g.dtype)
+    if name == "relu2":
+        r = F.relu(g)
+        return r * r, 2 * r
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+def activate(h: torch.Tensor, activation: str, gate_up: str = "concat") -> torch.Tensor:
+    """The up-projection's epilogue: ``A (P, n)`` from ``H (P, 2n)`` (gated) or ``(P, n)``,
+    math in the accumulation dtype (fp32; fp64 for fp64), one rounding to ``h``'s dtype."""
+    acc = accumulate_dtype(h.dtype)
+    if is_gated(activation):
+        gate, up = split_gate_up(h, gate_up)
+        return (_phi(gate.to(acc), activation)[0] * up.to(acc)).to(h.dtype)
+    return _phi(h.to(acc), activation)[0].to(h.dtype)
+
+
+def activation_backward(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
+                        activation: str, gate_up: str = "concat"):
+    """The dH epilogue for any activation: from ``dA' (P, n)``, the saved ``H`` and each row's
+    score ``s``, ``(dH, A' = s·A, ds = ⟨dA', A⟩)`` with ``dA = s·dA'``; dH and A' in ``h``'s
+    dtype, ds in the accumulation dtype (as :func:`sonic.reference.ops.dswiglu_epilogue`)."""
+    acc = accumulate_dtype(h.dtype)
+    dap = da_prime.to(acc)
+    s = row_scores.to(acc).unsqueeze(-1)
+    if is_gated(activation):
+        gate, up = split_gate_up(h, gate_up)
+        u = up.to(acc)
+        phi, dphi = _phi(gate.to(acc), activation)
+        a = phi * u
+        da = s * dap
+        dh = merge_gate_up(da * u * dphi, da * phi, gate_up)
+    else:
+        a, dphi = _phi(h.to(acc), activation)
+        dh = s * dap * dphi
+    return dh.to(h.dtype), (s * a).to(h.dtype), (dap * a).sum(dim=-1)
+
+
+def experts_forward(x, w1, w2, row_scores, offsets, gather_idx, token_rows, token_offsets,
+                    activation: str, gate_up: str = "concat"):
+    """``(out (T, d), H)``: up-projection of the gathered rows, activation, down-projection
+    and score-weighted aggregation per token (rows grouped by expert, as
+    :class:`sonic.RoutingMetadata` says)."""
+    h = grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
+    y = grouped_mm(activate(h, activation, gate_up), w2.transpose(1, 2), offsets)
+    return aggregate(y, token_rows, token_offsets, row_scores), h
+
+
+def experts_backward(grad_out, x, w1, w2, h, row_scores, offsets, gather_idx, token_rows,
+                     token_offsets, activation: str, gate_up: str = "concat"):
+    """``(dX, dW1, dW2, ds per row)`` of :func:`experts_forward` from ``dO (T, d)`` and the
+    saved H (SonicMoE App. C with ``activation``'s derivative)."""
+    da_prime = grouped_mm(grad_out, w2, offsets, gather_idx)
+    dh, a_scaled, ds_rows = activation_backward(da_prime, h, row_scores, activation, gate_up)
+    del da_prime
+    dw2 = grouped_mm_varlen_k(grad_out, a_scaled, offsets, gather_idx_a=gather_idx)
+    dw1 = grouped_mm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx)
+    dx = aggregate(grouped_mm(dh, w1, offsets), token_rows, token_offsets)
+    return dx, dw1, dw2, ds_rows
