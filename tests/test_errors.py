@@ -208,8 +208,8 @@ def test_string_options_are_literal_types_that_the_checks_use():
     import typing
 
     from sonic import types
-    from sonic.autograd.activation_cache import ACTIVATION_CACHES
-    from sonic.autograd.moe_experts import PRECISIONS
+    from sonic.activation_cache import ACTIVATION_CACHES
+    from sonic.experts.moe_experts import PRECISIONS
     from sonic.backend import BACKENDS
     from sonic.nn.moe import ROUTERS
     from sonic.routing.token_rounding import ROUNDINGS

@@ -53,7 +53,7 @@ LAYERS = (
     ("kernels", ("sonic.kernels",)),
     ("backend", ("sonic.backend", "sonic.activation_cache")),
     ("ops", ("sonic.ops", "sonic._custom_op")),
-    ("routing / experts API", ("sonic.routing", "sonic.experts", "sonic.autograd")),
+    ("routing / experts API", ("sonic.routing", "sonic.experts")),
     ("nn", ("sonic.nn",)),
     ("distributed", ("sonic.distributed",)),
     ("train / integrations / tools", ("sonic.train", "sonic.integrations", "sonic.memory",

@@ -36,8 +36,8 @@ from torch import nn
 
 import sonic
 from sonic._validation import check_choice
-from sonic.autograd.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
-from sonic.autograd.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
+from sonic.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
+from sonic.experts.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
 from sonic.nn.experts import activation_experts

@@ -19,9 +19,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sonic import collect_aux_losses, explain_backend, profile_activation_memory
 from sonic._output import check_writable
-from sonic.autograd.moe_experts import PRECISIONS
+from sonic.experts.moe_experts import PRECISIONS
 from sonic.backend import kernel_support
-from sonic.autograd.activation_cache import ACTIVATION_CACHES
+from sonic.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
 from sonic.train import parallel
 from sonic.train.checkpoint import read_checkpoint, write_checkpoint
