@@ -446,7 +446,8 @@ def _settings_cases(rank, world):
 
     def case(name, change, run=lambda: layer(x)):
         saved = {k: getattr(layer, k) for k in ("router", "tile", "top_k", "score",
-                                                "renormalize", "rounding", "training")}
+                                                "renormalize", "rounding", "training",
+                                                "routed_scaling_factor", "n_group")}
         if last:
             change()
         out[name] = _catch(run)
@@ -458,6 +459,8 @@ def _settings_cases(rank, world):
     layer.router = "token_rounding"
     case("agree_token_rounding", lambda: None)
     case("tile", lambda: setattr(layer, "tile", 4))
+    # A rank whose scoring token rounding refuses still meets the others' first exchange.
+    case("score_token_rounding", lambda: setattr(layer, "score", "sigmoid"))
     case("rounding", lambda: setattr(layer, "rounding", "up"))
     case("top_k_token_rounding", lambda: setattr(layer, "top_k", 1))
     case("training", lambda: layer.eval())
@@ -466,6 +469,8 @@ def _settings_cases(rank, world):
     case("top_k", lambda: setattr(layer, "top_k", 3))
     case("score", lambda: setattr(layer, "score", "topk_softmax"))
     case("renormalize", lambda: setattr(layer, "renormalize", True))
+    case("routed_scaling_factor", lambda: setattr(layer, "routed_scaling_factor", 2.5))
+    case("n_group", lambda: setattr(layer, "n_group", 2))
     # The functional forms: scores of another dtype; token rounding of another tile.
     w1, w2 = layer.w1.detach(), layer.w2.detach()
     tok = torch.arange(3, dtype=torch.int32)
@@ -488,6 +493,9 @@ def test_ranks_disagreeing_on_a_setting_raise_on_every_rank(tmp_path, world):
                 "top_k_token_rounding": "top_k: 2 on EP rank", "training": "training: True",
                 "router": "router: 'token_rounding'", "top_k": "top_k: 2 on EP rank",
                 "score": "score: 'softmax_topk'", "renormalize": "renormalize: False",
+                "score_token_rounding": "score: 'softmax_topk' on EP rank",
+                "routed_scaling_factor": "routed_scaling_factor: 1.0 on EP rank",
+                "n_group": "n_group: 1 on EP rank",
                 "scores_dtype": "dtype of scores: torch.float64", "tr_tile": "tile: 2 on EP rank",
                 "tr_dtype": "dtype of scores: torch.float64"}
     others = ", ".join(map(str, range(world - 1)))

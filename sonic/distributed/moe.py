@@ -10,9 +10,9 @@ from torch import nn
 
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
-from sonic._validation import check_int
+from sonic._validation import check_bool, check_int
 from sonic.distributed.experts import check_placement, ep_moe_experts
-from sonic.distributed.plan import MAX_CHUNKS
+from sonic.distributed.plan import MAX_CHUNKS, check_settings
 from sonic.distributed.token_rounding import ep_token_rounding_routing
 from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
@@ -21,6 +21,9 @@ from sonic.routing.types import Routing
 from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
                          Score)
 
+# The options of sonic.MoE beyond the original ones that act before dispatch (routing on each
+# rank's own tokens), which this layer carries.
+_ROUTING_OPTIONS = ("score", "routed_scaling_factor", "n_group", "expert_bias")
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype", "placement (fingerprint)")
 
@@ -39,6 +42,15 @@ class ExpertParallelMoE(MoE):
         d_model, d_expert, num_experts, top_k, score, renormalize, gate_up, aux_loss_coef,
         backend, precision, activation_cache, device, dtype: as in :class:`sonic.MoE`. ``num_experts`` must be divisible
             by the group size.
+        routed_scaling_factor, n_group, topk_group, expert_bias: the routing options of
+            :class:`sonic.MoE` that act before dispatch (each rank routes its own tokens, so it
+            routes them as the single-process layer would). ``expert_bias`` is a fixed bias
+            (the buffer ``expert_bias (E,)``, the same on every rank); its update from the
+            load (``bias_update_rate``) is not carried. With ``n_group`` a multiple of the EP
+            size and the contiguous placement, every group lies on one rank, so a token's
+            pairs reach at most ``topk_group`` ranks (DeepSeek-V3 §2.1.2 node-limited
+            routing). Token rounding (``router="token_rounding"`` in training mode) refuses
+            them, and ``score="sigmoid"``: it rounds the default scoring's choice only.
         group: the EP process group (``None``: the default group).
         router: ``"topk"`` or ``"token_rounding"``: in training mode
             :func:`sonic.distributed.ep_token_rounding_routing` rounds every expert's count of
@@ -85,7 +97,8 @@ class ExpertParallelMoE(MoE):
     Construction is collective: one all-gather checks that all ranks agree on the
     configuration, and the router weight is broadcast from group rank 0. The settings that may
     change between calls (``router``, training mode, ``top_k``, ``tile``, ``rounding``,
-    ``score``, ``renormalize``) travel in every forward's first exchange: ranks that disagree
+    ``score``, ``renormalize``, ``routed_scaling_factor``, ``n_group``, ``topk_group``, whether
+    there is an ``expert_bias``) travel in every forward's first exchange: ranks that disagree
     on one raise on every rank, naming it and each rank's value.
 
     Raises:
@@ -102,13 +115,21 @@ class ExpertParallelMoE(MoE):
                  backend: Backend = "auto", device=None, dtype=None,
                  placement: Placement | None = None, num_chunks: int = 1,
                  comm_sm_margin: int = 0, recompute_dispatch: bool = False,
-                 precision: Precision = "bf16", activation_cache: ActivationCache = "bf16"):
+                 precision: Precision = "bf16", activation_cache: ActivationCache = "bf16",
+                 routed_scaling_factor: float = 1.0, n_group: int = 1,
+                 topk_group: int | None = None, expert_bias: bool = False):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
                         score=score, renormalize=renormalize, rounding=rounding,
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
-                        precision=precision, activation_cache=activation_cache)
+                        precision=precision, activation_cache=activation_cache,
+                        routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                        topk_group=topk_group)
+        check_bool("expert_bias", expert_bias)
+        if expert_bias:
+            self.register_buffer("expert_bias",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
             check_placement(placement, num_experts, self.ep_size)
@@ -192,7 +213,7 @@ class ExpertParallelMoE(MoE):
             ValueError: as the constructor, or ``moe`` uses options the expert-parallel
                 layer does not carry yet (:meth:`sonic.MoE.options_beyond`).
         """
-        unsupported = moe.options_beyond()
+        unsupported = moe.options_beyond(_ROUTING_OPTIONS)
         if unsupported:
             raise ValueError(f"ExpertParallelMoE.from_moe cannot carry {', '.join(unsupported)} "
                              "yet; build the single-process layer without them")
@@ -203,7 +224,9 @@ class ExpertParallelMoE(MoE):
                     device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
                     num_chunks=num_chunks, comm_sm_margin=comm_sm_margin,
                     recompute_dispatch=recompute_dispatch, precision=moe.precision,
-                    activation_cache=moe.activation_cache)
+                    activation_cache=moe.activation_cache,
+                    routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
+                    topk_group=moe.topk_group, expert_bias=hasattr(moe, "expert_bias"))
         if placement is None:
             experts = slice(layer.ep_rank * layer.num_local_experts,
                             (layer.ep_rank + 1) * layer.num_local_experts)
@@ -213,12 +236,24 @@ class ExpertParallelMoE(MoE):
             layer.gate.weight.copy_(moe.gate.weight)
             layer.w1.copy_(moe.w1[experts])
             layer.w2.copy_(moe.w2[experts])
+            if hasattr(moe, "expert_bias"):
+                layer.expert_bias.copy_(moe.expert_bias)
         return layer
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Top-K routing of this rank's tokens, or in training mode with
         ``router="token_rounding"`` token rounding across the group (collective)."""
         if self.training and self.router == "token_rounding":
+            beyond = self.options_beyond()
+            if beyond:
+                # Meet the other ranks' first exchange (the one token rounding starts with),
+                # so that ranks disagreeing on these options raise together instead of hanging.
+                check_settings({**self._settings(), "num_experts": self.num_experts,
+                                "dtype of scores": accumulate_dtype(logits.dtype)},
+                               self.group, logits.device)
+                raise ValueError(f"router='token_rounding' under expert parallelism rounds the "
+                                 f"top-K choice of the default scoring only; this layer has "
+                                 f"{', '.join(beyond)} (use router='topk')")
             return ep_token_rounding_routing(logits, self.top_k, group=self.group, tile=self.tile,
                                              rounding=self.rounding, backend=self.backend,
                                              settings=self._settings())
@@ -247,7 +282,9 @@ class ExpertParallelMoE(MoE):
         in the forward's first exchange."""
         return {"router": self.router, "training": self.training, "top_k": self.top_k,
                 "tile": self.tile, "rounding": self.rounding, "score": self.score,
-                "renormalize": self.renormalize}
+                "renormalize": self.renormalize,
+                "routed_scaling_factor": self.routed_scaling_factor, "n_group": self.n_group,
+                "topk_group": self.topk_group, "expert_bias": hasattr(self, "expert_bias")}
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

@@ -11,6 +11,7 @@ move the data by it. The count message also carries the settings every rank must
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,7 +31,8 @@ from sonic.routing.topk import SCORES
 # unset, -1): ranks that took different code paths (router, training mode) exchange messages
 # of the same size, and the first setting that differs is the one that sent them apart.
 _AGREED = ("router", "training", "top_k", "tile", "rounding", "score", "renormalize",
-           "num_experts", "dtype of scores", "d (x.shape[1])", "n (w2_local.shape[2])",
+           "routed_scaling_factor", "n_group", "topk_group", "expert_bias", "num_experts",
+           "dtype of scores", "d (x.shape[1])", "n (w2_local.shape[2])",
            "dtype of x", "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
            "placement (its fingerprint; 0 for the contiguous default)", "num_chunks",
@@ -38,11 +40,13 @@ _AGREED = ("router", "training", "top_k", "tile", "rounding", "score", "renormal
 # How the named entries of _AGREED travel (an index into these) and are printed.
 _BOOL = (False, True)
 _AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "score": SCORES,
-                 "renormalize": _BOOL, "dtype of scores": DTYPE_CODES, "dtype of x": DTYPE_CODES,
+                 "renormalize": _BOOL, "expert_bias": _BOOL, "dtype of scores": DTYPE_CODES, "dtype of x": DTYPE_CODES,
                  "torch.is_grad_enabled()": _BOOL, "x.requires_grad": _BOOL,
                  "scores.requires_grad": _BOOL, "w1_local.requires_grad": _BOOL,
                  "w2_local.requires_grad": _BOOL, "recompute_dispatch": _BOOL,
                  "precision": PRECISIONS, "activation_cache": ACTIVATION_CACHES}
+# Float settings, sent as the int64 of their IEEE-754 bits (exact: ranks must agree bit for bit).
+_FLOATS = ("routed_scaling_factor",)
 # The value of a setting the caller did not give (a bare functional call).
 _UNSET = -1
 # The most chunks a layer call may pipeline (the count message has room for this many).
@@ -144,6 +148,8 @@ def agreed_values(settings: Mapping[str, object]) -> list[int]:
                 raise ValueError(f"EP setting {name} must be one of {_AGREED_CODES[name]}, "
                                  f"got {value!r}")
             row.append(_AGREED_CODES[name].index(value))
+        elif name in _FLOATS:
+            row.append(struct.unpack("<q", struct.pack("<d", float(value)))[0])
         else:
             row.append(int(value))
     return row
@@ -323,5 +329,7 @@ def _decode(name: str, value: int) -> str:
     """How a value of setting ``name`` is printed."""
     if value == _UNSET:
         return "unset"
+    if name in _FLOATS:
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     codes = _AGREED_CODES.get(name)
     return repr(codes[value]) if codes is not None and 0 <= value < len(codes) else str(value)
