@@ -338,8 +338,8 @@ def test_cli_bad_config(capsys, bad):
         main(["--config", bad])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--config" in err and ("7B, OLMoE, 30B or five positive integers" in err
-                                  or "K must be <= E" in err)
+    assert "--config" in err and ("DeepSeek-V3, Qwen3-235B, GLM-4.5, Mixtral-8x7B or five "
+                                  "positive integers" in err or "K must be <= E" in err)
 
 
 def test_cli_rejects_unaligned_sizes_on_meta(capsys):
