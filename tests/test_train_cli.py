@@ -421,3 +421,17 @@ def test_logging_is_rank_aware(monkeypatch, env, level, prefix):
         assert logger.handlers[0].format(record) == f"{prefix}WARNING sonic.train: hi"
     finally:
         logger.handlers, logger.level, logger.propagate = saved
+
+
+@pytest.mark.parametrize("option,bad,expected", [
+    ("--steps", "0", "an integer > 0"), ("--steps", "x", "an integer > 0"),
+    ("--warmup", "-1", "an integer >= 0"), ("--lr", "inf", "a finite number > 0"),
+    ("--lr", "nan", "a finite number > 0"), ("--aux-loss-coef", "-0.5", "a finite number >= 0"),
+])
+def test_number_options_name_what_they_expect(capsys, option, bad, expected):
+    from sonic.train.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([option, bad])
+    assert exc.value.code == 2
+    assert f"{option}: expected {expected}, got {bad!r}" in capsys.readouterr().err

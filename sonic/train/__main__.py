@@ -18,32 +18,28 @@ from sonic.train.report import comparison_lines, plot_runs, summary_lines
 from sonic.train.parallel import world_from_env
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _bounded(cast, low: int, strict: bool):
+    """An argparse ``type``: ``cast(text)``, finite, and ``> low`` (``strict``) or ``>= low``;
+    otherwise an error naming what was expected."""
+    expected = (f"{'an integer' if cast is int else 'a finite number'} "
+                f"{'>' if strict else '>='} {low}")
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
+_positive_int = _bounded(int, 0, strict=True)
+_non_negative_int = _bounded(int, 0, strict=False)
+_positive_float = _bounded(float, 0, strict=True)
+_non_negative_float = _bounded(float, 0, strict=False)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
