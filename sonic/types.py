@@ -102,5 +102,8 @@ class RoutingMetadata:
         """Inverse of :meth:`tensors`. ``packed``: the one int32 buffer the fields are views of,
         when they are (``torch.ops.sonic.routing_metadata`` returns it; ``top_k`` says whether
         it leaves out ``token_rows``, see :func:`sonic.ops.pack_metadata`)."""
-        return cls(*tensors, num_tokens=num_tokens, num_experts=num_experts, packed=packed,
-                   top_k=top_k)
+        (expert_counts, expert_offsets, sorted_pairs, gather_idx, pair_rows, token_offsets,
+         token_rows) = tensors
+        return cls(expert_counts, expert_offsets, sorted_pairs, gather_idx, pair_rows,
+                   token_offsets, token_rows, num_tokens=num_tokens, num_experts=num_experts,
+                   packed=packed, top_k=top_k)

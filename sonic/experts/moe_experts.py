@@ -165,7 +165,7 @@ class Fp8WeightCache:
         self._entry: tuple | None = None
 
     def get(self, w1: torch.Tensor, w2: torch.Tensor, params: tuple[torch.Tensor, ...],
-            backend: str) -> Fp8ExpertWeights | None:
+            backend: Backend) -> Fp8ExpertWeights | None:
         """The copies of ``w1``, ``w2`` (derived from ``params``; any strides, e.g.
         transposed views): made now, or reused inside :func:`reuse_fp8_weights` when the key
         matches. None when a weight is not bf16 (:func:`moe_experts` then raises its

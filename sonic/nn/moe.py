@@ -256,6 +256,12 @@ class MoE(nn.Module):
             forward, ``x`` not a tensor, not in the layer's dtype, or without last dim ``d``.
     """
 
+    # Buffers and submodules some layers register (for the type checker: nn.Module's
+    # attribute lookup is otherwise untyped).
+    expert_bias: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    shared_gate: nn.Linear | None
+
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
                  router: Router = "topk", tile: int = 128, score: Score = "softmax_topk",
                  renormalize: bool = False, rounding: Rounding = "nearest",
@@ -463,7 +469,7 @@ class MoE(nn.Module):
                  if name not in supported and getattr(self, name) not in allowed]
         if "expert_bias" not in supported and hasattr(self, "expert_bias"):
             found.append("expert_bias=True")
-        if "shared_expert_d" not in supported and getattr(self, "shared_expert_d", 0):
+        if "shared_expert_d" not in supported and self.shared_expert_d:
             found.append(f"shared_expert_d={self.shared_expert_d}")
         return found
 
@@ -540,7 +546,7 @@ class MoE(nn.Module):
             bound = 1 / math.sqrt(self.shared_expert_d)
             nn.init.uniform_(self.shared_w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
             nn.init.uniform_(self.shared_w2, -bound, bound)
-        if getattr(self, "shared_gate", None) is not None:
+        if self.shared_gate is not None:
             self.shared_gate.reset_parameters()
 
     def route(self, logits: torch.Tensor) -> Routing:
@@ -562,7 +568,7 @@ class MoE(nn.Module):
         return self._run_experts(tokens, w1, w2, routing, self.precision)
 
     def _run_experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     routing: Routing, precision: str) -> torch.Tensor:
+                     routing: Routing, precision: Precision) -> torch.Tensor:
         """This process's experts ``w1``, ``w2`` on the routing, with the layer's activation."""
         scores = routing.scores.to(accumulate_dtype(tokens.dtype))
         if self.activation != "swiglu":

@@ -121,13 +121,15 @@ def _round(tc: Routing, probs: torch.Tensor, tile: int, rounding: str, backend: 
     top-K pairs) and the affinities ``probs (T, E)``."""
     num_tokens, num_experts = probs.shape
     k = tc.top_k
+    if k is None:       # topk_routing always sets it
+        raise ValueError("token rounding needs a token choice with top_k set")
     tc_scores = tc.scores.to(probs.dtype)
-    size = capacity(num_tokens, num_experts, k, tile, rounding) if padded else None
+    size = capacity(num_tokens, num_experts, k, tile, rounding)
     if _use_kernel(backend, probs):
         from sonic.kernels.token_rounding import token_rounding_select
         tokens, experts, source, num_kept = token_rounding_select(
             probs.detach(), tc_scores.detach(), tc.expert_idx.view(num_tokens, k), tile,
-            rounding, size if padded else capacity(num_tokens, num_experts, k, tile, rounding))
+            rounding, size)
         if not padded:
             count = int(num_kept)                              # the one host read: P
             tokens, experts, source = tokens[:count], experts[:count], source[:count]

@@ -1,0 +1,20 @@
+"""The public modules type-check: mypy over the package's user-facing API (the layer, the
+routers, the experts op, the shared types), as a user's checker would read them."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/types.py"]
+
+
+def test_public_modules_type_check():
+    pytest.importorskip("mypy")
+    proc = subprocess.run([sys.executable, "-m", "mypy", *PUBLIC, "--ignore-missing-imports",
+                           "--follow-imports=silent", "--no-error-summary",
+                           "--cache-dir", str(REPO / ".mypy_cache")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
