@@ -306,3 +306,22 @@ def test_fp8_options_check_sizes_before_switching():
     assert model.config._experts_implementation != "sonic"
     with pytest.raises(ValueError, match="precision"):
         hf.use_sonic_experts(model, precision="fp16")
+
+
+def test_a_probed_activation_is_probed_once():
+    """An act_fn recognised by its values (a bare function) is probed on first use only:
+    the experts' forward asks for it on every call."""
+    model = tiny_model("qwen3_moe")
+    experts = next(m for m in model.modules() if hf.is_experts_module(m))
+    calls = []
+
+    def silu(x):
+        calls.append(1)
+        return torch.nn.functional.silu(x)
+
+    experts._modules.pop("act_fn", None)
+    setattr(experts, "act_fn", silu)
+    assert hf.expert_activation(experts) == "swiglu"
+    assert hf.check_experts(experts) == "concat"
+    assert hf.expert_activation(experts) == "swiglu"
+    assert len(calls) == 1

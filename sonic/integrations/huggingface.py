@@ -28,6 +28,7 @@ Source: transformers 5.x ``integrations/moe.py`` (the registry and its call sign
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -73,13 +74,29 @@ _REFERENCE_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu,
                         "relu2": lambda x: F.relu(x).square()}
 
 
+# What a probed act_fn computes, kept while it lives: it has no parameters, so its values
+# cannot change, and the experts' forward asks on every call.
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _act_function(act_fn, what: str) -> str:
     """The function ``act_fn`` computes, by sonic's names: from the class of transformers'
     activation modules, else by probing it (:func:`_probe_function`, which raises)."""
     if type(act_fn) is _hf_act.GELUActivation:
         return "gelu"           # exact erf GELU (its python variant computes the same)
     known = _ACT_FUNCTIONS.get(type(act_fn))
-    return known if known is not None else _probe_function(act_fn, what)
+    if known is not None:
+        return known
+    try:
+        return _PROBED[act_fn]
+    except (KeyError, TypeError):       # not probed yet, or not weakly referable
+        pass
+    name = _probe_function(act_fn, what)
+    try:
+        _PROBED[act_fn] = name
+    except TypeError:                   # a builtin: probed on every call
+        pass
+    return name
 
 
 def expert_activation(module: nn.Module) -> str:

@@ -12,7 +12,7 @@ marker, and exits non-zero if a variant fails to compile or lacks a marker.
 Where a ``ptxas`` is found (``SONIC_PTXAS``, ``PATH``, or the one Triton bundles) the sm_90a
 WGMMA kernels are also assembled, and a variant fails if ptxas serializes its WGMMAs (its
 ``C7520`` or ``C7514`` advisory): the kernel then still runs correctly, but its mainloop at
-about half speed (the fifteenth session's dSwiGLU epilogue, benchmarks/RESULTS.md). Without a
+about half speed (a dSwiGLU epilogue once did, benchmarks/RESULTS.md). Without a
 ptxas the check says so above its summary line.
 """
 
