@@ -90,7 +90,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sonic  # noqa: E402
-from sonic.distributed import ExpertParallelMoE, experts, overlap, plan  # noqa: E402
+from sonic.distributed import (ExpertParallelMoE, comm, experts, overlap,  # noqa: E402
+                               plan)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -126,6 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--comm-priorities", default="normal",
                         help="priorities of the comm stream to time the chunked runs with "
                              "(normal: sonic's own; high: runs named '... high-prio')")
+    parser.add_argument("--transports", default="nccl",
+                        help="data all-to-all transports to time every run with: nccl, "
+                             "copy_engine (runs named '... ce'; 'a2a alone ce' its own "
+                             "all-to-alls); default %(default)s")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
@@ -138,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.sm_margins = [int(m) for m in args.sm_margins.split(",")]
     args.comm_priorities = args.comm_priorities.split(",")
+    args.transports = args.transports.split(",")
+    if not set(args.transports) <= {"nccl", "copy_engine"}:
+        parser.error("--transports: a comma-separated list of nccl, copy_engine")
     if not set(args.comm_priorities) <= {"high", "normal"}:
         parser.error("--comm-priorities: a comma-separated list of high, normal")
     return args
@@ -192,31 +200,34 @@ def _drop_grads(params) -> None:
 def _data_all_to_alls(record: list | None = None, replay: list | None = None):
     """Inside, the floating-point (data) all-to-alls are changed, the integer ones of the plan
     stay real. ``record``: each real data call appends its (bytes sent, send buffer, receive
-    buffer, splits). ``replay`` (a ``record`` of the same configuration): no data moves; a
-    call without ``out`` returns the recorded receive buffer of its splits, width and dtype, a
-    call with ``out`` leaves it untouched (module docstring, item 3)."""
-    real = experts.all_to_all
+    buffer, splits). ``replay`` (a ``record`` of the same configuration): no data moves (rows
+    sent by index are still gathered, as the real call does); a call without ``out`` returns
+    the recorded receive buffer of its splits, width and dtype, a call with ``out`` leaves it
+    untouched (module docstring, item 3)."""
+    real = plan.all_to_all
 
     def key(x, out_splits, in_splits):
         return tuple(out_splits), tuple(in_splits), tuple(x.shape[1:]), x.dtype
 
     received = {key(send, o, i): recv for _, send, recv, o, i in (replay or [])}
 
-    def substitute(x, out_splits, in_splits, group, out=None):
+    def substitute(x, out_splits, in_splits, group, out=None, *, index=None, transport=None):
         if not x.is_floating_point():
-            return real(x, out_splits, in_splits, group, out)
+            return real(x, out_splits, in_splits, group, out, index=index, transport=transport)
+        if index is not None:
+            x = x.index_select(0, index)
         if record is not None:
-            out = real(x, out_splits, in_splits, group, out)
+            out = real(x, out_splits, in_splits, group, out, transport=transport)
             record.append((x.numel() * x.element_size(), x.detach().clone(), out.detach().clone(),
                            list(out_splits), list(in_splits)))
             return out
         return received[key(x, out_splits, in_splits)] if out is None else out
 
-    experts.all_to_all = overlap.all_to_all = substitute
+    plan.all_to_all = substitute
     try:
         yield
     finally:
-        experts.all_to_all = overlap.all_to_all = real
+        plan.all_to_all = real
 
 
 def _nccl_group(max_ctas: int, priority: str):
@@ -244,10 +255,15 @@ def _nccl_options(priority: str):
 
 
 def _run_name(chunks: int, margin: int, recompute: bool = False, ctas: int = 0,
-              comm_priority: str = "normal") -> str:
+              comm_priority: str = "normal", transport: str = "nccl") -> str:
     return (f"C={chunks}" + (f" m={margin}" if margin else "") + (" rd" if recompute else "")
             + (f" ctas={ctas}" if ctas else "")
-            + (f" {comm_priority}-prio" if comm_priority != "normal" else ""))
+            + (f" {comm_priority}-prio" if comm_priority != "normal" else "")
+            + _TRANSPORT_SUFFIX[transport])
+
+
+# How a run's name shows its transport (and the key of its "a2a alone" time).
+_TRANSPORT_SUFFIX = {"nccl": "", "copy_engine": " ce"}
 
 
 # Phase of an all-to-all, by the function that calls it (for the chunked path's token-row
@@ -269,10 +285,14 @@ _A2A_PHASES = {
 
 
 def _a2a_phase() -> str:
-    """The phase of the all-to-all whose timing wrapper calls this (see :data:`_A2A_PHASES`)."""
-    caller = sys._getframe(2).f_code.co_qualname
+    """The phase of the all-to-all whose timing wrapper calls this (see :data:`_A2A_PHASES`):
+    the function calling it, past the plan's data all-to-all method."""
+    frame = sys._getframe(2)
+    if frame.f_code.co_qualname == "DispatchPlan.all_to_all":
+        frame = frame.f_back
+    caller = frame.f_code.co_qualname
     if caller == "_send_token_rows":
-        caller = sys._getframe(3).f_code.co_qualname + " rows"
+        caller = frame.f_back.f_code.co_qualname + " rows"
     return _A2A_PHASES.get(caller, "other a2a")
 
 
@@ -309,8 +329,6 @@ def _phase_timeline(layer, x, dout, params, device) -> list:
         return dataclasses.replace(ops, aggregate=timed(ops.aggregate, "per-token sum"))
 
     patches = [(plan, "all_to_all", timed(plan.all_to_all)),
-               (experts, "all_to_all", timed(experts.all_to_all)),
-               (overlap, "all_to_all", timed(overlap.all_to_all)),
                (experts, "moe_experts", timed(experts.moe_experts, "local experts fwd")),
                (overlap, "experts_forward", timed(overlap.experts_forward,
                                                   "local experts fwd")),
@@ -400,11 +418,13 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
 
     recomputes = (False, True) if args.recompute_dispatch else (False,)
     errors = {}
-    for c in args.chunks:
-        for r in recomputes:
-            layer.num_chunks, layer.recompute_dispatch = c, r
-            errors[_run_name(c, 0, r)] = _check(layer, full, x, dout, x_full, dout_full, mine,
-                                                rank)
+    for t in args.transports:
+        layer.transport = t
+        for c in args.chunks:
+            for r in recomputes:
+                layer.num_chunks, layer.recompute_dispatch = c, r
+                errors[_run_name(c, 0, r, transport=t)] = _check(layer, full, x, dout, x_full,
+                                                                 dout_full, mine, rank)
     worst = torch.tensor(max(max(e.values()) for e in errors.values()), device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
@@ -415,61 +435,70 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
                    "step": timer(lambda: full(x).backward(dout), single_params)}}
     margins = [m for m in args.sm_margins if m and 2 in args.chunks]
     limits = (0, 1) if args.nccl_ctas and device.type == "cuda" else (0,)
-    # The comm stream's priority matters only to the chunked pipeline (C > 1).
-    runs = ([(c, 0, r, 0, p) for p in args.comm_priorities for r in recomputes
+    # The comm stream's priority matters only to the chunked pipeline (C > 1); the NCCL CTA
+    # limit only to the NCCL transport.
+    runs = [run for t in args.transports for run in
+            [(c, 0, r, 0, p, t) for p in args.comm_priorities for r in recomputes
              for c in args.chunks if c > 1 or p == "normal"]
-            + [(2, m, False, m * k, p) for p in args.comm_priorities for m in margins
-               for k in limits])
+            + [(2, m, False, m * k, p, t) for p in args.comm_priorities for m in margins
+               for k in limits if t == "nccl" or not k]]
     calls, peak = {}, {}
-    groups = {ctas: _nccl_group(ctas, args.nccl_priority) for *_, ctas, _ in runs}
+    groups = {ctas: _nccl_group(ctas, args.nccl_priority) for *_, ctas, _, _ in runs}
     comm_streams = {p: _comm_stream(device, p) for p in ("normal", *args.comm_priorities)}
-    for c, margin, r, ctas, priority in runs:
+    for c, margin, r, ctas, priority, t in runs:
         layer.num_chunks, layer.comm_sm_margin, layer.recompute_dispatch = c, margin, r
-        layer.group = groups[ctas]
+        layer.group, layer.transport = groups[ctas], t
         if device.type == "cuda":
             overlap._COMM_STREAMS[device.index] = comm_streams[priority]
-        if (c, r) not in calls:     # one real step: the messages compute-only replays
-            calls[(c, r)] = {"fwd": [], "bwd": []}
-            with _data_all_to_alls(record=calls[(c, r)]["fwd"]):
+        if (c, r, t) not in calls:     # one real step: the messages compute-only replays
+            calls[(c, r, t)] = {"fwd": [], "bwd": []}
+            with _data_all_to_alls(record=calls[(c, r, t)]["fwd"]):
                 out = layer(x)
-            with _data_all_to_alls(record=calls[(c, r)]["bwd"]):
+            with _data_all_to_alls(record=calls[(c, r, t)]["bwd"]):
                 out.backward(dout)
             del out
-        name = _run_name(c, margin, r, ctas, priority)
+        name = _run_name(c, margin, r, ctas, priority, t)
         peak[name] = _peak_mib(lambda: layer(x).backward(dout), ep_params, device)
         ms[f"ep {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
                             "step": timer(lambda: layer(x).backward(dout), ep_params)}
-        with _data_all_to_alls(replay=calls[(c, r)]["fwd"] + calls[(c, r)]["bwd"]):
+        with _data_all_to_alls(replay=calls[(c, r, t)]["fwd"] + calls[(c, r, t)]["bwd"]):
             ms[f"compute {name}"] = {"fwd": timer(lambda: layer(x), ep_params),
                                      "step": timer(lambda: layer(x).backward(dout), ep_params)}
     layer.recompute_dispatch, layer.group = False, None
     if device.type == "cuda":
         overlap._COMM_STREAMS[device.index] = comm_streams["normal"]
 
-    # The data all-to-alls of one unchunked step, replayed back to back.
+    # The data all-to-alls of one unchunked step, replayed back to back, per transport.
     first = args.chunks[0]
+    for t in args.transports:
+        mover = experts._resolve_transport(t, None, device)
 
-    def replay(phases):
-        for phase in phases:
-            for _, send, recv, out_splits, in_splits in calls[(first, False)][phase]:
-                dist.all_to_all_single(recv, send, out_splits, in_splits)
+        def replay(phases):
+            for phase in phases:
+                for _, send, recv, out_splits, in_splits in calls[(first, False, t)][phase]:
+                    comm.all_to_all(send, out_splits, in_splits, None, out=recv,
+                                    transport=mover)
 
-    ms["a2a"] = {"fwd": timer(lambda: replay(["fwd"]), []),
-                 "step": timer(lambda: replay(["fwd", "bwd"]), [])}
-    sent = {"fwd": sum(c[0] for c in calls[(first, False)]["fwd"])}
-    sent["step"] = sent["fwd"] + sum(c[0] for c in calls[(first, False)]["bwd"])
-    del calls
+        ms["a2a" + _TRANSPORT_SUFFIX[t]] = {"fwd": timer(lambda: replay(["fwd"]), []),
+                                             "step": timer(lambda: replay(["fwd", "bwd"]), [])}
+    record = calls[(first, False, args.transports[0])]
+    sent = {"fwd": sum(c[0] for c in record["fwd"])}
+    sent["step"] = sent["fwd"] + sum(c[0] for c in record["bwd"])
+    del calls, record
 
-    # Per-phase timelines of one step: C = 1 and the fastest C > 1 (the same on every rank:
-    # the slowest rank's medians decide).
-    step_ms = torch.tensor([ms[f"ep {_run_name(c, 0)}"]["step"] for c in args.chunks],
-                           dtype=torch.float64, device=device)
-    dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)
-    chunked = [(t, c) for t, c in zip(step_ms.tolist(), args.chunks) if c > 1]
+    # Per-phase timelines of one step, per transport: C = 1 and the fastest C > 1 (the same on
+    # every rank: the slowest rank's medians decide).
     phases = {}
-    for c in sorted({args.chunks[0], *([min(chunked)[1]] if chunked else [])}):
-        layer.num_chunks, layer.comm_sm_margin = c, 0
-        phases[c] = _phase_timeline(layer, x, dout, ep_params, device)
+    for t in args.transports:
+        layer.transport = t
+        step_ms = torch.tensor([ms[f"ep {_run_name(c, 0, transport=t)}"]["step"]
+                                for c in args.chunks], dtype=torch.float64, device=device)
+        dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)
+        chunked = [(ms_c, c) for ms_c, c in zip(step_ms.tolist(), args.chunks) if c > 1]
+        for c in sorted({args.chunks[0], *([min(chunked)[1]] if chunked else [])}):
+            layer.num_chunks, layer.comm_sm_margin = c, 0
+            phases[_run_name(c, 0, transport=t)] = _phase_timeline(layer, x, dout, ep_params,
+                                                                   device)
 
     mine_result = {"ms": ms, "peak_MiB": peak, "sent_bytes": sent, "errors": errors,
                    "phases": phases}
@@ -493,16 +522,21 @@ def _summarise(per_rank: list[dict], args, world: int) -> dict:
               "a2a_busbw_GBps": {}, "efficiency": {}, "exposed_ms": {}, "hidden": {},
               "max_rel_error": max(max(e.values()) for r in per_rank
                                    for e in r["errors"].values())}
-    for p in ("fwd", "step"):
-        sent = max(r["sent_bytes"][p] for r in per_rank)
-        result["a2a_busbw_GBps"][p] = sent * (world - 1) / world / (ms["a2a"][p] * 1e-3) / 1e9
+    for t in args.transports:
+        a2a = "a2a" + _TRANSPORT_SUFFIX[t]
+        result["a2a_busbw_GBps"][a2a] = {}
+        for p in ("fwd", "step"):
+            sent = max(r["sent_bytes"][p] for r in per_rank)
+            result["a2a_busbw_GBps"][a2a][p] = sent * (world - 1) / world / (ms[a2a][p] * 1e-3) \
+                / 1e9
     for name in (k[3:] for k in names if k.startswith("ep ")):
+        a2a = "a2a" + (" ce" if name.endswith(" ce") else "")
         for p in ("fwd", "step"):
             key = f"{name} {p}"
             exposed = ms[f"ep {name}"][p] - ms[f"compute {name}"][p]
             result["efficiency"][key] = ms["1gpu"][p] / ms[f"ep {name}"][p]
             result["exposed_ms"][key] = exposed
-            result["hidden"][key] = 1 - exposed / ms["a2a"][p]
+            result["hidden"][key] = 1 - exposed / ms[a2a][p]
     result["phases_rank0"] = per_rank[0]["phases"]
     return result
 
@@ -518,8 +552,9 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
     print(f"{'':30s} {'fwd ms':>9s} {'step ms':>9s}")
     print(f"{'1 GPU (same T/GPU)':30s} {ms['1gpu']['fwd']:9.3f} {ms['1gpu']['step']:9.3f}   "
           f"per rank: " + ", ".join(f"{t:.3f}" for t in s["ms_1gpu_per_rank"]))
-    print(f"{'a2a alone':30s} {ms['a2a']['fwd']:9.3f} {ms['a2a']['step']:9.3f}   bus bw "
-          f"{s['a2a_busbw_GBps']['fwd']:.0f} / {s['a2a_busbw_GBps']['step']:.0f} GB/s")
+    for a2a, bw in s["a2a_busbw_GBps"].items():
+        print(f"{a2a + ' alone':30s} {ms[a2a]['fwd']:9.3f} {ms[a2a]['step']:9.3f}   bus bw "
+              f"{bw['fwd']:.0f} / {bw['step']:.0f} GB/s")
     print(f"{'':30s} {'ms':>9s} {'compute-only':>13s} {'exposed':>8s} {'hidden':>7s} "
           f"{'efficiency':>11s} {'peak MiB':>9s}")
     for name in (k[3:] for k in ms if k.startswith("ep ")):
@@ -529,9 +564,10 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
             print(f"{f'EP={world} {key}':30s} {ms[f'ep {name}'][p]:9.3f} "
                   f"{ms[f'compute {name}'][p]:13.3f} {s['exposed_ms'][key]:8.3f} "
                   f"{s['hidden'][key]:7.1%} {s['efficiency'][key]:11.1%} {peak}")
-    print("exposed = ep - compute-only (no data moved); hidden = 1 - exposed / a2a alone")
-    for c, rows in s["phases_rank0"].items():
-        print(f"phases of one step, rank 0, C={c} (ms from the step's start, per stream):")
+    print("exposed = ep - compute-only (no data moved); hidden = 1 - exposed / a2a alone "
+          "(of the run's transport)")
+    for name, rows in s["phases_rank0"].items():
+        print(f"phases of one step, rank 0, {name} (ms from the step's start, per stream):")
         for phase, stream, start, dur in rows:
             print(f"  {phase:32s} {stream:8s} {start:9.3f} {dur:9.3f}")
         totals = {}

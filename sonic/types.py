@@ -30,8 +30,11 @@ Rounding = Literal["nearest", "up", "down"]
 Backend = Literal["auto", "torch", "cute"]
 Precision = Literal["bf16", "fp8"]
 ActivationCache = Literal["bf16", "fp8"]
+# What moves expert parallelism's data all-to-alls (sonic.distributed.ep_moe_experts).
+Transport = Literal["nccl", "copy_engine", "auto"]
 
 GATE_UP_LAYOUTS: tuple[GateUp, ...] = get_args(GateUp)
+TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
 
 # Side of the FP8 recipe's scale blocks (DeepSeek-V3, arXiv 2412.19437 §3.3): activations carry
 # one scale per 1 x FP8_BLOCK row slice, weights one per FP8_BLOCK x FP8_BLOCK block. The

@@ -379,7 +379,19 @@ def _error_cases(rank, world):
         "index_out_of_range": _catch(lambda: call(exp=exp + 2 * rank)),
         "disagree_top_k": _catch(lambda: ExpertParallelMoE(D, N, 4, 1 + rank, backend="torch")),
         "unknown_router": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, router="expert_choice")),
+        "unknown_transport": _catch(lambda: ExpertParallelMoE(D, N, 4, 2, transport="nvshmem")),
+        # Peer memory needs CUDA ranks of one host: refused on every gloo rank, after the
+        # count exchange (so a rank that asks for it cannot leave the others waiting).
+        "copy_engine_on_gloo": _catch(lambda: ExpertParallelMoE(
+            D, N, 4, 2, backend="torch", transport="copy_engine")(x)),
     }
+    # "auto" falls back to torch.distributed: the same result as "nccl".
+    torch.manual_seed(3)
+    layer = ExpertParallelMoE(D, N, 4, 2, backend="torch", dtype=torch.float64)
+    x64 = x.double()
+    reference = layer(x64)
+    layer.transport = "auto"
+    out["auto_equal"] = torch.equal(layer(x64), reference)
     # A group that only rank 0 belongs to: size 1 runs locally there; rank 1 is no member.
     solo = dist.new_group([0])
     out["solo_group"] = _catch(lambda: call(w1=torch.randn(4, 2 * N, D),
@@ -405,6 +417,11 @@ def test_errors_are_raised_on_every_rank(tmp_path):
         assert "out of range" in r["index_out_of_range"]
         assert "EP ranks disagree on top_k" in r["disagree_top_k"]
         assert "router must be one of 'topk', 'token_rounding'" in r["unknown_router"]
+        assert "transport must be one of 'nccl', 'copy_engine', 'auto'" in \
+            r["unknown_transport"]
+        assert r["copy_engine_on_gloo"].startswith("ValueError: transport='copy_engine' needs "
+                                                   "CUDA tensors and an NCCL group")
+        assert r["auto_equal"]
     assert "EP rank 1" in r0["index_out_of_range"]
     assert "this rank" in r1["index_out_of_range"]
     assert r0["solo_group"] == "no error"
@@ -447,7 +464,8 @@ def _settings_cases(rank, world):
     def case(name, change, run=lambda: layer(x)):
         saved = {k: getattr(layer, k) for k in ("router", "tile", "top_k", "score",
                                                 "renormalize", "rounding", "training",
-                                                "routed_scaling_factor", "n_group")}
+                                                "routed_scaling_factor", "n_group",
+                                                "transport")}
         if last:
             change()
         out[name] = _catch(run)
@@ -471,6 +489,7 @@ def _settings_cases(rank, world):
     case("renormalize", lambda: setattr(layer, "renormalize", True))
     case("routed_scaling_factor", lambda: setattr(layer, "routed_scaling_factor", 2.5))
     case("n_group", lambda: setattr(layer, "n_group", 2))
+    case("transport", lambda: setattr(layer, "transport", "auto"))
     # The functional forms: scores of another dtype; token rounding of another tile.
     w1, w2 = layer.w1.detach(), layer.w2.detach()
     tok = torch.arange(3, dtype=torch.int32)
@@ -495,7 +514,7 @@ def test_ranks_disagreeing_on_a_setting_raise_on_every_rank(tmp_path, world):
                 "score": "score: 'softmax_topk'", "renormalize": "renormalize: False",
                 "score_token_rounding": "score: 'softmax_topk' on EP rank",
                 "routed_scaling_factor": "routed_scaling_factor: 1.0 on EP rank",
-                "n_group": "n_group: 1 on EP rank",
+                "n_group": "n_group: 1 on EP rank", "transport": "transport: 'nccl' on EP rank",
                 "scores_dtype": "dtype of scores: torch.float64", "tr_tile": "tile: 2 on EP rank",
                 "tr_dtype": "dtype of scores: torch.float64"}
     others = ", ".join(map(str, range(world - 1)))

@@ -1,7 +1,8 @@
 """Process-group checks and the all-to-all primitive of expert parallelism.
 
-Everything goes through ``torch.distributed`` (gloo on CPU, NCCL on GPU); sonic has no transport
-of its own. A collective that a peer never joins waits until the process group's timeout
+Everything goes through ``torch.distributed`` (gloo on CPU, NCCL on GPU), except the data
+all-to-alls of a layer that chose the copy-engine transport inside one node
+(:mod:`sonic.distributed.peer`). A collective that a peer never joins waits until the process group's timeout
 (``init_process_group(..., timeout=...)``) and then raises: gloo raises ``RuntimeError``,
 NCCL's watchdog aborts the communicator. That timeout bounds every wait in this package.
 """
@@ -42,16 +43,24 @@ def comm_device(group, fallback: torch.device) -> torch.device:
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, index: torch.Tensor | None = None,
+               transport=None) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:j]) : ...]`` go to group rank ``j``; returns the
     ``sum(out_splits)`` rows received, grouped by source rank (``out_splits[j]`` from rank j),
-    in ``out`` when given (contiguous, e.g. a row block of a larger buffer).
+    in ``out`` when given (contiguous, e.g. a row block of a larger buffer). ``index``: send
+    the rows ``x[index]`` instead (the copy-engine transport gathers them straight into its
+    send buffer). ``transport``: a :class:`~sonic.distributed.peer.PeerTransport` to move the
+    rows with, or ``None`` for ``torch.distributed``.
 
     On NCCL it is queued behind the work of the current CUDA stream and that stream waits for
     it (``all_to_all_single``'s work is waited on the stream, not on the host), so under
     ``torch.cuda.stream(s)`` it overlaps with the kernels of other streams. On gloo the host
     waits. Not differentiable by itself: the autograd functions around it send gradients back.
     """
+    if transport is not None:
+        return transport.all_to_all(x, out_splits, in_splits, out, index)
+    if index is not None:
+        x = x.index_select(0, index)
     if out is None:
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)

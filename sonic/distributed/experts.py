@@ -30,6 +30,7 @@ all-to-alls overlap another's local experts (:mod:`sonic.distributed.overlap`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -40,14 +41,25 @@ from sonic.activation_cache import check_activation_cache
 from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
                                         check_fp8_call, moe_experts, quantize_expert_weights)
 from sonic.backend import check_fp8_backend, expert_ops
-from sonic.distributed.comm import all_to_all, check_group
+from sonic.distributed.comm import check_group
 from sonic.distributed.eplb import Placement
 from sonic.distributed.overlap import ChunkedExperts
+from sonic.distributed.peer import peer_transport, peer_transport_available
 from sonic.distributed.plan import MAX_CHUNKS, DispatchPlan, agreed_values, plan_dispatch
-from sonic.types import ActivationCache, Backend, GateUp, Precision
+from sonic.types import TRANSPORTS, ActivationCache, Backend, GateUp, Precision, Transport
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
+
+
+def _resolve_transport(transport: Transport, group, device: torch.device):
+    """The :class:`~sonic.distributed.peer.PeerTransport` that ``transport`` names for
+    ``group`` on ``device``, or ``None`` for ``torch.distributed``. Collective (every rank
+    agreed on ``transport``)."""
+    if transport == "nccl" or (transport == "auto"
+                               and not peer_transport_available(group, device)):
+        return None
+    return peer_transport(group, device)
 
 
 def check_placement(placement, num_experts: int, ep_size: int) -> None:
@@ -76,11 +88,9 @@ class Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scores, plan: DispatchPlan, aggregate):
         (chunk,) = plan.chunks
-        x_send = x.index_select(0, plan.send_tokens)
-        x_recv = all_to_all(x_send, chunk.recv_rows, chunk.send_rows, plan.group)
-        del x_send
-        s_send = scores.index_select(0, plan.pair_order)
-        s_recv = all_to_all(s_send, chunk.recv_pairs, chunk.send_pairs, plan.group)
+        x_recv = plan.all_to_all(x, chunk.recv_rows, chunk.send_rows, index=plan.send_tokens)
+        s_recv = plan.all_to_all(scores, chunk.recv_pairs, chunk.send_pairs,
+                                 index=plan.pair_order)
         plan.save_for_backward(ctx)
         ctx.aggregate = aggregate
         return x_recv, s_recv
@@ -92,10 +102,10 @@ class Dispatch(torch.autograd.Function):
         grad_x = grad_scores = None
         # Every rank takes the same branches: _AGREED includes the requires_grad flags.
         if ctx.needs_input_grad[0]:
-            rows = all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows, plan.group)
+            rows = plan.all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows)
             grad_x = ctx.aggregate(rows, plan.token_rows, plan.token_offsets, None)
         if ctx.needs_input_grad[1]:
-            g = all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group)
+            g = plan.all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs)
             grad_scores = torch.empty_like(g).index_copy_(0, plan.pair_order, g)
         return grad_x, grad_scores, None, None
 
@@ -111,7 +121,7 @@ class Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_recv, plan: DispatchPlan, aggregate):
         (chunk,) = plan.chunks
-        rows = all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group)
+        rows = plan.all_to_all(y_recv, chunk.send_rows, chunk.recv_rows)
         plan.save_for_backward(ctx)
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
 
@@ -119,8 +129,8 @@ class Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         _, plan = DispatchPlan.saved(ctx)
         (chunk,) = plan.chunks
-        rows = grad_out.index_select(0, plan.send_tokens)
-        return all_to_all(rows, chunk.recv_rows, chunk.send_rows, plan.group), None, None
+        return plan.all_to_all(grad_out, chunk.recv_rows, chunk.send_rows,
+                               index=plan.send_tokens), None, None
 
 
 def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tensor,
@@ -131,7 +141,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                    recompute_dispatch: bool = False, precision: Precision = "bf16",
                    fp8_weights: Fp8ExpertWeights | None = None,
                    activation_cache: ActivationCache = "bf16",
-                   settings: Mapping[str, object] | None = None) -> torch.Tensor:
+                   settings: Mapping[str, object] | None = None,
+                   transport: Transport = "nccl") -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -187,6 +198,14 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
             local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``), on every
             path; the rows travel in bf16 either way (each rank quantizes what it received).
+        transport: what moves the data all-to-alls (rows, scores and their gradients), the same
+            on every rank: ``"nccl"`` (default) — ``torch.distributed``'s
+            ``all_to_all_single`` (NCCL kernels on GPU, gloo on CPU); ``"copy_engine"`` —
+            NVLink peer memory moved by the copy engines, no SM taken from the grouped GEMMs
+            (:mod:`sonic.distributed.peer`; CUDA ranks of one host on an NCCL group); ``"auto"``
+            — ``"copy_engine"`` where it is available, else ``"nccl"``. The bytes moved, and so
+            every result, are the same. The count exchange of the plan always uses
+            ``torch.distributed``.
         settings: further settings of the caller that every rank must share, by name:
             ``router``, ``training``, ``top_k``, ``tile``, ``rounding``, ``score``,
             ``renormalize`` (what :class:`ExpertParallelMoE` passes); they travel in the count
@@ -243,6 +262,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
     check_int("comm_sm_margin", comm_sm_margin, low=0)
     check_choice("precision", precision, PRECISIONS)
+    check_choice("transport", transport, TRANSPORTS)
     if not isinstance(recompute_dispatch, bool):
         raise TypeError(f"recompute_dispatch must be a bool, got "
                         f"{type(recompute_dispatch).__name__}")
@@ -298,9 +318,16 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         "placement (its fingerprint; 0 for the contiguous default)":
             0 if placement is None else placement.fingerprint(),
         "num_chunks": num_chunks, "recompute_dispatch": recompute_dispatch,
-        "precision": precision, "activation_cache": activation_cache})
+        "precision": precision, "activation_cache": activation_cache, "transport": transport})
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
                          placement, num_chunks)
+    # After the exchange: every rank agrees on the transport and takes the same (collective)
+    # steps to set it up.
+    mover = _resolve_transport(transport, group, x.device)
+    if mover is not None:
+        mover.reserve(max(plan.largest_rows * d * x.element_size(),
+                          plan.largest_pairs * scores.element_size()))
+        plan = dataclasses.replace(plan, transport=mover)
     if num_chunks > 1 or recompute_dispatch:
         if precision == "fp8" and fp8_weights is None:
             fp8_weights = quantize_expert_weights(w1_local, w2_local, backend)

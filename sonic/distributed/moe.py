@@ -10,7 +10,7 @@ from torch import nn
 
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
-from sonic._validation import check_bool, check_int
+from sonic._validation import check_bool, check_choice, check_int
 from sonic.distributed.experts import check_placement, ep_moe_experts
 from sonic.distributed.plan import MAX_CHUNKS, check_settings
 from sonic.distributed.token_rounding import ep_token_rounding_routing
@@ -18,8 +18,8 @@ from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
-from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
-                         Score)
+from sonic.types import (TRANSPORTS, ActivationCache, Backend, GateUp, Precision, Rounding,
+                         Router, Score, Transport)
 
 # The options of sonic.MoE beyond the original ones that act before dispatch (routing on each
 # rank's own tokens), which this layer carries.
@@ -72,6 +72,10 @@ class ExpertParallelMoE(MoE):
             send them again in backward (see :func:`ep_moe_experts`): less memory for one more
             all-to-all, the same gradients. The same on every rank; the attribute
             :attr:`recompute_dispatch` may be changed between calls.
+        transport: what moves the data all-to-alls, the same on every rank: ``"nccl"``
+            (default), ``"copy_engine"`` (NVLink peer memory and copy engines, no SMs; CUDA
+            ranks of one host) or ``"auto"`` (see :func:`ep_moe_experts`). The attribute
+            :attr:`transport` may be changed between calls.
 
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
     ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``; with a placement
@@ -117,7 +121,8 @@ class ExpertParallelMoE(MoE):
                  comm_sm_margin: int = 0, recompute_dispatch: bool = False,
                  precision: Precision = "bf16", activation_cache: ActivationCache = "bf16",
                  routed_scaling_factor: float = 1.0, n_group: int = 1,
-                 topk_group: int | None = None, expert_bias: bool = False):
+                 topk_group: int | None = None, expert_bias: bool = False,
+                 transport: Transport = "nccl"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
@@ -140,6 +145,8 @@ class ExpertParallelMoE(MoE):
         check_int("comm_sm_margin", comm_sm_margin, low=0)
         self.comm_sm_margin = comm_sm_margin
         self.recompute_dispatch = bool(recompute_dispatch)
+        check_choice("transport", transport, TRANSPORTS)
+        self.transport = transport
         self.group = group
         self.placement = placement
         self.num_chunks = num_chunks
@@ -203,11 +210,12 @@ class ExpertParallelMoE(MoE):
     @classmethod
     def from_moe(cls, moe: MoE, *, group=None, placement: Placement | None = None,
                  num_chunks: int = 1, comm_sm_margin: int = 0,
-                 recompute_dispatch: bool = False) -> "ExpertParallelMoE":
+                 recompute_dispatch: bool = False,
+                 transport: Transport = "nccl") -> "ExpertParallelMoE":
         """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
         its router and experts ``ep_rank·E/ep …`` copied — or, with a ``placement``, the
         experts of this rank's slots. Collective, like the constructor; ``num_chunks``,
-        ``comm_sm_margin`` and ``recompute_dispatch`` as there.
+        ``comm_sm_margin``, ``recompute_dispatch`` and ``transport`` as there.
 
         Raises:
             ValueError: as the constructor, or ``moe`` uses options the expert-parallel
@@ -223,7 +231,8 @@ class ExpertParallelMoE(MoE):
                     gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
                     device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
                     num_chunks=num_chunks, comm_sm_margin=comm_sm_margin,
-                    recompute_dispatch=recompute_dispatch, precision=moe.precision,
+                    recompute_dispatch=recompute_dispatch, transport=transport,
+                    precision=moe.precision,
                     activation_cache=moe.activation_cache,
                     routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
                     topk_group=moe.topk_group, expert_bias=hasattr(moe, "expert_bias"))
@@ -274,7 +283,8 @@ class ExpertParallelMoE(MoE):
                               num_chunks=self.num_chunks, comm_sm_margin=self.comm_sm_margin,
                               recompute_dispatch=self.recompute_dispatch,
                               precision=self.precision, activation_cache=self.activation_cache,
-                              fp8_weights=self._fp8_weights(w1, w2), settings=self._settings())
+                              fp8_weights=self._fp8_weights(w1, w2), settings=self._settings(),
+                              transport=self.transport)
 
     def _settings(self) -> dict:
         """The layer's settings every EP rank must share in each forward (they may be changed
@@ -292,7 +302,8 @@ class ExpertParallelMoE(MoE):
                 f"local_experts={self.num_local_experts}"
                 + ("" if self.placement is None else ", placement=EPLB")
                 + ("" if self.num_chunks == 1 else f", num_chunks={self.num_chunks}")
-                + (", recompute_dispatch=True" if self.recompute_dispatch else ""))
+                + (", recompute_dispatch=True" if self.recompute_dispatch else "")
+                + ("" if self.transport == "nccl" else f", transport={self.transport!r}"))
 
 
 def _decode(name: str, code: int):

@@ -49,7 +49,6 @@ import torch
 from sonic._custom_op import graph_kept
 from sonic.activation_cache import unpack as activation_cache_unpack
 from sonic.backend import expert_ops, fp8_weight_grads, sm_margin
-from sonic.distributed.comm import all_to_all
 from sonic.distributed.plan import DispatchPlan
 from sonic.ops import (_acc, _first_order_error, call, dh_step, dx_rows, experts_forward,
                        pair_score_grads, routing_metadata_op, unpack_metadata, weight_grad_fn)
@@ -146,9 +145,8 @@ class ChunkedExperts(torch.autograd.Function):
         def dispatch(c):
             chunk = plan.chunks[c]
             with streams.on_comm(scores, s_recv):
-                all_to_all(scores.index_select(0, plan.pair_order[chunk.pairs]),
-                           chunk.recv_pairs, chunk.send_pairs, plan.group,
-                           out=s_recv[pairs_at[c]])
+                plan.all_to_all(scores, chunk.recv_pairs, chunk.send_pairs,
+                                out=s_recv[pairs_at[c]], index=plan.pair_order[chunk.pairs])
             return _send_token_rows(streams, x, plan, c, x_recv, rows_at)
 
         rows = x.new_empty((plan.send_tokens.numel(), x.shape[1]))  # partial outputs, send order
@@ -165,8 +163,8 @@ class ChunkedExperts(torch.autograd.Function):
                 if h is None:
                     caches += cache
                 with streams.on_comm(y_recv, rows):
-                    all_to_all(y_recv, chunk.send_rows, chunk.recv_rows, plan.group,
-                               out=rows[chunk.rows])
+                    plan.all_to_all(y_recv, chunk.send_rows, chunk.recv_rows,
+                                    out=rows[chunk.rows])
                 del y_recv
         # The comm stream runs in issue order: its end is the end of the last combine.
         streams.wait(streams.event())
@@ -254,11 +252,11 @@ class ChunkedExperts(torch.autograd.Function):
                            if t is not None]
                 with streams.on_comm(*touched):
                     if need_x:
-                        all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows, plan.group,
-                                   out=grad_rows[chunk.rows])
+                        plan.all_to_all(grad_x_recv, chunk.send_rows, chunk.recv_rows,
+                                        out=grad_rows[chunk.rows])
                     if need_s:
-                        all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs, plan.group,
-                                   out=grad_s_sent[chunk.pairs])
+                        plan.all_to_all(grad_s_recv, chunk.send_pairs, chunk.recv_pairs,
+                                        out=grad_s_sent[chunk.pairs])
                 del grad_x_recv, grad_s_recv, touched
             resent = None
             if need_w1 and x_recv is None:
@@ -308,8 +306,8 @@ def _send_token_rows(streams: _Streams, t: torch.Tensor, plan: DispatchPlan, c: 
     hold their tokens' experts, received into ``out[rows_at[c]]``; the event at its end."""
     chunk = plan.chunks[c]
     with streams.on_comm(t, out):
-        all_to_all(t.index_select(0, plan.send_tokens[chunk.rows]), chunk.recv_rows,
-                   chunk.send_rows, plan.group, out=out[rows_at[c]])
+        plan.all_to_all(t, chunk.recv_rows, chunk.send_rows, out=out[rows_at[c]],
+                        index=plan.send_tokens[chunk.rows])
     return streams.event()
 
 

@@ -24,6 +24,7 @@ from sonic.distributed.eplb import Placement
 from sonic.nn.moe import ROUTERS
 from sonic.routing.token_rounding import ROUNDINGS
 from sonic.routing.topk import SCORES
+from sonic.types import TRANSPORTS
 
 # What every rank sends every other rank beside its counts; all ranks compare all entries, so
 # a disagreement raises on every rank at once instead of hanging in the next collective. The
@@ -36,7 +37,7 @@ _AGREED = ("router", "training", "top_k", "tile", "rounding", "score", "renormal
            "dtype of x", "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
            "placement (its fingerprint; 0 for the contiguous default)", "num_chunks",
-           "recompute_dispatch", "precision", "activation_cache")
+           "recompute_dispatch", "precision", "activation_cache", "transport")
 # How the named entries of _AGREED travel (an index into these) and are printed.
 _BOOL = (False, True)
 _AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "score": SCORES,
@@ -44,13 +45,18 @@ _AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "s
                  "torch.is_grad_enabled()": _BOOL, "x.requires_grad": _BOOL,
                  "scores.requires_grad": _BOOL, "w1_local.requires_grad": _BOOL,
                  "w2_local.requires_grad": _BOOL, "recompute_dispatch": _BOOL,
-                 "precision": PRECISIONS, "activation_cache": ACTIVATION_CACHES}
+                 "precision": PRECISIONS, "activation_cache": ACTIVATION_CACHES,
+                 "transport": TRANSPORTS}
 # Float settings, sent as the int64 of their IEEE-754 bits (exact: ranks must agree bit for bit).
 _FLOATS = ("routed_scaling_factor",)
 # The value of a setting the caller did not give (a bare functional call).
 _UNSET = -1
 # The most chunks a layer call may pipeline (the count message has room for this many).
 MAX_CHUNKS = 16
+# Columns of the count message before the agreed settings: row and pair counts per chunk, the
+# out-of-range flag, the sender's largest row and pair counts to one rank in one chunk.
+_BAD, _LARGEST_ROWS, _LARGEST_PAIRS = 2 * MAX_CHUNKS, 2 * MAX_CHUNKS + 1, 2 * MAX_CHUNKS + 2
+_HEADER = 2 * MAX_CHUNKS + 3
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ class DispatchPlan:
         token_offsets: ``(T+1,)`` int32 — exclusive prefix sum of send rows per token.
         pair_order: ``(P,)`` int64 — pairs grouped by chunk, then by destination rank (stable).
     chunks: the ``C`` :class:`DispatchChunk` s, with the receive side and the host sizes.
+    largest_rows, largest_pairs: the most rows / pairs any rank of the group sends any one
+        rank in one chunk (the same on every rank): the largest message of the call.
+    transport: what moves the data all-to-alls — ``None`` (``torch.distributed``) or a
+        :class:`~sonic.distributed.peer.PeerTransport`.
     """
 
     send_tokens: torch.Tensor
@@ -100,6 +110,17 @@ class DispatchPlan:
     chunks: tuple[DispatchChunk, ...]
     num_tokens: int
     group: object
+    largest_rows: int = 0
+    largest_pairs: int = 0
+    transport: object = None
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   out: torch.Tensor | None = None,
+                   index: torch.Tensor | None = None) -> torch.Tensor:
+        """A data all-to-all of this plan (:func:`sonic.distributed.comm.all_to_all` over its
+        group and transport)."""
+        return all_to_all(x, out_splits, in_splits, self.group, out, index=index,
+                          transport=self.transport)
 
     def save_for_backward(self, ctx, *tensors: torch.Tensor) -> None:
         """``ctx.save_for_backward(*tensors, <this plan's index tensors>)``, and the plan
@@ -158,15 +179,20 @@ def agreed_values(settings: Mapping[str, object]) -> list[int]:
 def _exchange(rows: torch.Tensor, pairs: torch.Tensor, bad: torch.Tensor, agreed: list[int],
               group, ep_size: int, ep_rank: int, num_tokens: int, num_experts: int):
     """The count all-to-all: to each group rank its row and pair counts per chunk (``rows``,
-    ``pairs``: ``(ep, C)``, sent padded to ``MAX_CHUNKS``), the out-of-range flag ``bad`` and
+    ``pairs``: ``(ep, C)``, sent padded to ``MAX_CHUNKS``), the out-of-range flag ``bad``, the
+    most rows and pairs this rank sends one rank in one chunk (so that every rank learns the
+    largest message of the call: the copy-engine transport sizes its buffers by it) and
     ``agreed``. One message size whatever the caller, so ranks on different code paths still
     meet. Returns ``(sent, table, recv)``: host lists of what this rank sent to and received
     from each rank, and the received tensor; raises on every rank what
     :func:`_check_agreement` finds."""
     device = rows.device
     pad = (0, MAX_CHUNKS - rows.shape[1])
+    largest = torch.stack([rows.max(), pairs.max()]) if rows.numel() else \
+        torch.zeros(2, dtype=torch.int64, device=device)
     counts = torch.cat([torch.nn.functional.pad(rows, pad), torch.nn.functional.pad(pairs, pad),
                         bad.to(torch.int64).expand(ep_size, 1),
+                        largest.to(torch.int64).expand(ep_size, 2),
                         torch.tensor(agreed, dtype=torch.int64, device=device).expand(ep_size, -1)],
                        dim=1)
     recv = all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
@@ -196,7 +222,8 @@ def check_settings(settings: Mapping[str, object], group, device: torch.device) 
 
 def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
                   num_experts: int, agreed: list[int], group,
-                  placement: Placement | None = None, num_chunks: int = 1) -> DispatchPlan:
+                  placement: Placement | None = None, num_chunks: int = 1,
+                  transport=None) -> DispatchPlan:
     """Build the :class:`DispatchPlan` with one count all-to-all and one host read, for
     ``num_chunks`` chunks of ``ceil(T / num_chunks)`` consecutive tokens (the last ones
     shorter or empty).
@@ -205,6 +232,7 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     (``None``: contiguous, expert ``e`` at local index ``e % (E/ep)`` of rank ``e // (E/ep)``).
     A pair's destination does not depend on the chunking (a replica is chosen from the token's
     index among all ``T``), so every chunk count sends every pair to the same expert.
+    ``transport``: kept in the plan for its data all-to-alls (:attr:`DispatchPlan.transport`).
 
     Raises:
         ValueError: on every rank, if any rank's indices are out of range or ranks disagree on
@@ -297,23 +325,24 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     return DispatchPlan(
         send_tokens=send_tokens, token_rows=token_rows, token_offsets=token_offsets,
         pair_order=torch.argsort(chunk * ep_size + dst, stable=True), chunks=tuple(chunks),
-        num_tokens=num_tokens, group=group)
+        num_tokens=num_tokens, group=group,
+        largest_rows=max(row[_LARGEST_ROWS] for row in table),
+        largest_pairs=max(row[_LARGEST_PAIRS] for row in table), transport=transport)
 
 
 def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, num_tokens: int,
                      num_experts: int) -> None:
     """``table[j]``: what group rank ``j`` sent — ``2·MAX_CHUNKS`` counts, its out-of-range
-    flag, then its values of :data:`_AGREED`. The message names the first setting that
+    flag, its largest counts, then its values of :data:`_AGREED`. The message names the first setting that
     differs and every rank's value of it, the same on every rank."""
-    num_counts = 2 * MAX_CHUNKS
     for source, row in enumerate(table):
-        if row[num_counts]:
+        if row[_BAD]:
             where = "this rank" if source == ep_rank else f"EP rank {source}"
             raise ValueError(f"token_idx/expert_idx out of range on {where}: token_idx must be "
                              f"in [0, T) and expert_idx in [0, num_experts={num_experts}) on "
                              f"every rank (this rank has T={num_tokens})")
     for index, name in enumerate(_AGREED):
-        values = [row[num_counts + 1 + index] for row in table]
+        values = [row[_HEADER + index] for row in table]
         if len(set(values)) > 1:
             ranks: dict[int, list[int]] = {}
             for source, value in enumerate(values):
