@@ -270,7 +270,7 @@ _TRANSPORT_SUFFIX = {"nccl": "", "copy_engine": " ce"}
 # sender, by the function that calls that: suffix " rows").
 _A2A_PHASES = {
     "plan_dispatch": "plan exchanges (counts, pairs)",
-    "_exchange": "plan exchanges (counts, pairs)",
+    "_send_counts": "plan exchanges (counts, pairs)",
     "Dispatch.forward": "dispatch a2a",
     "ChunkedExperts.forward.<locals>.dispatch": "dispatch a2a",
     "ChunkedExperts.forward.<locals>.dispatch rows": "dispatch a2a",

@@ -430,12 +430,13 @@ def test_errors_are_raised_on_every_rank(tmp_path):
     assert r0["peer_missing"].startswith("RuntimeError") and 2 < r0["waited_s"] < 15
 
 
-def test_nccl_benchmark_imports_without_a_gpu():
+@pytest.mark.parametrize("name", ["bench_ep", "bench_ep_transport"])
+def test_nccl_benchmarks_import_without_a_gpu(name):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_ep.py"
-    spec = importlib.util.spec_from_file_location("bench_ep", path)
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 

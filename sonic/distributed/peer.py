@@ -14,17 +14,23 @@ compute's SMs):
 * for one all-to-all, the exchange with each peer ``j`` runs on a stream of its own:
 
   1. wait until ``j`` has pulled what this rank last put in the slot (``done`` flag);
-  2. write the rows for ``j`` into region ``j`` — a copy (copy engine) or, for rows gathered
-     by an index, a gather kernel writing there directly (no staging tensor);
+  2. write the rows for ``j`` into region ``j`` — a copy or, for rows gathered by an index, a
+     gather kernel writing there directly (no staging tensor);
   3. raise the ``ready`` flag in ``j``'s pad (``cuStreamWriteValue32``: executed by the
      stream's front end, after a system-wide memory fence);
   4. wait for ``j``'s ``ready`` flag (``cuStreamWaitValue32``: the stream's front end waits,
      no SM spins), copy ``j``'s region for this rank from ``j``'s memory straight into the
-     output rows (``cudaMemcpyAsync`` over NVLink: a copy engine);
+     output rows (over NVLink);
   5. raise the ``done`` flag in ``j``'s pad.
 
   The rows for this rank itself are copied locally. Two slots alternate, so one all-to-all's
   sends never wait for the previous one's readers.
+
+Copies go through ``cuMemcpyBatchAsync`` with the hint to overlap compute
+(``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``, CUDA 12.8+): a plain device-to-device
+``cudaMemcpyAsync`` may run as a kernel and then waits, like NCCL's, for a persistent GEMM to
+free SMs; with the hint the driver moves it on a copy engine. Where the driver or the bindings
+lack the call, ``Tensor.copy_`` is used (the same bytes). Gathers by an index stay kernels.
 
 Flags carry a generation number per slot that grows by one per use; a wait is a cyclic
 greater-or-equal, so nothing is reset between calls. Every rank of the group must run the same
@@ -69,6 +75,25 @@ def _driver():
     return driver
 
 
+def _copy_engine_attributes(cu, device: torch.device):
+    """The ``CUmemcpyAttributes`` of a device-to-device copy that prefers a copy engine, or
+    ``None`` where the bindings or the driver (CUDA < 12.8) do not offer batched copies."""
+    if not hasattr(cu, "cuMemcpyBatchAsync"):
+        return None
+    error, version = cu.cuDriverGetVersion()
+    if error != cu.CUresult.CUDA_SUCCESS or version < 12080:
+        return None
+    attributes = cu.CUmemcpyAttributes()
+    attributes.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    attributes.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    # The hints matter only for managed memory; they are set to this device all the same.
+    here = cu.CUmemLocation()
+    here.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    here.id = device.index
+    attributes.srcLocHint = attributes.dstLocHint = here
+    return attributes
+
+
 def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
@@ -111,6 +136,11 @@ class PeerTransport:
     Args:
         group: the EP process group (``None``: the default group).
         device: this rank's CUDA device.
+
+    Attributes:
+        prefer_copy_engine: copy through ``cuMemcpyBatchAsync`` with the hint to overlap
+            compute (default ``True``; ignored where the driver lacks it); ``False``: through
+            ``Tensor.copy_``. The same bytes either way.
     """
 
     def __init__(self, group, device: torch.device):
@@ -124,6 +154,8 @@ class PeerTransport:
         self._uses = 0
         self._buffer = self._regions = self._pads = None
         self._streams = [torch.cuda.Stream(device) for _ in range(self.ep_size)]
+        self._copy_attributes = _copy_engine_attributes(self._cu, device)
+        self.prefer_copy_engine = True
 
     def reserve(self, region_bytes: int) -> None:
         """Collective: make every region hold at least ``region_bytes`` bytes; every rank must
@@ -167,6 +199,20 @@ class PeerTransport:
             self._cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
         self._check(error, "cuStreamWriteValue32")
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on the current stream, on a copy engine where the driver takes
+        the hint (module docstring); both contiguous, of one dtype and shape."""
+        if (self._copy_attributes is None or not self.prefer_copy_engine
+                or not (dst.is_contiguous() and src.is_contiguous())):
+            dst.copy_(src)
+            return
+        size = dst.numel() * dst.element_size()
+        stream = torch.cuda.current_stream(self.device)
+        result = self._cu.cuMemcpyBatchAsync(
+            [self._cu.CUdeviceptr(dst.data_ptr())], [self._cu.CUdeviceptr(src.data_ptr())],
+            [size], 1, [self._copy_attributes], [0], 1, self._cu.CUstream(stream.cuda_stream))
+        self._check(result[0], "cuMemcpyBatchAsync")
+
     def _check(self, error, what: str) -> None:
         if error != self._cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"copy-engine all-to-all: {what} failed with {error}")
@@ -204,7 +250,7 @@ class PeerTransport:
             if in_splits[j]:
                 part = slice(send_at[j], send_at[j] + in_splits[j])
                 if index is None:
-                    dst.copy_(x[part])
+                    self._copy(dst, x[part])
                 else:
                     torch.index_select(x, 0, index[part], out=dst)
 
@@ -224,8 +270,8 @@ class PeerTransport:
                 self._signal(stream, self._flag(j, 0, slot, me), generation)
                 self._wait(stream, self._flag(me, 0, slot, j), generation)
                 if out_splits[j]:
-                    out[recv_at[j]:recv_at[j] + out_splits[j]].copy_(
-                        region(j, me, out_splits[j]))
+                    self._copy(out[recv_at[j]:recv_at[j] + out_splits[j]],
+                               region(j, me, out_splits[j]))
                 self._signal(stream, self._flag(j, 1, slot, me), generation)
             current.wait_stream(stream)
         return out

@@ -176,32 +176,41 @@ def agreed_values(settings: Mapping[str, object]) -> list[int]:
     return row
 
 
-def _exchange(rows: torch.Tensor, pairs: torch.Tensor, bad: torch.Tensor, agreed: list[int],
-              group, ep_size: int, ep_rank: int, num_tokens: int, num_experts: int):
-    """The count all-to-all: to each group rank its row and pair counts per chunk (``rows``,
-    ``pairs``: ``(ep, C)``, sent padded to ``MAX_CHUNKS``), the out-of-range flag ``bad``, the
-    most rows and pairs this rank sends one rank in one chunk (so that every rank learns the
-    largest message of the call: the copy-engine transport sizes its buffers by it) and
-    ``agreed``. One message size whatever the caller, so ranks on different code paths still
-    meet. Returns ``(sent, table, recv)``: host lists of what this rank sent to and received
-    from each rank, and the received tensor; raises on every rank what
-    :func:`_check_agreement` finds."""
+def _send_counts(rows: torch.Tensor, pairs: torch.Tensor, bad: torch.Tensor,
+                 agreed: list[int], group, ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queue the count all-to-all: to each group rank its row and pair counts per chunk
+    (``rows``, ``pairs``: ``(ep, C)``, sent padded to ``MAX_CHUNKS``), the out-of-range flag
+    ``bad``, the most rows and pairs this rank sends one rank in one chunk (so that every rank
+    learns the largest message of the call: the copy-engine transport sizes its buffers by it)
+    and ``agreed``. One message size whatever the caller, so ranks on different code paths
+    still meet. Returns ``(sent, received)`` on the device; :func:`_read_counts` reads them.
+    Nothing here waits for the device (``agreed`` travels through pinned memory)."""
     device = rows.device
     pad = (0, MAX_CHUNKS - rows.shape[1])
     largest = torch.stack([rows.max(), pairs.max()]) if rows.numel() else \
         torch.zeros(2, dtype=torch.int64, device=device)
+    settings = torch.tensor(agreed, dtype=torch.int64)
+    if device.type == "cuda":
+        settings = settings.pin_memory().to(device, non_blocking=True)
     counts = torch.cat([torch.nn.functional.pad(rows, pad), torch.nn.functional.pad(pairs, pad),
                         bad.to(torch.int64).expand(ep_size, 1),
                         largest.to(torch.int64).expand(ep_size, 2),
-                        torch.tensor(agreed, dtype=torch.int64, device=device).expand(ep_size, -1)],
-                       dim=1)
-    recv = all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
+                        settings.to(device).expand(ep_size, -1)], dim=1)
+    return counts, all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
+
+
+def _read_counts(counts: torch.Tensor, recv: torch.Tensor, agreed: list[int], ep_rank: int,
+                 num_tokens: int, num_experts: int) -> tuple[list, list]:
+    """The one host read of a count exchange: ``(sent, table)``, host lists of what this rank
+    sent to and received from each rank; raises on every rank what :func:`_check_agreement`
+    finds."""
+    ep_size, width = counts.shape
     host = torch.cat([counts[:, :2 * MAX_CHUNKS].flatten(), recv.flatten()]).tolist()  # one sync
     sent = [host[j * 2 * MAX_CHUNKS:(j + 1) * 2 * MAX_CHUNKS] for j in range(ep_size)]
     table = host[ep_size * 2 * MAX_CHUNKS:]
-    table = [table[j * counts.shape[1]:(j + 1) * counts.shape[1]] for j in range(ep_size)]
+    table = [table[j * width:(j + 1) * width] for j in range(ep_size)]
     _check_agreement(table, agreed, ep_rank, num_tokens, num_experts)
-    return sent, table, recv
+    return sent, table
 
 
 def check_settings(settings: Mapping[str, object], group, device: torch.device) -> None:
@@ -216,8 +225,10 @@ def check_settings(settings: Mapping[str, object], group, device: torch.device) 
     ep_size, ep_rank = check_group(group)
     device = comm_device(group, device)
     none = torch.zeros(ep_size, 1, dtype=torch.int64, device=device)
-    _exchange(none, none, torch.zeros((), dtype=torch.bool, device=device),
-              agreed_values(settings), group, ep_size, ep_rank, 0, 0)
+    agreed = agreed_values(settings)
+    counts, recv = _send_counts(none, none, torch.zeros((), dtype=torch.bool, device=device),
+                                agreed, group, ep_size)
+    _read_counts(counts, recv, agreed, ep_rank, 0, 0)
 
 
 def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int,
@@ -273,8 +284,23 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
 
     # Padded to MAX_CHUNKS chunks, so the message has the same size on every rank even when
     # ranks disagree on num_chunks (which the agreement check then reports).
-    sent, table, recv = _exchange(rows, pairs, bad, agreed, group, ep_size, ep_rank, num_tokens,
-                                  num_experts)
+    counts, recv = _send_counts(rows, pairs, bad, agreed, group, ep_size)
+    # What needs no host size is queued before the host read, so that the device runs it
+    # while the host waits instead of the host launching it while the device waits. Buffers
+    # sized for the worst case (every cell a row) are cut to the real sizes afterwards.
+    info_sent = info.index_select(0, torch.argsort(bucket, stable=True))   # (rank, chunk) order
+    # Pairs of one (rank, token) cell share a row, so duplicate scatter indices write equal
+    # values: the result is deterministic.
+    send_tokens = torch.zeros(ep_size * width, dtype=torch.int64, device=device).scatter_(
+        0, send_row, tokens)
+    token_major = mark.view(ep_size, width).t()
+    token_major_row = (torch.cumsum(token_major.flatten(), 0) - 1).view(width, ep_size).t()
+    token_rows = torch.zeros(ep_size * width, dtype=torch.int32, device=device).scatter_(
+        0, token_major_row.flatten()[cell], send_row.to(torch.int32))
+    token_offsets = torch.zeros(num_tokens + 1, dtype=torch.int32, device=device)
+    torch.cumsum(token_major.sum(1)[:num_tokens], 0, dtype=torch.int32, out=token_offsets[1:])
+    pair_order = torch.argsort(chunk * ep_size + dst, stable=True)
+    sent, table = _read_counts(counts, recv, agreed, ep_rank, num_tokens, num_experts)
     # [c][j]: chunk c, group rank j.
     send_rows = [[sent[j][c] for j in range(ep_size)] for c in range(num_chunks)]
     send_pairs = [[sent[j][MAX_CHUNKS + c] for j in range(ep_size)] for c in range(num_chunks)]
@@ -282,8 +308,7 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
     recv_pairs = [[table[j][MAX_CHUNKS + c] for j in range(ep_size)] for c in range(num_chunks)]
 
     # One exchange of the pair info for all chunks: it travels rank-major, (rank, chunk).
-    info_order = torch.argsort(bucket, stable=True)
-    recv_info = all_to_all(info.index_select(0, info_order), [sum(p) for p in zip(*recv_pairs)],
+    recv_info = all_to_all(info_sent, [sum(p) for p in zip(*recv_pairs)],
                            [sum(p) for p in zip(*send_pairs)], group)
     num_recv = recv_info.numel()
     recv_rows_dev = recv[:, :num_chunks]                       # (source rank, chunk)
@@ -298,18 +323,8 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
         # Chunk-major, source rank next: each chunk's pairs in the order of its row blocks.
         order = torch.argsort(recv_chunk, stable=True)
         recv_tokens, recv_experts = recv_tokens[order], recv_experts[order]
-
     num_send = sum(map(sum, send_rows))
-    # Pairs of one (rank, token) cell share a row, so duplicate scatter indices write equal
-    # values: the result is deterministic.
-    send_tokens = torch.zeros(num_send, dtype=torch.int64, device=device).scatter_(
-        0, send_row, tokens)
-    token_major = mark.view(ep_size, width).t()
-    token_major_row = (torch.cumsum(token_major.flatten(), 0) - 1).view(width, ep_size).t()
-    token_rows = torch.zeros(num_send, dtype=torch.int32, device=device).scatter_(
-        0, token_major_row.flatten()[cell], send_row.to(torch.int32))
-    token_offsets = torch.zeros(num_tokens + 1, dtype=torch.int32, device=device)
-    torch.cumsum(token_major.sum(1)[:num_tokens], 0, dtype=torch.int32, out=token_offsets[1:])
+    send_tokens, token_rows = send_tokens[:num_send], token_rows[:num_send]
 
     chunks, row, pair, recv_pair = [], 0, 0, 0
     for c in range(num_chunks):
@@ -324,7 +339,7 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
         row, pair, recv_pair = row + num_rows, pair + num_pairs, recv_pair + num_recv_pairs
     return DispatchPlan(
         send_tokens=send_tokens, token_rows=token_rows, token_offsets=token_offsets,
-        pair_order=torch.argsort(chunk * ep_size + dst, stable=True), chunks=tuple(chunks),
+        pair_order=pair_order, chunks=tuple(chunks),
         num_tokens=num_tokens, group=group,
         largest_rows=max(row[_LARGEST_ROWS] for row in table),
         largest_pairs=max(row[_LARGEST_PAIRS] for row in table), transport=transport)

@@ -6,7 +6,8 @@ Spawned ranks check :class:`sonic.distributed.peer.PeerTransport` against NCCL's
 
 * ragged random splits (zeros included: a rank sending nothing to a peer, a rank receiving
   nothing), rows of bf16 ``(·, 384)``, fp32 scores ``(·,)`` and int64 ``(·, 3)``, sent as
-  given and gathered by an index; 24 all-to-alls back to back with no host synchronisation
+  given and gathered by an index, copies made with the copy-engine hint and without; 24
+  all-to-alls back to back with no host synchronisation
   (every slot and generation of the flags used many times), then one that outgrows the
   reserved regions after ``reserve`` grew them;
 * the EP layer with ``transport="copy_engine"`` for ``C = 1`` and ``C = 2``: output and every
@@ -77,6 +78,8 @@ def _rank(rank, world, port, tmp):
             if i % 2 else None
         send = source if index is None else source[index]
         send = send[:rows]
+        # Copies with the copy-engine hint and through Tensor.copy_, in turn.
+        transport.prefer_copy_engine = i % 4 < 2
         reference = send.new_empty((sum(out_splits),) + row)
         dist.all_to_all_single(reference, send.contiguous(), out_splits, in_splits)
         sent.append(transport.all_to_all(source[:rows] if index is None else source,
@@ -85,6 +88,7 @@ def _rank(rank, world, port, tmp):
     # Outgrow the regions: reserve (collectively) more, then a message that needs it.
     big = 3 * transport.region_bytes // (384 * 2)
     transport.reserve(big * 384 * 2)
+    transport.prefer_copy_engine = True
     send = torch.randn(world * big, 384, generator=mine, device=device).to(torch.bfloat16)
     reference = torch.empty_like(send)
     dist.all_to_all_single(reference, send, [big] * world, [big] * world)
