@@ -144,7 +144,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             rows[f"{name} m={m}"] = {
                 "alone_ms": alone, "busbw_GBps": sent * (world - 1) / world / alone / 1e6,
                 "a2a_end_ms": a2a_end, "gemm_end_ms": gemm_end}
-    return {"gemm_alone_ms": gemm_alone, "runs": rows}
+    hinted = any(m is not None and m.copies_on_copy_engine for m in movers.values())
+    return {"gemm_alone_ms": gemm_alone, "runs": rows, "copy_engine_hint": hinted}
 
 
 def start_of(stream):
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
         gemm_alone = max(r["gemm_alone_ms"] for r in gathered)
         print(f"{torch.cuda.get_device_name(device)}, EP={len(gathered)}, rows of d={args.d} "
               f"bf16, expert forward {args.gemm}: {gemm_alone:.3f} ms alone "
-              f"(slowest rank's medians)")
+              f"(slowest rank's medians); copy-engine hint taken: "
+              f"{all(r['copy_engine_hint'] for r in gathered)}")
         print(f"{'transport, rows per rank pair':34s} {'alone ms':>9s} {'bus GB/s':>9s} "
               f"{'| under GEMM: a2a end':>21s} {'gemm end':>9s}")
         for k, r in worst.items():

@@ -50,6 +50,7 @@ NVLink multicast is never used (no multicast object, NVLS or multimem operation)
 from __future__ import annotations
 
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -166,7 +167,6 @@ class PeerTransport:
         region = -(-region_bytes // _ALIGN) * _ALIGN
         torch.cuda.synchronize(self.device)
         group = self.group if self.group is not None else dist.group.WORLD
-        self._symm_mem.enable_symm_mem_for_group(group.group_name)
         buffer = self._symm_mem.empty(_SLOTS, self.ep_size, region, dtype=torch.uint8,
                                       device=self.device)
         handle = self._symm_mem.rendezvous(buffer, group)
@@ -199,19 +199,33 @@ class PeerTransport:
             self._cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
         self._check(error, "cuStreamWriteValue32")
 
+    @property
+    def copies_on_copy_engine(self) -> bool:
+        """Whether copies go through the hinted batched call (:attr:`prefer_copy_engine`, and
+        the driver offers it and has not refused it)."""
+        return self.prefer_copy_engine and self._copy_attributes is not None
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the current stream, on a copy engine where the driver takes
         the hint (module docstring); both contiguous, of one dtype and shape."""
+        stream = torch.cuda.current_stream(self.device)
+        # Batched copies refuse the legacy default stream; the rows for this rank itself may
+        # be copied there, off the overlapped path.
         if (self._copy_attributes is None or not self.prefer_copy_engine
+                or stream.cuda_stream == 0
                 or not (dst.is_contiguous() and src.is_contiguous())):
             dst.copy_(src)
             return
         size = dst.numel() * dst.element_size()
-        stream = torch.cuda.current_stream(self.device)
         result = self._cu.cuMemcpyBatchAsync(
             [self._cu.CUdeviceptr(dst.data_ptr())], [self._cu.CUdeviceptr(src.data_ptr())],
             [size], 1, [self._copy_attributes], [0], 1, self._cu.CUstream(stream.cuda_stream))
-        self._check(result[0], "cuMemcpyBatchAsync")
+        if result[0] != self._cu.CUresult.CUDA_SUCCESS:
+            # The copy was not queued: make it the plain way, and from now on always.
+            warnings.warn(f"copy-engine all-to-all: cuMemcpyBatchAsync failed with {result[0]}; "
+                          "copying with Tensor.copy_ from now on", RuntimeWarning, stacklevel=2)
+            self._copy_attributes = None
+            dst.copy_(src)
 
     def _check(self, error, what: str) -> None:
         if error != self._cu.CUresult.CUDA_SUCCESS:
