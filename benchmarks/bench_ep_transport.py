@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             rows[f"{name} m={m}"] = {
                 "alone_ms": alone, "busbw_GBps": sent * (world - 1) / world / alone / 1e6,
                 "a2a_end_ms": a2a_end, "gemm_end_ms": gemm_end}
-    hinted = any(m is not None and m.copies_on_copy_engine for m in movers.values())
+    hinted = any(m is not None and m._copy_attributes is not None for m in movers.values())
     return {"gemm_alone_ms": gemm_alone, "runs": rows, "copy_engine_hint": hinted}
 
 
