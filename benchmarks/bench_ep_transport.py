@@ -18,7 +18,8 @@ For each ``--rows`` value ``m`` every rank sends ``m`` rows of ``d`` bf16 to eve
    time (nccl-tests' all-to-all convention).
 2. ``under GEMM``: the expert forward of one GPU (:func:`sonic.moe_experts` of ``--gemm``'s
    layer: persistent grouped GEMMs) starts on the compute stream, the all-to-all on a second
-   stream right after; the times from the start at which each ends. An all-to-all that needs
+   stream ~0.5 ms later (both queued in full before the device starts them); the times from
+   the GEMMs' start at which each ends. An all-to-all that needs
    SMs ends only with the GEMMs (``a2a end`` ≈ ``gemm end``); one that does not ends after about
    its time alone. ``gemm alone``: the forward by itself (the slowdown it takes from sharing
    memory bandwidth with the copies).
@@ -45,6 +46,9 @@ from sonic.distributed.peer import peer_transport  # noqa: E402
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 TRANSPORTS = ("nccl", "copy_engine", "copy_engine/copy_")
+# GPU clock cycles (about 2 GHz): the sleep that holds the device while the host queues a
+# measurement (~25 ms), and the all-to-all's start after the GEMMs' (~0.5 ms).
+HOLD_CYCLES, LEAD_CYCLES = 50_000_000, 1_000_000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -116,6 +120,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         return e
 
     (gemm_alone,) = timed(lambda: (gemm(), event(compute))[1:])
+    (hold,) = timed(lambda: (torch.cuda._sleep(HOLD_CYCLES), event(compute))[1:])
     rows = {}
     for m in args.rows:
         x = torch.randn(world * m, args.d, device=device, dtype=torch.bfloat16)
@@ -131,16 +136,20 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
                 return [event(compute)]
 
             def both():
+                # Everything is queued behind a one-thread sleep before the device starts, so
+                # the timings are the device's, not the host's launch order: the GEMMs start
+                # when the sleep ends, the all-to-all LEAD_MS later.
+                torch.cuda._sleep(HOLD_CYCLES)
                 begin = start_of(compute)
-                gemm()
-                done_gemm = event(compute)
                 side.wait_event(begin)
                 with torch.cuda.stream(side):
+                    torch.cuda._sleep(LEAD_CYCLES)
                     comm.all_to_all(x, splits, splits, None, out=out, transport=mover)
-                return [event(side), done_gemm]
+                gemm()
+                return [event(side), event(compute)]
 
             (alone,) = timed(a2a)
-            a2a_end, gemm_end = timed(both)
+            a2a_end, gemm_end = (t - hold for t in timed(both))
             rows[f"{name} m={m}"] = {
                 "alone_ms": alone, "busbw_GBps": sent * (world - 1) / world / alone / 1e6,
                 "a2a_end_ms": a2a_end, "gemm_end_ms": gemm_end}
