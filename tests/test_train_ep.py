@@ -153,6 +153,13 @@ def test_ep_chunks_and_recompute_dispatch_equal_unchunked():
     assert_same_run(result, distributed(2, 2))
 
 
+def test_ep_transport_auto_is_the_same_run():
+    """--ep-transport auto on CPU ranks falls back to torch.distributed: the same run."""
+    result = distributed(2, 2, "--ep-transport", "auto")
+    assert result["config"]["ep_transport"] == "auto"
+    assert_same_run(result, distributed(2, 2))
+
+
 def test_ep_resume_continues_exactly(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     first = only_json(torchrun(2, *TINY, "--batch-size", str(B), "--ep", "2",

@@ -16,6 +16,7 @@ from sonic._output import image_path
 from sonic.train.loop import PRESETS, TrainConfig, preset_config, train
 from sonic.train.report import comparison_lines, plot_runs, summary_lines
 from sonic.train.parallel import world_from_env
+from sonic.types import TRANSPORTS
 
 
 def _bounded(cast, low: int, strict: bool):
@@ -161,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ep > 1: keep each MoE layer's input instead of the token rows "
                         "its rank received, and send those again in backward (less memory, "
                         "one more all-to-all per layer; the same gradients)")
+    p.add_argument("--ep-transport", choices=TRANSPORTS, default=d.ep_transport,
+                   help="with --ep > 1: what moves the token rows between the ranks: nccl "
+                        "(default), copy_engine (NVLink peer memory and copy engines; one "
+                        "host) or auto (copy_engine where possible); the same values either way")
     p.add_argument("--save", metavar="PATH", default=None,
                    help="write a checkpoint (model, optimizer, step, config, sampler state; "
                         "torch.save) at the end, after --stop-after and every --save-every "

@@ -23,6 +23,7 @@ from sonic.experts.moe_experts import PRECISIONS
 from sonic.backend import kernel_support
 from sonic.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
+from sonic.types import TRANSPORTS
 from sonic.train import parallel
 from sonic.train.checkpoint import read_checkpoint, write_checkpoint
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
@@ -78,7 +79,9 @@ class TrainConfig:
     the global batch ``WORLD_SIZE·batch_size`` windows; ``ep_chunks`` the ``num_chunks`` of
     every `sonic.distributed.ExpertParallelMoE` (all-to-alls overlapped with the experts of
     other chunks; no effect with ``ep = 1``), ``ep_recompute_dispatch`` its
-    ``recompute_dispatch`` (received rows sent again in backward instead of kept).
+    ``recompute_dispatch`` (received rows sent again in backward instead of kept),
+    ``ep_transport`` its ``transport`` (``"nccl"``, ``"copy_engine"`` or ``"auto"``: what
+    moves the token rows; the same values either way).
     ``activation_cache`` is every `sonic.MoE`'s (``"fp8"`` keeps H in e4m3 for backward; it
     needs bfloat16 parameters and ``d_expert`` a multiple of 64). ``experts_impl`` is who runs
     the MoE layers (:data:`EXPERTS_IMPLS`; ``"torch-gmm"`` needs top-K, bf16 and ``ep = 1``).
@@ -117,6 +120,7 @@ class TrainConfig:
     ep: int = 1
     ep_chunks: int = 1
     ep_recompute_dispatch: bool = False
+    ep_transport: str = "nccl"
     activation_cache: str = "bf16"
     experts_impl: str = "sonic"
     peak_tflops: float | None = None
@@ -150,6 +154,9 @@ class TrainConfig:
         if not isinstance(self.ep_recompute_dispatch, bool):
             raise ValueError(f"ep_recompute_dispatch: expected a bool, got "
                              f"{self.ep_recompute_dispatch!r}")
+        if self.ep_transport not in TRANSPORTS:
+            raise ValueError(f"ep_transport: expected one of {TRANSPORTS}, got "
+                             f"{self.ep_transport!r}")
         if self.ep_chunks > MAX_CHUNKS:
             raise ValueError(f"ep_chunks: expected at most {MAX_CHUNKS}, got {self.ep_chunks}")
         if self.d_model % self.heads:
@@ -303,10 +310,10 @@ def _activation_mib(model: ByteMoELM, inputs: torch.Tensor) -> float:
 
 CHECKPOINT_VERSION = 2
 # Fields a resumed run may change; every other one must match the checkpoint's.
-# ep_chunks only reorders the sums of expert weight gradients and ep_recompute_dispatch changes
-# no value: a run may resume with others.
+# ep_chunks only reorders the sums of expert weight gradients; ep_recompute_dispatch and
+# ep_transport change no value: a run may resume with others.
 _RESUMABLE_CHANGES = ("steps", "eval_every", "eval_batches", "device", "ep_chunks",
-                      "ep_recompute_dispatch", "peak_tflops")
+                      "ep_recompute_dispatch", "ep_transport", "peak_tflops")
 
 
 def load_checkpoint(path: str | os.PathLike, config: TrainConfig, world_size: int = 1,
@@ -478,7 +485,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         model.use_torch_gmm_experts()
     if par.ep > 1:
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
-                            recompute_dispatch=config.ep_recompute_dispatch)
+                            recompute_dispatch=config.ep_recompute_dispatch,
+                            transport=config.ep_transport)
     parallel.broadcast_replicated(model, par)
     logger.info("model: %d layers, d=%d, E=%d experts of n=%d, top-%d, %s router; %s %s on %s; "
                 "T=%d tokens per MoE layer and step", config.layers, config.d_model,

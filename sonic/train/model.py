@@ -160,19 +160,20 @@ class ByteMoELM(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * num_layers) ** 0.5)
 
-    def shard_experts(self, group, num_chunks: int = 1, recompute_dispatch: bool = False
-                      ) -> None:
+    def shard_experts(self, group, num_chunks: int = 1, recompute_dispatch: bool = False,
+                      transport: str = "nccl") -> None:
         """Expert parallelism: replace every block's `sonic.MoE` by its share on this rank of
         ``group``, a `sonic.distributed.ExpertParallelMoE` (router and experts
-        ``ep_rank·E/ep …`` copied) with ``num_chunks`` pipelined chunks and
-        ``recompute_dispatch`` as there. Collective over ``group``; the model must be the same
+        ``ep_rank·E/ep …`` copied) with ``num_chunks`` pipelined chunks, ``recompute_dispatch``
+        and ``transport`` as there. Collective over ``group``; the model must be the same
         on every rank of it (same seed)."""
         from sonic.distributed import ExpertParallelMoE
 
         for block in self.blocks:
             block.moe = ExpertParallelMoE.from_moe(block.moe, group=group,
                                                    num_chunks=num_chunks,
-                                                   recompute_dispatch=recompute_dispatch)
+                                                   recompute_dispatch=recompute_dispatch,
+                                                   transport=transport)
 
     def use_torch_gmm_experts(self) -> None:
         """Run every block's MoE by the torch-gmm baseline (:class:`TorchGmmMoE`), keeping
