@@ -70,6 +70,17 @@ NCCL: NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISAB
 created high-priority (``--nccl-priority high``, the default) so that its kernels get SMs as
 soon as the expert kernels free them.
 
+6. ``--zipf S``: skewed routing and EPLB instead of 1–5 (C = 1, the first transport): the
+   step with the contiguous placement, with :func:`~sonic.distributed.plan_placement`'s
+   placement of one redundant slot per rank for the routing's own load, and with the router's
+   balanced routing, each placement's max/mean rank load of routed pairs, and EPLB's output
+   and dX against one process on the whole batch.
+
+``--host-ahead-ms MS`` queues each timed step behind a device sleep of ``MS`` ms and times from
+the sleep's end: the host then enters the step ahead of the device, as in a model whose
+earlier layers keep the device busy, so what the step costs the host before its one host read
+is hidden for the EP layer and the one-GPU layer alike.
+
 Rank 0 prints a table and one JSON line. Importable without a GPU (nothing runs on import);
 ``--smoke`` runs it on CPU ranks (gloo) at tiny sizes.
 """
@@ -91,7 +102,7 @@ import torch.distributed as dist  # noqa: E402
 
 import sonic  # noqa: E402
 from sonic.distributed import (ExpertParallelMoE, comm, experts, overlap,  # noqa: E402
-                               plan)
+                               plan, plan_placement)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -131,6 +142,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="data all-to-all transports to time every run with: nccl, "
                              "copy_engine (runs named '... ce'; 'a2a alone ce' its own "
                              "all-to-alls); default %(default)s")
+    parser.add_argument("--zipf", type=float, default=0.0, metavar="S",
+                        help="instead of the runs above: EPLB under skewed routing. Every "
+                             "token picks K distinct experts drawn from Zipf(S) over the "
+                             "experts in a random order of popularity; times C=1 with the "
+                             "contiguous placement, with an EPLB placement of one redundant "
+                             "slot per rank (plan_placement of the routing's load), and with "
+                             "the router's own (balanced) routing, and prints each "
+                             "placement's max/mean rank load (module docstring, item 6)")
+    parser.add_argument("--host-ahead-ms", type=float, default=0.0, metavar="MS",
+                        help="queue each timed step behind a device sleep of MS ms (timed from "
+                             "its end), so the host is ahead of the device when the step "
+                             "starts, as inside a model; 0 (default): the host starts with the "
+                             "device idle")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
@@ -160,9 +184,11 @@ class _Timer:
     """Median milliseconds of a callable, the same repetitions on every rank (module
     docstring)."""
 
-    def __init__(self, device: torch.device, reps: int, warmup: int):
+    def __init__(self, device: torch.device, reps: int, warmup: int, host_ahead_ms: float = 0):
         self.cuda = device.type == "cuda"
         self.reps, self.warmup = reps, warmup
+        # A one-thread device sleep; GPU clocks are ~2 GHz, and only "long enough" matters.
+        self.ahead_cycles = int(host_ahead_ms * 2e6) if self.cuda else 0
         self.flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if self.cuda else None
 
     def __call__(self, fn, params) -> float:
@@ -179,6 +205,8 @@ class _Timer:
             if self.cuda:
                 torch.cuda.synchronize()
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                if self.ahead_cycles:
+                    torch.cuda._sleep(self.ahead_cycles)
                 start.record()
                 fn()
                 end.record()
@@ -428,7 +456,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     worst = torch.tensor(max(max(e.values()) for e in errors.values()), device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
-    timer = _Timer(device, args.reps, args.warmup)
+    timer = _Timer(device, args.reps, args.warmup, args.host_ahead_ms)
     single_params = [*full.parameters(), x]
     ep_params = [*layer.parameters(), x]
     ms = {"1gpu": {"fwd": timer(lambda: full(x), single_params),
@@ -507,6 +535,118 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     summary = _summarise(gathered, args, world)
     if rank == 0:
         _print(summary, args, device, world, worst.item())
+    summary["ok"] = worst.item() <= args.tol
+    return summary
+
+
+def _zipf_route(exponent: float, tokens: int, world: int, num_experts: int, top_k: int,
+                device: torch.device):
+    """A ``route(logits)`` for :class:`sonic.MoE` layers giving Zipf-skewed routing: each of
+    the ``world·tokens`` tokens of the whole batch picks ``top_k`` distinct experts drawn
+    (without replacement) from Zipf(``exponent``) over the experts in a random popularity
+    order, the same on every rank; its scores are the softmax of the layer's logits at the
+    picked experts (so the router still gets gradients). Called with ``tokens`` rows it routes
+    this rank's share of the batch, with ``world·tokens`` the whole batch. Returns
+    ``(route, load)``, ``load (E,)`` the whole batch's pairs per expert."""
+    g = torch.Generator().manual_seed(2)
+    popularity = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -exponent
+    weights = popularity[torch.randperm(num_experts, generator=g)]
+    experts = torch.multinomial(weights.expand(world * tokens, -1), top_k, generator=g)
+    experts = experts.to(device=device, dtype=torch.int32)
+    rank = dist.get_rank()
+    load = torch.bincount(experts.flatten().long(), minlength=num_experts)
+
+    def route(logits):
+        count = logits.shape[0]
+        chosen = experts if count == world * tokens else experts[rank * tokens:
+                                                                 (rank + 1) * tokens]
+        token_idx = torch.arange(count, device=device, dtype=torch.int32).repeat_interleave(
+            top_k)
+        expert_idx = chosen.flatten()
+        scores = logits.float().softmax(-1)[token_idx.long(), expert_idx.long()]
+        return sonic.Routing(token_idx, expert_idx, scores, count, num_experts, top_k=top_k,
+                             validated=True)
+
+    return route, load
+
+
+def run_skew(args: argparse.Namespace, device: torch.device) -> dict:
+    """``--zipf``: the EP step under skewed routing, contiguous against EPLB, and with the
+    router's balanced routing (module docstring, item 6); rank 0 prints the table."""
+    tokens, d, n, num_experts, top_k = (int(v) for v in args.config.split(","))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = "auto" if device.type == "cuda" else "torch"
+    torch.manual_seed(0)
+    full = sonic.MoE(d, n, num_experts, top_k, backend=backend, device=device, dtype=dtype,
+                     precision=args.precision, activation_cache=args.activation_cache)
+    g = torch.Generator(device).manual_seed(1)
+    x_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
+    dout_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    x = x_full[mine].clone().requires_grad_()
+    dout = dout_full[mine].clone()
+    route, load = _zipf_route(args.zipf, tokens, world, num_experts, top_k, device)
+    placement = plan_placement(load, world, num_experts // world + 1)
+    layers = {"balanced": ExpertParallelMoE.from_moe(full),
+              "zipf contiguous": ExpertParallelMoE.from_moe(full),
+              "zipf EPLB": ExpertParallelMoE.from_moe(full, placement=placement)}
+    for name, layer in layers.items():
+        layer.transport, layer.num_chunks = args.transports[0], 1
+        if name != "balanced":
+            layer.route = route
+    # Max/mean rank load of each placement for the routing it runs.
+    with torch.no_grad():
+        layers["balanced"](x)
+    balanced = torch.bincount(layers["balanced"].last_routing.expert_idx.long(),
+                              minlength=num_experts)
+    dist.all_reduce(balanced)
+
+    def spread(per_expert):
+        ranks = per_expert.view(world, -1).sum(1).double()
+        return (ranks.max() / ranks.mean()).item()
+
+    balance = {"balanced": spread(balanced), "zipf contiguous": spread(load),
+               "zipf EPLB": placement.max_over_mean(load)}
+    # EPLB against one process on the whole batch (output and dX: exact up to bf16 sums).
+    full.route = route
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = full(x_ref)
+    out_ref.backward(dout_full)
+    xe = x.detach().clone().requires_grad_()
+    out = layers["zipf EPLB"](xe)
+    out.backward(dout)
+    errors = {"out": _rel(out.detach(), out_ref.detach()[mine]), "dx": _rel(xe.grad,
+                                                                           x_ref.grad[mine])}
+    worst = torch.tensor(max(errors.values()), device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+
+    timer = _Timer(device, args.reps, args.warmup, args.host_ahead_ms)
+    ms = {"1gpu zipf": {"fwd": timer(lambda: full(x), [*full.parameters(), x]),
+                        "step": timer(lambda: full(x).backward(dout), [*full.parameters(), x])}}
+    for name, layer in layers.items():
+        params = [*layer.parameters(), x]
+        ms[name] = {"fwd": timer(lambda: layer(x), params),
+                    "step": timer(lambda: layer(x).backward(dout), params)}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, ms)
+    ms = {k: {p: max(r[k][p] for r in gathered) for p in ("fwd", "step")} for k in ms}
+    summary = {"config": args.config, "ep": world, "zipf": args.zipf, "ms": ms,
+               "max_over_mean": balance, "eplb_rel_error": worst.item()}
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
+        print(f"config T={tokens}/rank d={d} n={n} E={num_experts} K={top_k}, EP={world}, "
+              f"{name}, Zipf({args.zipf:g}) routing, transport {args.transports[0]}, C=1, "
+              f"{args.reps} reps (median per rank, slowest rank)")
+        print(f"EPLB vs one process on the whole batch: max rel. error {worst.item():.2e} "
+              f"(out, dX; tol {args.tol:g})")
+        print(f"{'':24s} {'max/mean rank load':>19s} {'fwd ms':>9s} {'step ms':>9s} "
+              f"{'step vs balanced':>17s}")
+        for key in ("balanced", "zipf contiguous", "zipf EPLB", "1gpu zipf"):
+            load_text = f"{balance[key]:19.3f}" if key in balance else f"{'':19s}"
+            print(f"{key:24s} {load_text} {ms[key]['fwd']:9.3f} {ms[key]['step']:9.3f} "
+                  f"{ms[key]['step'] / ms['balanced']['step']:17.3f}")
+        print(json.dumps(summary))
     summary["ok"] = worst.item() <= args.tol
     return summary
 
@@ -591,7 +731,7 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl", device_id=device,
                                 pg_options=_nccl_options(args.nccl_priority))
     try:
-        summary = run(args, device)
+        summary = (run_skew if args.zipf else run)(args, device)
     finally:
         dist.destroy_process_group()
     return 0 if summary["ok"] else 1

@@ -317,7 +317,7 @@ def test_chunk_count_errors(chunked):
 
 # --- the weak-scaling benchmark, smoke-tested on CPU ranks --------------------------------------
 
-def _bench_smoke(rank, world):
+def _bench():
     import importlib.util
     import pathlib
 
@@ -325,9 +325,32 @@ def _bench_smoke(rank, world):
     spec = importlib.util.spec_from_file_location("bench_ep", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def _bench_smoke(rank, world):
+    bench = _bench()
     return bench.run(bench.parse_args(["--smoke", "--chunks", "1,2", "--recompute-dispatch",
                                        "--comm-priorities", "normal,high", "--nccl-ctas"]),
                      torch.device("cpu"))
+
+
+def _bench_skew_smoke(rank, world):
+    bench = _bench()
+    return bench.run_skew(bench.parse_args(["--smoke", "--zipf", "1.2", "--config",
+                                            "64,16,8,8,4"]), torch.device("cpu"))
+
+
+def test_benchmark_skew_smoke(tmp_path):
+    """``bench_ep.py --smoke --zipf 1.2``: Zipf routing is skewed over the contiguous
+    placement, EPLB's one redundant slot per rank evens it out, and the EPLB layer matches
+    one process on the whole batch."""
+    r0, r1 = _spawn(2, _bench_skew_smoke, tmp_path, timeout=120)
+    assert r0 == r1
+    assert r0["ok"] and r0["eplb_rel_error"] < 1e-5
+    balance = r0["max_over_mean"]
+    assert balance["zipf contiguous"] > 1.1 and balance["zipf EPLB"] < balance["zipf contiguous"]
+    assert set(r0["ms"]) == {"1gpu zipf", "balanced", "zipf contiguous", "zipf EPLB"}
 
 
 def test_benchmark_smoke(tmp_path):
