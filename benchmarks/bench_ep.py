@@ -425,22 +425,29 @@ def _check(layer, full, x, dout, x_full, dout_full, mine, rank) -> dict:
             "dw2": _rel(layer.w2.grad, full.w2.grad[local])}
 
 
-def run(args: argparse.Namespace, device: torch.device) -> dict:
-    """The benchmark on an initialised process group; every rank returns its own numbers
-    and rank 0 prints the table and the JSON line."""
+def _problem(args: argparse.Namespace, device: torch.device):
+    """``(full, x_full, dout_full, mine)``: the single-process layer (all ``E`` experts, the
+    same on every rank), the whole batch's inputs and output gradients (``ep·T`` rows, from one
+    seed) and this rank's slice of them."""
     tokens, d, n, num_experts, top_k = (int(v) for v in args.config.split(","))
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = "auto" if device.type == "cuda" else "torch"
-
     torch.manual_seed(0)
-    full = sonic.MoE(d, n, num_experts, top_k, backend=backend, device=device, dtype=dtype,
+    full = sonic.MoE(d, n, num_experts, top_k, device=device, dtype=dtype,
+                     backend="auto" if device.type == "cuda" else "torch",
                      precision=args.precision, activation_cache=args.activation_cache)
-    layer = ExpertParallelMoE.from_moe(full)
     g = torch.Generator(device).manual_seed(1)
     x_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
     dout_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
-    mine = slice(rank * tokens, (rank + 1) * tokens)
+    return full, x_full, dout_full, slice(rank * tokens, (rank + 1) * tokens)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> dict:
+    """The benchmark on an initialised process group; every rank returns its own numbers
+    and rank 0 prints the table and the JSON line."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full, x_full, dout_full, mine = _problem(args, device)
+    layer = ExpertParallelMoE.from_moe(full)
     x = x_full[mine].clone().requires_grad_()
     dout = dout_full[mine].clone()
 
@@ -575,15 +582,7 @@ def run_skew(args: argparse.Namespace, device: torch.device) -> dict:
     router's balanced routing (module docstring, item 6); rank 0 prints the table."""
     tokens, d, n, num_experts, top_k = (int(v) for v in args.config.split(","))
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = "auto" if device.type == "cuda" else "torch"
-    torch.manual_seed(0)
-    full = sonic.MoE(d, n, num_experts, top_k, backend=backend, device=device, dtype=dtype,
-                     precision=args.precision, activation_cache=args.activation_cache)
-    g = torch.Generator(device).manual_seed(1)
-    x_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
-    dout_full = torch.randn(world * tokens, d, device=device, dtype=dtype, generator=g)
-    mine = slice(rank * tokens, (rank + 1) * tokens)
+    full, x_full, dout_full, mine = _problem(args, device)
     x = x_full[mine].clone().requires_grad_()
     dout = dout_full[mine].clone()
     route, load = _zipf_route(args.zipf, tokens, world, num_experts, top_k, device)

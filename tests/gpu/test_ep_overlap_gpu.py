@@ -24,12 +24,8 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
 
-import datetime  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from nccl_ranks import init_rank, spawn, step  # noqa: E402
 
 T, D, N, E, K = 2048, 1024, 512, 16, 4
 
@@ -39,26 +35,11 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _step(layer, x, dout):
-    for p in layer.parameters():
-        p.grad = None
-    xg = x.clone().requires_grad_()
-    out = layer(xg)
-    out.backward(dout)
-    return [out.detach(), xg.grad, layer.gate.weight.grad, layer.w1.grad, layer.w2.grad]
-
-
 def _rank(rank, world, port, tmp):
     import sonic
     from sonic.distributed import ExpertParallelMoE, overlap
 
-    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                       "NVSHMEM_DISABLE_NVLS": "1"})
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=device,
-                            timeout=datetime.timedelta(seconds=120))
+    device = init_rank(rank, world, port)
     torch.manual_seed(0)
     full = sonic.MoE(D, N, E, K, device=device, dtype=torch.bfloat16)
     g = torch.Generator(device).manual_seed(1)
@@ -76,7 +57,7 @@ def _rank(rank, world, port, tmp):
     result, runs = {}, {}
     for c in (1, 2, 4):
         layer.num_chunks = c
-        runs[c] = _step(layer, x_full[mine], dout_full[mine])
+        runs[c] = step(layer, x_full[mine], dout_full[mine])
         gate = runs[c][2].clone()
         dist.all_reduce(gate)
         result[f"vs_one_process_C{c}"] = max(_rel(a, b) for a, b in
@@ -84,7 +65,7 @@ def _rank(rank, world, port, tmp):
         if c > 1:
             result[f"vs_C1_C{c}"] = max(_rel(a, b) for a, b in zip(runs[c], runs[1]))
     layer.num_chunks = 4
-    repeats = [_step(layer, x_full[mine], dout_full[mine]) for _ in range(5)]
+    repeats = [step(layer, x_full[mine], dout_full[mine]) for _ in range(5)]
     torch.cuda.synchronize()
     result["repeat_bitwise"] = all(torch.equal(a, b) for r in repeats[1:]
                                    for a, b in zip(r, repeats[0]))
@@ -92,7 +73,7 @@ def _rank(rank, world, port, tmp):
     margins = {}
     for margin in (8, 16, 200):
         layer.comm_sm_margin = margin
-        margins[margin] = _step(layer, x_full[mine], dout_full[mine])
+        margins[margin] = step(layer, x_full[mine], dout_full[mine])
     layer.comm_sm_margin = 0
     result["margin_bitwise"] = all(torch.equal(a, b) for r in margins.values()
                                    for a, b in zip(r, repeats[0]))
@@ -100,7 +81,7 @@ def _rank(rank, world, port, tmp):
     recomputed = {}
     for c in (2, 4):
         layer.num_chunks = c
-        recomputed[c] = _step(layer, x_full[mine], dout_full[mine])
+        recomputed[c] = step(layer, x_full[mine], dout_full[mine])
     result["recompute_bitwise"] = all(torch.equal(a, b) for a, b in zip(recomputed[4],
                                                                         repeats[0]))
     layer.num_chunks = 2
@@ -120,10 +101,7 @@ def _rank(rank, world, port, tmp):
 
 
 def test_chunked_ep_on_two_gpus(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(_rank, 2, tmp_path)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         for c in (1, 2, 4):

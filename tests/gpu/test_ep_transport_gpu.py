@@ -23,23 +23,10 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
 
-import datetime  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from nccl_ranks import init_rank, spawn, step  # noqa: E402
 
 T, D, N, E, K = 1536, 512, 256, 16, 4
-
-
-def _step(layer, x, dout):
-    for p in layer.parameters():
-        p.grad = None
-    xg = x.clone().requires_grad_()
-    out = layer(xg)
-    out.backward(dout)
-    return [out.detach(), xg.grad, layer.gate.weight.grad, layer.w1.grad, layer.w2.grad]
 
 
 def _splits(world, g, device, high):
@@ -53,13 +40,7 @@ def _rank(rank, world, port, tmp):
     from sonic.distributed import ExpertParallelMoE
     from sonic.distributed.peer import peer_transport
 
-    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                       "NVSHMEM_DISABLE_NVLS": "1"})
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=device,
-                            timeout=datetime.timedelta(seconds=120))
+    device = init_rank(rank, world, port)
     result = {}
     transport = peer_transport(None, device)
     g = torch.Generator(device).manual_seed(7)        # the same splits on every rank
@@ -109,14 +90,14 @@ def _rank(rank, world, port, tmp):
         layer.num_chunks = c
         for t in ("nccl", "copy_engine"):
             layer.transport = t
-            runs[(c, t)] = _step(layer, x_full[part], dout_full[part])
+            runs[(c, t)] = step(layer, x_full[part], dout_full[part])
         result[f"layer_bitwise_C{c}"] = all(
             torch.equal(a, b) for a, b in zip(runs[(c, "copy_engine")], runs[(c, "nccl")]))
     layer.transport = "auto"
-    auto = _step(layer, x_full[part], dout_full[part])
+    auto = step(layer, x_full[part], dout_full[part])
     result["auto_bitwise"] = all(torch.equal(a, b) for a, b in zip(auto, runs[(2, "nccl")]))
     layer.transport = "copy_engine"
-    repeats = [_step(layer, x_full[part], dout_full[part]) for _ in range(5)]
+    repeats = [step(layer, x_full[part], dout_full[part]) for _ in range(5)]
     torch.cuda.synchronize()
     result["repeat_bitwise"] = all(torch.equal(a, b) for r in repeats
                                    for a, b in zip(r, runs[(2, "nccl")]))
@@ -128,11 +109,7 @@ def _rank(rank, world, port, tmp):
 def test_copy_engine_transport(tmp_path, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(world, port, str(tmp_path)), nprocs=world,
-                       start_method="spawn")
+    spawn(_rank, world, tmp_path)
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(r["a2a_bitwise"]), (rank, r)
