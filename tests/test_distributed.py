@@ -466,7 +466,7 @@ def _settings_cases(rank, world):
         saved = {k: getattr(layer, k) for k in ("router", "tile", "top_k", "score",
                                                 "renormalize", "rounding", "training",
                                                 "routed_scaling_factor", "n_group",
-                                                "transport")}
+                                                "transport", "bias_update_rate")}
         if last:
             change()
         out[name] = _catch(run)
@@ -491,6 +491,7 @@ def _settings_cases(rank, world):
     case("routed_scaling_factor", lambda: setattr(layer, "routed_scaling_factor", 2.5))
     case("n_group", lambda: setattr(layer, "n_group", 2))
     case("transport", lambda: setattr(layer, "transport", "auto"))
+    case("bias_update_rate", lambda: setattr(layer, "bias_update_rate", 0.5))
     # The functional forms: scores of another dtype; token rounding of another tile.
     w1, w2 = layer.w1.detach(), layer.w2.detach()
     tok = torch.arange(3, dtype=torch.int32)
@@ -516,6 +517,7 @@ def test_ranks_disagreeing_on_a_setting_raise_on_every_rank(tmp_path, world):
                 "score_token_rounding": "score: 'softmax_topk' on EP rank",
                 "routed_scaling_factor": "routed_scaling_factor: 1.0 on EP rank",
                 "n_group": "n_group: 1 on EP rank", "transport": "transport: 'nccl' on EP rank",
+                "bias_update_rate": "bias_update_rate: 0.0 on EP rank",
                 "scores_dtype": "dtype of scores: torch.float64", "tr_tile": "tile: 2 on EP rank",
                 "tr_dtype": "dtype of scores: torch.float64"}
     others = ", ".join(map(str, range(world - 1)))

@@ -23,7 +23,8 @@ from sonic.types import (TRANSPORTS, ActivationCache, Backend, GateUp, Precision
 
 # The options of sonic.MoE beyond the original ones that act before dispatch (routing on each
 # rank's own tokens), which this layer carries.
-_ROUTING_OPTIONS = ("score", "routed_scaling_factor", "n_group", "expert_bias")
+_ROUTING_OPTIONS = ("score", "routed_scaling_factor", "n_group", "expert_bias",
+                    "bias_update_rate", "seq_aux_loss_coef", "z_loss_coef")
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype", "placement (fingerprint)")
 
@@ -44,13 +45,19 @@ class ExpertParallelMoE(MoE):
             by the group size.
         routed_scaling_factor, n_group, topk_group, expert_bias: the routing options of
             :class:`sonic.MoE` that act before dispatch (each rank routes its own tokens, so it
-            routes them as the single-process layer would). ``expert_bias`` is a fixed bias
-            (the buffer ``expert_bias (E,)``, the same on every rank); its update from the
-            load (``bias_update_rate``) is not carried. With ``n_group`` a multiple of the EP
+            routes them as the single-process layer would). ``expert_bias`` is the buffer
+            ``expert_bias (E,)``, the same on every rank. With ``n_group`` a multiple of the EP
             size and the contiguous placement, every group lies on one rank, so a token's
             pairs reach at most ``topk_group`` ranks (DeepSeek-V3 §2.1.2 node-limited
             routing). Token rounding (``router="token_rounding"`` in training mode) refuses
             them, and ``score="sigmoid"``: it rounds the default scoring's choice only.
+        bias_update_rate: aux-loss-free balancing as in :class:`sonic.MoE`: every training
+            forward counts this rank's routed pairs per expert, and
+            :meth:`update_expert_bias` sums the counts over the EP group before the sign rule,
+            so every rank keeps the bias the single-process layer would have on the
+            concatenated batch.
+        seq_aux_loss_coef, z_loss_coef: as in :class:`sonic.MoE`, computed on this rank's
+            tokens (like ``aux_loss_coef``): the loss of the rank's sequences and logits.
         group: the EP process group (``None``: the default group).
         router: ``"topk"`` or ``"token_rounding"``: in training mode
             :func:`sonic.distributed.ep_token_rounding_routing` rounds every expert's count of
@@ -122,7 +129,8 @@ class ExpertParallelMoE(MoE):
                  precision: Precision = "bf16", activation_cache: ActivationCache = "bf16",
                  routed_scaling_factor: float = 1.0, n_group: int = 1,
                  topk_group: int | None = None, expert_bias: bool = False,
-                 transport: Transport = "nccl"):
+                 bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, transport: Transport = "nccl"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
@@ -130,11 +138,15 @@ class ExpertParallelMoE(MoE):
                         gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
                         precision=precision, activation_cache=activation_cache,
                         routed_scaling_factor=routed_scaling_factor, n_group=n_group,
-                        topk_group=topk_group)
+                        topk_group=topk_group, bias_update_rate=bias_update_rate,
+                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef)
         check_bool("expert_bias", expert_bias)
-        if expert_bias:
+        if expert_bias or bias_update_rate:
             self.register_buffer("expert_bias",
                                  torch.zeros(num_experts, device=device, dtype=torch.float32))
+        if bias_update_rate:
+            self.register_buffer("tokens_per_expert", torch.zeros(
+                num_experts, device=device, dtype=torch.float32), persistent=False)
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
             check_placement(placement, num_experts, self.ep_size)
@@ -235,7 +247,9 @@ class ExpertParallelMoE(MoE):
                     precision=moe.precision,
                     activation_cache=moe.activation_cache,
                     routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
-                    topk_group=moe.topk_group, expert_bias=hasattr(moe, "expert_bias"))
+                    topk_group=moe.topk_group, expert_bias=hasattr(moe, "expert_bias"),
+                    bias_update_rate=moe.bias_update_rate,
+                    seq_aux_loss_coef=moe.seq_aux_loss_coef, z_loss_coef=moe.z_loss_coef)
         if placement is None:
             experts = slice(layer.ep_rank * layer.num_local_experts,
                             (layer.ep_rank + 1) * layer.num_local_experts)
@@ -248,6 +262,19 @@ class ExpertParallelMoE(MoE):
             if hasattr(moe, "expert_bias"):
                 layer.expert_bias.copy_(moe.expert_bias)
         return layer
+
+    def update_expert_bias(self, group=None) -> None:
+        """:meth:`sonic.MoE.update_expert_bias` with the counts summed over ``group`` first:
+        by default this layer's EP group, whose ranks route different tokens with one router
+        and so must keep one bias; with several EP groups (EP × data parallelism) pass a
+        group spanning all of them, e.g. the default group. Collective over that group.
+
+        Raises:
+            RuntimeError: the layer was built without ``bias_update_rate > 0``.
+        """
+        if group is None:
+            group = self.group if self.group is not None else dist.group.WORLD
+        super().update_expert_bias(group)
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Top-K routing of this rank's tokens, or in training mode with
@@ -294,7 +321,9 @@ class ExpertParallelMoE(MoE):
                 "tile": self.tile, "rounding": self.rounding, "score": self.score,
                 "renormalize": self.renormalize,
                 "routed_scaling_factor": self.routed_scaling_factor, "n_group": self.n_group,
-                "topk_group": self.topk_group, "expert_bias": hasattr(self, "expert_bias")}
+                "topk_group": self.topk_group, "expert_bias": hasattr(self, "expert_bias"),
+                "bias_update_rate": self.bias_update_rate,
+                "seq_aux_loss_coef": self.seq_aux_loss_coef, "z_loss_coef": self.z_loss_coef}
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "

@@ -32,7 +32,8 @@ from sonic.types import TRANSPORTS
 # unset, -1): ranks that took different code paths (router, training mode) exchange messages
 # of the same size, and the first setting that differs is the one that sent them apart.
 _AGREED = ("router", "training", "top_k", "tile", "rounding", "score", "renormalize",
-           "routed_scaling_factor", "n_group", "topk_group", "expert_bias", "num_experts",
+           "routed_scaling_factor", "n_group", "topk_group", "expert_bias", "bias_update_rate",
+           "seq_aux_loss_coef", "z_loss_coef", "num_experts",
            "dtype of scores", "d (x.shape[1])", "n (w2_local.shape[2])",
            "dtype of x", "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
@@ -48,7 +49,7 @@ _AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "s
                  "precision": PRECISIONS, "activation_cache": ACTIVATION_CACHES,
                  "transport": TRANSPORTS}
 # Float settings, sent as the int64 of their IEEE-754 bits (exact: ranks must agree bit for bit).
-_FLOATS = ("routed_scaling_factor",)
+_FLOATS = ("routed_scaling_factor", "bias_update_rate", "seq_aux_loss_coef", "z_loss_coef")
 # The value of a setting the caller did not give (a bare functional call).
 _UNSET = -1
 # The most chunks a layer call may pipeline (the count message has room for this many).
