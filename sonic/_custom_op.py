@@ -4,10 +4,9 @@ Each step of the MoE dataflow is a :func:`torch.library.custom_op` (``torch.ops.
 :mod:`sonic.ops`), which is what ``torch.compile``, ``torch.export``, fake and meta tensors,
 dispatch modes and functorch transforms need. In plain eager execution the dispatcher adds
 host time and nothing else: going in and out of C++ twice per op (the autograd kernel, then
-the device kernel), the dynamo-disable wrapper and the aliasing check. Measured on the H200's
-host with the GPU kept busy: 41 µs per call of ``topk_routing``, 23 of ``routing_metadata``,
-61 of ``moe_experts`` (without autograd), and the 7B forward's GPU time is only ~1.2 ms
-(``benchmarks/RESULTS.md``). :class:`SonicOp` therefore runs the same Python implementation
+the device kernel), the dynamo-disable wrapper and the aliasing check: tens of microseconds
+per op, a visible share of a small layer's forward (``benchmarks/bench_host.py``).
+:class:`SonicOp` therefore runs the same Python implementation
 directly there, and an ``autograd.Function`` built from the same ``setup_context`` and
 backward where the op has a registered autograd formula, so both paths compute the same thing
 with the same code (``tests/test_custom_op.py`` checks them bitwise equal).

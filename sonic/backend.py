@@ -215,15 +215,13 @@ def set_fp8_epilogues(kind: str) -> str:
       pass: the SwiGLU kernel writes A (and the cache's H) in e4m3 with its scales
       (``swiglu(h, quantize=True, quantize_h=)``), the dSwiGLU kernel writes dH in e4m3 too
       and reads the cache's H in e4m3 (``dswiglu_epilogue(quantize_dh=True, h_scales=)``).
-      Bitwise the same values as ``"store"``; faster (RESULTS.md, H200: 0.9-1.4% on the
-      step for A, 0.33 ms less kernel time per 30B step for dH).
+      Bitwise the same values as ``"store"``; faster (benchmarks/RESULTS.md).
     * ``"fused"``: :func:`sonic.kernels.grouped_gemm.grouped_gemm_fp8_swiglu` and
       :func:`~sonic.kernels.grouped_gemm.grouped_gemm_fp8_dswiglu` (SwiGLU / dSwiGLU in the
       GEMM's epilogue; dSwiGLU on the fp32 dA' instead of its bf16 rounding). On 256-wide
-      FP8 tiles (H200, same run) slower than ``"quantizing"`` at OLMoE (forward 5%, step
-      5%) and level at 30B (forward 4% slower, step 0.8% faster); over three seeds its
-      validation loss matches bf16's (RESULTS.md). Where a call does not fit the fused dH kernel (``"interleaved"``, no
-      gather) the store path runs.
+      FP8 tiles slower than ``"quantizing"`` at OLMoE and level at 30B; over three seeds its
+      validation loss matches bf16's (benchmarks/RESULTS.md). Where a call does not fit the
+      fused dH kernel (``"interleaved"``, no gather) the store path runs.
 
     The PyTorch reference emulates the chosen math: under ``"fused"`` its dH step takes
     dSwiGLU of the fp32 dA' wherever the fused kernel would run; the other two choices share
@@ -261,11 +259,9 @@ def set_fp8_weight_grads(kind: str) -> str:
       (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`, every expert's rows padded to
       whole 128-row blocks), then :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
       Same validation loss as bf16 weight gradients (CPU emulation, and three seeds on the
-      GPU; RESULTS.md), but no faster on the H200 (same run: the layer's
-      step 15.8 vs 14.8 ms at OLMoE, 31.5 vs 31.6 ms at 30B, with 1.4 GiB more peak at 30B):
-      the FP8 varlen-K GEMMs (790–840 TFLOPS) beat the bf16 ones (620–640) by about what the
-      four column-wise quantization passes add (2.2 / 3.6 ms). An opt-in for the DeepSeek-V3
-      recipe's numerics, not for speed.
+      GPU), but no faster on the H200, with more peak memory: the FP8 varlen-K GEMMs gain
+      about what the four column-wise quantization passes add (benchmarks/RESULTS.md). An
+      opt-in for the DeepSeek-V3 recipe's numerics, not for speed.
 
     Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
     rather than a context: the backward runs on autograd's device threads. Read when the
@@ -321,8 +317,8 @@ def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, h_out=None, str
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
-    # The up-proj GEMM with the SwiGLU epilogue: 517/574/584 TFLOPS against 510/558/534 for the
-    # GEMM followed by the one-pass SwiGLU kernel (H200, 7B/OLMoE/30B, bench_grouped_gemm.py).
+    # The up-proj GEMM with the SwiGLU epilogue beats the GEMM followed by the one-pass SwiGLU
+    # kernel at the 7B, OLMoE and 30B shapes (bench_grouped_gemm.py).
     n = w1.shape[1] // 2
     if (_gemm_kernel_fits(x, w1, offsets, gather_idx) and w1.is_contiguous()
             and n % (64 if gate_up == "concat" else gemm.VEC) == 0
@@ -338,8 +334,8 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
     from sonic.kernels import grouped_gemm as gemm
 
     # The dH kernel: the dA' GEMM with the dSwiGLU epilogue, H arriving by TMA through the
-    # operand ring: 497/2523/4193 us against 505/2685/4610 for the dA' GEMM followed by the
-    # one-pass epilogue kernel (H100, 7B/OLMoE/30B, bench_grouped_gemm.py).
+    # operand ring; it beats the dA' GEMM followed by the one-pass epilogue kernel at the 7B,
+    # OLMoE and 30B shapes (bench_grouped_gemm.py).
     if not _epilogue_kernel_fits(h):
         dh, a_scaled, ds = reference.dswiglu_epilogue(
             _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict), h, row_scores,
@@ -468,7 +464,7 @@ def _cute_quantize_blocks(w):
     from sonic.kernels import fp8_quant as kernels
 
     # Both orientations in one pass: the transposed copy through shared memory costs less than
-    # transposing 1.5 GiB of e4m3 afterwards (30B: 9 ms with torch on the H200).
+    # transposing the whole e4m3 copy afterwards.
     if (w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0
             and w.shape[-1] % kernels.FP8_BLOCK == 0 and w.shape[-2] % kernels.FP8_BLOCK == 0):
         return kernels.quantize_blocks(w, transposed=True)

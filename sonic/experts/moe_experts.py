@@ -34,8 +34,8 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
   (rows), while the 1×128 row scales run along the reduction's other axis, so FP8 operands
   need a second, column-wise quantization of dO, A', dH and gathered X into K-major copies
   (:func:`sonic.backend.set_fp8_weight_grads` ``("fp8")``): no accuracy cost in the CPU
-  emulation, but slower on the H200 (the FP8 varlen-K GEMM runs at the bf16 one's speed and
-  the four passes add 3.7–5.4 ms at OLMoE/30B; benchmarks/RESULTS.md).
+  emulation, but slower on the H200: the four quantization passes cost more than the FP8
+  varlen-K GEMMs gain (benchmarks/RESULTS.md).
 * Saved for backward: as in bf16 (X by reference, H ``(P, 2n)`` in bf16 or, with
   ``activation_cache="fp8"``, in e4m3 + 1×128 scales; scores, metadata; nothing ``P × d``)
   plus the caller's FP8 weight copies by reference.

@@ -42,9 +42,8 @@ row groups of a warp (a warp holds all 128 rows of its 16 columns: no shared mem
 transposed tile stored as above into the K-major copy. The tile stays bf16 in registers until
 each row is quantized: 96 registers per thread, five 128-thread CTAs per SM, where 128 columns
 per CTA of eight warps with fp32 copies of the tile (128 registers, two CTAs per SM) ran
-1.25–1.33× slower (H200, same run, bitwise the same copies). Each column's reciprocal is
-taken once and its 8 quotients come from it (``quotient``): 2.2–2.8 TB/s of bf16 read + e4m3
-written at the paper's configurations (docs/design.md §5), benchmarks/RESULTS.md.
+slower (bitwise the same copies). Each column's reciprocal is taken once and its 8 quotients
+come from it (``quotient``); bandwidth at the paper's configurations: benchmarks/RESULTS.md.
 
 ``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
 ``ValueError`` names the argument otherwise.

@@ -66,9 +66,8 @@ def quotient(x, recip, scale, *, loc=None, ip=None):
     """IEEE ``x / scale`` (round to nearest, bitwise the division instruction's) from
     ``recip = 1 / scale`` (IEEE) for a :func:`fast_scale` ``scale``: seven instructions
     without a branch, where each division instruction carries a range check and a slow
-    path. Same-run A/B on the H200, outputs bitwise equal: column-wise quantization
-    1.13–1.28× faster, the quantizing SwiGLU 1.13–1.15×, ``quantize_rows`` 1.06–1.09×
-    (benchmarks/RESULTS.md)."""
+    path. Faster for column-wise quantization, the quantizing SwiGLU and ``quantize_rows``
+    alike, outputs bitwise equal (benchmarks/RESULTS.md)."""
     ops = [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, recip, -scale)]
     return Float32(llvm.inline_asm(Float32.mlir_type, ops, _QUOTIENT_PTX, "=f,f,f,f",
                                    loc=loc, ip=ip))

@@ -11,9 +11,9 @@ Conventions every kernel module follows:
   and the stream are marshalled per call.
 * :func:`compile_launcher` compiles and returns a :class:`Launcher` that appends PyTorch's
   current CUDA stream to every call. When the ``apache-tvm-ffi`` wheel is importable (it is not a
-  dependency of ``nvidia-cutlass-dsl`` 4.8.1) the kernel is compiled with ``--enable-tvm-ffi``:
-  measured on H100 (``benchmarks/bench_aggregation.py``), a launcher call then costs ~9 µs of
-  host time instead of ~36 µs. ``SONIC_TVM_FFI=0`` turns it off.
+  dependency of ``nvidia-cutlass-dsl`` 4.8.1) the kernel is compiled with ``--enable-tvm-ffi``,
+  which cuts a launcher call's host time about fourfold (``benchmarks/bench_aggregation.py``).
+  ``SONIC_TVM_FFI=0`` turns it off.
 * The same ``build`` function compiles with placeholder arguments on the CPU (the compile check,
   ``CUTE_DSL_ARCH=sm_90a``) and on the GPU (first launch), so what CI compiles is what runs.
 

@@ -366,21 +366,18 @@ class GroupedGemmConfig:
     def wgmma_turns(self) -> bool:
         """FP8 with one partial accumulator: the two consumer warpgroups queue their WGMMAs in
         turn (named barriers), so one warpgroup's promotion runs while the tensor cores
-        work through the other's WGMMAs instead of both waiting at once. Same-run A/Bs on the
-        H200 (OLMoE and 30B shapes, time in turn / free): gathered up-proj 0.92-0.94, dA'
-        0.91-0.94, fused dSwiGLU 0.94-0.96, down-proj 0.97-0.99, dX and the weight gradients
-        level (0.99-1.01), the layer's FP8 step 0.95-0.98; the fused SwiGLU up-proj
-        1.00-1.06, slower, so not there (benchmarks/RESULTS.md)."""
+        work through the other's WGMMAs instead of both waiting at once. Faster or level for
+        every FP8 GEMM but the fused SwiGLU up-proj, which it slows, so not there
+        (benchmarks/RESULTS.md)."""
         return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
 
     @property
     def consumer_heavy(self) -> bool:
         """Row-copy kernels whose consumers take 232 registers (producers 40) instead of 224
-        (56), by same-run A/B on the H200 (benchmarks/RESULTS.md): FP8 on 256-wide tiles
-        (the promoted and partial accumulators spill at 224; gathered up-proj 0.8–1.7%,
-        fused dSwiGLU GEMM 7–14% faster) and the bf16 up-proj with the SwiGLU epilogue on
-        256-wide tiles (1.0–1.5% at OLMoE, 3.6–4.7% at 30B). Not the bf16 dH kernel: its
-        producers also load H, and with 40 registers it ran 1.6–1.7× slower."""
+        (56), where a same-run A/B showed it faster (benchmarks/RESULTS.md): FP8 on 256-wide
+        tiles (the promoted and partial accumulators spill at 224) and the bf16 up-proj with
+        the SwiGLU epilogue on 256-wide tiles. Not the bf16 dH kernel: its producers also
+        load H, and with 40 registers it runs much slower."""
         return self.tile_n == 256 and (self.fp8 or self.epilogue == "swiglu")
 
     @property

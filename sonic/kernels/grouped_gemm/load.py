@@ -7,9 +7,9 @@ all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
   are TMA's zero fill; they only reach masked output rows); gathered A as one ``1 x tile_k`` box
   per tile row, written at that row's 128-byte line of the stage — the hardware applies the
   128-byte swizzle by shared-memory address, so the rows land exactly where the MMA expects
-  them. This replaced 16-byte ``cp.async`` gathers, which were capped near 10 GB/s per SM by the
-  load/store path (ncu: both pipeline ends waiting, no memory-bound sign), 1.5–1.9× slower at
-  the docs/design.md §5 shapes.
+  them. This replaced 16-byte ``cp.async`` gathers, which the SM's load/store path capped (ncu:
+  both pipeline ends waiting, no memory-bound sign) well below it at the docs/design.md §5
+  shapes.
 * varlen-K operands are MN-major: whole k-tiles of contiguous rows as ``64 x TILE_K`` boxes;
   gathered rows and an expert's last partial k-tile as ``64 x 1`` row boxes, a row past the
   expert's end pointing out of bounds so TMA writes zeros and no stale value (possibly NaN)
@@ -222,12 +222,12 @@ class TmaProducers:
         each k-tile in turn (a TMA copy takes warp-uniform coordinates). Rows past the
         expert's end copy the tile's first source row: they only reach masked output rows,
         and every stage then receives the same byte count. Compared with 16-byte cp.async
-        copies this keeps the row loads off the SM's load/store path (measured ~2× faster
-        on H200 at the docs/design.md §5 shapes). With ``multicast_a`` (both CTAs of the cluster on one
+        copies this keeps the row loads off the SM's load/store path (faster at the
+        docs/design.md §5 shapes). With ``multicast_a`` (both CTAs of the cluster on one
         m-tile) CTA ``c`` copies rows ``64c .. 64c+63`` only, 16 per warp, each into both
         CTAs: half the row copies per CTA, whose issue bounds the bf16 gathered GEMMs (the
-        same kernel on an identity index is as slow as on a random one, and 4–7% slower than
-        on the rows gathered beforehand; benchmarks/RESULTS.md). A phantom CTA (no rows of
+        same kernel on an identity index is as slow as on a random one, and slower than on
+        the rows gathered beforehand; benchmarks/RESULTS.md). A phantom CTA (no rows of
         its own) still copies its half for its peer. After a tile's k-tiles the epilogue may
         queue its own loads into the ring (:meth:`Epilogue.producer_loads`). ``tma_a``: A's
         row copy, or with ``multicast_a`` its multicast one.

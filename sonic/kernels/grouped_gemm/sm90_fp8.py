@@ -23,14 +23,13 @@ Schedule: cooperative ``128 x tile_n`` tiles on 2-CTA clusters. The WGMMA is
 block. ``128 x 256`` tiles (N a multiple of 256) run each k-tile as two 128-column sub-tiles
 into one partial accumulator, each waited for and promoted into its half of the 128-register
 promoted accumulator before the next is queued; they read half the A bytes per FLOP of
-``128 x 128`` tiles. Same-run A/B of the two widths on the H200 at the OLMoE and 30B shapes
-(benchmarks/RESULTS.md): the store and SwiGLU GEMMs 1.02–1.22× faster on ``128 x 256``, the
-fused dSwiGLU one 0.97× (OLMoE) and 1.08× (30B), results bitwise the same.
+``128 x 128`` tiles; the store and SwiGLU GEMMs are faster on ``128 x 256`` at the OLMoE and
+30B shapes, the fused dSwiGLU one level, results bitwise the same (benchmarks/RESULTS.md).
 With one partial accumulator the two warpgroups queue their WGMMAs in turn (two named
 barriers, :attr:`~.config.GroupedGemmConfig.wgmma_turns`): left free, both queue theirs at
 once, the tensor cores interleave them, both wait and both promote while the tensor cores
-idle; in turn, one warpgroup promotes while the tensor cores run the other's (gathered GEMMs
-6–9% faster on the H200, results bitwise the same).
+idle; in turn, one warpgroup promotes while the tensor cores run the other's (the gathered
+GEMMs faster, results bitwise the same).
 ``128 x 128`` tiles (N not a multiple of 256) with contiguous A
 (:attr:`GroupedGemmConfig.overlapped_promotion`) alternate two partial accumulators over
 the k-tiles: the WGMMAs of k-tile ``kt`` are queued into one before the thread waits for
@@ -56,11 +55,10 @@ The producer bulk-copies the k-tile's ``tile_n`` column scales into the ring sta
 operands (:attr:`~.config.GroupedGemmConfig.col_scale_bytes`), and the promotion reads each
 column pair's two scales from there as it reaches them (the stage is handed back after the
 promotion): loaded per thread from global memory (32 scalar loads per k-tile) their latency
-stalled the promotion, 1.13–1.36× slower, and held in registers for a whole sub-tile they
+stalled the promotion, and held in registers for a whole sub-tile they
 spilled beside a 256-wide tile's accumulators. One partial accumulator, as the 256-wide
 varlen-M tiles (no overlapped promotion: the k-loop is the expert's); ``128 x 256`` tiles
-where N is a multiple of 256: 770–834 TFLOPS at the OLMoE and 30B shapes on the H200, against
-the bf16 varlen-K GEMM's 620–680 in the same run (benchmarks/RESULTS.md).
+where N is a multiple of 256 (faster than the bf16 varlen-K GEMM: benchmarks/RESULTS.md).
 Imports ``cutlass``: only the dispatcher (:mod:`.interface`) imports this module, lazily.
 """
 

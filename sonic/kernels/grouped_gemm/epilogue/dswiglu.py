@@ -14,15 +14,12 @@ swizzle-aware). Measured faster than the dA' GEMM followed by the standalone epi
 
 bf16 on sm_90 each warp makes one pass per slab over its own rows, writing dH over the slab's
 H in the ring stage and A' beside it, and its first lane TMA-stores the three boxes; the
-global writes drain while the next slab and the next tile's mainloop run (H200, same-run A/B:
-7% faster at the 7B shape, 4–5% at OLMoE, 1–2% at 30B, leaving out rounds the benchmark's
-order slowed; the layer step level or faster). The FP8 mainloop and sm_100 stage the three
-outputs in turn and store them with their threads. The epilogue is still not overlapped with
-MMAs (on the H200 it adds 18–36% to the dA' GEMM's time): ping-pong, each warpgroup on its own
-``128 x 128`` tile, was
-built and measured with one CTA and with 2-CTA clusters, bitwise the same results but
-2.0–2.7× slower (half the FLOP per gathered row copy, and the epilogue spills at twice the
-rows per warpgroup; benchmarks/RESULTS.md).
+global writes drain while the next slab and the next tile's mainloop run (faster than
+per-thread stores at the 7B, OLMoE and 30B shapes). The FP8 mainloop and sm_100 stage the
+three outputs in turn and store them with their threads. The epilogue is still not overlapped
+with MMAs: ping-pong, each warpgroup on its own ``128 x 128`` tile, gives bitwise the same
+results but is slower, with one CTA and with 2-CTA clusters (half the FLOP per gathered row
+copy, and the epilogue spills at twice the rows per warpgroup; benchmarks/RESULTS.md).
 Imports ``cutlass``: only the kernel modules import this one.
 """
 

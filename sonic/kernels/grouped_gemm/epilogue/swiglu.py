@@ -24,9 +24,9 @@ class SwigluEpilogue(Epilogue):
 
     Not deferred (:meth:`Epilogue.defers`): with the tile held in bf16 registers beside the
     next tile's accumulator and its H and A boxes stored during that tile's k-tiles, the
-    outputs were bitwise the same but the kernel 1–2% ("concat") and 3–7% ("interleaved")
-    slower, even once the spills (LLVM hoisting the held tile's SwiGLU out of the k-loop) were
-    gone (H200, benchmarks/RESULTS.md)."""
+    outputs were bitwise the same but the kernel slower for both layouts, even once the spills
+    (LLVM hoisting the held tile's SwiGLU out of the k-loop) were gone
+    (benchmarks/RESULTS.md)."""
 
     @cute.jit
     def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: tuple,
