@@ -133,6 +133,52 @@ class Combine(torch.autograd.Function):
                                index=plan.send_tokens), None, None
 
 
+def _check_arguments(x, w1_local, w2_local, scores, token_idx, expert_idx, *, group,
+                     num_experts, gate_up, placement, num_chunks, comm_sm_margin,
+                     recompute_dispatch, precision, transport) -> tuple[int, int]:
+    """The checks of :func:`ep_moe_experts` that need no other rank (raised on this rank,
+    before any collective); returns ``(ep_size, local experts or slots per rank)``."""
+    check_float("x", x, ndim=2)
+    check_float("w1_local", w1_local, ndim=3)
+    check_float("w2_local", w2_local, ndim=3)
+    check_float("scores", scores, ndim=1)
+    check_index("token_idx", token_idx)
+    check_index("expert_idx", expert_idx)
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
+    check_int("comm_sm_margin", comm_sm_margin, low=0)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("transport", transport, TRANSPORTS)
+    if not isinstance(recompute_dispatch, bool):
+        raise TypeError(f"recompute_dispatch must be a bool, got "
+                        f"{type(recompute_dispatch).__name__}")
+    check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
+    check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
+                      token_idx=token_idx, expert_idx=expert_idx)
+    ep_size, _ = check_group(group)
+    if placement is None:
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
+                             f"{ep_size} (the size of group)")
+        num_local, label = num_experts // ep_size, "E/ep"
+    else:
+        check_placement(placement, num_experts, ep_size)
+        num_local, label = placement.slots_per_rank, "slots_per_rank"
+    d = x.shape[1]
+    n = w2_local.shape[-1]
+    if tuple(w1_local.shape) != (num_local, 2 * n, d):
+        raise ValueError(f"w1_local must have shape ({label}={num_local}, 2n={2 * n}, d={d}), "
+                         f"got {tuple(w1_local.shape)}")
+    if tuple(w2_local.shape) != (num_local, d, n):
+        raise ValueError(f"w2_local must have shape ({label}={num_local}, d={d}, n), "
+                         f"got {tuple(w2_local.shape)}")
+    for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
+        if t.shape != scores.shape:
+            raise ValueError(f"{name} must have shape (P={scores.shape[0]},) like scores, "
+                             f"got {tuple(t.shape)}")
+    return ep_size, num_local
+
+
 def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tensor,
                    scores: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, *,
                    group, num_experts: int, gate_up: GateUp = "concat",
@@ -172,39 +218,29 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         placement: a :class:`~sonic.distributed.Placement` for ``ep`` ranks and ``E`` experts
             (the same on every rank), or ``None`` for the contiguous placement; with it
             ``w1_local``/``w2_local`` hold ``slots_per_rank`` experts.
-        num_chunks: ``C`` in ``[1, MAX_CHUNKS = 16]``, the same on every rank. ``C > 1`` splits
-            this rank's tokens into ``C`` chunks of ``ceil(T/C)`` consecutive tokens and
-            pipelines them (:mod:`sonic.distributed.overlap`): the all-to-alls of one chunk
-            run on a communication stream while the local experts of another run, forward
-            and backward. Routing, the plan, its count exchange and its host read stay one per
-            call; a pair goes to the same expert (replica) for every ``C``, so the result
-            equals ``C = 1`` up to the order in which the weight gradients accumulate rows. ``C = 1`` (default): the unchunked path. With ``C > 1`` each chunk's
-            backward computes only activation gradients; dW1 and dW2 are computed once over
-            all chunks' rows.
-        comm_sm_margin: SMs that the grouped GEMMs of the chunked pipeline (``C > 1``) leave
-            free for the all-to-all kernels running beside them (:func:`sonic.backend.sm_margin`;
-            results unchanged); ``0`` (default): every SM. Ignored on the unchunked path
-            (``C = 1`` without ``recompute_dispatch``), where no communication overlaps the
-            experts. May differ between ranks.
-        recompute_dispatch: keep ``x`` instead of the received rows ``x_recv (R, d)`` and send
-            its rows again in backward for dW1 (:mod:`sonic.distributed.overlap`, which then
-            runs also for ``C = 1``): ``R·d`` fewer bytes kept per layer (``x`` is usually kept
-            anyway, by whatever produced it or by the router) for one more ``R × d``
-            all-to-all in backward, overlapped with dW2. All-to-all moves bytes unchanged, so
-            the gradients are exactly those without it (for the same ``C``; ``C = 1`` then
-            differs from the unchunked path by the order of dW sums only). The same on every
-            rank. An in-place change of ``x`` before backward raises there, as for any tensor
-            autograd saved.
+        num_chunks: ``C`` in ``[1, MAX_CHUNKS = 16]``, the same on every rank. ``C > 1``
+            pipelines ``C`` chunks of ``ceil(T/C)`` consecutive tokens
+            (:mod:`sonic.distributed.overlap`): one chunk's all-to-alls run on a communication
+            stream while another's local experts run, forward and backward; routing, the plan
+            and its host read stay one per call, and dW1, dW2 are computed once over all
+            chunks' rows. The result equals ``C = 1`` (default, unchunked) up to the order of
+            the weight-gradient sums.
+        comm_sm_margin: SMs the grouped GEMMs of the chunked pipeline leave free
+            (:func:`sonic.backend.sm_margin`; results unchanged); ``0`` (default): every SM.
+            Ignored without chunks or ``recompute_dispatch``. May differ between ranks.
+        recompute_dispatch: keep ``x`` (by reference) instead of the received rows
+            ``x_recv (R, d)`` and send its rows again in backward for dW1, overlapped with dW2
+            (:mod:`sonic.distributed.overlap`, then also for ``C = 1``): ``R·d`` fewer bytes
+            kept for one more ``R × d`` all-to-all; the gradients are exactly those without
+            it. The same on every rank. An in-place change of ``x`` before backward raises.
         precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
             local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``), on every
             path; the rows travel in bf16 either way (each rank quantizes what it received).
-        transport: what moves the data all-to-alls (rows, scores and their gradients), the same
-            on every rank: ``"nccl"`` (default) — ``torch.distributed``'s
-            ``all_to_all_single`` (NCCL kernels on GPU, gloo on CPU); ``"copy_engine"`` —
-            NVLink peer memory moved by the copy engines, no SM taken from the grouped GEMMs
-            (:mod:`sonic.distributed.peer`; CUDA ranks of one host on an NCCL group); ``"auto"``
-            — ``"copy_engine"`` where it is available, else ``"nccl"``. The bytes moved, and so
-            every result, are the same. The count exchange of the plan always uses
+        transport: what moves the data all-to-alls, the same on every rank: ``"nccl"``
+            (default, ``torch.distributed``: NCCL on GPU, gloo on CPU), ``"copy_engine"``
+            (NVLink peer memory and copy engines, :mod:`sonic.distributed.peer`; CUDA ranks of
+            one host) or ``"auto"`` (``"copy_engine"`` where available). The same bytes move,
+            so every result is the same; the plan's count exchange always uses
             ``torch.distributed``.
         settings: further settings of the caller that every rank must share, by name:
             ``router``, ``training``, ``top_k``, ``tile``, ``rounding``, ``score``,
@@ -216,35 +252,29 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         ``(T, d)`` in ``x``'s dtype; differentiable in x, w1_local, w2_local and scores. Every
         rank of ``group`` must call backward through it (its backward runs collectives).
 
-    Kept for backward on each rank:
-        * the received rows ``x_recv (R, d)``, ``R`` = (token, rank) pairs sent here — the
-          local experts' X, needed for dW1. Unlike single-process sonic, where X is the
-          caller's tensor kept by reference, this is a new tensor; ``recompute_dispatch``
-          keeps ``x`` by reference instead and re-sends its rows in backward.
-        * ``H (P_recv, 2n)``, the received scores and the local routing metadata — what
-          :func:`sonic.moe_experts` keeps;
-        * the :class:`DispatchPlan`: ``O(S + P + P_recv + T)`` int indices and the host split
-          sizes, so backward needs no count exchange and no host synchronisation.
-        Not kept: x, the sent rows, the partial outputs, Y.
-        With ``C > 1`` the same totals, in one buffer each (chunk ``c``'s ``R_c`` rows and
-        its pairs at their offsets), with per-chunk metadata; backward adds A' ``(P_recv, n)``
-        of all chunks until the weight gradients.
+    Kept for backward on each rank: the received rows ``x_recv (R, d)`` (``R`` = (token,
+    rank) pairs sent here; a new tensor, where single-process sonic keeps the caller's X by
+    reference — ``recompute_dispatch`` keeps ``x`` instead), ``H (P_recv, 2n)``, the received
+    scores and local routing metadata (what :func:`sonic.moe_experts` keeps), and the
+    :class:`DispatchPlan`'s ``O(S + P + P_recv + T)`` int indices and host split sizes, so
+    backward needs no count exchange and no host read. Not kept: x, the sent rows, the partial
+    outputs. With ``C > 1`` the same totals, one buffer each; backward adds A'
+    ``(P_recv, n)`` of all chunks until the weight gradients.
 
-    Synchronisation: one device→host read per call (the split sizes, of all chunks); every
-    collective waits at most the process group's timeout.
+    Synchronisation: one device→host read per call; every collective waits at most the
+    process group's timeout.
 
     Raises:
         TypeError: a wrong type or dtype (as :func:`sonic.moe_experts`).
-        ValueError: mismatched shapes on this rank, ``num_experts`` not divisible by the group
-            size, ``w1_local`` not holding ``E/ep`` experts, unknown ``gate_up``/``backend``;
-            raised on this rank before any collective, so other ranks wait until the process
-            group's timeout. Out-of-range indices on any rank, or ranks disagreeing on ``d``,
-            ``n``, ``E``, ``num_chunks``, the dtypes of x and scores, the grad mode, which inputs
-            require grad (backward's collectives depend on them) or an entry of ``settings``
-            (the message names the setting and each rank's value): raised on *every* rank after the count
-            exchange. With a ``placement``: one for other than ``ep`` ranks
-            or ``E`` experts, or ``w1_local`` not holding ``slots_per_rank`` experts (this
-            rank); ranks holding different placements (every rank).
+        ValueError: on this rank before any collective (the others then wait until the
+            process group's timeout): mismatched shapes, ``num_experts`` not divisible by the
+            group size, ``w1_local`` not holding ``E/ep`` experts (``slots_per_rank`` with a
+            ``placement``), a ``placement`` for other than ``ep`` ranks or ``E`` experts,
+            unknown ``gate_up``/``backend``/``transport``. On *every* rank after the count
+            exchange: out-of-range indices on any rank, or ranks disagreeing on ``d``, ``n``,
+            ``E``, the placement, ``num_chunks``, the dtypes, the grad mode, which inputs
+            require grad or an entry of ``settings`` (naming the setting and each rank's
+            value); ``transport="copy_engine"`` on a group that is not NCCL on one host.
         TypeError: ``placement`` not a :class:`~sonic.distributed.Placement` or ``None``.
         RuntimeError: ``torch.distributed`` not initialised, or a collective timed out.
 
@@ -252,69 +282,23 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     SonicMoE (arXiv 2512.14080) for the local expert computation; Comet (arXiv 2502.19811)
     for overlapping the all-to-alls with it, here at chunk granularity.
     """
-    check_float("x", x, ndim=2)
-    check_float("w1_local", w1_local, ndim=3)
-    check_float("w2_local", w2_local, ndim=3)
-    check_float("scores", scores, ndim=1)
-    check_index("token_idx", token_idx)
-    check_index("expert_idx", expert_idx)
-    check_int("num_experts", num_experts, low=1)
-    check_int("num_chunks", num_chunks, low=1, high=MAX_CHUNKS)
-    check_int("comm_sm_margin", comm_sm_margin, low=0)
-    check_choice("precision", precision, PRECISIONS)
-    check_choice("transport", transport, TRANSPORTS)
-    if not isinstance(recompute_dispatch, bool):
-        raise TypeError(f"recompute_dispatch must be a bool, got "
-                        f"{type(recompute_dispatch).__name__}")
-    check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-    check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
-                      token_idx=token_idx, expert_idx=expert_idx)
-    ep_size, _ = check_group(group)
-    if placement is None:
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size "
-                             f"{ep_size} (the size of group)")
-        num_local, label = num_experts // ep_size, "E/ep"
-    else:
-        check_placement(placement, num_experts, ep_size)
-        num_local, label = placement.slots_per_rank, "slots_per_rank"
+    ep_size, num_local = _check_arguments(
+        x, w1_local, w2_local, scores, token_idx, expert_idx, group=group,
+        num_experts=num_experts, gate_up=gate_up, placement=placement, num_chunks=num_chunks,
+        comm_sm_margin=comm_sm_margin, recompute_dispatch=recompute_dispatch,
+        precision=precision, transport=transport)
     num_tokens, d = x.shape
-    n = w2_local.shape[-1]
-    if tuple(w1_local.shape) != (num_local, 2 * n, d):
-        raise ValueError(f"w1_local must have shape ({label}={num_local}, 2n={2 * n}, d={d}), "
-                         f"got {tuple(w1_local.shape)}")
-    if tuple(w2_local.shape) != (num_local, d, n):
-        raise ValueError(f"w2_local must have shape ({label}={num_local}, d={d}, n), "
-                         f"got {tuple(w2_local.shape)}")
-    for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
-        if t.shape != scores.shape:
-            raise ValueError(f"{name} must have shape (P={scores.shape[0]},) like scores, "
-                             f"got {tuple(t.shape)}")
     local_options = {"gate_up": gate_up, "backend": backend, "precision": precision,
                      "fp8_weights": fp8_weights, "activation_cache": activation_cache}
     if ep_size == 1 and placement is None:
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
                            **local_options)
-    # Autocast before the dispatch, as moe_experts does on one process: the rows travel in
-    # the autocast dtype, and a dtype error is raised here, before any collective.
-    x, w1_local, w2_local = autocast_experts(x, w1_local, w2_local)
-    for name, w in (("w1_local", w1_local), ("w2_local", w2_local)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype} (outside "
-                            "torch.autocast the experts do not cast)")
-    # What the local experts would refuse, refused here: before any collective.
-    check_activation_cache(activation_cache, x.dtype, 2 * n)
-    if precision == "fp8":
-        check_fp8_call(x, num_local, n, fp8_weights)
-        check_fp8_backend(backend, x.device)
+    x, w1_local, w2_local = _autocast_checked(x, w1_local, w2_local, num_local,
+                                              local_options)
     ops = expert_ops(backend, x.device)
     agreed = agreed_values({
-        **(settings or {}), "num_experts": num_experts, "dtype of scores": scores.dtype,
-        "d (x.shape[1])": d, "n (w2_local.shape[2])": n, "dtype of x": x.dtype,
-        "torch.is_grad_enabled()": torch.is_grad_enabled(),
-        "x.requires_grad": x.requires_grad, "scores.requires_grad": scores.requires_grad,
-        "w1_local.requires_grad": w1_local.requires_grad,
-        "w2_local.requires_grad": w2_local.requires_grad,
+        **(settings or {}), **_call_settings(x, scores, w1_local, w2_local),
+        "num_experts": num_experts,
         "placement (its fingerprint; 0 for the contiguous default)":
             0 if placement is None else placement.fingerprint(),
         "num_chunks": num_chunks, "recompute_dispatch": recompute_dispatch,
@@ -335,12 +319,48 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                                     backend, ops.aggregate, comm_sm_margin, recompute_dispatch,
                                     None if precision == "bf16" else tuple(fp8_weights),
                                     activation_cache)
+    return _unchunked(x, scores, w1_local, w2_local, plan, num_local, ops.aggregate,
+                      local_options)
+
+
+def _autocast_checked(x, w1_local, w2_local, num_local: int, local_options: dict):
+    """``(x, w1_local, w2_local)`` cast as :func:`sonic.moe_experts` casts them on one process
+    (so the rows travel in the autocast dtype), after raising, before any collective, what the
+    local experts would refuse."""
+    x, w1_local, w2_local = autocast_experts(x, w1_local, w2_local)
+    for name, w in (("w1_local", w1_local), ("w2_local", w2_local)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype} (outside "
+                            "torch.autocast the experts do not cast)")
+    n = w2_local.shape[-1]
+    check_activation_cache(local_options["activation_cache"], x.dtype, 2 * n)
+    if local_options["precision"] == "fp8":
+        check_fp8_call(x, num_local, n, local_options["fp8_weights"])
+        check_fp8_backend(local_options["backend"], x.device)
+    return x, w1_local, w2_local
+
+
+def _call_settings(x, scores, w1_local, w2_local) -> dict:
+    """The settings of one call that every rank must share, by their :data:`_AGREED` names:
+    sizes, dtypes and which tensors need gradients (backward's collectives depend on them)."""
+    return {"dtype of scores": scores.dtype, "d (x.shape[1])": x.shape[1],
+            "n (w2_local.shape[2])": w2_local.shape[2], "dtype of x": x.dtype,
+            "torch.is_grad_enabled()": torch.is_grad_enabled(),
+            "x.requires_grad": x.requires_grad, "scores.requires_grad": scores.requires_grad,
+            "w1_local.requires_grad": w1_local.requires_grad,
+            "w2_local.requires_grad": w2_local.requires_grad}
+
+
+def _unchunked(x, scores, w1_local, w2_local, plan: DispatchPlan, num_local: int, aggregate,
+               local_options: dict) -> torch.Tensor:
+    """Dispatch, local experts and combine of a plan of one chunk (module docstring)."""
     (chunk,) = plan.chunks
-    x_recv, scores_recv = Dispatch.apply(x, scores, plan, ops.aggregate)
+    x_recv, scores_recv = Dispatch.apply(x, scores, plan, aggregate)
     # The pairs were built here from range-checked indices: no second check (a host read).
     local = Routing(chunk.recv_tokens, chunk.recv_experts, scores_recv, sum(chunk.recv_rows),
                     num_local, validated=True)
     y_recv = moe_experts(x_recv, w1_local, w2_local, scores_recv, chunk.recv_tokens,
-                         chunk.recv_experts, metadata=routing_metadata(local, backend=backend),
+                         chunk.recv_experts,
+                         metadata=routing_metadata(local, backend=local_options["backend"]),
                          **local_options)
-    return Combine.apply(y_recv, plan, ops.aggregate)
+    return Combine.apply(y_recv, plan, aggregate)
