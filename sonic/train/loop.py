@@ -472,26 +472,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(config.seed)
-    model = ByteMoELM(max_seq_len=config.seq_len, d_model=config.d_model,
-                      num_layers=config.layers, num_heads=config.heads,
-                      num_experts=config.experts, top_k=config.top_k,
-                      d_expert=config.d_expert, router=config.router, tile=config.tile,
-                      aux_loss_coef=config.aux_loss_coef, backend=config.backend,
-                      precision=config.precision,
-                      activation_cache=config.activation_cache,
-                      device=device, dtype=dtype)
-    if config.experts_impl == "torch-gmm":
-        model.use_torch_gmm_experts()
-    if par.ep > 1:
-        model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
-                            recompute_dispatch=config.ep_recompute_dispatch,
-                            transport=config.ep_transport)
-    parallel.broadcast_replicated(model, par)
-    logger.info("model: %d layers, d=%d, E=%d experts of n=%d, top-%d, %s router; %s %s on %s; "
-                "T=%d tokens per MoE layer and step", config.layers, config.d_model,
-                config.experts, config.d_expert, config.top_k, config.router, dtype,
-                config.precision, device, config.batch_size * config.seq_len)
+    model = _build_model(config, par, device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
 
@@ -513,19 +494,9 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     train_gen = torch.Generator().manual_seed(config.seed)
 
     if state is not None:
-        _check_model_state(state["model"], model, resume)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        _check_optimizer_state(optimizer, resume)
-        train_gen.set_state(state["train_generator"])
-        torch.set_rng_state(state["rng"])
-        start = state["step"]
-        val_history = [list(v) for v in state["val_history"]]
-        losses = [torch.tensor(v) for v in state["losses"]]
+        start, val_history, losses = _restore(state, model, optimizer, train_gen, resume)
     else:
-        start = 0
-        val_history = [[0, validate()]]
-        losses = []
+        start, val_history, losses = 0, [[0, validate()]], []
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     # Built at the resumed step (the optimizer state holds its initial_lr) from this run's
     # `steps`, which a resumed run may change.
@@ -548,10 +519,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
 
     log = open(log_jsonl, "a" if resume else "w", encoding="utf-8") if log_jsonl else None
     if state is None:   # the step-0 validation loss; a resumed run's log already has it
-        if log is not None:
-            log.write(json.dumps({"step": 0, "val_loss": val_history[0][1]}) + "\n")
-        if writer is not None:
-            writer.add_scalar("val/loss", val_history[0][1], 0)
+        _write_record({"step": 0, "val_loss": val_history[0][1]}, log, writer)
     # Throughput is timed from the end of this call's first step, which pays for one-off
     # warm-up (kernel compilation, allocator growth); a 1-step run times that step itself.
     started = clock()
@@ -603,14 +571,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                           "aux_loss": float(aux_loss.detach()), "lr": lr, "tokens_per_s": rate}
                 if evaluated is not None:
                     record["val_loss"] = evaluated
-                if log is not None:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                if writer is not None:
-                    for key, value in record.items():
-                        if key != "step" and value is not None:
-                            writer.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss",
-                                              value, done)
+                _write_record(record, log, writer)
             if progress and (step % 10 == 0 or done == end or evaluated is not None):
                 postfix = {"loss": f"{losses[-1].item():.3f}",
                            f"val@{val_history[-1][0]}": f"{val_history[-1][1]:.3f}"}
@@ -627,12 +588,9 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
         if log is not None:
             log.close()
     steps_run = end - start
-    if steps_run > 1:
-        tokens_per_s = (steps_run - 1) * tokens_per_step / (finished - warm - eval_seconds)
-    elif steps_run == 1:
-        tokens_per_s = tokens_per_step / (finished - started)
-    else:
-        tokens_per_s = 0.0
+    # Past the first step (its warm-up excluded) when there is more than one.
+    tokens_per_s = ((steps_run - 1) * tokens_per_step / (finished - warm - eval_seconds)
+                    if steps_run > 1 else steps_run * tokens_per_step / (finished - started))
 
     if end == config.steps and val_history[-1][0] != end:   # resumed at its last step
         val_history.append([config.steps, validate()])
@@ -641,14 +599,76 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     if save:
         write_checkpoint(save, checkpoint_state(end))
         logger.info("step %d: checkpoint written to %s", end, save)
+    probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
+                                   torch.Generator().manual_seed(config.seed + 1)))[0]
+    return _summary(config, par, device, dtype, model, probe, end=end, losses=losses,
+                    val_history=val_history, tokens_per_s=tokens_per_s, rates=rates)
+
+
+def _restore(state: dict, model: ByteMoELM, optimizer, train_gen: torch.Generator,
+             resume: str) -> tuple[int, list, list]:
+    """Load a checked checkpoint ``state`` into the model, optimizer and generators; returns
+    ``(step, val_history, losses)`` to continue from."""
+    _check_model_state(state["model"], model, resume)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _check_optimizer_state(optimizer, resume)
+    train_gen.set_state(state["train_generator"])
+    torch.set_rng_state(state["rng"])
+    return (state["step"], [list(v) for v in state["val_history"]],
+            [torch.tensor(v) for v in state["losses"]])
+
+
+def _build_model(config: TrainConfig, par: parallel.Parallel, device: torch.device,
+                 dtype: torch.dtype) -> ByteMoELM:
+    """The model of ``config`` from its seed, its experts run by ``config.experts_impl`` and,
+    with ``par.ep > 1``, split over the EP group; replicated parameters broadcast."""
+    torch.manual_seed(config.seed)
+    model = ByteMoELM(max_seq_len=config.seq_len, d_model=config.d_model,
+                      num_layers=config.layers, num_heads=config.heads,
+                      num_experts=config.experts, top_k=config.top_k,
+                      d_expert=config.d_expert, router=config.router, tile=config.tile,
+                      aux_loss_coef=config.aux_loss_coef, backend=config.backend,
+                      precision=config.precision,
+                      activation_cache=config.activation_cache,
+                      device=device, dtype=dtype)
+    if config.experts_impl == "torch-gmm":
+        model.use_torch_gmm_experts()
+    if par.ep > 1:
+        model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
+                            recompute_dispatch=config.ep_recompute_dispatch,
+                            transport=config.ep_transport)
+    parallel.broadcast_replicated(model, par)
+    logger.info("model: %d layers, d=%d, E=%d experts of n=%d, top-%d, %s router; %s %s on %s; "
+                "T=%d tokens per MoE layer and step", config.layers, config.d_model,
+                config.experts, config.d_expert, config.top_k, config.router, dtype,
+                config.precision, device, config.batch_size * config.seq_len)
+    return model
+
+
+def _write_record(record: dict, log, writer) -> None:
+    """One step's record as a JSON line of ``log`` and scalars of the TensorBoard ``writer``
+    (either may be ``None``)."""
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    if writer is not None:
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                writer.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value,
+                                  record["step"])
+
+
+def _summary(config: TrainConfig, par: parallel.Parallel, device: torch.device,
+             dtype: torch.dtype, model: ByteMoELM, probe: torch.Tensor, *, end: int,
+             losses: list, val_history: list, tokens_per_s: float, rates: list) -> dict:
+    """What :func:`train` returns (its docstring), from the finished run."""
     peak_mib = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
                 else None)
     peak = config.peak_tflops or peak_tflops(device)
     mfu = (tokens_per_s * flops_per_token(config) / (peak * 1e12 * par.world)
            if peak and tokens_per_s else None)
     tail = max(1, len(losses) // 10)
-    probe = to_device(corpus.batch("train", config.batch_size, config.seq_len,
-                                   torch.Generator().manual_seed(config.seed + 1)))[0]
     return {
         "router": config.router,
         "steps": end,
