@@ -371,11 +371,14 @@ def test_token_rounding_layer_uses_the_scoring():
 
 def test_expert_parallel_copy_refuses_options_it_cannot_carry():
     from sonic.distributed import ExpertParallelMoE
-    layer = _layer(score="sigmoid", n_group=2, z_loss_coef=0.1)
-    assert layer.options_beyond() == ["score='sigmoid'", "n_group=2", "z_loss_coef=0.1"]
-    assert layer.options_beyond(("score", "n_group")) == ["z_loss_coef=0.1"]
+    layer = _layer(score="sigmoid", n_group=2, z_loss_coef=0.1, activation="gelu")
+    assert layer.options_beyond() == ["score='sigmoid'", "activation='gelu'", "n_group=2",
+                                      "z_loss_coef=0.1"]
+    assert layer.options_beyond(("score", "n_group")) == ["activation='gelu'", "z_loss_coef=0.1"]
     assert _layer(score="topk_softmax").options_beyond() == []
-    with pytest.raises(ValueError, match="cannot carry z_loss_coef=0.1 yet"):
+    # The expert-parallel layer carries the routing options and the losses, not the
+    # activations beyond SwiGLU.
+    with pytest.raises(ValueError, match="cannot carry activation='gelu' yet"):
         ExpertParallelMoE.from_moe(layer)
 
 
