@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Sequence
 
 import torch
 
@@ -330,7 +331,7 @@ def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
 
 def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend: str, *,
                     h_out: torch.Tensor | None = None, activation_cache: str = "bf16",
-                    fp8_weights: list | None = None
+                    fp8_weights: Sequence[torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of ``sonic::moe_experts`` and ``sonic::moe_experts_fp8`` on unpacked metadata:
     ``(out (T, d), cache, scales)``, the activation cache of

@@ -1,5 +1,6 @@
 """The public modules type-check: mypy over the package's user-facing API (the layer, the
-routers, the experts op, the shared types), as a user's checker would read them."""
+routers, the experts op, the shared types, expert parallelism), as a user's checker would read
+them."""
 
 import pathlib
 import subprocess
@@ -8,7 +9,8 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/types.py"]
+PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/types.py",
+          "sonic/distributed"]
 
 
 def test_public_modules_type_check():

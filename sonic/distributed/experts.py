@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -288,8 +289,9 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         comm_sm_margin=comm_sm_margin, recompute_dispatch=recompute_dispatch,
         precision=precision, transport=transport)
     num_tokens, d = x.shape
-    local_options = {"gate_up": gate_up, "backend": backend, "precision": precision,
-                     "fp8_weights": fp8_weights, "activation_cache": activation_cache}
+    local_options: dict[str, Any] = {
+        "gate_up": gate_up, "backend": backend, "precision": precision,
+        "fp8_weights": fp8_weights, "activation_cache": activation_cache}
     if ep_size == 1 and placement is None:
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
                            **local_options)
@@ -317,7 +319,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             fp8_weights = quantize_expert_weights(w1_local, w2_local, backend)
         return ChunkedExperts.apply(x, scores, w1_local, w2_local, plan, num_local, gate_up,
                                     backend, ops.aggregate, comm_sm_margin, recompute_dispatch,
-                                    None if precision == "bf16" else tuple(fp8_weights),
+                                    None if precision == "bf16" or fp8_weights is None
+                                    else tuple(fp8_weights),
                                     activation_cache)
     return _unchunked(x, scores, w1_local, w2_local, plan, num_local, ops.aggregate,
                       local_options)

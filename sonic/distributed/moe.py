@@ -250,15 +250,14 @@ class ExpertParallelMoE(MoE):
                     topk_group=moe.topk_group, expert_bias=hasattr(moe, "expert_bias"),
                     bias_update_rate=moe.bias_update_rate,
                     seq_aux_loss_coef=moe.seq_aux_loss_coef, z_loss_coef=moe.z_loss_coef)
-        if placement is None:
-            experts = slice(layer.ep_rank * layer.num_local_experts,
-                            (layer.ep_rank + 1) * layer.num_local_experts)
-        else:
-            experts = placement.rank_experts(layer.ep_rank).to(moe.w1.device)
+        mine: slice | torch.Tensor = slice(layer.ep_rank * layer.num_local_experts,
+                                           (layer.ep_rank + 1) * layer.num_local_experts)
+        if placement is not None:
+            mine = placement.rank_experts(layer.ep_rank).to(moe.w1.device)
         with torch.no_grad():
             layer.gate.weight.copy_(moe.gate.weight)
-            layer.w1.copy_(moe.w1[experts])
-            layer.w2.copy_(moe.w2[experts])
+            layer.w1.copy_(moe.w1[mine])
+            layer.w2.copy_(moe.w2[mine])
             if hasattr(moe, "expert_bias"):
                 layer.expert_bias.copy_(moe.expert_bias)
         return layer

@@ -74,12 +74,13 @@ class _Streams:
         """Context in which the comm stream runs the block, after the compute stream's queued
         work; ``made_on_compute``: tensors of the compute stream the block reads or writes,
         which must outlive its use there."""
-        if self.comm is None:
+        comm, compute = self.comm, self.compute
+        if comm is None or compute is None:
             return contextlib.nullcontext()
-        self.comm.wait_stream(self.compute)
+        comm.wait_stream(compute)
         for t in made_on_compute:
-            t.record_stream(self.comm)
-        return torch.cuda.stream(self.comm)
+            t.record_stream(comm)
+        return torch.cuda.stream(comm)
 
     def event(self):
         """An event at the comm stream's current end (``None`` on the CPU)."""
@@ -92,11 +93,12 @@ class _Streams:
     def wait(self, event, *made_on_comm: torch.Tensor) -> None:
         """The compute stream waits for ``event``; ``made_on_comm``: tensors allocated on the
         comm stream that the compute stream uses from now on."""
-        if event is None:
+        compute = self.compute
+        if event is None or compute is None:
             return
-        self.compute.wait_event(event)
+        compute.wait_event(event)
         for t in made_on_comm:
-            t.record_stream(self.compute)
+            t.record_stream(compute)
 
 
 class ChunkedExperts(torch.autograd.Function):

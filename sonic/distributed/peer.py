@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,13 @@ def _copy_engine_attributes(cu, device: torch.device):
     return attributes
 
 
+def _process_group(group):
+    """``group``, or the default group for ``None``."""
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
 def _group_name(group) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
+    return _process_group(group).group_name
 
 
 def peer_transport_available(group, device: torch.device) -> bool:
@@ -153,7 +159,12 @@ class PeerTransport:
         self.ep_size, self.ep_rank = check_group(group)
         self.region_bytes = 0
         self._uses = 0
-        self._buffer = self._regions = self._pads = None
+        # The symmetric allocation and its handle, every rank's view of its buffer (this
+        # rank's own at its index) and every rank's signal-pad address; set by reserve().
+        self._buffer: torch.Tensor | None = None
+        self._handle: Any = None
+        self._regions: list[torch.Tensor] = []
+        self._pads: list[int] = []
         self._streams = [torch.cuda.Stream(device) for _ in range(self.ep_size)]
         self._copy_attributes = _copy_engine_attributes(self._cu, device)
         self.prefer_copy_engine = True
@@ -166,7 +177,7 @@ class PeerTransport:
             return
         region = -(-region_bytes // _ALIGN) * _ALIGN
         torch.cuda.synchronize(self.device)
-        group = self.group if self.group is not None else dist.group.WORLD
+        group = _process_group(self.group)
         buffer = self._symm_mem.empty(_SLOTS, self.ep_size, region, dtype=torch.uint8,
                                       device=self.device)
         handle = self._symm_mem.rendezvous(buffer, group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,7 @@ class DispatchPlan:
         return all_to_all(x, out_splits, in_splits, self.group, out, index=index,
                           transport=self.transport)
 
-    def save_for_backward(self, ctx, *tensors: torch.Tensor) -> None:
+    def save_for_backward(self, ctx, *tensors: torch.Tensor | None) -> None:
         """``ctx.save_for_backward(*tensors, <this plan's index tensors>)``, and the plan
         without them on ``ctx``: every tensor an EP autograd function keeps passes through
         autograd's saved-tensor hooks (``sonic.profile_activation_memory`` counts it,
@@ -131,9 +132,12 @@ class DispatchPlan:
         mine = [self.send_tokens, self.token_rows, self.token_offsets, self.pair_order,
                 *(t for c in self.chunks for t in (c.recv_tokens, c.recv_experts))]
         ctx.save_for_backward(*tensors, *mine)
+        # The plan kept on ctx holds no tensor; saved() puts them back.
         ctx.plan_without_tensors = (len(tensors), dataclasses.replace(
-            self, send_tokens=None, token_rows=None, token_offsets=None, pair_order=None,
-            chunks=tuple(dataclasses.replace(c, recv_tokens=None, recv_experts=None)
+            self, send_tokens=None, token_rows=None, token_offsets=None,  # type: ignore[arg-type]
+            pair_order=None,  # type: ignore[arg-type]
+            chunks=tuple(dataclasses.replace(c, recv_tokens=None,  # type: ignore[arg-type]
+                                             recv_experts=None)  # type: ignore[arg-type]
                          for c in self.chunks)))
 
     @staticmethod
@@ -149,7 +153,7 @@ class DispatchPlan:
             pair_order=pair_order, chunks=chunks)
 
 
-def agreed_values(settings: Mapping[str, object]) -> list[int]:
+def agreed_values(settings: Mapping[str, Any]) -> list[int]:
     """This rank's row of :data:`_AGREED` for the count exchange: each setting named in
     ``settings`` encoded as an int (strings, bools and dtypes as their index in
     :data:`_AGREED_CODES`), the others unset.

@@ -119,7 +119,9 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
     counts = gathered[:, :num_experts].sum(0)
     total = gathered[:, num_experts].sum()
     offset = gathered[:ep_rank, num_experts].sum()
-    change = rounded_counts(counts, tile, rounding, total) - counts       # |change| < tile
+    # |change| < tile. total stays a 0-d device tensor (no host read); clamp takes it as the
+    # bound.
+    change = rounded_counts(counts, tile, rounding, total) - counts  # type: ignore[arg-type]
     drop, add = (-change).clamp(min=0), change.clamp(min=0)
 
     num_picks = tc_experts.numel()
@@ -130,10 +132,10 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         dropped, added = _boundary(scores_d, probs_d, tc_tokens, tc_experts, local_counts,
                                    drop, add, offset, width, ep_size, ep_rank, group, comm)
     keys, order = kept_keys(tc_tokens, tc_experts, dropped, added, num_tokens, num_experts)
-    num_kept = num_picks - dropped.sum()
+    kept = num_picks - dropped.sum()
     if added is not None:
-        num_kept = num_kept + (added < num_experts * num_tokens).sum()
-    num_kept = int(num_kept)                                   # the one host read: P_r
+        kept = kept + (added < num_experts * num_tokens).sum()
+    num_kept = int(kept)                                       # the one host read: P_r
     if num_tokens == 0:
         # No pairs; the empty scores stay attached to the logits, as on the other ranks (the
         # expert dispatch checks that all ranks agree on scores.requires_grad).
