@@ -1,6 +1,6 @@
 """The public modules type-check: mypy over the package's user-facing API (the layer, the
-routers, the experts op, the shared types, expert parallelism), as a user's checker would read
-them."""
+routers, the experts op, the shared types, expert parallelism, the training job), as a user's
+checker would read them."""
 
 import pathlib
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/types.py",
-          "sonic/distributed"]
+          "sonic/distributed", "sonic/train"]
 
 
 def test_public_modules_type_check():

@@ -23,7 +23,8 @@ from sonic.experts.moe_experts import PRECISIONS
 from sonic.backend import kernel_support
 from sonic.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
-from sonic.types import TRANSPORTS
+from sonic.types import (TRANSPORTS, ActivationCache, Backend, Precision, Router,
+                         Transport)
 from sonic.train import parallel
 from sonic.train.checkpoint import read_checkpoint, write_checkpoint
 from sonic.train.data import VOCAB_SIZE, ByteCorpus, load_text
@@ -94,7 +95,7 @@ class TrainConfig:
     """
 
     steps: int = 600
-    router: str = "topk"
+    router: Router = "topk"
     batch_size: int = 16
     seq_len: int = 128
     d_model: int = 128
@@ -114,14 +115,14 @@ class TrainConfig:
     data: str | None = None
     device: str | None = None
     dtype: str = "auto"
-    backend: str = "auto"
-    precision: str = "bf16"
+    backend: Backend = "auto"
+    precision: Precision = "bf16"
     seed: int = 0
     ep: int = 1
     ep_chunks: int = 1
     ep_recompute_dispatch: bool = False
-    ep_transport: str = "nccl"
-    activation_cache: str = "bf16"
+    ep_transport: Transport = "nccl"
+    activation_cache: ActivationCache = "bf16"
     experts_impl: str = "sonic"
     peak_tflops: float | None = None
 
@@ -493,7 +494,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
 
     train_gen = torch.Generator().manual_seed(config.seed)
 
-    if state is not None:
+    if state is not None and resume is not None:      # state comes from resume
         start, val_history, losses = _restore(state, model, optimizer, train_gen, resume)
     else:
         start, val_history, losses = 0, [[0, validate()]], []
@@ -539,7 +540,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             with collect_aux_losses(model) as aux_losses:
                 lm_loss = _lm_loss(model, inputs, targets)
             aux_losses += model.take_aux_losses()
-            aux_loss = sum(aux_losses) if aux_losses else lm_loss.new_zeros(())
+            aux_loss = (sum(aux_losses[1:], aux_losses[0]) if aux_losses
+                        else lm_loss.new_zeros(()))
             loss = lm_loss + aux_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -562,9 +564,9 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                 val_history.append([done, evaluated])
                 eval_seconds += clock() - eval_started
             rate = None
-            if done - start > 1:
+            if done - start > 1:     # warm was set at the first step
                 rate = (done - start - 1) * tokens_per_step / (
-                    time.perf_counter() - warm - eval_seconds)
+                    time.perf_counter() - warm - eval_seconds)  # type: ignore[operator]
             rates.append(rate)
             if log is not None or writer is not None:
                 record = {"step": done, "loss": losses[-1].item(),
@@ -590,7 +592,8 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     steps_run = end - start
     # Past the first step (its warm-up excluded) when there is more than one.
     tokens_per_s = ((steps_run - 1) * tokens_per_step / (finished - warm - eval_seconds)
-                    if steps_run > 1 else steps_run * tokens_per_step / (finished - started))
+                    if steps_run > 1 and warm is not None
+                    else steps_run * tokens_per_step / (finished - started))
 
     if end == config.steps and val_history[-1][0] != end:   # resumed at its last step
         val_history.append([config.steps, validate()])

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonic import MoE
+from sonic.types import ActivationCache, Backend, Precision, Router, Transport
 from sonic.baselines import torch_gmm_moe
 from sonic.train.data import VOCAB_SIZE
 
@@ -94,7 +95,19 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(d_model, device=device, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, num_heads, device=device, dtype=dtype)
         self.moe_norm = nn.LayerNorm(d_model, device=device, dtype=dtype)
-        self.moe = moe
+        # A sonic.MoE, or what replaced it (its expert-parallel share, the torch-gmm baseline).
+        self.moe: nn.Module = moe
+
+    def sonic_moe(self) -> MoE:
+        """This block's layer while it is still the `sonic.MoE` it was built with.
+
+        Raises:
+            TypeError: it was replaced already (experts sharded or run by torch-gmm).
+        """
+        if not isinstance(self.moe, MoE):
+            raise TypeError(f"the block's MoE layer was already replaced by a "
+                            f"{type(self.moe).__name__}; replace it once")
+        return self.moe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -123,9 +136,9 @@ class ByteMoELM(nn.Module):
     """
 
     def __init__(self, *, max_seq_len: int, d_model: int, num_layers: int, num_heads: int,
-                 num_experts: int, top_k: int, d_expert: int, router: str, tile: int,
-                 aux_loss_coef: float, backend: str = "auto", precision: str = "bf16",
-                 activation_cache: str = "bf16",
+                 num_experts: int, top_k: int, d_expert: int, router: Router, tile: int,
+                 aux_loss_coef: float, backend: Backend = "auto", precision: Precision = "bf16",
+                 activation_cache: ActivationCache = "bf16",
                  device=None, dtype=None):
         super().__init__()
         for name, value in (("max_seq_len", max_seq_len), ("d_model", d_model),
@@ -156,12 +169,16 @@ class ByteMoELM(nn.Module):
         std = 0.02
         nn.init.normal_(self.tok_emb.weight, std=std)
         nn.init.normal_(self.pos_emb.weight, std=std)
-        for block in self.blocks:
+        for block in self._blocks():
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * num_layers) ** 0.5)
 
+    def _blocks(self) -> list[Block]:
+        # nn.ModuleList yields Modules to a type checker; the blocks are Blocks.
+        return list(self.blocks)  # type: ignore[arg-type]
+
     def shard_experts(self, group, num_chunks: int = 1, recompute_dispatch: bool = False,
-                      transport: str = "nccl") -> None:
+                      transport: Transport = "nccl") -> None:
         """Expert parallelism: replace every block's `sonic.MoE` by its share on this rank of
         ``group``, a `sonic.distributed.ExpertParallelMoE` (router and experts
         ``ep_rank·E/ep …`` copied) with ``num_chunks`` pipelined chunks, ``recompute_dispatch``
@@ -169,8 +186,8 @@ class ByteMoELM(nn.Module):
         on every rank of it (same seed)."""
         from sonic.distributed import ExpertParallelMoE
 
-        for block in self.blocks:
-            block.moe = ExpertParallelMoE.from_moe(block.moe, group=group,
+        for block in self._blocks():
+            block.moe = ExpertParallelMoE.from_moe(block.sonic_moe(), group=group,
                                                    num_chunks=num_chunks,
                                                    recompute_dispatch=recompute_dispatch,
                                                    transport=transport)
@@ -178,23 +195,23 @@ class ByteMoELM(nn.Module):
     def use_torch_gmm_experts(self) -> None:
         """Run every block's MoE by the torch-gmm baseline (:class:`TorchGmmMoE`), keeping
         its parameters: the model computes what it computed, with PyTorch's ops."""
-        for block in self.blocks:
-            block.moe = TorchGmmMoE(block.moe)
+        for block in self._blocks():
+            block.moe = TorchGmmMoE(block.sonic_moe())
 
     def take_aux_losses(self) -> list[torch.Tensor]:
         """The aux losses the :class:`TorchGmmMoE` layers appended since the last call (sonic's
         layers hand theirs to `sonic.collect_aux_losses`), emptying their lists."""
-        taken = []
-        for block in self.blocks:
+        taken: list[torch.Tensor] = []
+        for block in self._blocks():
             if isinstance(block.moe, TorchGmmMoE):
                 taken += block.moe.aux_losses
                 block.moe.aux_losses = []
         return taken
 
     @property
-    def moe_layers(self) -> list[MoE]:
-        """The `sonic.MoE` layer of every block, first to last."""
-        return [block.moe for block in self.blocks]
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE layer of every block, first to last: a `sonic.MoE` or what replaced it."""
+        return [block.moe for block in self._blocks()]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-byte logits.

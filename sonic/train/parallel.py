@@ -173,15 +173,23 @@ def reduce_gradients(model: torch.nn.Module, par: Parallel) -> None:
     the world size (see the module docstring). Collective over the world."""
     if not par.distributed:
         return
-    replicated, sharded = split_parameters(model)
-    for p in replicated + sharded:
-        if p.grad is None:   # a missing gradient is a zero one: the buffers must line up
-            p.grad = torch.zeros_like(p)
-    _all_reduce_sum([p.grad for p in replicated], None)
+    replicated, sharded = (_gradients(params) for params in split_parameters(model))
+    _all_reduce_sum(replicated, None)
     if sharded and par.world // par.ep > 1:
-        _all_reduce_sum([p.grad for p in sharded], par.dp_group)
-    for p in replicated + sharded:
-        p.grad.div_(par.world)
+        _all_reduce_sum(sharded, par.dp_group)
+    for g in replicated + sharded:
+        g.div_(par.world)
+
+
+def _gradients(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient; a missing one is made a zero one, so that every rank's
+    all-reduce buffers line up."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, par: Parallel) -> torch.Tensor:
@@ -190,20 +198,19 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, par: Parallel) -> to
     all ranks of the EP group. Returns the total norm."""
     if not par.distributed:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    replicated, sharded = split_parameters(model)
-    first = replicated[0].grad
-    squares = torch.zeros((), dtype=torch.float32, device=first.device)
+    replicated, sharded = (_gradients(params) for params in split_parameters(model))
+    squares = torch.zeros((), dtype=torch.float32, device=replicated[0].device)
     experts = torch.zeros_like(squares)
-    for p in replicated:
-        squares += p.grad.float().pow(2).sum()
-    for p in sharded:
-        experts += p.grad.float().pow(2).sum()
+    for g in replicated:
+        squares += g.float().pow(2).sum()
+    for g in sharded:
+        experts += g.float().pow(2).sum()
     if sharded and par.ep > 1:
         dist.all_reduce(experts, group=par.ep_group)
     total = (squares + experts).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in replicated + sharded:
-        p.grad.mul_(coef.to(p.grad.dtype))
+    for g in replicated + sharded:
+        g.mul_(coef.to(g.dtype))
     return total
 
 
