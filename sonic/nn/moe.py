@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal, get_args, overload
 import torch
 from torch import nn
 
+from sonic._custom_op import autocast_dtype
 from sonic._validation import (check_bool, check_choice, check_float, check_int, check_non_negative,
                                check_tensor)
 from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
@@ -628,7 +629,7 @@ class MoE(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x)
         dtype = self.w1.dtype
-        autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+        autocast = autocast_dtype(x.device.type) is not None
         if x.dtype != dtype and not autocast:
             raise TypeError(f"x has dtype {x.dtype} but this MoE layer's parameters are {dtype}; "
                             f"cast the input (x.to({dtype})) or the layer (layer.to({x.dtype})), "

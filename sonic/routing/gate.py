@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sonic._custom_op import autocast_dtype
 from sonic._validation import check_float
 
 
@@ -69,9 +70,7 @@ def _fusable(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return False      # DTensor, tensor subclasses: their own dispatch
     # Under autocast the GEMM runs in another dtype than its inputs'; under torch.compile /
     # export the compiler owns the backward graph.
-    device = tokens.device.type
-    autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
-    return (tokens.dtype == weight.dtype and not autocast
+    return (tokens.dtype == weight.dtype and autocast_dtype(tokens.device.type) is None
             and not torch.compiler.is_compiling())
 
 
