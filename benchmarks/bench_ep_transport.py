@@ -91,7 +91,7 @@ def _mover(name: str, device: torch.device):
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     gemm = _experts_forward(args.gemm, device)
     compute = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)

@@ -2,9 +2,10 @@
 
 Everything goes through ``torch.distributed`` (gloo on CPU, NCCL on GPU), except the data
 all-to-alls of a layer that chose the copy-engine transport inside one node
-(:mod:`sonic.distributed.peer`). A collective that a peer never joins waits until the process group's timeout
-(``init_process_group(..., timeout=...)``) and then raises: gloo raises ``RuntimeError``,
-NCCL's watchdog aborts the communicator. That timeout bounds every wait in this package.
+(:mod:`sonic.distributed.peer`). A collective that a peer never joins waits until the process
+group's timeout (``init_process_group(..., timeout=...)``) and then raises: gloo raises
+``RuntimeError``, NCCL's watchdog aborts the communicator. That timeout bounds every wait in
+this package.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from torch import nn
 
 from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
-from sonic._validation import check_bool, check_choice, check_int
+from sonic._validation import check_choice, check_int
 from sonic.distributed.experts import check_placement, ep_moe_experts
 from sonic.distributed.plan import MAX_CHUNKS, check_settings
 from sonic.distributed.token_rounding import ep_token_rounding_routing
@@ -140,13 +140,7 @@ class ExpertParallelMoE(MoE):
                         routed_scaling_factor=routed_scaling_factor, n_group=n_group,
                         topk_group=topk_group, bias_update_rate=bias_update_rate,
                         seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef)
-        check_bool("expert_bias", expert_bias)
-        if expert_bias or bias_update_rate:
-            self.register_buffer("expert_bias",
-                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
-        if bias_update_rate:
-            self.register_buffer("tokens_per_expert", torch.zeros(
-                num_experts, device=device, dtype=torch.float32), persistent=False)
+        self._register_bias_buffers(expert_bias, device)
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
             check_placement(placement, num_experts, self.ep_size)

@@ -192,15 +192,13 @@ def _send_counts(rows: torch.Tensor, pairs: torch.Tensor, bad: torch.Tensor,
     Nothing here waits for the device (``agreed`` travels through pinned memory)."""
     device = rows.device
     pad = (0, MAX_CHUNKS - rows.shape[1])
-    largest = torch.stack([rows.max(), pairs.max()]) if rows.numel() else \
-        torch.zeros(2, dtype=torch.int64, device=device)
+    largest = torch.stack([rows.max(), pairs.max()])           # rows, pairs: (ep, C), never empty
     settings = torch.tensor(agreed, dtype=torch.int64)
-    if device.type == "cuda":
-        settings = settings.pin_memory().to(device, non_blocking=True)
+    settings = (settings.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+                else settings.to(device))
     counts = torch.cat([torch.nn.functional.pad(rows, pad), torch.nn.functional.pad(pairs, pad),
-                        bad.to(torch.int64).expand(ep_size, 1),
-                        largest.to(torch.int64).expand(ep_size, 2),
-                        settings.to(device).expand(ep_size, -1)], dim=1)
+                        bad.to(torch.int64).expand(ep_size, 1), largest.expand(ep_size, 2),
+                        settings.expand(ep_size, -1)], dim=1)
     return counts, all_to_all(counts, [1] * ep_size, [1] * ep_size, group)
 
 
@@ -353,8 +351,8 @@ def plan_dispatch(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens:
 def _check_agreement(table: list[list[int]], agreed: list[int], ep_rank: int, num_tokens: int,
                      num_experts: int) -> None:
     """``table[j]``: what group rank ``j`` sent — ``2·MAX_CHUNKS`` counts, its out-of-range
-    flag, its largest counts, then its values of :data:`_AGREED`. The message names the first setting that
-    differs and every rank's value of it, the same on every rank."""
+    flag, its largest counts, then its values of :data:`_AGREED`. The message names the first
+    setting that differs and every rank's value of it, the same on every rank."""
     for source, row in enumerate(table):
         if row[_BAD]:
             where = "this rank" if source == ep_rank else f"EP rank {source}"

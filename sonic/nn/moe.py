@@ -284,13 +284,7 @@ class MoE(nn.Module):
                         seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef,
                         activation=activation)
         factory = {"device": device, "dtype": dtype}
-        check_bool("expert_bias", expert_bias)
-        if expert_bias or bias_update_rate:
-            self.register_buffer("expert_bias",
-                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
-        if bias_update_rate:
-            self.register_buffer("tokens_per_expert", torch.zeros(
-                num_experts, device=device, dtype=torch.float32), persistent=False)
+        self._register_bias_buffers(expert_bias, device)
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         rows = 2 * d_expert if is_gated(activation) else d_expert
         self.w1 = nn.Parameter(torch.empty(num_experts, rows, d_model, **factory))
@@ -456,6 +450,18 @@ class MoE(nn.Module):
                   "z_loss_coef": lambda: router_z_loss(logits)}
         terms = [getattr(self, name) * losses[name]() for name in self._aux_terms]
         return sum(terms[1:], terms[0])
+
+    def _register_bias_buffers(self, expert_bias: bool, device) -> None:
+        """The buffers of aux-loss-free balancing (after :meth:`_configure`): ``expert_bias
+        (E,)`` with ``expert_bias`` or ``bias_update_rate > 0``, and with the latter the
+        per-expert counts ``tokens_per_expert (E,)`` (not saved in ``state_dict``)."""
+        check_bool("expert_bias", expert_bias)
+        if expert_bias or self.bias_update_rate:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, device=device,
+                                                            dtype=torch.float32))
+        if self.bias_update_rate:
+            self.register_buffer("tokens_per_expert", torch.zeros(
+                self.num_experts, device=device, dtype=torch.float32), persistent=False)
 
     def options_beyond(self, supported: tuple[str, ...] = ()) -> list[str]:
         """The options of this layer set away from their defaults (``"score='sigmoid'"``,

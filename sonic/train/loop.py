@@ -10,7 +10,6 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
