@@ -48,7 +48,8 @@ def test_kwargs_config_layer_config_round_trip(options):
 
 def test_config_follows_settings_assigned_later():
     layer = sonic.MoE(D, N, 8, 2, n_group=2)
-    layer.top_k, layer.router, layer.aux_loss_coef, layer.backend = 3, "token_rounding", 0.5, "torch"
+    layer.top_k, layer.router, layer.backend = 3, "token_rounding", "torch"
+    layer.aux_loss_coef = 0.5
     assert layer.config == MoEConfig(D, N, 8, 3, router="token_rounding", aux_loss_coef=0.5,
                                      backend="torch", n_group=2)
     layer.topk_group = 1            # a plain attribute: the config reports it once it differs

@@ -30,13 +30,13 @@ class MoEConfig:
     """The configuration of a :class:`sonic.MoE` layer: its sizes and options, without the
     device and dtype of its parameters.
 
-    ``MoE.from_config(config, device=..., dtype=...)`` builds a layer, ``layer.config`` gives
-    a layer's back, :meth:`sonic.distributed.ExpertParallelMoE.from_config` builds its
-    expert-parallel share, and ``sonic.train.TrainConfig.moe_config()`` the one of every layer
-    of the training job's model. The field names and defaults are ``sonic.MoE``'s keyword
-    arguments, which build this object and so raise the same errors. Every field is checked
-    on construction (also by ``dataclasses.replace``); a value is kept as given (``None``
-    stays ``None``).
+    ``MoE.from_config(config, device=..., dtype=...)`` builds a layer and ``layer.config``
+    reads a layer's; :meth:`sonic.distributed.ExpertParallelMoE.from_config` builds the
+    layer's expert-parallel share, and ``sonic.train.TrainConfig.moe_config()`` is the config
+    of every layer of the training job's model. The field names and defaults are
+    ``sonic.MoE``'s keyword arguments, which build this object and so raise the same errors.
+    Every field is checked on construction (also by ``dataclasses.replace``); a value is kept
+    as given (``None`` stays ``None``).
 
     Fields:
         d_model: ``d``, the model dimension (``int >= 1``).
