@@ -11,7 +11,7 @@ from sonic.experts import (Fp8ExpertWeights, moe_experts, quantize_expert_weight
                            reuse_fp8_weights)
 from sonic.backend import explain_backend
 from sonic.memory import ActivationMemoryReport, profile_activation_memory
-from sonic.nn import MoE, collect_aux_losses, load_balancing_loss
+from sonic.nn import MoE, MoEConfig, collect_aux_losses, load_balancing_loss
 from sonic.routing import (Routing, RoutingMetadata, routing_metadata, token_rounding_routing,
                            topk_routing)
 
@@ -21,6 +21,7 @@ __all__ = [
     "ActivationMemoryReport",
     "Fp8ExpertWeights",
     "MoE",
+    "MoEConfig",
     "Routing",
     "RoutingMetadata",
     "collect_aux_losses",

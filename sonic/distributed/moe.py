@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from sonic._validation import check_choice, check_int
 from sonic.distributed.experts import check_placement, ep_moe_experts
 from sonic.distributed.plan import MAX_CHUNKS, check_settings
 from sonic.distributed.token_rounding import ep_token_rounding_routing
+from sonic.nn.config import MoEConfig
 from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
@@ -25,6 +27,9 @@ from sonic.types import (TRANSPORTS, ActivationCache, Backend, GateUp, Precision
 # rank's own tokens), which this layer carries.
 _ROUTING_OPTIONS = ("score", "routed_scaling_factor", "n_group", "expert_bias",
                     "bias_update_rate", "seq_aux_loss_coef", "z_loss_coef")
+# The options of sonic.MoE this layer does not take (its experts are SwiGLU, none shared).
+_SINGLE_PROCESS_OPTIONS = ("activation", "num_shared_experts", "shared_expert_d",
+                           "shared_expert_gate")
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
            "dtype", "placement (fingerprint)")
 
@@ -38,6 +43,10 @@ class ExpertParallelMoE(MoE):
     ``backward`` together. With the same weights, each rank's output and gradients equal those
     of :class:`sonic.MoE` on the concatenated batch (the router's gradient summed over ranks,
     which the data-parallel wrapper of the replicated parameters does).
+
+    The layer's options are a :class:`sonic.MoEConfig` (which checks them; :attr:`config`
+    gives it) without an activation other than SwiGLU or shared experts: :meth:`from_config`
+    builds the layer from one, :meth:`from_moe` from a single-process layer.
 
     Args:
         d_model, d_expert, num_experts, top_k, score, renormalize, gate_up, aux_loss_coef,
@@ -114,8 +123,9 @@ class ExpertParallelMoE(MoE):
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
-        ValueError: an argument out of range, ``num_experts`` not divisible by the group size,
-            unknown ``router`` or ``rounding``, this process not in ``group``, or ranks
+        TypeError / ValueError: what :class:`sonic.MoEConfig` raises (a layer option out of
+            range, naming it), an EP argument out of range, ``num_experts`` not divisible by
+            the group size, this process not in ``group``, or ranks
             disagreeing on the configuration (raised on every rank).
     """
 
@@ -133,14 +143,16 @@ class ExpertParallelMoE(MoE):
                  z_loss_coef: float = 0.0, transport: Transport = "nccl"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
-        self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
-                        score=score, renormalize=renormalize, rounding=rounding,
-                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
-                        precision=precision, activation_cache=activation_cache,
-                        routed_scaling_factor=routed_scaling_factor, n_group=n_group,
-                        topk_group=topk_group, bias_update_rate=bias_update_rate,
-                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef)
-        self._register_bias_buffers(expert_bias, device)
+        self._configure(MoEConfig(d_model, d_expert, num_experts, top_k, router=router,
+                                  tile=tile, score=score, renormalize=renormalize,
+                                  rounding=rounding, gate_up=gate_up,
+                                  aux_loss_coef=aux_loss_coef, backend=backend,
+                                  precision=precision, activation_cache=activation_cache,
+                                  routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                                  topk_group=topk_group, expert_bias=expert_bias,
+                                  bias_update_rate=bias_update_rate,
+                                  seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef),
+                        device)
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
             check_placement(placement, num_experts, self.ep_size)
@@ -214,36 +226,51 @@ class ExpertParallelMoE(MoE):
             reduce_replica_grads([self.w1, self.w2], self.placement, self.group)
 
     @classmethod
+    def from_config(cls, config: MoEConfig, *, group=None, placement: Placement | None = None,
+                    num_chunks: int = 1, comm_sm_margin: int = 0,
+                    recompute_dispatch: bool = False, transport: Transport = "nccl",
+                    device=None, dtype=None) -> ExpertParallelMoE:
+        """This rank's share of the layer of ``config`` (a :class:`sonic.MoEConfig`, the same
+        on every rank), its parameters on ``device`` in ``dtype``; the other arguments as in
+        the constructor. Collective, like the constructor.
+
+        Raises:
+            TypeError: ``config`` is not a :class:`sonic.MoEConfig`.
+            ValueError: as the constructor, or ``config`` sets options the expert-parallel
+                layer does not carry yet (:meth:`sonic.MoEConfig.options_beyond`: an
+                activation other than SwiGLU, shared experts), naming them.
+        """
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a sonic.MoEConfig, got {type(config).__name__}")
+        unsupported = config.options_beyond(_ROUTING_OPTIONS)
+        if unsupported:
+            raise ValueError(f"ExpertParallelMoE cannot carry {', '.join(unsupported)} yet; "
+                             "leave them at their defaults")
+        # Past that check these are at their defaults, which the constructor does not take.
+        carried = {name: value for name, value in asdict(config).items()
+                   if name not in _SINGLE_PROCESS_OPTIONS}
+        return cls(**carried, group=group, placement=placement, num_chunks=num_chunks,
+                   comm_sm_margin=comm_sm_margin, recompute_dispatch=recompute_dispatch,
+                   transport=transport, device=device, dtype=dtype)
+
+    @classmethod
     def from_moe(cls, moe: MoE, *, group=None, placement: Placement | None = None,
                  num_chunks: int = 1, comm_sm_margin: int = 0,
                  recompute_dispatch: bool = False,
-                 transport: Transport = "nccl") -> "ExpertParallelMoE":
+                 transport: Transport = "nccl") -> ExpertParallelMoE:
         """This rank's share of a single-process :class:`sonic.MoE` (the same on every rank):
+        :meth:`from_config` of its :attr:`~sonic.MoE.config`, on its device in its dtype, with
         its router and experts ``ep_rank·E/ep …`` copied — or, with a ``placement``, the
         experts of this rank's slots. Collective, like the constructor; ``num_chunks``,
         ``comm_sm_margin``, ``recompute_dispatch`` and ``transport`` as there.
 
         Raises:
-            ValueError: as the constructor, or ``moe`` uses options the expert-parallel
-                layer does not carry yet (:meth:`sonic.MoE.options_beyond`).
+            ValueError: as :meth:`from_config`.
         """
-        unsupported = moe.options_beyond(_ROUTING_OPTIONS)
-        if unsupported:
-            raise ValueError(f"ExpertParallelMoE.from_moe cannot carry {', '.join(unsupported)} "
-                             "yet; build the single-process layer without them")
-        layer = cls(moe.d_model, moe.d_expert, moe.num_experts, moe.top_k, group=group,
-                    router=moe.router, score=moe.score, renormalize=moe.renormalize,
-                    tile=moe.tile, rounding=moe.rounding,
-                    gate_up=moe.gate_up, aux_loss_coef=moe.aux_loss_coef, backend=moe.backend,
-                    device=moe.w1.device, dtype=moe.w1.dtype, placement=placement,
-                    num_chunks=num_chunks, comm_sm_margin=comm_sm_margin,
-                    recompute_dispatch=recompute_dispatch, transport=transport,
-                    precision=moe.precision,
-                    activation_cache=moe.activation_cache,
-                    routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
-                    topk_group=moe.topk_group, expert_bias=hasattr(moe, "expert_bias"),
-                    bias_update_rate=moe.bias_update_rate,
-                    seq_aux_loss_coef=moe.seq_aux_loss_coef, z_loss_coef=moe.z_loss_coef)
+        layer = cls.from_config(moe.config, group=group, placement=placement,
+                                num_chunks=num_chunks, comm_sm_margin=comm_sm_margin,
+                                recompute_dispatch=recompute_dispatch, transport=transport,
+                                device=moe.w1.device, dtype=moe.w1.dtype)
         mine: slice | torch.Tensor = slice(layer.ep_rank * layer.num_local_experts,
                                            (layer.ep_rank + 1) * layer.num_local_experts)
         if placement is not None:

@@ -6,30 +6,38 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal, get_args, overload
+from dataclasses import asdict, fields, replace
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import nn
 
 from sonic._custom_op import autocast_dtype
-from sonic._validation import (check_bool, check_choice, check_float, check_int, check_non_negative,
-                               check_tensor)
-from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, Fp8WeightCache,
-                                        autocast_experts, check_fp8_sizes, moe_experts)
-from sonic.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
-from sonic.reference.activations import ACTIVATIONS, is_gated
-from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
+from sonic._validation import check_float, check_tensor
+from sonic.experts.moe_experts import (Fp8ExpertWeights, Fp8WeightCache, autocast_experts,
+                                        moe_experts)
+from sonic.reference.activations import is_gated
+from sonic.reference.ops import accumulate_dtype
+from sonic.nn.config import ROUTERS, MoEConfig  # noqa: F401  (ROUTERS: re-exported)
 from sonic.nn.experts import activation_experts
 from sonic.routing.gate import gate_logits
 from sonic.routing.losses import expert_load, router_z_loss, sequence_balance_loss
 from sonic.routing.metadata import routing_metadata
-from sonic.routing.token_rounding import ROUNDINGS, token_rounding_routing
-from sonic.routing.topk import SCORES, check_group_args, check_positive, topk_routing
+from sonic.routing.token_rounding import token_rounding_routing
+from sonic.routing.topk import topk_routing
 from sonic.routing.types import Routing
 from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
                          Score)
 
-ROUTERS: tuple[Router, ...] = get_args(Router)
+# The settings kept behind a checked property (in "_<name>"), assignable after construction.
+_CHECKED = ("top_k", "tile", "score", "renormalize", "rounding", "router", "backend",
+            "precision", "activation_cache", "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef")
+_AUX_TERMS = ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef")
+# MoEConfig fields the layer keeps in a resolved form or as parameters and buffers: its
+# configuration takes them from the one it was built with.
+_BUILT = ("topk_group", "expert_bias", "num_shared_experts", "shared_expert_d",
+          "shared_expert_gate")
+_KEPT = tuple(f.name for f in fields(MoEConfig) if f.name not in _BUILT)
 
 
 def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -123,14 +131,18 @@ def _collector_for(layer: "MoE") -> list | None:
     return None
 
 
-def _checked_setting(name: str, check) -> property:
-    """A layer setting kept in ``_<name>``, checked by ``check(layer, value)`` (which raises)
-    on every assignment, so a bad value fails where it is set rather than in a forward."""
+def _checked_setting(name: str) -> Any:
+    """A property: the layer setting kept in ``_<name>``, checked on every assignment as the
+    constructor checks it (by :class:`MoEConfig`, with the layer's other settings), so a bad
+    value fails where it is set rather than in a forward. Typed ``Any`` so that the annotation
+    of the class attribute it defines gives the setting's type."""
     private = "_" + name
 
     def fset(layer, value):
-        check(layer, value)
+        replace(layer.config, **{name: value})
         setattr(layer, private, value)
+        if name in _AUX_TERMS:
+            layer._update_aux_terms()
 
     return property(lambda layer: getattr(layer, private), fset)
 
@@ -146,6 +158,10 @@ def update_expert_biases(model: nn.Module, group=None) -> None:
 
 class MoE(nn.Module):
     """Mixture-of-Experts FFN: a linear router and ``E`` SwiGLU experts run by :func:`moe_experts`.
+
+    The keyword arguments but ``device`` and ``dtype`` are the fields of a :class:`MoEConfig`,
+    which checks them: :meth:`from_config` builds a layer from one, :attr:`config` gives a
+    layer's.
 
     Args:
         d_model: ``d``, the model dimension.
@@ -211,7 +227,7 @@ class MoE(nn.Module):
         gate_up: layout of ``w1``'s rows, ``"concat"`` or ``"interleaved"``.
         aux_loss_coef: weight of the load-balancing loss (:func:`load_balancing_loss`, HF's
             scale); a finite number ``>= 0``, settable later (checked again then).
-        backend: see :func:`moe_experts`.
+        backend: see :func:`moe_experts`; settable later (checked again then).
         precision: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 GEMMs, see :func:`moe_experts`;
             needs ``d_model`` and ``d_expert`` multiples of 128, bf16 compute — a bf16 layer or
             ``torch.autocast(dtype=torch.bfloat16)`` — and Hopper for the CuTe backend);
@@ -253,12 +269,23 @@ class MoE(nn.Module):
     :attr:`aux_loss` is a detached value.
 
     Raises:
-        TypeError / ValueError: at construction, a bad size, option or ``aux_loss_coef``; in
+        TypeError / ValueError: at construction, what :class:`MoEConfig` raises (a bad size,
+            option or coefficient, naming it); on assignment of a setting, the same; in
             forward, ``x`` not a tensor, not in the layer's dtype, or without last dim ``d``.
     """
 
-    # Buffers and submodules some layers register (for the type checker: nn.Module's
-    # attribute lookup is otherwise untyped).
+    # The configuration kept as plain attributes (set by _configure), buffers and submodules
+    # some layers register: for the type checker, as nn.Module's attribute lookup is untyped.
+    d_model: int
+    d_expert: int
+    num_experts: int
+    gate_up: GateUp
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+    bias_update_rate: float
+    activation: str
+    shared_expert_d: int
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor
     shared_gate: nn.Linear | None
@@ -275,169 +302,88 @@ class MoE(nn.Module):
                  num_shared_experts: int = 0, shared_expert_d: int | None = None,
                  shared_expert_gate: bool = False, device=None, dtype=None):
         super().__init__()
-        self._configure(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
-                        score=score, renormalize=renormalize, rounding=rounding,
-                        gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
-                        precision=precision, activation_cache=activation_cache,
-                        routed_scaling_factor=routed_scaling_factor, n_group=n_group,
-                        topk_group=topk_group, bias_update_rate=bias_update_rate,
-                        seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef,
-                        activation=activation)
+        config = MoEConfig(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
+                           score=score, renormalize=renormalize, rounding=rounding,
+                           gate_up=gate_up, aux_loss_coef=aux_loss_coef, backend=backend,
+                           precision=precision, activation_cache=activation_cache,
+                           routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                           topk_group=topk_group, expert_bias=expert_bias,
+                           bias_update_rate=bias_update_rate,
+                           seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef,
+                           activation=activation, num_shared_experts=num_shared_experts,
+                           shared_expert_d=shared_expert_d,
+                           shared_expert_gate=shared_expert_gate)
+        self._configure(config, device)
         factory = {"device": device, "dtype": dtype}
-        self._register_bias_buffers(expert_bias, device)
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         rows = 2 * d_expert if is_gated(activation) else d_expert
         self.w1 = nn.Parameter(torch.empty(num_experts, rows, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, **factory))
-        check_int("num_shared_experts", num_shared_experts, low=0)
-        check_bool("shared_expert_gate", shared_expert_gate)
-        if shared_expert_d is None:
-            shared_expert_d = num_shared_experts * d_expert
-        else:
-            check_int("shared_expert_d", shared_expert_d, low=1)
-        self.shared_expert_d = shared_expert_d
-        if shared_expert_d:
-            shared_rows = 2 * shared_expert_d if is_gated(activation) else shared_expert_d
+        shared = self.shared_expert_d
+        if shared:
+            shared_rows = 2 * shared if is_gated(activation) else shared
             self.shared_w1 = nn.Parameter(torch.empty(1, shared_rows, d_model, **factory))
-            self.shared_w2 = nn.Parameter(torch.empty(1, d_model, shared_expert_d, **factory))
-        elif shared_expert_gate:
-            raise ValueError("shared_expert_gate=True needs shared experts "
-                             "(num_shared_experts >= 1 or shared_expert_d)")
+            self.shared_w2 = nn.Parameter(torch.empty(1, d_model, shared, **factory))
         self.shared_gate = (nn.Linear(d_model, 1, bias=False, **factory)
                             if shared_expert_gate else None)
         self.reset_parameters()
 
-    def _configure(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                   router: Router, tile: int, score: Score, renormalize: bool,
-                   rounding: Rounding, gate_up: GateUp, aux_loss_coef: float,
-                   backend: Backend, precision: Precision = "bf16",
-                   activation_cache: ActivationCache = "bf16",
-                   routed_scaling_factor: float = 1.0, n_group: int = 1,
-                   topk_group: int | None = None, bias_update_rate: float = 0.0,
-                   seq_aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                   activation: str = "swiglu") -> None:
-        """Check and set the configuration and per-forward state (everything but the
-        parameters); shared with subclasses that hold their experts differently."""
-        check_int("d_model", d_model, low=1)
-        check_int("d_expert", d_expert, low=1)
-        check_int("num_experts", num_experts, low=1)
-        check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-        # top_k, tile, score, rounding, renormalize: checked by their setters, here and later.
-        check_positive("routed_scaling_factor", routed_scaling_factor)
-        check_choice("activation", activation, ACTIVATIONS)
-        self.activation = activation
-        self.shared_expert_d, self.shared_gate = 0, None    # __init__ may add shared experts
-        check_non_negative("bias_update_rate", bias_update_rate)
-        self.routed_scaling_factor, self.n_group = routed_scaling_factor, n_group
-        self.bias_update_rate = bias_update_rate
-        self.seq_aux_loss_coef, self.z_loss_coef = seq_aux_loss_coef, z_loss_coef
-        self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
-        self.topk_group = check_group_args(num_experts, top_k, n_group, topk_group)
-        self.router = router
-        self.tile, self.score, self.renormalize, self.rounding = tile, score, renormalize, rounding
-        self.gate_up, self.aux_loss_coef, self.backend = gate_up, aux_loss_coef, backend
-        self.precision = precision
-        self.activation_cache = activation_cache
-        self._check_activation_support()
+    @classmethod
+    def from_config(cls, config: MoEConfig, *, device=None, dtype=None) -> MoE:
+        """The layer of ``config`` (a :class:`MoEConfig`), its parameters on ``device`` in
+        ``dtype``: ``MoE.from_config(config).config == config``.
+
+        Raises:
+            TypeError: ``config`` is not a :class:`MoEConfig`.
+        """
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a sonic.MoEConfig, got {type(config).__name__}")
+        return cls(**asdict(config), device=device, dtype=dtype)
+
+    @property
+    def config(self) -> MoEConfig:
+        """This layer's :class:`MoEConfig`: the one it was built with, holding the current
+        value of every setting assigned since (``layer.top_k = 4``)."""
+        built = self._config
+        current = {name: getattr(self, name) for name in _KEPT}
+        # topk_group is kept resolved (None: n_group); None stays None while it resolves alike.
+        if built.topk_group is not None or self.topk_group != self.n_group:
+            current["topk_group"] = self.topk_group
+        return replace(built, **current)
+
+    def _configure(self, config: MoEConfig, device) -> None:
+        """Set the configuration, the balancing buffers and the per-forward state (everything
+        but the parameters) from ``config``, which checked it; shared with subclasses that
+        hold their experts differently."""
+        self._config = config
+        for name in _KEPT:
+            setattr(self, "_" + name if name in _CHECKED else name, getattr(config, name))
+        self.topk_group = config.resolved_topk_group
+        self.shared_expert_d, self.shared_gate = config.resolved_shared_expert_d, None
+        self._update_aux_terms()
+        self._register_bias_buffers(config.expert_bias, device)
         self._aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self._fp8_cache = Fp8WeightCache()      # see _fp8_weights
 
-    top_k = _checked_setting("top_k", lambda layer, value: check_int(
-        "top_k", value, low=1, high=layer.num_experts))
-    tile = _checked_setting("tile", lambda layer, value: check_int("tile", value, low=1))
-    score = _checked_setting("score", lambda layer, value: check_choice("score", value, SCORES))
-    rounding = _checked_setting("rounding", lambda layer, value: check_choice(
-        "rounding", value, ROUNDINGS))
-    renormalize = _checked_setting("renormalize", lambda layer, value: check_bool(
-        "renormalize", value))
-
-    def _check_activation_support(self) -> None:
-        """Raise ``ValueError`` where an activation other than SwiGLU meets an option only the
-        SwiGLU path has (the CuTe backend, FP8 GEMMs or the FP8 activation cache)."""
-        activation = self.activation
-        if activation == "swiglu":
-            return
-        for name, value, refused in (("backend", self.backend, "cute"),
-                                     ("precision", self.precision, "fp8"),
-                                     ("activation_cache", self.activation_cache, "fp8")):
-            if value == refused:
-                raise ValueError(
-                    f"activation={activation!r} runs only the PyTorch reference path: the "
-                    f"CuTe kernels' fused epilogues compute SwiGLU only, so {name}={value!r} "
-                    f"is not available with it (use backend='torch' or 'auto', bf16)")
-
-    @property
-    def router(self) -> Router:
-        return self._router
-
-    @router.setter
-    def router(self, value: Router) -> None:
-        check_choice("router", value, ROUTERS)
-        self._router = value
-
-    @property
-    def precision(self) -> Precision:
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        check_choice("precision", value, PRECISIONS)
-        if value == "fp8":
-            check_fp8_sizes(self.d_model, self.d_expert)
-        self._precision = value
-        if hasattr(self, "_activation_cache"):
-            self._check_activation_support()
-
-    @property
-    def activation_cache(self) -> ActivationCache:
-        return self._activation_cache
-
-    @activation_cache.setter
-    def activation_cache(self, value: ActivationCache) -> None:
-        check_choice("activation_cache", value, ACTIVATION_CACHES)
-        if value == "fp8":
-            check_fp8_d_expert(self.d_expert)
-        self._activation_cache = value
-        self._check_activation_support()
-
-    @property
-    def aux_loss_coef(self) -> float:
-        return self._aux_loss_coef
-
-    @aux_loss_coef.setter
-    def aux_loss_coef(self, value: float) -> None:
-        check_non_negative("aux_loss_coef", value)
-        self._aux_loss_coef = value
-        self._update_aux_terms()
+    top_k: int = _checked_setting("top_k")
+    tile: int = _checked_setting("tile")
+    score: Score = _checked_setting("score")
+    renormalize: bool = _checked_setting("renormalize")
+    rounding: Rounding = _checked_setting("rounding")
+    router: Router = _checked_setting("router")
+    backend: Backend = _checked_setting("backend")
+    precision: Precision = _checked_setting("precision")
+    activation_cache: ActivationCache = _checked_setting("activation_cache")
+    aux_loss_coef: float = _checked_setting("aux_loss_coef")
+    seq_aux_loss_coef: float = _checked_setting("seq_aux_loss_coef")
+    z_loss_coef: float = _checked_setting("z_loss_coef")
 
     def _update_aux_terms(self) -> None:
         # Names of the nonzero coefficients: a tuple of strings, which torch.compile treats as
         # a constant, so that no coefficient is read in a Python condition (a traced float
         # that only a condition reads gets specialised by a second trace of the forward).
-        self._aux_terms = tuple(name for name in ("aux_loss_coef", "seq_aux_loss_coef",
-                                                  "z_loss_coef")
-                                if getattr(self, "_" + name, 0.0))
-
-    @property
-    def seq_aux_loss_coef(self) -> float:
-        return self._seq_aux_loss_coef
-
-    @seq_aux_loss_coef.setter
-    def seq_aux_loss_coef(self, value: float) -> None:
-        check_non_negative("seq_aux_loss_coef", value)
-        self._seq_aux_loss_coef = value
-        self._update_aux_terms()
-
-    @property
-    def z_loss_coef(self) -> float:
-        return self._z_loss_coef
-
-    @z_loss_coef.setter
-    def z_loss_coef(self, value: float) -> None:
-        check_non_negative("z_loss_coef", value)
-        self._z_loss_coef = value
-        self._update_aux_terms()
+        self._aux_terms = tuple(name for name in _AUX_TERMS if getattr(self, "_" + name, 0.0))
 
     def _has_aux_loss(self) -> bool:
         return self.training and bool(self._aux_terms)
@@ -452,10 +398,9 @@ class MoE(nn.Module):
         return sum(terms[1:], terms[0])
 
     def _register_bias_buffers(self, expert_bias: bool, device) -> None:
-        """The buffers of aux-loss-free balancing (after :meth:`_configure`): ``expert_bias
-        (E,)`` with ``expert_bias`` or ``bias_update_rate > 0``, and with the latter the
-        per-expert counts ``tokens_per_expert (E,)`` (not saved in ``state_dict``)."""
-        check_bool("expert_bias", expert_bias)
+        """The buffers of aux-loss-free balancing: ``expert_bias (E,)`` with ``expert_bias`` or
+        ``bias_update_rate > 0``, and with the latter the per-expert counts
+        ``tokens_per_expert (E,)`` (not saved in ``state_dict``)."""
         if expert_bias or self.bias_update_rate:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, device=device,
                                                             dtype=torch.float32))
@@ -464,21 +409,10 @@ class MoE(nn.Module):
                 self.num_experts, device=device, dtype=torch.float32), persistent=False)
 
     def options_beyond(self, supported: tuple[str, ...] = ()) -> list[str]:
-        """The options of this layer set away from their defaults (``"score='sigmoid'"``,
-        ``"n_group=4"``, ...) among the routing, loss, activation and shared-expert options
-        added after the first release, less those in ``supported``: what a consumer that
-        carries only the original options (e.g. an expert-parallel copy) must refuse."""
-        defaults = {"score": SCORES[:2], "activation": ("swiglu",),
-                    "routed_scaling_factor": (1.0,), "n_group": (1,),
-                    "bias_update_rate": (0.0,), "seq_aux_loss_coef": (0.0,),
-                    "z_loss_coef": (0.0,)}
-        found = [f"{name}={getattr(self, name)!r}" for name, allowed in defaults.items()
-                 if name not in supported and getattr(self, name) not in allowed]
-        if "expert_bias" not in supported and hasattr(self, "expert_bias"):
-            found.append("expert_bias=True")
-        if "shared_expert_d" not in supported and self.shared_expert_d:
-            found.append(f"shared_expert_d={self.shared_expert_d}")
-        return found
+        """:meth:`MoEConfig.options_beyond` of this layer's :attr:`config`: the options set
+        away from their defaults that a consumer carrying only the original options (e.g.
+        an expert-parallel copy) must refuse, less those in ``supported``."""
+        return self.config.options_beyond(supported)
 
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
@@ -531,7 +465,7 @@ class MoE(nn.Module):
         if state.get("_fp8_cache") is None:     # pickled before the cache was an object
             state["_fp8_cache"] = Fp8WeightCache()
         state.setdefault("_activation_cache", "bf16")     # pickled before the option existed
-        for name in ("top_k", "tile", "score", "rounding", "renormalize"):
+        for name in ("top_k", "tile", "score", "rounding", "renormalize", "backend"):
             if name in state:       # pickled when these were plain attributes
                 state["_" + name] = state.pop(name)
         state.setdefault("activation", "swiglu")
@@ -542,6 +476,12 @@ class MoE(nn.Module):
             state.setdefault(name, default)     # pickled before the routing options existed
         state.setdefault("_aux_terms", ("aux_loss_coef",) if state.get("_aux_loss_coef") else ())
         super().__setstate__(state)
+        if "_config" not in state:      # pickled before the layer kept its configuration
+            self._config = MoEConfig(
+                **{name: getattr(self, name) for name in _KEPT}, topk_group=self.topk_group,
+                expert_bias=hasattr(self, "expert_bias"),
+                shared_expert_d=self.shared_expert_d or None,
+                shared_expert_gate=getattr(self, "shared_gate", None) is not None)
 
     def reset_parameters(self) -> None:
         """Experts (routed and shared) like ``nn.Linear`` (U(±1/sqrt(fan_in))); router
@@ -558,9 +498,10 @@ class MoE(nn.Module):
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Routing for ``logits (T, E)`` under the current router, mode and scoring options."""
-        scoring = dict(score=self.score, renormalize=self.renormalize,
-                       expert_bias=getattr(self, "expert_bias", None), n_group=self.n_group,
-                       topk_group=self.topk_group, scaling_factor=self.routed_scaling_factor)
+        scoring: dict[str, Any] = dict(
+            score=self.score, renormalize=self.renormalize,
+            expert_bias=getattr(self, "expert_bias", None), n_group=self.n_group,
+            topk_group=self.topk_group, scaling_factor=self.routed_scaling_factor)
         if self.training and self.router == "token_rounding":
             # Padded: no host read of P, so a training step can be captured in a CUDA graph.
             return token_rounding_routing(logits, self.top_k, tile=self.tile, rounding=self.rounding,
@@ -579,7 +520,6 @@ class MoE(nn.Module):
         """This process's experts ``w1``, ``w2`` on the routing, with the layer's activation."""
         scores = routing.scores.to(accumulate_dtype(tokens.dtype))
         if self.activation != "swiglu":
-            self._check_activation_support()      # backend may have been set since
             return activation_experts(tokens, w1, w2, scores,
                                       routing_metadata(routing, backend="torch"),
                                       self.activation, self.gate_up)

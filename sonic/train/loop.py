@@ -16,11 +16,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from sonic import collect_aux_losses, explain_backend, profile_activation_memory
+from sonic import MoEConfig, collect_aux_losses, explain_backend, profile_activation_memory
 from sonic._output import check_writable
-from sonic.experts.moe_experts import PRECISIONS
 from sonic.backend import kernel_support
-from sonic.activation_cache import ACTIVATION_CACHES
 from sonic.distributed import MAX_CHUNKS
 from sonic.types import (TRANSPORTS, ActivationCache, Backend, Precision, Router,
                          Transport)
@@ -59,7 +57,6 @@ _MAX_SEED = 2**63 - 1
 ``2**63 - 1`` keeps both in int64."""
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-_BACKENDS = ("auto", "torch", "cute")
 
 
 @dataclass(frozen=True)
@@ -87,10 +84,14 @@ class TrainConfig:
     the MoE layers (:data:`EXPERTS_IMPLS`; ``"torch-gmm"`` needs top-K, bf16 and ``ep = 1``).
     ``peak_tflops`` is the GPU's dense bf16 peak for MFU (``None``: :func:`peak_tflops`).
     :func:`preset_config` gives the sizes of a preset (:data:`PRESETS`); the defaults are
-    the ``"cpu"`` preset's.
+    the ``"cpu"`` preset's. :meth:`moe_config` gives the :class:`sonic.MoEConfig` of the
+    model's MoE layers, made of the fields ``d_model``, ``d_expert``, ``experts``, ``top_k``,
+    ``router``, ``tile``, ``aux_loss_coef``, ``backend``, ``precision`` and
+    ``activation_cache``, which it checks.
 
     Raises:
         ValueError: a field out of range (the message names it).
+        TypeError: a layer field of the wrong type (see :meth:`moe_config`).
     """
 
     steps: int = 600
@@ -147,8 +148,6 @@ class TrainConfig:
         for name in ("warmup", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
-        if self.router not in ("topk", "token_rounding"):
-            raise ValueError(f"router: expected 'topk' or 'token_rounding', got {self.router!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_SEED:
             raise ValueError(f"seed: expected an integer in [0, {_MAX_SEED}), got {self.seed!r}")
         if not isinstance(self.ep_recompute_dispatch, bool):
@@ -162,39 +161,31 @@ class TrainConfig:
         if self.d_model % self.heads:
             raise ValueError(f"d_model: expected a multiple of heads={self.heads}, "
                              f"got {self.d_model}")
-        if self.top_k > self.experts:
-            raise ValueError(f"top_k: expected at most experts={self.experts}, got {self.top_k}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr: expected a positive finite number, got {self.lr!r}")
-        if not (math.isfinite(self.aux_loss_coef) and self.aux_loss_coef >= 0):
-            raise ValueError(f"aux_loss_coef: expected a finite number >= 0, "
-                             f"got {self.aux_loss_coef!r}")
         if not self.grad_clip > 0:
             raise ValueError(f"grad_clip: expected a positive number, got {self.grad_clip!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend: expected one of {_BACKENDS}, got {self.backend!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
-        if self.precision == "fp8":
-            for name in ("d_model", "d_expert"):
-                if getattr(self, name) % 128:
-                    raise ValueError(f"{name}: precision 'fp8' needs a multiple of 128, got "
-                                     f"{getattr(self, name)}")
-            if self.dtype == "float32":
-                raise ValueError("dtype: precision 'fp8' computes in bfloat16; use --dtype "
-                                 "bfloat16 or auto")
-        if self.activation_cache not in ACTIVATION_CACHES:
-            raise ValueError(f"activation_cache: expected one of {ACTIVATION_CACHES}, "
-                             f"got {self.activation_cache!r}")
-        if self.activation_cache == "fp8":
-            if self.dtype == "float32":
-                raise ValueError("activation_cache: 'fp8' keeps a bf16 H in e4m3 and needs "
-                                 "bfloat16 parameters, got dtype 'float32'")
-            if (2 * self.d_expert) % 128:
-                raise ValueError(f"activation_cache: 'fp8' needs d_expert a multiple of 64, "
-                                 f"got {self.d_expert}")
+        self.moe_config()
+        if self.precision == "fp8" and self.dtype == "float32":
+            raise ValueError("dtype: precision 'fp8' computes in bfloat16; use --dtype "
+                             "bfloat16 or auto")
+        if self.activation_cache == "fp8" and self.dtype == "float32":
+            raise ValueError("activation_cache: 'fp8' keeps a bf16 H in e4m3 and needs "
+                             "bfloat16 parameters, got dtype 'float32'")
+
+    def moe_config(self) -> MoEConfig:
+        """The :class:`sonic.MoEConfig` of every MoE layer of the model (``experts`` is its
+        ``num_experts``; the layer options without a field here keep their defaults).
+
+        Raises:
+            TypeError / ValueError: what :class:`sonic.MoEConfig` raises, naming the field.
+        """
+        return MoEConfig(self.d_model, self.d_expert, self.experts, self.top_k,
+                         router=self.router, tile=self.tile, aux_loss_coef=self.aux_loss_coef,
+                         backend=self.backend, precision=self.precision,
+                         activation_cache=self.activation_cache)
 
 
 def preset_config(preset: str, **overrides) -> TrainConfig:
@@ -626,13 +617,8 @@ def _build_model(config: TrainConfig, par: parallel.Parallel, device: torch.devi
     """The model of ``config`` from its seed, its experts run by ``config.experts_impl`` and,
     with ``par.ep > 1``, split over the EP group; replicated parameters broadcast."""
     torch.manual_seed(config.seed)
-    model = ByteMoELM(max_seq_len=config.seq_len, d_model=config.d_model,
-                      num_layers=config.layers, num_heads=config.heads,
-                      num_experts=config.experts, top_k=config.top_k,
-                      d_expert=config.d_expert, router=config.router, tile=config.tile,
-                      aux_loss_coef=config.aux_loss_coef, backend=config.backend,
-                      precision=config.precision,
-                      activation_cache=config.activation_cache,
+    model = ByteMoELM(max_seq_len=config.seq_len, num_layers=config.layers,
+                      num_heads=config.heads, moe=config.moe_config(),
                       device=device, dtype=dtype)
     if config.experts_impl == "torch-gmm":
         model.use_torch_gmm_experts()

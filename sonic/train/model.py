@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sonic import MoE
-from sonic.types import ActivationCache, Backend, Precision, Router, Transport
+from sonic import MoE, MoEConfig
+from sonic.types import Transport
 from sonic.baselines import torch_gmm_moe
 from sonic.train.data import VOCAB_SIZE
 
@@ -123,28 +123,26 @@ class ByteMoELM(nn.Module):
 
     Args:
         max_seq_len: longest sequence the position embedding covers.
-        d_model: ``d``, the embedding dim; must be a multiple of ``num_heads``.
         num_layers: transformer blocks.
         num_heads: attention heads.
-        num_experts, top_k, d_expert: ``E``, ``K`` and ``n`` of every MoE layer.
-        router, tile, aux_loss_coef, backend, precision, activation_cache: passed to
-            `sonic.MoE` (``router`` is the training-time router; ``eval()`` routes by top-K).
+        moe: the :class:`sonic.MoEConfig` of every block's `sonic.MoE` (its ``router`` is the
+            training-time router; ``eval()`` routes by top-K); its ``d_model`` is the
+            embedding dim ``d``, which must be a multiple of ``num_heads``.
         device, dtype: where and in which dtype the parameters live.
 
     Raises:
-        ValueError: ``d_model`` not a multiple of ``num_heads``, or a non-positive size.
+        ValueError: ``moe.d_model`` not a multiple of ``num_heads``, or a non-positive
+            ``max_seq_len``, ``num_layers`` or ``num_heads``.
     """
 
-    def __init__(self, *, max_seq_len: int, d_model: int, num_layers: int, num_heads: int,
-                 num_experts: int, top_k: int, d_expert: int, router: Router, tile: int,
-                 aux_loss_coef: float, backend: Backend = "auto", precision: Precision = "bf16",
-                 activation_cache: ActivationCache = "bf16",
+    def __init__(self, *, max_seq_len: int, num_layers: int, num_heads: int, moe: MoEConfig,
                  device=None, dtype=None):
         super().__init__()
-        for name, value in (("max_seq_len", max_seq_len), ("d_model", d_model),
-                            ("num_layers", num_layers), ("num_heads", num_heads)):
+        for name, value in (("max_seq_len", max_seq_len), ("num_layers", num_layers),
+                            ("num_heads", num_heads)):
             if value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value}")
+        d_model = moe.d_model
         if d_model % num_heads:
             raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, "
                              f"got {d_model}")
@@ -152,11 +150,7 @@ class ByteMoELM(nn.Module):
         self.tok_emb = nn.Embedding(VOCAB_SIZE, d_model, device=device, dtype=dtype)
         self.pos_emb = nn.Embedding(max_seq_len, d_model, device=device, dtype=dtype)
         self.blocks = nn.ModuleList(
-            Block(d_model, num_heads,
-                  MoE(d_model, d_expert, num_experts, top_k, router=router, tile=tile,
-                      aux_loss_coef=aux_loss_coef, backend=backend, precision=precision,
-                      activation_cache=activation_cache, device=device,
-                      dtype=dtype),
+            Block(d_model, num_heads, MoE.from_config(moe, device=device, dtype=dtype),
                   device=device, dtype=dtype)
             for _ in range(num_layers))
         self.norm = nn.LayerNorm(d_model, device=device, dtype=dtype)
