@@ -135,7 +135,7 @@ def pack_metadata(meta: RoutingMetadata, top_k: int) -> torch.Tensor:
         expected += p.numel()
     if storage.nbytes() < expected * 4:
         return torch.cat(parts)
-    return first.new_empty(0).set_(storage, offset, (total,))
+    return first.new_empty(0).set_(storage, offset, (total,), (1,))
 
 
 def unpack_metadata(packed: torch.Tensor, num_tokens, num_experts, num_pairs,
@@ -586,7 +586,9 @@ def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_u
         return _dh_dswiglu(grad_out, w2, m.expert_offsets, m.gather_idx, h, row_scores,
                            gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
     do_q, do_scales = call.quantize_rows(grad_out, backend)
-    return _dh_dswiglu_fp8(do_q, do_scales, *fp8_weights[6:8], m.expert_offsets,
+    # Indexed, not a starred slice: a slice of a sequence has no length a type checker knows.
+    w2t_q, w2t_scales = fp8_weights[6], fp8_weights[7]
+    return _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, m.expert_offsets,
                            m.gather_idx, h, row_scores, gate_up, backend,
                            overwrite_h=overwrite_h, a_out=a_out, quantize_dh=for_dx,
                            h_scales=h_scales)

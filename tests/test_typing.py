@@ -1,6 +1,6 @@
 """The public modules type-check: mypy over the package's user-facing API (the layer, the
-routers, the experts op, the shared types, expert parallelism, the training job), as a user's
-checker would read them."""
+routers, the experts op, the custom ops of ``torch.ops.sonic``, the shared types, expert
+parallelism, the training job), as a user's checker would read them."""
 
 import pathlib
 import subprocess
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/types.py",
-          "sonic/distributed", "sonic/train"]
+PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/ops.py",
+          "sonic/types.py", "sonic/distributed", "sonic/train"]
 
 
 def test_public_modules_type_check():
