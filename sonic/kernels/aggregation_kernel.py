@@ -41,25 +41,25 @@ class AggregationKernel:
         t = item // self.slices
         col = (item - t * self.slices) * VEC
         if t < num_tokens:
-            offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
-            lo = offsets[t]
-            hi = offsets[t + 1]
-            rows = cute.make_tensor(token_rows, cute.make_layout(hi))
+            mOffsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+            lo = mOffsets[t]
+            hi = mOffsets[t + 1]
+            mRows = cute.make_tensor(token_rows, cute.make_layout(hi))
             acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             acc.fill(0.0)
             frag = cute.make_rmem_tensor((VEC,), self.dtype)
             for j in cutlass.range(lo, hi, unroll=UNROLL):
-                r = rows[j]
+                r = mRows[j]
                 # 64-bit row offset: P·d exceeds 2**31 elements at large T and d.
-                src = cute.make_tensor(y + (cutlass.Int64(r) * self.d + col), cute.make_layout(VEC))
-                cute.autovec_copy(src, frag)
+                gY = cute.make_tensor(y + (cutlass.Int64(r) * self.d + col), cute.make_layout(VEC))
+                cute.autovec_copy(gY, frag)
                 x = frag.load().to(cutlass.Float32)
                 if cutlass.const_expr(self.scored):
-                    scores = cute.make_tensor(row_scores, cute.make_layout(r + 1))
-                    acc.store(acc.load() + x * scores[r])
+                    mScores = cute.make_tensor(row_scores, cute.make_layout(r + 1))
+                    acc.store(acc.load() + x * mScores[r])
                 else:
                     acc.store(acc.load() + x)
             res = cute.make_rmem_tensor((VEC,), self.dtype)
             res.store(acc.load().to(self.dtype))
-            dst = cute.make_tensor(out + (cutlass.Int64(t) * self.d + col), cute.make_layout(VEC))
-            cute.autovec_copy(res, dst)
+            gOut = cute.make_tensor(out + (cutlass.Int64(t) * self.d + col), cute.make_layout(VEC))
+            cute.autovec_copy(res, gOut)

@@ -183,7 +183,7 @@ class DequantizeRowsKernel:
         tile, kb, _ = cute.arch.block_idx()
         col = kb * FP8_BLOCK + (tidx % LANES_PER_SLICE) * VEC
         first = tile * ROWS_PER_CTA + tidx // LANES_PER_SLICE
-        block_scales = cute.make_tensor(scales + Int64(kb) * num_rows.to(Int64),
+        gScales = cute.make_tensor(scales + Int64(kb) * num_rows.to(Int64),
                                         cute.make_layout(num_rows))
         frags = [cute.make_rmem_tensor((VEC,), Float8E4M3FN) for _ in range(ROWS_PER_LANE)]
         row_scale = [Float32(1.0) for _ in range(ROWS_PER_LANE)]
@@ -192,7 +192,7 @@ class DequantizeRowsKernel:
             row = cutlass.min(first + i * (THREADS // LANES_PER_SLICE), num_rows - 1)
             src = q + (Int64(row) * self.k + col)
             cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), frags[i])
-            row_scale[i] = block_scales[row]
+            row_scale[i] = gScales[row]
         for i in cutlass.range_constexpr(ROWS_PER_LANE):
             row = first + i * (THREADS // LANES_PER_SLICE)
             if row < num_rows:
@@ -255,14 +255,14 @@ class QuantizeBlocksKernel:
             amax = cute.arch.fmax(amax, slice_amax(vals[i]), nan=True)
         amax = butterfly_max(amax, 32)
         smem = cutlass.utils.SmemAllocator()
-        warp_max = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
+        sWarpMax = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
         if tidx % 32 == 0:
-            warp_max[tidx // 32] = amax
+            sWarpMax[tidx // 32] = amax
         cute.arch.barrier()
         # Every thread folds the 8 warp maxima in the same order: one broadcast read each.
-        amax = warp_max[0]
+        amax = sWarpMax[0]
         for j in cutlass.range_constexpr(1, warps):
-            amax = cute.arch.fmax(amax, warp_max[j], nan=True)
+            amax = cute.arch.fmax(amax, sWarpMax[j], nan=True)
         scale = scale_of(amax)
         words = cute.make_rmem_tensor((2 * VEC,), Uint32)
         for i in cutlass.range_constexpr(VEC):
@@ -322,16 +322,16 @@ class QuantizeColsKernel:
                num_experts: Int32, k_rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cb, kb, _ = cute.arch.block_idx()
-        off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
-        k_off = cute.make_tensor(k_offsets, cute.make_layout(num_experts + 1))
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
+        mKOffsets = cute.make_tensor(k_offsets, cute.make_layout(num_experts + 1))
         row0 = kb * FP8_BLOCK
         # The expert whose padded range holds the block: the largest e with
-        # k_off[e] <= row0 (an empty expert shares its start with the next one).
+        # mKOffsets[e] <= row0 (an empty expert shares its start with the next one).
         # Blocks past the last expert's padded rows land on expert E - 1 past its
         # rows: all padding, written as zeros with scale 1 like the reference's.
-        e = last_at_most(k_off, row0, num_experts)
-        first = off[e] + (row0 - k_off[e])
-        last = off[e + 1]
+        e = last_at_most(mKOffsets, row0, num_experts)
+        first = mOffsets[e] + (row0 - mKOffsets[e])
+        last = mOffsets[e + 1]
         # Lane (rg, h): rows 8·rg .. 8·rg + 7 of the block; warp w: columns
         # 8·(2w + h) .. + 7. A warp holds all 128 rows of its 16 columns, so a column's
         # amax needs only shuffles, and each thread's 8 x 8 bytes leave by rows of q_t.
@@ -367,10 +367,10 @@ class QuantizeColsKernel:
                                       nan=True)
             col_scale[j] = scale_of(amax)
         if lane < 2:
-            block_scales = cute.make_tensor(scales + (Int64(kb) * self.cols + col),
+            gScales = cute.make_tensor(scales + (Int64(kb) * self.cols + col),
                                             cute.make_layout(VEC))
             for j in cutlass.range_constexpr(VEC):
-                block_scales[j] = col_scale[j]
+                gScales[j] = col_scale[j]
         # Each column's reciprocal once; the thread's 64 quotients from them unless one of
         # its 8 scales is outside fast_scale's range.
         recips = cute.make_rmem_tensor((VEC,), Float32)

@@ -16,19 +16,19 @@ from sonic.kernels.routing_metadata import (CHUNK, ITEMS, SCAN_ITEMS, SCAN_THREA
 
 
 @cute.jit
-def block_exclusive_scan(vals: cute.Tensor, copy: cute.Tensor, n: Int32, scratch: cute.Tensor,
+def block_exclusive_scan(vals: cute.Tensor, copy: cute.Tensor, n: Int32, sScratch: cute.Tensor,
                          nthreads: cutlass.Constexpr):
     """In-place exclusive prefix sum of ``vals[0:n]`` (shared or global) by the whole CTA,
     also written to ``copy`` (which may be ``vals`` itself).
 
     Tiles of ``nthreads·SCAN_ITEMS`` values, each thread owning ``SCAN_ITEMS`` consecutive
     ones (loaded together, so a tile costs one memory round trip); thread sums are scanned
-    in a warp with shuffles and across warps through ``scratch`` (one int per warp), and a
+    in a warp with shuffles and across warps through ``sScratch`` (one int per warp), and a
     running carry links the tiles. Returns the total. All threads must call it.
     """
     tidx, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
+    warp_idx = cute.arch.warp_idx()
     items = cute.make_rmem_tensor((SCAN_ITEMS,), Int32)
     carry = Int32(0)
     for tile in cutlass.range(0, n, nthreads * SCAN_ITEMS):
@@ -46,13 +46,13 @@ def block_exclusive_scan(vals: cute.Tensor, copy: cute.Tensor, n: Int32, scratch
             if lane >= (1 << k):
                 incl += up
         if lane == 31:
-            scratch[warp] = incl
+            sScratch[warp_idx] = incl
         cute.arch.sync_threads()
         total = Int32(0)
         before = Int32(0)
         for w in cutlass.range_constexpr(nthreads // 32):
-            s = scratch[w]
-            if w < warp:
+            s = sScratch[w]
+            if w < warp_idx:
                 before += s
             total += s
         run = carry + before + incl - local
@@ -62,7 +62,7 @@ def block_exclusive_scan(vals: cute.Tensor, copy: cute.Tensor, n: Int32, scratch
                 copy[lo + i] = run
             run += items[i]
         carry += total
-        # scratch is rewritten by the next tile.
+        # sScratch is rewritten by the next tile.
         cute.arch.sync_threads()
     return carry
 
@@ -112,7 +112,7 @@ class RoutingMetadataKernels:
                              token_rows, num_pairs, num_tokens).launch(
                 grid=[chunks * ITEMS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
-    def _chunk_experts(self, experts: cute.Tensor, first: Int32, num_pairs: Int32):
+    def _chunk_experts(self, mExperts: cute.Tensor, first: Int32, num_pairs: Int32):
         """Bins of this thread's pairs ``first + i·THREADS`` (``i < ITEMS``): the expert,
         ``E`` for padding (arbitrary pairs only), ``bins`` (no row) past the end or out of
         range.
@@ -121,7 +121,7 @@ class RoutingMetadataKernels:
         overlap instead of costing ITEMS memory round trips.
         """
         last = num_pairs - 1
-        raw = [experts[cutlass.min(first + i * THREADS, last)] for i in range(ITEMS)]
+        raw = [mExperts[cutlass.min(first + i * THREADS, last)] for i in range(ITEMS)]
         return [Int32(cutlass.select_((first + i * THREADS < num_pairs) & (raw[i] >= 0)
                                       & (raw[i] < self.bins), raw[i], self.bins))
                 for i in range(ITEMS)]
@@ -133,12 +133,12 @@ class RoutingMetadataKernels:
         chunk, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         smem = cutlass.memory.SmemAllocator()
-        counts = smem.allocate_tensor(Int32, cute.make_layout(self.bins), byte_alignment=16)
-        experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
+        sCounts = smem.allocate_tensor(Int32, cute.make_layout(self.bins), byte_alignment=16)
+        mExperts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
         for e in cutlass.range(tidx, self.bins, THREADS):
-            counts[e] = 0
+            sCounts[e] = 0
         cute.arch.sync_threads()
-        chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
+        chunk_experts = self._chunk_experts(mExperts, chunk * CHUNK + tidx, num_pairs)
         for i in cutlass.range_constexpr(ITEMS):
             p = chunk * CHUNK + i * THREADS + tidx
             e = chunk_experts[i]
@@ -147,19 +147,19 @@ class RoutingMetadataKernels:
             peers = cute.arch.match_sync(0xFFFFFFFF, e)
             below = peers & ((cutlass.Uint32(1) << lane) - 1)
             if e < self.bins and below == 0:
-                cute.arch.atomic_add(counts.iterator + e, Int32(cute.arch.popc(peers)))
+                cute.arch.atomic_add(sCounts.iterator + e, Int32(cute.arch.popc(peers)))
             if cutlass.const_expr(not self.topk):
                 # Padding belongs to no token.
                 if e < self.E:
-                    tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
-                    t = tokens[p]
-                    work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
-                    cute.arch.atomic_add(work.iterator + t, Int32(1))
+                    mTokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+                    t = mTokens[p]
+                    mWork = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+                    cute.arch.atomic_add(mWork.iterator + t, Int32(1))
         cute.arch.sync_threads()
-        out = cute.make_tensor(hist, cute.make_layout((self.bins, chunk + 1),
+        mHist = cute.make_tensor(hist, cute.make_layout((self.bins, chunk + 1),
                                                       stride=(1, self.bins)))
         for e in cutlass.range(tidx, self.bins, THREADS):
-            out[e, chunk] = counts[e]
+            mHist[e, chunk] = sCounts[e]
 
     @cute.kernel
     def token_scan(self, token_work: cute.Pointer, token_offsets: cute.Pointer,
@@ -167,38 +167,38 @@ class RoutingMetadataKernels:
         tidx, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
+        warp_idx = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
-        warp_sums = smem.allocate_tensor(Int32, cute.make_layout(SCAN_THREADS // 32),
+        sWarpSums = smem.allocate_tensor(Int32, cute.make_layout(SCAN_THREADS // 32),
                                          byte_alignment=16)
         # token_work has max(T, 1) entries: index 0 is always readable.
-        counts = cute.make_tensor(token_work, cute.make_layout(cutlass.max(num_tokens, 1)))
-        offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+        mCounts = cute.make_tensor(token_work, cute.make_layout(cutlass.max(num_tokens, 1)))
+        mOffsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
         first = tile * SCAN_TILE
 
         # Pairs of the tokens before this tile: whole tiles, so no bound checks, and
         # TOKEN_ITEMS independent loads in flight per thread.
         before = Int32(0)
         for start in cutlass.range(0, first, SCAN_TILE):
-            got = [counts[start + i * SCAN_THREADS + tidx] for i in range(TOKEN_ITEMS)]
+            got = [mCounts[start + i * SCAN_THREADS + tidx] for i in range(TOKEN_ITEMS)]
             for v in got:
                 before += v
         for k in cutlass.range_constexpr(5):
             before += cute.arch.shuffle_sync_bfly(before, 1 << k)
         if lane == 0:
-            warp_sums[warp] = before
+            sWarpSums[warp_idx] = before
         cute.arch.sync_threads()
         prefix = Int32(0)
         for w in cutlass.range_constexpr(SCAN_THREADS // 32):
-            prefix += warp_sums[w]
-        # warp_sums is rewritten below.
+            prefix += sWarpSums[w]
+        # sWarpSums is rewritten below.
         cute.arch.sync_threads()
 
         # This warp's tokens: row i is seg + 32·i + lane. Entries at or past T count 0, so
-        # offsets[T] (written by the CTA whose tile holds index T) is the total.
-        seg = first + warp * (32 * TOKEN_ITEMS)
+        # mOffsets[T] (written by the CTA whose tile holds index T) is the total.
+        seg = first + warp_idx * (32 * TOKEN_ITEMS)
         idx = [seg + 32 * i + lane for i in range(TOKEN_ITEMS)]
-        raw = [counts[cutlass.max(cutlass.min(j, num_tokens - 1), 0)] for j in idx]
+        raw = [mCounts[cutlass.max(cutlass.min(j, num_tokens - 1), 0)] for j in idx]
         vals = [Int32(cutlass.select_(j < num_tokens, v, 0)) for j, v in zip(idx, raw)]
         incl = list(vals)
         for k in cutlass.range_constexpr(5):
@@ -212,14 +212,14 @@ class RoutingMetadataKernels:
             excl.append(run + v - c)
             run += cute.arch.shuffle_sync(v, 31)
         if lane == 0:
-            warp_sums[warp] = run
+            sWarpSums[warp_idx] = run
         cute.arch.sync_threads()
         for w in cutlass.range_constexpr(SCAN_THREADS // 32):
-            if w < warp:
-                prefix += warp_sums[w]
+            if w < warp_idx:
+                prefix += sWarpSums[w]
         for j, e in zip(idx, excl):
             if j <= num_tokens:
-                offsets[j] = prefix + e
+                mOffsets[j] = prefix + e
 
     @cute.kernel
     def scatter(self, expert_idx: cute.Pointer, token_idx: cute.Pointer, hist: cute.Pointer,
@@ -234,37 +234,39 @@ class RoutingMetadataKernels:
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
+        warp_idx = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
-        base = smem.allocate_tensor(Int32, cute.make_layout(B), byte_alignment=16)
-        totals = smem.allocate_tensor(Int32, cute.make_layout(B), byte_alignment=16)
-        warp_counts = smem.allocate_tensor(Int32, cute.make_layout((B, self.warps)), byte_alignment=16)
-        scratch = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=16)
-        partial = smem.allocate_tensor(Int32, cute.make_layout((B, self.groups, 2)), byte_alignment=16)
-        hists = cute.make_tensor(hist, cute.make_layout((B, chunks), stride=(1, B)))
-        experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
-        tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
-        work = cute.make_tensor(token_work, cute.make_layout(num_tokens))
-        slots_out = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
-        token_starts = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+        sBase = smem.allocate_tensor(Int32, cute.make_layout(B), byte_alignment=16)
+        sTotals = smem.allocate_tensor(Int32, cute.make_layout(B), byte_alignment=16)
+        sWarpCounts = smem.allocate_tensor(Int32, cute.make_layout((B, self.warps)),
+                                           byte_alignment=16)
+        sScratch = smem.allocate_tensor(Int32, cute.make_layout(self.warps), byte_alignment=16)
+        sPartial = smem.allocate_tensor(Int32, cute.make_layout((B, self.groups, 2)),
+                                        byte_alignment=16)
+        mHists = cute.make_tensor(hist, cute.make_layout((B, chunks), stride=(1, B)))
+        mExperts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
+        mTokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+        mWork = cute.make_tensor(token_work, cute.make_layout(num_tokens))
+        mSlots = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
+        mTokenStarts = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
 
         # Everything per pair that needs no histogram is issued first, so its memory latency
         # overlaps the prologue. Experts and tokens of all this thread's pairs (tokens are
         # unused, hence never loaded, for top-K): the steps below then only wait on shared
         # memory.
-        chunk_experts = self._chunk_experts(experts, chunk * CHUNK + tidx, num_pairs)
-        chunk_tokens = [tokens[cutlass.min(chunk * CHUNK + i * THREADS + tidx, num_pairs - 1)]
+        chunk_experts = self._chunk_experts(mExperts, chunk * CHUNK + tidx, num_pairs)
+        chunk_tokens = [mTokens[cutlass.min(chunk * CHUNK + i * THREADS + tidx, num_pairs - 1)]
                         for i in range(ITEMS)]
         if cutlass.const_expr(not self.topk):
-            # Each pair takes a slot in its token's segment: work[t] still holds the token's
+            # Each pair takes a slot in its token's segment: mWork[t] still holds the token's
             # count (the scan only reads it), and each decrement hands out one slot. Slots
             # land in atomic order; token_order sorts them. Branch-free atomics (pairs with
             # no row add 0) so all ITEMS are in flight at once; the slots are stored after
             # the prologue.
-            left = [cute.arch.atomic_add(work.iterator + t,
+            left = [cute.arch.atomic_add(mWork.iterator + t,
                                          Int32(cutlass.select_(e < E, Int32(-1), Int32(0))))
                     for t, e in zip(chunk_tokens, chunk_experts)]
-            starts = [token_starts[t] for t in chunk_tokens]
+            starts = [mTokenStarts[t] for t in chunk_tokens]
 
         # Rows before this chunk per expert, and totals per expert, from all histograms.
         # Every CTA reads all of them, so the loads are spread over the whole CTA: ``groups``
@@ -276,52 +278,52 @@ class RoutingMetadataKernels:
             before = Int32(0)
             total = Int32(0)
             for c in cutlass.range(g, chunks, self.groups, unroll=8):
-                v = hists[e, c]
+                v = mHists[e, c]
                 total += v
                 if c < chunk:
                     before += v
-            partial[e, g, 0] = before
-            partial[e, g, 1] = total
+            sPartial[e, g, 0] = before
+            sPartial[e, g, 1] = total
         cute.arch.sync_threads()
         for e in cutlass.range(tidx, B, THREADS):
             before = Int32(0)
             total = Int32(0)
             for g in cutlass.range_constexpr(self.groups):
-                before += partial[e, g, 0]
-                total += partial[e, g, 1]
-            base[e] = before
-            totals[e] = total
+                before += sPartial[e, g, 0]
+                total += sPartial[e, g, 1]
+            sBase[e] = before
+            sTotals[e] = total
             for w in cutlass.range_constexpr(self.warps):
-                warp_counts[e, w] = 0
+                sWarpCounts[e, w] = 0
         cute.arch.sync_threads()
         if chunk == 0:
-            counts_out = cute.make_tensor(expert_counts, cute.make_layout(E))
+            mCounts = cute.make_tensor(expert_counts, cute.make_layout(E))
             for e in cutlass.range(tidx, E, THREADS):
-                counts_out[e] = totals[e]
+                mCounts[e] = sTotals[e]
         cute.arch.sync_threads()
-        block_exclusive_scan(totals, totals, B, scratch, THREADS)
+        block_exclusive_scan(sTotals, sTotals, B, sScratch, THREADS)
         if chunk == 0:
-            offsets_out = cute.make_tensor(expert_offsets, cute.make_layout(E + 1))
+            mOffsets = cute.make_tensor(expert_offsets, cute.make_layout(E + 1))
             for e in cutlass.range(tidx, E, THREADS):
-                offsets_out[e] = totals[e]
+                mOffsets[e] = sTotals[e]
             if tidx == 0:
                 if cutlass.const_expr(self.topk):
-                    offsets_out[E] = num_pairs
+                    mOffsets[E] = num_pairs
                 else:
                     # The routed pairs; padding rows start here.
-                    offsets_out[E] = totals[E]
+                    mOffsets[E] = sTotals[E]
         for e in cutlass.range(tidx, B, THREADS):
-            base[e] = base[e] + totals[e]
+            sBase[e] = sBase[e] + sTotals[e]
 
-        sorted_out = cute.make_tensor(sorted_pairs, cute.make_layout(num_pairs))
-        gather_out = cute.make_tensor(gather_idx, cute.make_layout(num_pairs))
-        rows_out = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
-        token_rows_out = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
+        mSorted = cute.make_tensor(sorted_pairs, cute.make_layout(num_pairs))
+        mGather = cute.make_tensor(gather_idx, cute.make_layout(num_pairs))
+        mRows = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
+        mTokenRows = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
         lanes_below = (cutlass.Uint32(1) << lane) - 1
         if cutlass.const_expr(not self.topk):
             for i in cutlass.range_constexpr(ITEMS):
                 if chunk_experts[i] < E:
-                    slots_out[starts[i] + left[i] - 1] = chunk * CHUNK + i * THREADS + tidx
+                    mSlots[starts[i] + left[i] - 1] = chunk * CHUNK + i * THREADS + tidx
         for i in cutlass.range_constexpr(ITEMS):
             p = chunk * CHUNK + i * THREADS + tidx
             e = chunk_experts[i]
@@ -329,31 +331,31 @@ class RoutingMetadataKernels:
             rank = Int32(cute.arch.popc(peers & lanes_below))
             leader = rank == 0 and e < B
             if leader:
-                warp_counts[e, warp] = Int32(cute.arch.popc(peers))
+                sWarpCounts[e, warp_idx] = Int32(cute.arch.popc(peers))
             cute.arch.sync_threads()
             if e < B:
-                row = base[e] + rank
+                row = sBase[e] + rank
                 for w in cutlass.range_constexpr(self.warps):
-                    if w < warp:
-                        row += warp_counts[e, w]
+                    if w < warp_idx:
+                        row += sWarpCounts[e, w]
                 t = Int32(0)
                 if cutlass.const_expr(self.topk):
                     t = p // k
-                    token_rows_out[p] = row
+                    mTokenRows[p] = row
                 else:
                     t = chunk_tokens[i]
-                sorted_out[row] = p
-                gather_out[row] = t
-                rows_out[p] = row
+                mSorted[row] = p
+                mGather[row] = t
+                mRows[p] = row
             cute.arch.sync_threads()
             if leader:
-                cute.arch.atomic_add(base.iterator + e, Int32(cute.arch.popc(peers)))
-                warp_counts[e, warp] = 0
+                cute.arch.atomic_add(sBase.iterator + e, Int32(cute.arch.popc(peers)))
+                sWarpCounts[e, warp_idx] = 0
             cute.arch.sync_warp()
 
         if cutlass.const_expr(self.topk):
             for t in cutlass.range(chunk * THREADS + tidx, num_tokens + 1, chunks * THREADS):
-                token_starts[t] = t * k
+                mTokenStarts[t] = t * k
 
     @cute.kernel
     def token_order(self, token_slots: cute.Pointer, token_offsets: cute.Pointer,
@@ -361,21 +363,21 @@ class RoutingMetadataKernels:
                     token_rows: cute.Pointer, num_pairs: Int32, num_tokens: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
-        tokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
-        experts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
-        rows = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
-        slots = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
-        offsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
-        out = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
+        mTokens = cute.make_tensor(token_idx, cute.make_layout(num_pairs))
+        mExperts = cute.make_tensor(expert_idx, cute.make_layout(num_pairs))
+        mRows = cute.make_tensor(pair_rows, cute.make_layout(num_pairs))
+        mSlots = cute.make_tensor(token_slots, cute.make_layout(num_pairs))
+        mOffsets = cute.make_tensor(token_offsets, cute.make_layout(num_tokens + 1))
+        mTokenRows = cute.make_tensor(token_rows, cute.make_layout(num_pairs))
         # One pair per thread (grid = P / THREADS): each pair's loads form a dependent chain,
         # so occupancy, not per-thread work, hides their latency.
         p = block * THREADS + tidx
         # Padding (expert E) has no place among any token's rows.
-        if p < num_pairs and experts[cutlass.min(p, num_pairs - 1)] < self.E:
-            t = tokens[p]
-            lo = offsets[t]
+        if p < num_pairs and mExperts[cutlass.min(p, num_pairs - 1)] < self.E:
+            t = mTokens[p]
+            lo = mOffsets[t]
             place = lo
-            for j in cutlass.range(lo, offsets[t + 1], unroll=4):
-                if slots[j] < p:
+            for j in cutlass.range(lo, mOffsets[t + 1], unroll=4):
+                if mSlots[j] < p:
                     place += 1
-            out[place] = rows[p]
+            mTokenRows[place] = mRows[p]

@@ -273,8 +273,8 @@ class SwigluKernel:
         Traced inline (plain Python, no control flow of its own)."""
         cute.autovec_copy(cute.make_tensor(h_row + col * self.h_scale, h_layout), h_frag)
         if self.backward:
-            dap_src = cute.make_tensor(da_prime + (out_row + col), cute.make_layout(VEC))
-            cute.autovec_copy(dap_src, dap_frag)
+            gDap = cute.make_tensor(da_prime + (out_row + col), cute.make_layout(VEC))
+            cute.autovec_copy(gDap, dap_frag)
 
     def _finish(self, a, dh, out_row, col, score, partial, h_layout, h_frag, dap_frag,
                 dh_vals=None):

@@ -17,25 +17,25 @@ WARPS = THREADS // 32
 
 
 @cute.jit
-def block_scan(value: Int32, scratch: cute.Tensor):
+def block_scan(value: Int32, sScratch: cute.Tensor):
     """``(exclusive prefix, total)`` of one value per thread over the CTA, in thread
-    order. All threads must call it; ``scratch`` holds one int per warp."""
+    order. All threads must call it; ``sScratch`` holds one int per warp."""
     lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
+    warp_idx = cute.arch.warp_idx()
     incl = value
     for k in cutlass.range_constexpr(5):
         up = cute.arch.shuffle_sync_up(incl, 1 << k)
         incl = Int32(incl + cutlass.select_(lane >= (1 << k), up, 0))
     if lane == 31:
-        scratch[warp] = incl
+        sScratch[warp_idx] = incl
     cute.arch.sync_threads()
     before = Int32(0)
     total = Int32(0)
     for w in cutlass.range_constexpr(WARPS):
-        s = scratch[w]
-        before = Int32(before + cutlass.select_(w < warp, s, 0))
+        s = sScratch[w]
+        before = Int32(before + cutlass.select_(w < warp_idx, s, 0))
         total += s
-    # scratch is rewritten by the next call.
+    # sScratch is rewritten by the next call.
     cute.arch.sync_threads()
     return before + incl - value, total
 
@@ -75,35 +75,35 @@ class TokenRoundingSelect:
         tidx, _, _ = cute.arch.thread_idx()
         e, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
+        warp_idx = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
-        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-        hist = smem.allocate_tensor(Int32, cute.make_layout(BINS), byte_alignment=16)
-        found = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
+        sScratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+        sHist = smem.allocate_tensor(Int32, cute.make_layout(BINS), byte_alignment=16)
+        sFound = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
         T = num_tokens
-        count_of = cute.make_tensor(counts, cute.make_layout(num_experts))
-        tokens = cute.make_tensor(tokens_out, cute.make_layout(capacity))
-        experts = cute.make_tensor(experts_out, cute.make_layout(capacity))
-        sources = cute.make_tensor(source_out, cute.make_layout(capacity))
-        choices = cute.make_tensor(tc_experts, cute.make_layout(T * self.K))
-        row = cute.make_tensor(keys + cutlass.Int64(e) * cutlass.Int64(T), cute.make_layout(T))
+        mCounts = cute.make_tensor(counts, cute.make_layout(num_experts))
+        mTokens = cute.make_tensor(tokens_out, cute.make_layout(capacity))
+        mExperts = cute.make_tensor(experts_out, cute.make_layout(capacity))
+        mSources = cute.make_tensor(source_out, cute.make_layout(capacity))
+        mChoices = cute.make_tensor(tc_experts, cute.make_layout(T * self.K))
+        gKeys = cute.make_tensor(keys + cutlass.Int64(e) * cutlass.Int64(T), cute.make_layout(T))
 
         # 1. This expert's first slot and the total P, from every expert's rounded count.
         before = Int32(0)
         total = Int32(0)
         for j in cutlass.range(tidx, num_experts, THREADS):
-            r_j = self.rounded(count_of[j], tile, T)
+            r_j = self.rounded(mCounts[j], tile, T)
             total += r_j
             before = Int32(before + cutlass.select_(j < e, r_j, 0))
-        _, before = block_scan(before, scratch)
-        _, total = block_scan(total, scratch)
+        _, before = block_scan(before, sScratch)
+        _, total = block_scan(total, sScratch)
         if e == 0 and tidx == 0:
             cute.make_tensor(num_valid, cute.make_layout(1))[0] = total
         for p in cutlass.range(total + e * THREADS + tidx, capacity, num_experts * THREADS):
-            tokens[p] = 0
-            experts[p] = num_experts
-            sources[p] = 0
-        kept = self.rounded(count_of[e], tile, T)
+            mTokens[p] = 0
+            mExperts[p] = num_experts
+            mSources[p] = 0
+        kept = self.rounded(mCounts[e], tile, T)
 
         if kept > 0:
             # 2. Radix select: the kept-th largest key v, and how many keys equal to v
@@ -113,12 +113,12 @@ class TokenRoundingSelect:
             for step in cutlass.range_constexpr(4):
                 shift = 32 - RADIX_BITS * (step + 1)
                 for b in cutlass.range(tidx, BINS, THREADS):
-                    hist[b] = 0
+                    sHist[b] = 0
                 cute.arch.sync_threads()
                 # Whole warps per step, so match.any sees every lane.
                 for base in cutlass.range(0, T, THREADS):
                     t = base + tidx
-                    key = row[cutlass.min(t, T - 1)]
+                    key = gKeys[cutlass.min(t, T - 1)]
                     live = t < T
                     if cutlass.const_expr(step > 0):
                         live = live & ((key >> (shift + RADIX_BITS))
@@ -127,30 +127,30 @@ class TokenRoundingSelect:
                     peers = cute.arch.match_sync(0xFFFFFFFF, digit)
                     first = (peers & ((cutlass.Uint32(1) << lane) - 1)) == 0
                     if first and digit < BINS:
-                        cute.arch.atomic_add(hist.iterator + digit,
+                        cute.arch.atomic_add(sHist.iterator + digit,
                                              Int32(cute.arch.popc(peers)))
                 cute.arch.sync_threads()
-                if warp == 0:
+                if warp_idx == 0:
                     # Lane l owns bins [8l, 8l + 8); count from the top bin down.
                     per_lane = BINS // 32
                     own = Int32(0)
                     for i in cutlass.range_constexpr(per_lane):
-                        own += hist[lane * per_lane + i]
+                        own += sHist[lane * per_lane + i]
                     incl = own
                     for k in cutlass.range_constexpr(5):
                         down = cute.arch.shuffle_sync_down(incl, 1 << k)
                         incl = Int32(incl + cutlass.select_(lane + (1 << k) < 32, down, 0))
                     above = incl - own
                     for i in cutlass.range_constexpr(per_lane - 1, -1, -1):
-                        h = hist[lane * per_lane + i]
+                        h = sHist[lane * per_lane + i]
                         if above < need and above + h >= need:
-                            found[0] = lane * per_lane + i
-                            found[1] = above
+                            sFound[0] = lane * per_lane + i
+                            sFound[1] = above
                         above += h
                 cute.arch.sync_threads()
-                prefix = prefix | (found[0] << shift)
-                need = need - found[1]
-                # found is rewritten by the next step.
+                prefix = prefix | (sFound[0] << shift)
+                need = need - sFound[1]
+                # sFound is rewritten by the next step.
                 cute.arch.sync_threads()
 
             # 3. Write the kept tokens in ascending order.
@@ -158,10 +158,10 @@ class TokenRoundingSelect:
             written = Int32(0)
             for base in cutlass.range(0, T, THREADS * ITEMS):
                 first_token = base + tidx * ITEMS
-                got = [row[cutlass.min(first_token + i, T - 1)] for i in range(ITEMS)]
+                got = [gKeys[cutlass.min(first_token + i, T - 1)] for i in range(ITEMS)]
                 equal = [Int32(cutlass.select_((first_token + i < T) & (got[i] == prefix), 1, 0))
                          for i in range(ITEMS)]
-                equal_before, equal_total = block_scan(sum(equal), scratch)
+                equal_before, equal_total = block_scan(sum(equal), sScratch)
                 run = equal_seen + equal_before
                 keep = []
                 for i in cutlass.range_constexpr(ITEMS):
@@ -169,7 +169,7 @@ class TokenRoundingSelect:
                     keep.append(Int32(cutlass.select_(above_v | ((equal[i] == 1) & (run < need)),
                                                       1, 0)))
                     run += equal[i]
-                slot_before, slot_total = block_scan(sum(keep), scratch)
+                slot_before, slot_total = block_scan(sum(keep), sScratch)
                 slot = written + slot_before
                 for i in cutlass.range_constexpr(ITEMS):
                     if keep[i] == 1:
@@ -177,12 +177,12 @@ class TokenRoundingSelect:
                         src = T * self.K
                         if got[i] >= PICK_KEY:
                             for c in cutlass.range_constexpr(self.K):
-                                if choices[t * self.K + c] == e:
+                                if mChoices[t * self.K + c] == e:
                                     src = t * self.K + c
                         out = before + slot
-                        tokens[out] = t
-                        experts[out] = e
-                        sources[out] = src
+                        mTokens[out] = t
+                        mExperts[out] = e
+                        mSources[out] = src
                         slot += 1
                 equal_seen += equal_total
                 written += slot_total

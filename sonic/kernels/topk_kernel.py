@@ -117,7 +117,7 @@ class TopKKernel:
         E, E_pad, G, V, vec = self.E, self.E_pad, self.G, self.V, self.vec
         # Chunk i of a lane covers columns [c*vec, c*vec + vec) with c = i*G + lane: the G lanes
         # of a row read adjacent pieces, so every load instruction is fully coalesced.
-        chunks = cute.logical_divide(mX[src_row, None], cute.make_layout(vec))
+        gX = cute.logical_divide(mX[src_row, None], cute.make_layout(vec))
         n_chunks = V // vec
         raw = cute.make_rmem_tensor((vec, n_chunks), mX.element_type)
         for i in range(n_chunks):
@@ -126,7 +126,7 @@ class TopKKernel:
                 # Chunks past E (vec divides E) re-read the last real chunk; their keys are
                 # replaced by the padding key, which keeps the loads unpredicated.
                 c = cutlass.min(c, E // vec - 1)
-            cute.autovec_copy(chunks[None, c], raw[None, i])
+            cute.autovec_copy(gX[None, c], raw[None, i])
         # + 0.0 turns -0.0 into +0.0: PyTorch's sort counts them as equal, integer keys would not.
         vals = [Float32(raw[t % vec, t // vec]) + Float32(0.0) for t in range(V)]
         if E == E_pad:
@@ -214,8 +214,8 @@ class TopKKernel:
             score = [e * inv_total for e in exps]
 
         if row < num_rows:
-            out_s = cute.logical_divide(mScores[row, None], cute.make_layout(self.ovec))
-            out_i = cute.logical_divide(mIdx[row, None], cute.make_layout(self.ovec))
+            gScores = cute.logical_divide(mScores[row, None], cute.make_layout(self.ovec))
+            gIdx = cute.logical_divide(mIdx[row, None], cute.make_layout(self.ovec))
             frag_s = cute.make_rmem_tensor((self.ovec,), Float32)
             frag_i = cute.make_rmem_tensor((self.ovec,), Int32)
             for q in cutlass.range_constexpr(self.K // self.ovec):
@@ -224,8 +224,8 @@ class TopKKernel:
                     for j in cutlass.range_constexpr(self.ovec):
                         frag_s[j] = score[q * self.ovec + j]
                         frag_i[j] = idx[q * self.ovec + j]
-                    cute.autovec_copy(frag_s, out_s[None, q])
-                    cute.autovec_copy(frag_i, out_i[None, q])
+                    cute.autovec_copy(frag_s, gScores[None, q])
+                    cute.autovec_copy(frag_i, gIdx[None, q])
 
     @cute.jit
     def __call__(self, logits: cutlass.Int64, scores: cutlass.Int64, indices: cutlass.Int64,

@@ -80,7 +80,7 @@ class GroupedGemmKernel(TmaProducers):
         """The tiled MMA of the mainloop."""
         raise NotImplementedError
 
-    def run_roles(self, tidx, warp, work: WorkItems, tiled_mma, storage, tmas: OperandTmas,
+    def run_roles(self, tidx, warp_idx, work: WorkItems, tiled_mma, storage, tmas: OperandTmas,
                   epi_tmas: tuple, stages: StageMemory, pointers: KernelPointers,
                   rows: RowSources, sched: SchedulerArgs):
         """Every thread after setup: its warp's role (producer, MMA, epilogue) over the CTA's
@@ -197,24 +197,24 @@ class GroupedGemmKernel(TmaProducers):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = SmemAllocator()
         storage = smem.allocate(self.storage_type)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
         table = storage.tile_start.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
-        s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         # Raw stage memory (A space, B space, swizzle) for an epilogue's own loads, and the
         # stages' B column scales (FP8 varlen-K; :meth:`col_scale_stages`).
         a_base, b_base = storage.sA.data_ptr(), storage.sB.data_ptr()
         col_scales = self.col_scale_stages(storage)
-        s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        stages = StageMemory(s_a, s_b, a_base, b_base, a_smem.inner, b_smem.inner, col_scales,
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        stages = StageMemory(sA, sB, a_base, b_base, a_smem.inner, b_smem.inner, col_scales,
                              full, empty)
-        m_off = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
-        sched = SchedulerArgs(m_off, table, num_experts)
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
+        sched = SchedulerArgs(mOffsets, table, num_experts)
 
-        if warp == 0:
+        if warp_idx == 0:
             cpasync.prefetch_descriptor(tmas.a.atom)
             cpasync.prefetch_descriptor(tmas.b.atom)
             if cutlass.const_expr(cfg.mn_major_k):
@@ -239,7 +239,7 @@ class GroupedGemmKernel(TmaProducers):
             first, step = bidx // cfg.cluster, grid // cfg.cluster
         work = WorkItems(first, step, self.scheduler.total(sched))
 
-        self.run_roles(tidx, warp, work, tiled_mma, storage, tmas, epi_tmas, stages, pointers,
+        self.run_roles(tidx, warp_idx, work, tiled_mma, storage, tmas, epi_tmas, stages, pointers,
                        RowSources(gather_a, gather_b, rows_a, rows_b), sched)
         # On a cluster no CTA may exit while the other can still arrive on its barriers.
         if cutlass.const_expr(cfg.cluster > 1):

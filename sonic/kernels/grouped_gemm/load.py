@@ -42,11 +42,11 @@ FULL_ARRIVALS = 1
 def mn_major_tma(ptr, rows, width: int, smem, multicast: bool = False) -> tuple[Tma, Tma]:
     """TMA copies of an MN-major varlen-K operand ``(rows, width)``: ``64 x TILE_K`` boxes
     and ``64 x 1`` row boxes (``multicast``: issued with a cluster mask)."""
-    m_x = cute.make_tensor(ptr, cute.make_layout((width, rows), stride=(1, width)))
+    mX = cute.make_tensor(ptr, cute.make_layout((width, rows), stride=(1, width)))
     op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast
           else cpasync.CopyBulkTensorTileG2SOp())
     return tuple(Tma(*cpasync.make_tiled_tma_atom(
-        op, m_x, cute.make_composed_layout(
+        op, mX, cute.make_composed_layout(
             smem.inner, 0, cute.make_layout(box, stride=(1, 64))), box))
         for box in ((64, TILE_K), (64, 1)))
 
@@ -79,14 +79,14 @@ class TmaProducers:
             # FP8 varlen-K: K-major copies Aᵀ (M, R) and Bᵀ (N, R), R = rows_a = rows_b
             # (a multiple of 128), tiled like varlen-M's contiguous A and one expert's B.
             k_rows = cute.assume(rows_a, divby=TILE_K_FP8)
-            m_a = cute.make_tensor(a, cute.make_layout((cfg.dim_m, k_rows), stride=(k_rows, 1)))
-            m_b = cute.make_tensor(b, cute.make_layout((cfg.dim_n, k_rows, 1),
-                                                       stride=(k_rows, 1, 0)))
+            mA = cute.make_tensor(a, cute.make_layout((cfg.dim_m, k_rows), stride=(k_rows, 1)))
+            mB = cute.make_tensor(b, cute.make_layout((cfg.dim_n, k_rows, 1),
+                                                      stride=(k_rows, 1, 0)))
         else:
-            m_a = cute.make_tensor(a, cute.make_layout((rows_a, cfg.dim_k),
-                                                       stride=(cfg.dim_k, 1)))
+            mA = cute.make_tensor(a, cute.make_layout((rows_a, cfg.dim_k),
+                                                      stride=(cfg.dim_k, 1)))
             b_stride = ((1, cfg.dim_n) if cfg.b_n_major else (cfg.dim_k, 1))
-            m_b = cute.make_tensor(b, cute.make_layout(
+            mB = cute.make_tensor(b, cute.make_layout(
                 (cfg.dim_n, cfg.dim_k, num_experts),
                 stride=(*b_stride, cfg.dim_n * cfg.dim_k)))
         # Gathered: a box of one row, written at the row's 128-byte line of the stage (the
@@ -96,25 +96,25 @@ class TmaProducers:
             a_smem.inner, 0, cute.make_layout(a_box, stride=(cfg.tile_k, 1)))
             if cfg.gather_a else cute.slice_(a_smem, (None, None, 0)))
         tma_a = Tma(*cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_a, a_box_smem, a_box))
+            cpasync.CopyBulkTensorTileG2SOp(), mA, a_box_smem, a_box))
         b_box = (cfg.tile_n // 2 if cfg.b_halves else cfg.tile_n, cfg.tile_k)
         b_box_smem = (cute.make_composed_layout(
             b_smem.inner, 0, cute.make_layout(b_box, stride=(cfg.tile_k, 1)))
             if cfg.b_halves else cute.slice_(b_smem, (None, None, 0)))
         tma_b = Tma(*cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, b_box_smem, b_box))
+            cpasync.CopyBulkTensorTileG2SOp(), mB, b_box_smem, b_box))
         mc = None
         if cfg.multicast_a:
             # The shared A tile: each CTA multicasts half of its rows (gathered: each of its
             # row boxes whole).
             mc = Tma(*cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), m_a, a_box_smem, a_box,
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, a_box_smem, a_box,
                 num_multicast=1 if cfg.gather_a else cfg.cluster))
         elif cfg.cluster > 1:
             # A shared B tile: each CTA multicasts its half (a B tile of two half boxes is
             # split already, so each CTA multicasts one of them).
             mc = Tma(*cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), m_b, b_box_smem, b_box,
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, b_box_smem, b_box,
                 num_multicast=1 if cfg.b_halves else cfg.cluster))
         return OperandTmas(tma_a, tma_b, mc=mc)
 
@@ -176,16 +176,16 @@ class TmaProducers:
             if cutlass.const_expr(cfg.varlen_k):
                 origin = (mt * cfg.tile_m, row0)
                 k_tiles, kt0, e_b = rows // cfg.tile_k, row0 // cfg.tile_k, Int32(0)
-            g_a = cute.local_tile(cute.domain_offset(origin, tma_a.tensor),
-                                  (cfg.tile_m, cfg.tile_k), (0, None))
-            t_sa, t_ga = cpasync.tma_partition(tma_a.atom, rank, cute.make_layout(a_ctas),
+            gA = cute.local_tile(cute.domain_offset(origin, tma_a.tensor),
+                                 (cfg.tile_m, cfg.tile_k), (0, None))
+            tAsA, tAgA = cpasync.tma_partition(tma_a.atom, rank, cute.make_layout(a_ctas),
                                                cute.group_modes(stages.a, 0, 2),
-                                               cute.group_modes(g_a, 0, 2))
+                                               cute.group_modes(gA, 0, 2))
             for kt in cutlass.range(k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(empty + stage, phase)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
-                self.tma_copy(tma_a.atom, t_ga[None, kt], t_sa[None, stage], full + stage,
+                self.tma_copy(tma_a.atom, tAgA[None, kt], tAsA[None, stage], full + stage,
                               cfg.multicast_a)
                 self.load_b(tma_b, tma_b_mc, stages, nt, kt0 + kt, e_b, stage, shared)
                 if cutlass.const_expr(col_scales is not None):
@@ -235,7 +235,7 @@ class TmaProducers:
         cfg = self.cfg
         full, empty = stages.full, stages.empty
         tile_k = cfg.tile_k
-        g_a = cute.group_modes(cute.local_tile(tma_a.tensor, (1, tile_k), (None, None)), 0, 2)
+        gA = cute.group_modes(cute.local_tile(tma_a.tensor, (1, tile_k), (None, None)), 0, 2)
         row_layout = cute.make_layout((1, tile_k), stride=(tile_k, 1))
         lane = cute.arch.lane_idx()
         warp_rows = TILE_M // 4
@@ -263,12 +263,12 @@ class TmaProducers:
                     self.load_b(tma_b, tma_b_mc, stages, nt, kt, e, stage, shared)
                 for i in cutlass.range_constexpr(warp_rows):
                     src = cute.arch.shuffle_sync(src_row, i)
-                    dst = cute.make_tensor(cute.recast_ptr(
+                    sA_row = cute.make_tensor(cute.recast_ptr(
                         stages.a_base + (stage * TILE_M + first_row + i) * tile_k,
                         stages.a_swizzle), row_layout)
-                    t_sa, t_ga = cpasync.tma_partition(tma_a.atom, 0, cute.make_layout(1),
-                                                       cute.group_modes(dst, 0, 2), g_a)
-                    self.tma_copy(tma_a.atom, t_ga[None, src, kt], t_sa, full + stage,
+                    tAsA, tAgA = cpasync.tma_partition(tma_a.atom, 0, cute.make_layout(1),
+                                                       cute.group_modes(sA_row, 0, 2), gA)
+                    self.tma_copy(tma_a.atom, tAgA[None, src, kt], tAsA, full + stage,
                                   cfg.multicast_a)
                 stage, phase = self.ring.next_stage(stage, phase)
             if cutlass.const_expr(self.epilogue.has_producer_loads):
@@ -308,17 +308,17 @@ class TmaProducers:
             self.copy_b_tile(tma, stages.b, 0, nt, kt, e, stage, bar, False)
 
     @cute.jit
-    def copy_b_tile(self, tma: Tma, s_b: cute.Tensor, rank, nt: Int32, kt: Int32,
+    def copy_b_tile(self, tma: Tma, sB: cute.Tensor, rank, nt: Int32, kt: Int32,
                     e: Int32, stage: Int32, bar: cute.Pointer, multicast: cutlass.Constexpr):
         """B tile as one box into this CTA, or (``multicast``) this CTA's ``rank`` share of
         it into both CTAs of the cluster."""
-        g_b = cute.group_modes(
+        gB = cute.group_modes(
             cute.local_tile(tma.tensor, (self.cfg.tile_n, self.cfg.tile_k),
                             (None, None, None)), 0, 2)
-        t_s, t_g = cpasync.tma_partition(
+        tBsB, tBgB = cpasync.tma_partition(
             tma.atom, rank, cute.make_layout(self.cfg.cluster if multicast else 1),
-            cute.group_modes(s_b, 0, 2), g_b)
-        self.tma_copy(tma.atom, t_g[None, nt, kt, e], t_s[None, stage], bar, multicast)
+            cute.group_modes(sB, 0, 2), gB)
+        self.tma_copy(tma.atom, tBgB[None, nt, kt, e], tBsB[None, stage], bar, multicast)
 
     @cute.jit
     def copy_b_half(self, tma: Tma, stages: StageMemory, h, nt: Int32, kt: Int32, e: Int32,
@@ -328,15 +328,15 @@ class TmaProducers:
         the cluster."""
         half = self.cfg.tile_n // 2
         tile_k = self.cfg.tile_k
-        g_b = cute.group_modes(cute.local_tile(tma.tensor, (half, tile_k),
-                                               (None, None, None)), 0, 2)
-        dst = cute.make_tensor(cute.recast_ptr(
+        gB = cute.group_modes(cute.local_tile(tma.tensor, (half, tile_k),
+                                              (None, None, None)), 0, 2)
+        sB_half = cute.make_tensor(cute.recast_ptr(
             stages.b_base + (stage * self.cfg.tile_n + h * half) * tile_k, stages.b_swizzle),
             cute.make_layout((half, tile_k), stride=(tile_k, 1)))
-        t_s, t_g = cpasync.tma_partition(tma.atom, 0, cute.make_layout(1),
-                                         cute.group_modes(dst, 0, 2), g_b)
-        self.tma_copy(tma.atom, t_g[None, h * (self.cfg.dim_n // 2 // half) + nt, kt, e], t_s, bar,
-                      multicast)
+        tBsB, tBgB = cpasync.tma_partition(tma.atom, 0, cute.make_layout(1),
+                                           cute.group_modes(sB_half, 0, 2), gB)
+        self.tma_copy(tma.atom, tBgB[None, h * (self.cfg.dim_n // 2 // half) + nt, kt, e], tBsB,
+                      bar, multicast)
 
     @cute.jit
     def produce_varlen_k(self, warp: Int32, work: WorkItems, tmas_a: tuple, tmas_b: tuple,
@@ -402,7 +402,7 @@ class TmaProducers:
         return src
 
     @cute.jit
-    def load_k_tile(self, warp: Int32, tmas: tuple, swizzle, s_base: cute.Pointer,
+    def load_k_tile(self, warp: Int32, tmas: tuple, swizzle, sX_ptr: cute.Pointer,
                     tile_mn: cutlass.Constexpr, col0: Int32, gathered: cutlass.Constexpr,
                     whole, src: Int32, row0: Int32, kt: Int32, stage: Int32,
                     full: cute.Pointer, split: cutlass.Constexpr):
@@ -410,7 +410,7 @@ class TmaProducers:
         this CTA's share of the 64-column blocks, multicast to the cluster. ``tmas``: the
         operand's (box, row box) copies."""
         box, row = tmas
-        stage_base = s_base + stage * (tile_mn * TILE_K)
+        stage_base = sX_ptr + stage * (tile_mn * TILE_K)
         blocks = tile_mn // 64 // (self.cfg.cluster if split else 1)
         j0 = Int32(0)
         if cutlass.const_expr(split):
@@ -421,18 +421,18 @@ class TmaProducers:
         else:
             if whole:
                 if warp == 0:
-                    g_box = cute.group_modes(cute.local_tile(
+                    gX = cute.group_modes(cute.local_tile(
                         cute.domain_offset((0, row0), box.tensor), (64, TILE_K), (None, None)),
                         0, 2)
                     for jj in cutlass.range_constexpr(blocks):
                         j = j0 + jj
-                        dst = cute.make_tensor(
+                        sX = cute.make_tensor(
                             cute.recast_ptr(stage_base + j * (64 * TILE_K), swizzle),
                             cute.make_layout((64, TILE_K), stride=(1, 64)))
-                        t_s, t_g = cpasync.tma_partition(
-                            box.atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                            g_box)
-                        self.tma_copy(box.atom, t_g[None, col0 // 64 + j, kt], t_s,
+                        tXsX, tXgX = cpasync.tma_partition(
+                            box.atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                            gX)
+                        self.tma_copy(box.atom, tXgX[None, col0 // 64 + j, kt], tXsX,
                                       full + stage, split)
             else:
                 self.copy_rows(warp, row, swizzle, stage_base, blocks, j0, col0, src,
@@ -444,17 +444,17 @@ class TmaProducers:
                   bar: cute.Pointer, multicast: cutlass.Constexpr):
         """This warp's ``TILE_K / 4`` rows of a k-tile, one ``64 x 1`` box per 64 columns of
         blocks ``j0 .. j0 + blocks``."""
-        g_row = cute.group_modes(cute.local_tile(tma_row.tensor, (64, 1), (None, None)), 0, 2)
+        gX = cute.group_modes(cute.local_tile(tma_row.tensor, (64, 1), (None, None)), 0, 2)
         for i in cutlass.range_constexpr(TILE_K // 4):
             row = cute.arch.shuffle_sync(src, i)
             for jj in cutlass.range_constexpr(blocks):
                 j = j0 + jj
-                dst = cute.make_tensor(cute.recast_ptr(
+                sX = cute.make_tensor(cute.recast_ptr(
                     stage_base + j * (64 * TILE_K) + (warp * (TILE_K // 4) + i) * 64,
                     swizzle), cute.make_layout((64, 1), stride=(1, 64)))
-                t_s, t_g = cpasync.tma_partition(
-                    tma_row.atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), g_row)
-                self.tma_copy(tma_row.atom, t_g[None, col0 // 64 + j, row], t_s, bar, multicast)
+                tXsX, tXgX = cpasync.tma_partition(
+                    tma_row.atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), gX)
+                self.tma_copy(tma_row.atom, tXgX[None, col0 // 64 + j, row], tXsX, bar, multicast)
 
     @cute.jit
     def tma_copy(self, atom, src: cute.Tensor, dst: cute.Tensor, bar: cute.Pointer,

@@ -78,14 +78,14 @@ class RowPair(NamedTuple):
 
 
 @cute.jit
-def load_slab(copy, src: cute.Tensor, frag: cute.Tensor, written):
-    """TMEM sub-tile ``src`` → registers ``frag``, or zeros when not ``written``."""
+def load_slab(tiled_copy, tTR_tAcc: cute.Tensor, tTR_rAcc: cute.Tensor, written):
+    """TMEM sub-tile ``tTR_tAcc`` → registers ``tTR_rAcc``, or zeros when not ``written``."""
     if written:
-        cute.copy(copy, src, frag)
+        cute.copy(tiled_copy, tTR_tAcc, tTR_rAcc)
         # tcgen05.ld is asynchronous: its registers are defined after tcgen05.wait::ld.
         cute.arch.fence_view_async_tmem_load()
     else:
-        frag.fill(0.0)
+        tTR_rAcc.fill(0.0)
 
 
 class TmemAccumulator:
@@ -109,9 +109,9 @@ class TmemAccumulator:
     # warpgroup before it does.
     warp_private = False
 
-    def __init__(self, copy, t_acc: cute.Tensor, m, written, buffers: tuple):
-        self.copy = copy
-        self.t_acc = t_acc
+    def __init__(self, tiled_copy, tTR_tAcc: cute.Tensor, m, written, buffers: tuple):
+        self.tiled_copy = tiled_copy
+        self.tTR_tAcc = tTR_tAcc
         self.m = m
         self.written = written
         self.buffers = buffers
@@ -124,7 +124,8 @@ class TmemAccumulator:
             return self.buffers[self.last]
         self.last = 1 - self.last
         self.held[self.last] = sl
-        load_slab(self.copy, self.t_acc[None, None, sl], self.buffers[self.last], self.written)
+        load_slab(self.tiled_copy, self.tTR_tAcc[None, None, sl], self.buffers[self.last],
+                  self.written)
         return self.buffers[self.last]
 
     def pairs(self, sl: int):
@@ -199,7 +200,7 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         cute.arch.relinquish_tmem_alloc_permit()
 
     @cute.jit
-    def run_roles(self, tidx: Int32, warp: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+    def run_roles(self, tidx: Int32, warp_idx: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
                   storage, tmas: OperandTmas, epi_tmas: tuple, stages: StageMemory,
                   pointers: KernelPointers, rows: RowSources, sched: SchedulerArgs):
         """Producers (warps 4–7), the MMA warp (8), the epilogue warpgroup (0–3), which frees
@@ -207,33 +208,33 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         acc_layout = tiled_mma.make_fragment_C(cute.append(
             tiled_mma.partition_shape_C((TILE_M, self.cfg.tile_n)), ACC_STAGES)).layout
         tmem = cute.arch.retrieve_tmem_ptr(F32, 16, storage.tmem_addr)
-        acc = cute.make_tensor(tmem, acc_layout)
+        tCtAcc = cute.make_tensor(tmem, acc_layout)
         acc_bars = (storage.acc_full.data_ptr(), storage.acc_empty.data_ptr())
-        if warp >= EPILOGUE_WARPS and warp < MMA_WARP:
-            self.produce(warp - EPILOGUE_WARPS, work, tmas, epi_tmas, stages, pointers, rows,
+        if warp_idx >= EPILOGUE_WARPS and warp_idx < MMA_WARP:
+            self.produce(warp_idx - EPILOGUE_WARPS, work, tmas, epi_tmas, stages, pointers, rows,
                          sched)
-        elif warp == MMA_WARP:
-            self.mma(work, tiled_mma, stages, acc, sched, acc_bars)
+        elif warp_idx == MMA_WARP:
+            self.mma(work, tiled_mma, stages, tCtAcc, sched, acc_bars)
         else:
-            self.epilogue_warps(tidx, work, tiled_mma, acc, storage.sC.data_ptr(),
+            self.epilogue_warps(tidx, work, tiled_mma, tCtAcc, storage.sC.data_ptr(),
                                 pointers.epilogue, epi_tmas, sched, stages, acc_bars)
             cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE,
                               number_of_threads=32 * EPILOGUE_WARPS)
-            if warp == 0:
+            if warp_idx == 0:
                 cute.arch.dealloc_tmem(tmem, TMEM_COLUMNS)
 
     @cute.jit
     def mma(self, work: WorkItems, tiled_mma: cute.TiledMma, stages: StageMemory,
-            acc: cute.Tensor, sched: SchedulerArgs, acc_bars: tuple):
+            tCtAcc: cute.Tensor, sched: SchedulerArgs, acc_bars: tuple):
         """Per tile: wait for a free accumulator, issue the UMMAs of every k-tile (each stage
         freed by ``tcgen05.commit`` once its MMAs complete), commit the accumulator to the
         epilogue, and skip the ring stages the epilogue's own loads take."""
         acc_full, acc_empty = acc_bars
         full, empty = stages.full, stages.empty
         thr_mma = tiled_mma.get_slice(0)
-        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
-        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
-        k_blocks = cute.size(t_ca, mode=[2])
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
+        k_blocks = cute.size(tCrA, mode=[2])
         stage = Int32(0)
         phase = Int32(0)
         acc_stage = Int32(0)
@@ -242,13 +243,13 @@ class Sm100GroupedGemm(GroupedGemmKernel):
         while t < work.total:
             k_tiles = self.scheduler.tile_k_tiles(t, sched)
             cute.arch.mbarrier_wait(acc_empty + acc_stage, acc_phase)
-            tile_acc = acc[None, None, None, acc_stage]
+            tCtAcc_tile = tCtAcc[None, None, None, acc_stage]
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
             for kt in cutlass.range(k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(full + stage, phase)
                 for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, tile_acc, t_ca[None, None, kb, stage],
-                              t_cb[None, None, kb, stage], tile_acc)
+                    cute.gemm(tiled_mma, tCtAcc_tile, tCrA[None, None, kb, stage],
+                              tCrB[None, None, kb, stage], tCtAcc_tile)
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                 with cute.arch.elect_one():
                     tcgen05.commit(empty + stage)
@@ -271,25 +272,25 @@ class Sm100GroupedGemm(GroupedGemmKernel):
 
     @cute.jit
     def epilogue_warps(self, tidx: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
-                       acc: cute.Tensor, s_c: cute.Pointer, outs: EpilogueOutputs,
+                       tCtAcc: cute.Tensor, sC_ptr: cute.Pointer, outs: EpilogueOutputs,
                        epi_tmas: tuple,
                        sched: SchedulerArgs, stages: StageMemory, acc_bars: tuple):
         """Per tile: wait for its accumulator, run the epilogue on a :class:`TmemAccumulator`
         (the ring position follows the producers' when the epilogue reads ring stages), then
         hand the accumulator back to the MMA warp."""
         acc_full, acc_empty = acc_bars
-        coords = tiled_mma.get_slice(0).partition_C(
+        tCcC = tiled_mma.get_slice(0).partition_C(
             cute.make_identity_tensor((TILE_M, self.cfg.tile_n)))
-        sub = ((cute.size(acc, mode=[0, 0]), SLAB),)
+        sub = ((cute.size(tCtAcc, mode=[0, 0]), SLAB),)
         atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x64), F32)
-        copy = tcgen05.make_tmem_copy(atom, cute.zipped_divide(
-            acc[None, None, None, 0], sub)[None, 0])
-        thr_copy = copy.get_slice(tidx)
-        t_coords = thr_copy.partition_D(cute.zipped_divide(coords, sub))
+        tiled_copy = tcgen05.make_tmem_copy(atom, cute.zipped_divide(
+            tCtAcc[None, None, None, 0], sub)[None, 0])
+        thr_copy = tiled_copy.get_slice(tidx)
+        tTR_cC = thr_copy.partition_D(cute.zipped_divide(tCcC, sub))
         # Two sub-tiles of this thread's row; m: its tile row.
-        buffers = (cute.make_rmem_tensor(t_coords[None, None, 0].shape, F32),
-                   cute.make_rmem_tensor(t_coords[None, None, 0].shape, F32))
-        m = t_coords[0][0]
+        buffers = (cute.make_rmem_tensor(tTR_cC[None, None, 0].shape, F32),
+                   cute.make_rmem_tensor(tTR_cC[None, None, 0].shape, F32))
+        m = tTR_cC[0][0]
         lane = cute.arch.lane_idx()
         stage = Int32(0)
         phase = Int32(0)
@@ -303,14 +304,14 @@ class Sm100GroupedGemm(GroupedGemmKernel):
             written = True
             if cutlass.const_expr(self.cfg.varlen_k):
                 written = k_tiles > 0
-            view = TmemAccumulator(copy, thr_copy.partition_S(cute.zipped_divide(
-                acc[None, None, None, acc_stage], sub)), m, written, buffers)
+            view = TmemAccumulator(tiled_copy, thr_copy.partition_S(cute.zipped_divide(
+                tCtAcc[None, None, None, acc_stage], sub)), m, written, buffers)
             if cutlass.const_expr(self.epilogue.has_producer_loads):
                 stage, phase = self.ring.skip(stage, phase, k_tiles)
             # wg 0, first row 0; the thread index stands for the lane so that one thread
             # releases an H stage (the empty barriers expect one arrival).
             stage, phase = self.epilogue.visit(
-                view, EpilogueThreads(s_c, tidx, Int32(0), Int32(0), tidx), outs, epi_tmas,
+                view, EpilogueThreads(sC_ptr, tidx, Int32(0), Int32(0), tidx), outs, epi_tmas,
                 tile, stages, stage, phase)
             # Every TMEM load of the tile was waited for inside the view.
             if lane == 0:

@@ -136,7 +136,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             None, None))
 
     @cute.jit
-    def run_roles(self, tidx: Int32, warp: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
+    def run_roles(self, tidx: Int32, warp_idx: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
                   storage, tmas: OperandTmas, epi_tmas: tuple, stages: StageMemory,
                   pointers: KernelPointers, rows: RowSources, sched: SchedulerArgs):
         """Warpgroup 0 produces (registers handed to the consumers), warpgroups 1..2 run the
@@ -144,7 +144,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         cfg = self.cfg
         if tidx < PRODUCER_THREADS:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            self.produce(warp, work, tmas, epi_tmas, stages, pointers, rows, sched)
+            self.produce(warp_idx, work, tmas, epi_tmas, stages, pointers, rows, sched)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(tidx - PRODUCER_THREADS, work, tiled_mma, stages,
@@ -152,7 +152,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
 
     @cute.jit
     def consume(self, ctid: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
-                stages: StageMemory, s_c: cute.Pointer, pointers: KernelPointers,
+                stages: StageMemory, sC_ptr: cute.Pointer, pointers: KernelPointers,
                 epi_tmas: tuple, sched: SchedulerArgs, rows: RowSources):
         """WGMMA over the k-tiles of each tile, then the epilogue. ``rows`` (A's row sources)
         and ``pointers.scales`` serve subclasses whose mainloop reads per-row data (the FP8
@@ -172,7 +172,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         outs = pointers.epilogue
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * cfg.staged_block_elems
+        stage_c = sC_ptr + wg * cfg.staged_block_elems
         # First tile row of this warpgroup's accumulator.
         wg_row0 = wg * cfg.rows_wg
         mma_tid = ctid
@@ -184,11 +184,11 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             step = 2 * stride
             t = first + wg * stride
         thr_mma = tiled_mma.get_slice(mma_tid)
-        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
-        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((cfg.tile_m, cfg.tile_n)), F32)
-        k_blocks = cute.size(t_ca, mode=[2])
-        coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        k_blocks = cute.size(tCrA, mode=[2])
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         lane = cute.arch.lane_idx()
         threads = EpilogueThreads(stage_c, wg_tid, wg, wg_row0, lane)
         stage = Int32(0)
@@ -197,7 +197,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
         if cutlass.const_expr(deferred):
             # The previous tile in bf16 and where it goes; nothing pending while rows == 0.
             packed = cute.make_rmem_tensor_like(acc, BF16)
-            held = WgmmaAccumulator(packed, coords)
+            held = WgmmaAccumulator(packed, tCcC)
             held_row0, held_rows, held_nt = Int32(0), Int32(0), Int32(0)
             swizzle = stages.a_swizzle
         if cutlass.const_expr(cfg.pingpong):
@@ -218,8 +218,8 @@ class Sm90GroupedGemm(GroupedGemmKernel):
             for kt in cutlass.range(k_tiles, unroll=1):
                 cute.arch.mbarrier_wait(full + stage, phase)
                 for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, acc, t_ca[None, None, kb, stage],
-                              t_cb[None, None, kb, stage], acc)
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kb, stage],
+                              tCrB[None, None, kb, stage], acc)
                 warpgroup.commit_group()
                 if cutlass.const_expr(deferred):
                     # One part of the previous tile's stores behind each of the first
@@ -253,7 +253,7 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                 packed.store(acc.load().to(BF16))
                 held_row0, held_rows, held_nt = tile.row0, tile.rows, tile.n_tile
             else:
-                stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, coords), threads,
+                stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, tCcC), threads,
                                                    outs, epi_tmas, tile, stages, stage, phase)
             t += step
         if cutlass.const_expr(deferred):

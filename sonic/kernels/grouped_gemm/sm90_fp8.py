@@ -104,7 +104,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
 
     @cute.jit
     def consume(self, ctid: Int32, work: WorkItems, tiled_mma: cute.TiledMma,
-                stages: StageMemory, s_c: cute.Pointer, pointers: KernelPointers,
+                stages: StageMemory, sC_ptr: cute.Pointer, pointers: KernelPointers,
                 epi_tmas: tuple, sched: SchedulerArgs, sources: RowSources):
         """Per tile: for each k-tile and 128-column sub-tile, WGMMA into a partial accumulator,
         promote it with the k-block's scales (overlapped with the next k-tile's WGMMAs where
@@ -125,19 +125,19 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         gidx, rows_a = sources.gather_a, sources.rows_a
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_tid = ctid - wg * 128
-        stage_c = s_c + wg * cfg.staged_block_elems
+        stage_c = sC_ptr + wg * cfg.staged_block_elems
         wg_row0 = wg * cfg.rows_wg
         thr_mma = tiled_mma.get_slice(ctid)
-        t_ca = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(stages.a))
         # (V, sub-tiles, k-blocks, stages): sub-tile g is B rows g·SUB_N ..
-        t_cb = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(stages.b))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, cfg.tile_n)), F32)
         part_shape = thr_mma.partition_shape_C((TILE_M, SUB_N))
         # With overlapped promotion, two partial accumulators: the WGMMAs of k-tile kt run
         # into one while the thread promotes k-tile kt-1 from the other.
         parts = [cute.make_rmem_tensor(part_shape, F32), cute.make_rmem_tensor(part_shape, F32)]
-        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
-        part_coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, SUB_N)))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cfg.tile_n)))
+        tCcPartial = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, SUB_N)))
         n_rows = 2 * cute.size(acc, mode=[1])
         a_scales, b_scales = pointers.scales
         subs = cfg.tile_n // SUB_N
@@ -176,7 +176,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
             if cutlass.const_expr(cfg.varlen_k):
                 kt0, tile_k_tiles = row0 // TILE_K_FP8, rows // TILE_K_FP8
             for i in cutlass.range_constexpr(n_rows):
-                m = WgmmaAccumulator(acc, coords).row_coord(i)
+                m = WgmmaAccumulator(acc, tCcC).row_coord(i)
                 if cutlass.const_expr(cfg.varlen_k):
                     src[i] = mt * TILE_M + m
                 else:
@@ -204,14 +204,14 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                     h = kt % 2
                     self.load_scales(a_sc, b_sc, h, kt, src, a_scales, b_rows, a_stride)
                     cute.arch.mbarrier_wait(full + stage, phase)
-                    tiled_mma = self.issue(tiled_mma, parts[h], t_ca, t_cb, 0, stage)
+                    tiled_mma = self.issue(tiled_mma, parts[h], tCrA, tCrB, 0, stage)
                     if cutlass.const_expr(kt > 0):
                         self.retire(acc, parts[1 - h], a_sc, b_sc, 1 - h, row_scale,
-                                    part_coords, 0, 1, empty + prev, lane)
+                                    tCcPartial, 0, 1, empty + prev, lane)
                     prev = stage
                     stage, phase = self.ring.next_stage(stage, phase)
                 last = (k_tiles - 1) % 2
-                self.retire(acc, parts[last], a_sc, b_sc, last, row_scale, part_coords, 0, 0,
+                self.retire(acc, parts[last], a_sc, b_sc, last, row_scale, tCcPartial, 0, 0,
                             empty + prev, lane)
             else:
                 # One partial: each sub-tile's WGMMAs are waited for and promoted before the
@@ -224,17 +224,17 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                         if cutlass.const_expr(in_turn):
                             cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg,
                                               number_of_threads=256)
-                        tiled_mma = self.issue(tiled_mma, parts[0], t_ca, t_cb, g, stage)
+                        tiled_mma = self.issue(tiled_mma, parts[0], tCrA, tCrB, g, stage)
                         if cutlass.const_expr(in_turn):
                             cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
                                                      number_of_threads=256)
                         col_scales = None
                         if cutlass.const_expr(cfg.varlen_k):
                             col_scales = stages.col_scales + stage * cfg.tile_n + g * SUB_N
-                        self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, part_coords, g, 0,
+                        self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, tCcPartial, g, 0,
                                     empty + stage if g == subs - 1 else None, lane, col_scales)
                     stage, phase = self.ring.next_stage(stage, phase)
-            stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, coords), threads,
+            stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, tCcC), threads,
                                                pointers.epilogue, epi_tmas, tile, stages,
                                                stage, phase)
             t += step
@@ -260,8 +260,8 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
             b_sc[h * segs + g] = cute.make_tensor(b_rows[g] + kt, cute.make_layout(1))[0]
 
     @cute.jit
-    def issue(self, tiled_mma: cute.TiledMma, partial: cute.Tensor, t_ca: cute.Tensor,
-              t_cb: cute.Tensor, sub: cutlass.Constexpr, stage: Int32):
+    def issue(self, tiled_mma: cute.TiledMma, partial: cute.Tensor, tCrA: cute.Tensor,
+              tCrB: cute.Tensor, sub: cutlass.Constexpr, stage: Int32):
         """Queue the WGMMAs of stage ``stage``'s A and B sub-tile ``sub`` into ``partial`` as
         one group (the stage is full). Returns ``tiled_mma``, whose accumulate field this
         sets: the caller rebinds it, so the DSL's tracer carries the new state across the
@@ -270,10 +270,10 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         # rewrite it.
         warpgroup.fence()
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(cute.size(t_ca, mode=[2])):
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             # B's (V, 1) fragment of sub-tile ``sub`` (indexing drops the N mode).
-            b = cute.append_ones(t_cb[None, sub, kb, stage], up_to_rank=2)
-            cute.gemm(tiled_mma, partial, t_ca[None, None, kb, stage], b, partial)
+            b = cute.append_ones(tCrB[None, sub, kb, stage], up_to_rank=2)
+            cute.gemm(tiled_mma, partial, tCrA[None, None, kb, stage], b, partial)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
         return tiled_mma
@@ -281,7 +281,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     @cute.jit
     def retire(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
                b_sc: cute.Tensor, h: cutlass.Constexpr, row_scale: cute.Tensor,
-               part_coords: cute.Tensor, sub: cutlass.Constexpr, pending: cutlass.Constexpr,
+               tCcPartial: cute.Tensor, sub: cutlass.Constexpr, pending: cutlass.Constexpr,
                empty_stage, lane: Int32, col_scales=None):
         """Wait until at most ``pending`` WGMMA groups remain (the oldest, ``partial``'s, is
         done), hand its operand stage back to the producers (unless ``empty_stage`` is None:
@@ -290,7 +290,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         ``col_scales``, read during the promotion, so the stage is handed back after it)."""
         warpgroup.wait_group(pending)
         if cutlass.const_expr(col_scales is not None):
-            self.promote_cols(acc, partial, a_sc, col_scales, part_coords, sub)
+            self.promote_cols(acc, partial, a_sc, col_scales, tCcPartial, sub)
             if cutlass.const_expr(empty_stage is not None):
                 self.ring.release(empty_stage, lane)
         else:
@@ -305,15 +305,15 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                     # tile, both.
                     g = hv if halves > 1 else sub
                     row_scale[i * halves + hv] = a_sc[h * n_rows + i] * b_sc[h * segs + g]
-            self.promote(acc, partial, row_scale, part_coords, sub)
+            self.promote(acc, partial, row_scale, tCcPartial, sub)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, row_scale: cute.Tensor,
-                part_coords: cute.Tensor, sub: cutlass.Constexpr):
+                tCcPartial: cute.Tensor, sub: cutlass.Constexpr):
         """``acc[sub-tile sub] += partial · row_scale[row, half]`` over the thread's fragment,
         one fp32 FMA each (``row_scale`` indexed by :attr:`ColumnPair.row` and, with
         ``b_halves`` on a 128-wide tile, the column half)."""
-        view = WgmmaAccumulator(partial, part_coords)
+        view = WgmmaAccumulator(partial, tCcPartial)
         slabs = SUB_N // SLAB
         halves = cute.size(row_scale) // view.rows_per_thread
         for sl in cutlass.range_constexpr(slabs):
@@ -327,13 +327,13 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
 
     @cute.jit
     def promote_cols(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
-                     col_scales: cute.Pointer, part_coords: cute.Tensor, sub: cutlass.Constexpr):
+                     col_scales: cute.Pointer, tCcPartial: cute.Tensor, sub: cutlass.Constexpr):
         """varlen-K: ``acc[sub-tile sub] += partial · (a_scale[row] · b_scale[column])`` over
         the thread's fragment (slot 0's A scales; one fp32 multiply and one FMA each), the B
         scales of each column pair read from the stage's copy ``col_scales`` (the sub-tile's
         first column) as it is reached: held in registers for the whole sub-tile, 32 of them
         beside a 256-wide tile's accumulators spilled."""
-        view = WgmmaAccumulator(partial, part_coords)
+        view = WgmmaAccumulator(partial, tCcPartial)
         pair = cute.make_rmem_tensor((2,), F32)
         for sl in cutlass.range_constexpr(SUB_N // SLAB):
             for j in cutlass.range_constexpr(SLAB // 8):

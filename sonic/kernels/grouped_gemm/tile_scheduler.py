@@ -57,7 +57,7 @@ class VarlenMScheduler:
         One warp: each lane sums the m-tile counts of a contiguous chunk of experts, a
         shuffle scan turns the sums into chunk starts, then each lane writes its chunk.
         """
-        m_off, table, num_experts = sched
+        mOffsets, table, num_experts = sched
         lane = cute.arch.lane_idx()
         chunk = (num_experts + 31) // 32
         lo = lane * chunk
@@ -66,7 +66,7 @@ class VarlenMScheduler:
             hi = num_experts
         local = Int32(0)
         for e in cutlass.range(lo, hi, unroll=1):
-            local += (m_off[e + 1] - m_off[e] + self.tile_m - 1) // self.tile_m
+            local += (mOffsets[e + 1] - mOffsets[e] + self.tile_m - 1) // self.tile_m
         inclusive = local
         for i in cutlass.range_constexpr(5):
             other = cute.arch.shuffle_sync_up(inclusive, 1 << i)
@@ -75,7 +75,7 @@ class VarlenMScheduler:
         run = inclusive - local
         for e in cutlass.range(lo, hi, unroll=1):
             table[e] = run
-            run += (m_off[e + 1] - m_off[e] + self.tile_m - 1) // self.tile_m
+            run += (mOffsets[e + 1] - mOffsets[e] + self.tile_m - 1) // self.tile_m
         if lane == 31:
             table[num_experts] = inclusive
 
@@ -94,7 +94,7 @@ class VarlenMScheduler:
         of n-tiles of one m-tile, and with an odd n-tile count the last pair's second CTA
         takes the last n-tile with no rows (it loads its half of A and stores nothing).
         """
-        m_off, table, num_experts = sched
+        mOffsets, table, num_experts = sched
         shared = False
         n_groups = self.cfg.n_groups
         mg = t // n_groups
@@ -120,8 +120,8 @@ class VarlenMScheduler:
             e_peer = self.expert_of(peer, table, num_experts)
         e = self.expert_of(mg, table, num_experts)
         mt = mg - table[e]
-        row0 = m_off[e] + mt * self.tile_m
-        rows = m_off[e + 1] - row0
+        row0 = mOffsets[e] + mt * self.tile_m
+        rows = mOffsets[e + 1] - row0
         if cutlass.const_expr(self.cluster > 1 and not self.cfg.multicast_a):
             shared = e == e_peer
         if cutlass.const_expr(self.cluster > 1):
@@ -173,14 +173,14 @@ class VarlenKScheduler:
     def decode(self, t: Int32, sched: SchedulerArgs) -> TileCoord:
         """Work item ``t`` → its :class:`~.args.TileCoord` (the expert's first row of ``P``
         and its row count, the n-tile, the m-tile of ``M``)."""
-        m_off = sched.offsets
+        mOffsets = sched.offsets
         shared = False
         e = t // self.per_expert
         rest = t - e * self.per_expert
         mt = rest // self.n_groups
         nt = rest - mt * self.n_groups
-        row0 = m_off[e]
-        rows = m_off[e + 1] - row0
+        row0 = mOffsets[e]
+        rows = mOffsets[e + 1] - row0
         if cutlass.const_expr(self.cluster > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             if cutlass.const_expr(self.multicast_a):
@@ -193,9 +193,9 @@ class VarlenKScheduler:
     @cute.jit
     def tile_k_tiles(self, t: Int32, sched: SchedulerArgs) -> Int32:
         """k-tiles of tile ``t``: its expert's rows over the k-tile."""
-        m_off = sched.offsets
+        mOffsets = sched.offsets
         e = t // self.per_expert
-        return (m_off[e + 1] - m_off[e] + self.tile_k - 1) // self.tile_k
+        return (mOffsets[e + 1] - mOffsets[e] + self.tile_k - 1) // self.tile_k
 
 
 def make_scheduler(cfg: GroupedGemmConfig) -> TileScheduler:

@@ -156,13 +156,13 @@ class Epilogue:
         """TMA store of the swizzled ``WARP_ROWS x SLAB`` box at ``src`` to rows ``row ..``,
         columns ``col ..`` of ``tma``'s tensor (one lane)."""
         box = (WARP_ROWS, SLAB)
-        s_box = cute.make_tensor(cute.recast_ptr(src, swizzle),
-                                 cute.make_layout(box, stride=(SLAB, 1)))
-        g_box = cute.local_tile(cute.domain_offset((row, col), tma.tensor), box, (0, 0))
-        t_s, t_g = cpasync.tma_partition(tma.atom, 0, cute.make_layout(1),
-                                         cute.group_modes(s_box, 0, 2),
-                                         cute.group_modes(g_box, 0, 2))
-        cute.copy(tma.atom, t_s, t_g)
+        sD = cute.make_tensor(cute.recast_ptr(src, swizzle),
+                              cute.make_layout(box, stride=(SLAB, 1)))
+        gD = cute.local_tile(cute.domain_offset((row, col), tma.tensor), box, (0, 0))
+        bSG_sD, bSG_gD = cpasync.tma_partition(tma.atom, 0, cute.make_layout(1),
+                                               cute.group_modes(sD, 0, 2),
+                                               cute.group_modes(gD, 0, 2))
+        cute.copy(tma.atom, bSG_sD, bSG_gD)
 
     def visit(self, acc: AccumulatorView, wg: EpilogueThreads, outs: EpilogueOutputs,
               tmas: tuple, tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32):

@@ -125,15 +125,15 @@ class DswigluEpilogue(Epilogue):
                     cute.arch.mbarrier_arrive_and_expect_tx(full + stage, H_STAGE_BYTES)
                 slabs = self.h_slabs(stages, stage)
                 for half in cutlass.range_constexpr(2):
-                    dst = cute.make_tensor(cute.recast_ptr(slabs[half], stages.a_swizzle),
-                                           cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1)))
-                    g_h = cute.local_tile(cute.domain_offset(
+                    sH = cute.make_tensor(cute.recast_ptr(slabs[half], stages.a_swizzle),
+                                          cute.make_layout((TILE_M, SLAB), stride=(SLAB, 1)))
+                    gH = cute.local_tile(cute.domain_offset(
                         (row0, half * self.cfg.dim_n + nt * self.cfg.tile_n + sl * SLAB),
                         tensor), (TILE_M, SLAB), (0, None))
-                    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                     cute.group_modes(dst, 0, 2),
-                                                     cute.group_modes(g_h, 0, 2))
-                    cute.copy(atom, t_g[None, 0], t_s, tma_bar_ptr=full + stage)
+                    tHsH, tHgH = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                       cute.group_modes(sH, 0, 2),
+                                                       cute.group_modes(gH, 0, 2))
+                    cute.copy(atom, tHgH[None, 0], tHsH, tma_bar_ptr=full + stage)
             stage, phase = self.ring.next_stage(stage, phase)
         return stage, phase
 
@@ -151,19 +151,19 @@ class DswigluEpilogue(Epilogue):
         row0, rows, nt = tile.row0, tile.rows, tile.n_tile
         row_count = acc.rows_per_thread
         # Score of each of this thread's rows, zero past the expert.
-        s_row = cute.make_rmem_tensor((row_count,), F32)
+        rScore = cute.make_rmem_tensor((row_count,), F32)
         partial = cute.make_rmem_tensor((row_count,), F32)
         partial.fill(0.0)
         for i in cutlass.range_constexpr(row_count):
             m = acc.row_coord(i)
-            s_row[i] = 0.0
+            rScore[i] = 0.0
             if m < rows:
-                s_row[i] = cute.make_tensor(scores + row0, cute.make_layout(TILE_M))[m]
+                rScore[i] = cute.make_tensor(scores + row0, cute.make_layout(TILE_M))[m]
         if cutlass.const_expr(self.tma_store):
             stage, phase = self.store_slabs(acc, wg, outs, tmas, tile, stages, stage, phase,
-                                            s_row, partial)
+                                            rScore, partial)
         else:
-            stage, phase = self.stage_slabs(acc, wg, outs, tile, stages, stage, phase, s_row,
+            stage, phase = self.stage_slabs(acc, wg, outs, tile, stages, stage, phase, rScore,
                                             partial)
         n_tiles = self.cfg.n_tiles
         for i in cutlass.range_constexpr(row_count):
@@ -178,7 +178,7 @@ class DswigluEpilogue(Epilogue):
     @cute.jit
     def store_slabs(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tmas: DswigluTmas,
                     tile: TileCoord, stages: StageMemory, stage: Int32, phase: Int32,
-                    s_row: cute.Tensor, partial: cute.Tensor):
+                    rScore: cute.Tensor, partial: cute.Tensor):
         """sm_90, warp by warp (each warp holds ``WARP_ROWS`` whole rows of the tile): one
         pass per slab writes d_gate over g and d_up over u in the slab's ring stage and A' into
         the warpgroup's staging block, all swizzled like the stage; then the warp's first lane
@@ -208,7 +208,7 @@ class DswigluEpilogue(Epilogue):
             if cutlass.const_expr(deferred):
                 act_block, act_row0 = up + TILE_M * SLAB, Int32(0)
             col0 = nt * self.cfg.tile_n + sl * SLAB
-            self.dswiglu_slab_in_place(acc, gate, up, act_block, act_row0, sl, cols, s_row,
+            self.dswiglu_slab_in_place(acc, gate, up, act_block, act_row0, sl, cols, rScore,
                                        partial)
             # The threads' shared-memory writes, then the TMA unit's reads.
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -252,27 +252,27 @@ class DswigluEpilogue(Epilogue):
     @cute.jit
     def dswiglu_slab_in_place(self, acc, gate: cute.Pointer, up: cute.Pointer,
                               act_block: cute.Pointer, act_row0: Int32, sl: int, cols: Int32,
-                              s_row: cute.Tensor, partial: cute.Tensor):
+                              rScore: cute.Tensor, partial: cute.Tensor):
         """One pass over this thread's column pairs of slab ``sl``: g and u are read from the
         slab's ring stage and replaced there by d_gate and d_up; A' goes to ``act_block``
         (row ``m - act_row0``) at the same swizzled position; ``dA'·A`` is added to the row
         partials. The formulas and their order are :meth:`stage_dswiglu_slab`'s,
         so the outputs are bitwise the same."""
-        g_pair = cute.make_rmem_tensor((2,), BF16)
-        u_pair = cute.make_rmem_tensor((2,), BF16)
+        gate_pair = cute.make_rmem_tensor((2,), BF16)
+        up_pair = cute.make_rmem_tensor((2,), BF16)
         d_gate = cute.make_rmem_tensor((2,), F32)
         d_up = cute.make_rmem_tensor((2,), F32)
         a_out = cute.make_rmem_tensor((2,), F32)
         for p in acc.pairs(sl):
-            s = s_row[p.row]
+            s = rScore[p.row]
             m, col = acc.coord(p)
             c = col - sl * SLAB
-            self.h_pair(gate, m, c, col < cols, g_pair)
-            self.h_pair(up, m, c, col < cols, u_pair)
+            self.h_pair(gate, m, c, col < cols, gate_pair)
+            self.h_pair(up, m, c, col < cols, up_pair)
             for v0 in cutlass.range_constexpr(2):
                 dap = acc.value(p, v0)
-                g = g_pair[v0].to(F32)
-                u = u_pair[v0].to(F32)
+                g = gate_pair[v0].to(F32)
+                u = up_pair[v0].to(F32)
                 sig = activation.sigmoid(g)
                 silu = activation.silu(g, sig)
                 d_gate[v0] = activation.dswiglu_gate(s * dap, g, u, sig)
@@ -282,13 +282,13 @@ class DswigluEpilogue(Epilogue):
                 a_out[v0] = act * s
             for dst, row, values in ((gate, m, d_gate), (up, m, d_up),
                                      (act_block, m - act_row0, a_out)):
-                g_pair.store(values.load().to(BF16))
-                cute.autovec_copy(g_pair, cute.make_tensor(
+                gate_pair.store(values.load().to(BF16))
+                cute.autovec_copy(gate_pair, cute.make_tensor(
                     dst + cute.assume(swizzled(row, c), divby=2), cute.make_layout(2)))
 
     @cute.jit
     def stage_slabs(self, acc, wg: EpilogueThreads, outs: EpilogueOutputs, tile: TileCoord,
-                    stages: StageMemory, stage: Int32, phase: Int32, s_row: cute.Tensor,
+                    stages: StageMemory, stage: Int32, phase: Int32, rScore: cute.Tensor,
                     partial: cute.Tensor):
         """FP8 and sm_100: per slab, dH's gate half, dH's up half and A' staged (padded) and
         stored by the threads in turn (:meth:`stage_dswiglu_slab`), the slab's ring stage
@@ -306,7 +306,7 @@ class DswigluEpilogue(Epilogue):
             slabs = self.h_slabs(stages, stage)
             col0 = nt * self.cfg.tile_n + sl * SLAB
             for part in cutlass.range_constexpr(3):
-                self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, silu, s_row,
+                self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, silu, rScore,
                                         partial, part)
                 self.sync(wg, private)
                 if cutlass.const_expr(part == 2):
@@ -337,7 +337,7 @@ class DswigluEpilogue(Epilogue):
 
     @cute.jit
     def stage_dswiglu_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
-                           slabs: tuple, cols: Int32, silu: cute.Tensor, s_row: cute.Tensor,
+                           slabs: tuple, cols: Int32, silu: cute.Tensor, rScore: cute.Tensor,
                            partial: cute.Tensor, part: int):
         """Slab ``sl`` of dH's gate half (``part`` 0, which also keeps ``silu(g)``), up half
         (1) or A' (2, also adding ``dA'·A`` to the row partials) → staging buffer. With
@@ -353,7 +353,7 @@ class DswigluEpilogue(Epilogue):
         up = cute.make_rmem_tensor((2,), BF16)
         for p in acc.pairs(sl):
             slot = p.index * 2
-            s = s_row[p.row]
+            s = rScore[p.row]
             m, col = acc.coord(p)
             if cutlass.const_expr(part != 1):
                 self.h_pair(slabs[1], m, col - sl * SLAB, col < cols, up)
