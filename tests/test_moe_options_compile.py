@@ -83,10 +83,10 @@ def test_fullgraph_deepseek_v3_layer_graph_matches_eager():
     "initialisation of the gather-backward buffer of the routing scores with a reader of that "
     "buffer and runs that kernel before the scatter_add that fills it from the experts' "
     "per-pair score gradients, so the logits lose the whole score-path gradient (gate and x "
-    "gradients off; fp32 and fp64). Needs both balance losses and >= 4 symbolic float inputs "
-    "(the aux-loss coefficients under dynamic=True); aot_eager, "
-    "aot_eager_decomp_partition, dynamic=False and inductor's max_fusion_size=1 all match "
-    "eager. Reproducer in the docstring."))
+    "gradients off; fp32 and fp64). Seen with the balance losses and router-logit terms "
+    "weighted by graph inputs (symbolic floats under dynamic=True, or 0-d tensors even under "
+    "dynamic=False); with constant weights it matches, and aot_eager always matches. "
+    "Reproducer in the docstring."))
 def test_fullgraph_deepseek_v3_layer_inductor_matches_eager():
     """Sigmoid scoring with all three aux losses under inductor, dynamic shapes.
 
@@ -118,7 +118,8 @@ def test_fullgraph_deepseek_v3_layer_inductor_matches_eager():
     In the generated backward (``TORCH_LOGS=output_code``) the first fused kernel zeroes the
     ``(T, E)`` buffer of ``scores.gather``'s backward and reads it into the logits gradient;
     the kernel that ``scatter_add``s the per-pair score gradients (from the ``dh_dswiglu``
-    op) into it comes after, and its result is never read. With three symbolic floats, or
-    without either balance loss, the order is right. The layer's forward and loss match.
+    op) into it comes after, and its result is never read. The weights as 0-d tensors fail the
+    same way, also under ``dynamic=False``; as constants (the same function with the
+    coefficients written into it) the gradients match. The layer's forward and loss match.
     """
     _check_matches_eager(DEEPSEEK_V3)
