@@ -438,13 +438,17 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         if path is not None:
             check_writable(option, path)
     par, device = parallel.setup(config.ep, config.experts, device)
+    succeeded = False
     try:
-        return _train(config, par, device, progress=progress and par.is_main, save=save,
-                      save_every=save_every, resume=resume, stop_after=stop_after,
-                      log_jsonl=log_jsonl if par.is_main else None,
-                      tensorboard=tensorboard if par.is_main else None)
+        summary = _train(config, par, device, progress=progress and par.is_main, save=save,
+                         save_every=save_every, resume=resume, stop_after=stop_after,
+                         log_jsonl=log_jsonl if par.is_main else None,
+                         tensorboard=tensorboard if par.is_main else None)
+        succeeded = True
+        return summary
     finally:
-        par.close()
+        # A rank that failed alone must not wait at a barrier its peers never reach.
+        par.close(together=succeeded)
 
 
 def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *, progress: bool,

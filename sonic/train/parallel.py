@@ -83,8 +83,14 @@ class Parallel:
             return None
         return self.mesh.get_group(name)
 
-    def close(self) -> None:
+    def close(self, *, together: bool = False) -> None:
+        """Destroy the process group if :func:`setup` initialised it. ``together``: meet the
+        other ranks at a barrier first, so that no rank tears its connections down while a
+        peer still uses them (gloo aborts a process caught so); only where every rank gets
+        there, as at the end of a run that succeeded."""
         if self.owns_process_group and dist.is_initialized():
+            if together:
+                dist.barrier()
             dist.destroy_process_group()
             self.owns_process_group = False
 
