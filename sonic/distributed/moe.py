@@ -41,8 +41,12 @@ class ExpertParallelMoE(MoE):
     and a replicated router; ``forward`` routes this rank's tokens and runs
     :func:`sonic.distributed.ep_moe_experts`. Every rank of ``group`` must call ``forward`` and
     ``backward`` together. With the same weights, each rank's output and gradients equal those
-    of :class:`sonic.MoE` on the concatenated batch (the router's gradient summed over ranks,
-    which the data-parallel wrapper of the replicated parameters does).
+    of :class:`sonic.MoE` on the concatenated batch with the ranks' losses summed, once the
+    router's gradient is summed over the ranks. A data-parallel wrapper such as
+    `torch.nn.parallel.DistributedDataParallel` averages the router's gradient over the ranks
+    instead (the gradient of their mean loss); the expert gradients come to the same scale
+    divided by the EP size and averaged over any other EP groups holding the same experts
+    (:mod:`sonic.train.parallel` does both).
 
     The layer's options are a :class:`sonic.MoEConfig` (which checks them; :attr:`config`
     gives it) without an activation other than SwiGLU or shared experts: :meth:`from_config`
@@ -104,7 +108,9 @@ class ExpertParallelMoE(MoE):
     optimizer step, on every rank) to give each replica the expert's whole gradient. It is an
     explicit call, not a gradient hook, so that it runs once per optimizer step (not once per
     micro-batch under gradient accumulation: the sum is linear) and at a point every rank
-    reaches together, next to the data-parallel all-reduce of the other parameters. Set
+    reaches together; a data-parallel reduction of the gradients (one that
+    `torch.nn.parallel.DistributedDataParallel` finishes within backward) may come before or
+    after it, both being linear. Set
     :attr:`expert_load` to an :class:`~sonic.distributed.ExpertLoad` to count the routed pairs
     of every forward on the device (the statistics for the next plan).
 

@@ -265,7 +265,8 @@ def lr_factor(step: int, *, steps: int, warmup: int) -> float:
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
-def _lm_loss(model: ByteMoELM, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _lm_loss(model: torch.nn.Module, inputs: torch.Tensor,
+             targets: torch.Tensor) -> torch.Tensor:
     logits = model(inputs)
     # Cross-entropy in fp32 even for bf16 models: a bf16 log-softmax rounds the loss itself.
     return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
@@ -403,7 +404,8 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
     Under ``torchrun`` (``WORLD_SIZE > 1``) every rank calls this; it initialises
     ``torch.distributed`` (NCCL on CUDA, one device per process, ``cuda:LOCAL_RANK``; gloo on
     the CPU) unless already initialised, and trains expert parallel over groups of
-    ``config.ep`` ranks, data parallel over the rest (:mod:`sonic.train.parallel`). Each rank
+    ``config.ep`` ranks and data parallel over the rest, on a device mesh ``("dp", "ep")``
+    with `torch.nn.parallel.DistributedDataParallel` (:mod:`sonic.train.parallel`). Each rank
     reads its own ``batch_size`` windows of a global batch of ``WORLD_SIZE·batch_size`` (the
     windows one process would read with that batch size); the losses are means over all ranks;
     only rank 0 draws the progress bar and writes ``log_jsonl``/``tensorboard``; checkpoints
@@ -436,13 +438,17 @@ def train(config: TrainConfig, *, progress: bool = True, save: str | None = None
         if path is not None:
             check_writable(option, path)
     par, device = parallel.setup(config.ep, config.experts, device)
+    succeeded = False
     try:
-        return _train(config, par, device, progress=progress and par.is_main, save=save,
-                      save_every=save_every, resume=resume, stop_after=stop_after,
-                      log_jsonl=log_jsonl if par.is_main else None,
-                      tensorboard=tensorboard if par.is_main else None)
+        summary = _train(config, par, device, progress=progress and par.is_main, save=save,
+                         save_every=save_every, resume=resume, stop_after=stop_after,
+                         log_jsonl=log_jsonl if par.is_main else None,
+                         tensorboard=tensorboard if par.is_main else None)
+        succeeded = True
+        return summary
     finally:
-        par.close()
+        # A rank that failed alone must not wait at a barrier its peers never reach.
+        par.close(together=succeeded)
 
 
 def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *, progress: bool,
@@ -464,6 +470,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = _build_model(config, par, device, dtype)
+    trained = parallel.data_parallel(model, par)   # what the training forwards run through
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
 
@@ -528,14 +535,13 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                                                      config.seq_len, train_gen,
                                                      shard=par.rank, num_shards=par.world))
             with collect_aux_losses(model) as aux_losses:
-                lm_loss = _lm_loss(model, inputs, targets)
+                lm_loss = _lm_loss(trained, inputs, targets)
             aux_losses += model.take_aux_losses()
             aux_loss = (sum(aux_losses[1:], aux_losses[0]) if aux_losses
                         else lm_loss.new_zeros(()))
             loss = lm_loss + aux_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            parallel.reduce_gradients(model, par)
             parallel.clip_grad_norm(model, config.grad_clip, par)
             optimizer.step()
             scheduler.step()
@@ -615,7 +621,7 @@ def _restore(state: dict, model: ByteMoELM, optimizer, train_gen: torch.Generato
 def _build_model(config: TrainConfig, par: parallel.Parallel, device: torch.device,
                  dtype: torch.dtype) -> ByteMoELM:
     """The model of ``config`` from its seed, its experts run by ``config.experts_impl`` and,
-    with ``par.ep > 1``, split over the EP group; replicated parameters broadcast."""
+    with ``par.ep > 1``, split over the EP group."""
     torch.manual_seed(config.seed)
     model = ByteMoELM(max_seq_len=config.seq_len, num_layers=config.layers,
                       num_heads=config.heads, moe=config.moe_config(),
@@ -626,7 +632,6 @@ def _build_model(config: TrainConfig, par: parallel.Parallel, device: torch.devi
         model.shard_experts(par.ep_group, num_chunks=config.ep_chunks,
                             recompute_dispatch=config.ep_recompute_dispatch,
                             transport=config.ep_transport)
-    parallel.broadcast_replicated(model, par)
     logger.info("model: %d layers, d=%d, E=%d experts of n=%d, top-%d, %s router; %s %s on %s; "
                 "T=%d tokens per MoE layer and step", config.layers, config.d_model,
                 config.experts, config.d_expert, config.top_k, config.router, dtype,
