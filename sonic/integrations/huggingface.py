@@ -41,6 +41,7 @@ from sonic.activation_cache import ACTIVATION_CACHES, check_fp8_d_expert
 from sonic.experts.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_experts,
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
+from sonic.nn.config import MoEConfig
 from sonic.nn.experts import activation_experts
 from sonic.reference.ops import accumulate_dtype
 from sonic.types import ActivationCache, Backend, Precision
@@ -546,9 +547,9 @@ def moe_from_hf(block: nn.Module, *, backend: str = "auto") -> "sonic.MoE":
             another activation or with biases — the message names what differs.
     """
     kind, shared, shared_gate = _check_block(block)
-    sizes, options = _layer_config(block, kind, shared, shared_gate)
+    config = _layer_config(block, kind, shared, shared_gate, backend)
     w2 = block.experts.down_proj
-    layer = sonic.MoE(*sizes, backend=backend, device=w2.device, dtype=w2.dtype, **options)
+    layer = sonic.MoE.from_config(config, device=w2.device, dtype=w2.dtype)
     with torch.no_grad():
         for name, view, hf_tensor in _weight_pairs(layer, block, shared, shared_gate):
             view(layer.get_parameter(name) if name != "expert_bias"
@@ -556,13 +557,20 @@ def moe_from_hf(block: nn.Module, *, backend: str = "auto") -> "sonic.MoE":
     return layer
 
 
-def _layer_config(block: nn.Module, kind: str, shared: str | None,
-                  shared_gate: str | None) -> tuple[tuple[int, int, int, int], dict]:
-    """``((d, n, E, K), options)`` of the :class:`sonic.MoE` that mirrors ``block``."""
+# The MoEConfig fields an HF block decides (moe_to_hf checks a layer against them); the
+# others (router, losses, precision, ...) are the user's choice.
+_BLOCK_FIELDS = ("d_model", "d_expert", "num_experts", "top_k", "activation", "score",
+                 "renormalize", "routed_scaling_factor", "n_group", "resolved_topk_group",
+                 "resolved_shared_expert_d", "shared_expert_gate")
+
+
+def _layer_config(block: nn.Module, kind: str, shared: str | None, shared_gate: str | None,
+                  backend: Backend = "auto") -> MoEConfig:
+    """The configuration of the :class:`sonic.MoE` that mirrors ``block``."""
     router, experts = block.gate, block.experts
     w2 = experts.down_proj.transpose(1, 2) if experts.is_transposed else experts.down_proj
     num_experts, d_model, d_expert = w2.shape
-    options = dict(activation=expert_activation(experts))
+    options = dict(activation=expert_activation(experts), backend=backend)
     if kind == "softmax":
         options.update(score="topk_softmax",
                        renormalize=bool(getattr(router, "norm_topk_prob", True)))
@@ -574,7 +582,7 @@ def _layer_config(block: nn.Module, kind: str, shared: str | None,
     if shared is not None:
         options.update(shared_expert_d=getattr(block, shared).gate_proj.out_features,
                        shared_expert_gate=shared_gate is not None)
-    return (d_model, d_expert, num_experts, router.top_k), options
+    return MoEConfig(d_model, d_expert, num_experts, router.top_k, **options)
 
 
 def moe_to_hf(layer: "sonic.MoE", block: nn.Module) -> nn.Module:
@@ -588,19 +596,16 @@ def moe_to_hf(layer: "sonic.MoE", block: nn.Module) -> nn.Module:
             scoring, groups, activation, shared experts), naming the first difference.
     """
     kind, shared, shared_gate = _check_block(block)
-    sizes, options = _layer_config(block, kind, shared, shared_gate)
-    expected = dict(zip(("d_model", "d_expert", "num_experts", "top_k"), sizes))
-    expected.update(options)
-    expected["shared_expert_gate"] = expected.get("shared_expert_gate", False)
-    expected["expert_bias"] = expected.get("expert_bias", False)
-    expected.setdefault("shared_expert_d", 0)
-    actual = dict(shared_expert_gate=layer.shared_gate is not None,
-                  expert_bias=hasattr(layer, "expert_bias"))
-    for attr, value in expected.items():
-        have = actual[attr] if attr in actual else getattr(layer, attr)
-        if have != value:
-            raise ValueError(f"layer has {attr}={have!r} but the {type(block).__name__} needs "
-                             f"{value!r}")
+    expected = _layer_config(block, kind, shared, shared_gate)
+    have = layer.config
+    # The bias buffer also exists where bias_update_rate > 0 asked for it.
+    pairs = [(f.removeprefix("resolved_"), getattr(have, f), getattr(expected, f))
+             for f in _BLOCK_FIELDS]
+    pairs.append(("expert_bias", hasattr(layer, "expert_bias"), expected.expert_bias))
+    for attr, actual, value in pairs:
+        if actual != value:
+            raise ValueError(f"layer has {attr}={actual!r} but the {type(block).__name__} "
+                             f"needs {value!r}")
     with torch.no_grad():
         for name, view, hf_tensor in _weight_pairs(layer, block, shared, shared_gate):
             source = layer.get_parameter(name) if name != "expert_bias" else layer.expert_bias
