@@ -31,10 +31,23 @@ ratios.
   ratios come out that much lower than SonicMoE's would for equal times. Run at the same
   time on two GPUs of one machine the ratio of ratios compares sonic with SonicMoE; one after
   the other on one GPU, compare the step times as well.
-  With ``--router both`` it also times each router's routing phase (selection + metadata, the
-  router GEMM excluded) and prints its share of that router's step.
-* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``), and with
-  ``--router both`` the per-kernel table of each routing phase; ``--trace
+* Router options as ``sonic.MoE`` takes them: ``--score sigmoid`` (DeepSeek-V3 §2.1.2; also
+  ``topk_softmax``), ``--renormalize``, ``--routed-scaling-factor F``, ``--n-group N
+  --topk-group M`` (group-limited routing) and ``--expert-bias`` (a fixed random ``(E,)`` fp32
+  selection bias, as the aux-loss-free balancing keeps one); ``--shared-experts M`` adds one
+  dense SwiGLU expert of size ``M·n`` to every token (sonic: a one-expert ``moe_experts`` call,
+  as ``sonic.MoE`` runs it; torch-gmm: ``F.linear``), counted in the FLOPs as ``M·T`` more
+  pairs. torch-gmm routes with the same options through
+  :func:`sonic.reference.ops.scored_topk` (stock torch ops), which is also where
+  :func:`sonic.topk_routing` selects with sigmoid scores, a bias or groups (the fused top-K
+  kernel serves softmax scores without them), before sonic's metadata kernels. Every run also
+  times each sonic
+  router's routing phase (selection + metadata, the router GEMM excluded) and prints its share
+  of that router's step (``routing_us_<router>``, ``routing_share_<router>`` in the JSON).
+  DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize
+  --routed-scaling-factor 2.5 --n-group 8 --topk-group 4 --expert-bias --shared-experts 1``.
+* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``) and the
+  per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
 * ``--fp8-epilogues store quantizing fused``: the first choice of
@@ -62,42 +75,84 @@ from _timing import bench, device_name, energy_per_call, trace_idle  # noqa: E40
 
 import sonic  # noqa: E402
 from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads  # noqa: E402
-from sonic.baselines import torch_gmm_moe  # noqa: E402
+from sonic.baselines import torch_gmm_experts, torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
+from sonic.reference.ops import scored_topk  # noqa: E402
 from sonic.routing.gate import router_logits  # noqa: E402
 
 MiB = float(1 << 20)
 
 
 def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=None,
-                 activation_cache: str = "bf16"):
+                 activation_cache: str = "bf16", scoring=None, shared=None):
     """sonic's layer; with ``precision="fp8"``, ``fp8_weights`` are the weights' FP8 copies,
-    made once outside the timing, as :class:`sonic.MoE` makes them once per optimizer step."""
+    made once outside the timing, as :class:`sonic.MoE` makes them once per optimizer step.
+    ``scoring``: the routing options (:func:`sonic.topk_routing`'s keywords); ``shared``:
+    ``(shared_w1 (1, 2m, d), shared_w2 (1, d, m))`` of a shared expert, or None."""
     def layer(x, router_weight, w1, w2, k, fp8_weights=fp8_weights):
+        layer_input = x
         # As sonic.MoE: the experts read x through the gate's autograd node (one dX GEMM).
         logits, x = router_logits(x, router_weight)
-        r = _route(router, tile, logits, k)
+        r = _route(router, tile, logits, k, scoring)
         # Token rounding's P stays on the device (a 0-d tensor), read after the timing.
         layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid
-        return sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
-                                 metadata=sonic.routing_metadata(r), precision=precision,
-                                 fp8_weights=fp8_weights, activation_cache=activation_cache)
+        out = sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
+                                metadata=sonic.routing_metadata(r), precision=precision,
+                                fp8_weights=fp8_weights, activation_cache=activation_cache)
+        if shared is not None:
+            # The layer input, not the gate's fused alias (only the routed experts may read it).
+            out = out + _shared_expert(layer_input, *shared)
+        return out
     layer.pairs = 0
     layer.fp8_weights = fp8_weights
     return layer
 
 
-def _route(router: str, tile: int, logits, k):
+def _shared_expert(x, shared_w1, shared_w2):
+    """A shared SwiGLU expert as :meth:`sonic.MoE.shared_experts` runs it: one expert that
+    every token reaches with score 1."""
+    T = x.shape[0]
+    token_idx = torch.arange(T, dtype=torch.int32, device=x.device)
+    return sonic.moe_experts(x, shared_w1, shared_w2,
+                             torch.ones(T, dtype=torch.float32, device=x.device), token_idx,
+                             torch.zeros_like(token_idx))
+
+
+def _torch_gmm_layer(scoring, shared):
+    """torch-gmm with sonic's routing options (selection by :func:`scored_topk`, stock torch
+    ops) and a shared expert from ``F.linear``; plain :func:`torch_gmm_moe` without them."""
+    if scoring is None and shared is None:
+        return torch_gmm_moe
+
+    def layer(x, router_weight, w1, w2, k):
+        opts = dict(scoring or {})
+        scaling = opts.pop("scaling_factor", 1.0)
+        logits = x @ router_weight.t()
+        n_group = opts.get("n_group", 1)
+        scores, experts = scored_topk(logits, k, opts.get("score", "softmax_topk"),
+                                      opts.get("renormalize", False), opts.get("expert_bias"),
+                                      n_group, opts.get("topk_group") or n_group)
+        out = torch_gmm_experts(x, w1, w2, scores * scaling, experts)
+        if shared is not None:
+            gate, up = torch.nn.functional.linear(x, shared[0][0]).chunk(2, dim=-1)
+            out = out + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
+                                                   shared[1][0])
+        return out
+    return layer
+
+
+def _route(router: str, tile: int, logits, k, scoring=None):
+    scoring = scoring or {}
     if router == "token_rounding":
         # Padded, as sonic.MoE routes: no host read of P.
-        return sonic.token_rounding_routing(logits, k, tile=tile, padded=True)
-    return sonic.topk_routing(logits, k)
+        return sonic.token_rounding_routing(logits, k, tile=tile, padded=True, **scoring)
+    return sonic.topk_routing(logits, k, **scoring)
 
 
-def _routing_phase(router: str, tile: int, logits, k):
+def _routing_phase(router: str, tile: int, logits, k, scoring=None):
     """One routing phase as the layer runs it: selection and metadata (router GEMM excluded)."""
     def route():
-        return sonic.routing_metadata(_route(router, tile, logits, k))
+        return sonic.routing_metadata(_route(router, tile, logits, k, scoring))
     return route
 
 
@@ -154,12 +209,39 @@ def problem(sizes):
     return x, router_weight, w1, w2, torch.randn(T, d, **kw)
 
 
+def layer_options(sizes, scoring: dict, shared_experts: int, expert_bias: bool):
+    """``(scoring, shared)`` of the timed layers, seed 1: the routing keywords (with a fixed
+    ``(E,)`` fp32 selection bias, N(0, 0.01²), when ``expert_bias``), or None when all are
+    defaults; the shared expert's ``(w1 (1, 2m, d), w2 (1, d, m))`` bf16 weights requiring grad
+    for ``m = shared_experts·n``, or None."""
+    T, d, n, E, _ = sizes
+    g = torch.Generator(device="cuda").manual_seed(1)
+    scoring = {key: value for key, value in scoring.items() if value != _SCORING_DEFAULTS[key]}
+    if expert_bias:
+        scoring["expert_bias"] = 0.01 * torch.randn(E, device="cuda", generator=g)
+    shared = None
+    if shared_experts:
+        m = shared_experts * n
+        kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
+        shared = ((torch.randn(1, 2 * m, d, **kw) * d ** -0.5).requires_grad_(),
+                  (torch.randn(1, d, m, **kw) * m ** -0.5).requires_grad_())
+    return scoring or None, shared
+
+
+# sonic.topk_routing's defaults of the options the command line sets.
+_SCORING_DEFAULTS = {"score": "softmax_topk", "renormalize": False, "n_group": 1,
+                     "topk_group": None, "scaling_factor": 1.0}
+
+
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
             precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
-            fp8_weight_grads=("bf16",)):
+            fp8_weight_grads=("bf16",), scoring=None, shared=None):
+    """Time one layer shape (see the module notes); ``scoring`` and ``shared`` are
+    :func:`layer_options`'. Returns the JSON result of the shape."""
     T, d, n, E, K = sizes
     x, router_weight, w1, w2, grad = problem(sizes)
     params = (router_weight, w1, w2)
+    opts = dict(scoring=scoring, shared=shared)
     rows, steps = {}, {}
     routers = ("topk", "token_rounding") if router == "both" else (router,)
     precisions = ("bf16", "fp8") if precision == "both" else (precision,)
@@ -169,13 +251,14 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         fp8_weights = quantize()
         print(f"  FP8 weight copies (once per optimizer step): {bench(quantize):.1f} us")
     impls = {_impl_name(r, router, p): _sonic_layer(r, tile, p, fp8_weights if p == "fp8"
-                                                    else None)
+                                                    else None, **opts)
              for p in precisions for r in routers}
     first = next(iter(impls))   # the sonic row the ratios and the profile use
     if activation_cache == "fp8":   # one fp8-cache row per precision, first router
         for p in precisions:
             impls[f"{_impl_name(routers[0], router, p)}-fp8c"] = _sonic_layer(
-                routers[0], tile, p, fp8_weights if p == "fp8" else None, activation_cache="fp8")
+                routers[0], tile, p, fp8_weights if p == "fp8" else None, activation_cache="fp8",
+                **opts)
     # More sonic-fp8 rows, one per further set_fp8_epilogues / set_fp8_weight_grads choice
     # (first router).
     default_mode = (fp8_epilogues[0], fp8_weight_grads[0])
@@ -185,11 +268,13 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
                  + [(f"-wgrad-{w}", (fp8_epilogues[0], w)) for w in fp8_weight_grads[1:]])
         for suffix, mode in extra:
             impl = f"{_impl_name(routers[0], router, 'fp8')}{suffix}"
-            impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights), mode
+            impls[impl], modes[impl] = _sonic_layer(routers[0], tile, "fp8", fp8_weights,
+                                                    **opts), mode
     # torch-gmm first, as the SonicMoE benchmark run times it: under the power cap a GPU
     # heated by the rows before runs slower, so the order must match for the ratios to compare.
-    impls = {"torch-gmm": torch_gmm_moe, **impls}
-    leaves = (x, *params)
+    impls = {"torch-gmm": _torch_gmm_layer(scoring, shared), **impls}
+    leaves = (x, *params) + (shared or ())
+    shared_cols = 0 if shared is None else shared[1].shape[2]
     defaults = (set_fp8_epilogues(default_mode[0]), set_fp8_weight_grads(default_mode[1]))
     for impl, layer in impls.items():
         # Process-wide (the backward runs on autograd's threads): set for this row only.
@@ -209,7 +294,8 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
                 f"span {r['span_us'] / 1e3:.2f} ms busy {r['busy_us'] / 1e3:.2f} ms idle "
                 f"{r['idle_us']:.0f} us" for r in idle))
         pairs = T * K if impl == "torch-gmm" else int(layer.pairs)
-        flops = 6 * pairs * d * n
+        # A shared expert of m columns: T more pairs of m/n expert-widths each.
+        flops = 6 * d * (pairs * n + T * shared_cols)
         # The FP8 weight copies are passed in, so they count as the caller's, not as saved.
         extra = {"fp8_weights": layer.fp8_weights} if getattr(layer, "fp8_weights", None) else {}
         saved = sonic.profile_activation_memory(layer, x, *params, K,
@@ -231,7 +317,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
     set_fp8_weight_grads(defaults[1])
     s, t = rows[first], rows["torch-gmm"]
     print(f"\n{name}  T={T} d={d} n={n} E={E} K={K}  sonic router={router} "
-          f"precision={precision}")
+          f"precision={precision}  routing: {_describe(scoring, shared)}")
     print(f"  {'impl':15s} {'fwd ms':>7s} {'f+b ms':>7s} {'fwd TF':>7s} {'f+b TF':>7s} "
           f"{'saved MiB':>9s} {'peak MiB':>8s} {'SM MHz':>6s} {'W':>4s} {'J/step':>6s}")
     for impl, r in rows.items():
@@ -244,7 +330,8 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
     print(f"  sonic / torch-gmm: fwd {fwd_ratio:.3f}x, fwd+bwd {ratio:.3f}x (time), "
           f"saved {s['saved_MiB'] / t['saved_MiB']:.2f}x, peak {s['peak_MiB'] / t['peak_MiB']:.2f}x")
     result = {"config": name, "router": router, "precision": precision, "sonic": s,
-              "torch_gmm": t, "fwd_bwd_speedup": ratio, "fwd_speedup": fwd_ratio}
+              "torch_gmm": t, "fwd_bwd_speedup": ratio, "fwd_speedup": fwd_ratio,
+              "routing": _describe(scoring, shared)}
     if precision == "both":
         bf, f8 = rows[_impl_name(routers[0], router, "bf16")], rows[_impl_name(routers[0],
                                                                                  router, "fp8")]
@@ -270,26 +357,42 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
                           f"{c['fwd_bwd_us'] / r['fwd_bwd_us']:.3f}x" for r in (b, s))
             print(f"  fp8 / bf16 activation cache ({base}): {same}; against {first}: {bf16}")
     if router == "both":
-        topk_name, tr_name = (_impl_name(r, router, precisions[0]) for r in routers)
-        tr = rows[tr_name]
+        tr = rows[_impl_name("token_rounding", router, precisions[0])]
         result["sonic_token_rounding"] = tr
         result["token_rounding_speedup"] = s["fwd_bwd_us"] / tr["fwd_bwd_us"]
         print(f"  token rounding / top-K, fwd+bwd (time): {result['token_rounding_speedup']:.3f}x "
               f"faster (P = {tr['P']} vs {s['P']})")
-        # The routing phase (selection + metadata) of each router, and its share of the step.
-        logits = (x @ router_weight.t()).detach()
-        for r, impl in (("topk", topk_name), ("token_rounding", tr_name)):
-            route = _routing_phase(r, tile, logits, K)
-            route()
-            route_us = bench(route)
-            result[f"routing_us_{r}"] = route_us
-            print(f"  {impl} routing phase (selection + metadata): {route_us:.1f} us, "
-                  f"{100 * route_us / rows[impl]['fwd_bwd_us']:.2f}% of its step")
-            if profile_kernels:
-                _kernel_breakdown(route, rows=40, what=f"{impl} routing phase")
+    logits = (x @ router_weight.t()).detach()
+    for r in routers:
+        impl = _impl_name(r, router, precisions[0])
+        result.update(_routing_share(r, impl, tile, logits, K, scoring, rows[impl],
+                                     profile_kernels))
     if profile_kernels:
         _kernel_breakdown(steps[first])
     return result
+
+
+def _routing_share(router: str, impl: str, tile: int, logits, k, scoring, row: dict,
+                   profile_kernels: bool) -> dict:
+    """Time the routing phase (selection + metadata, the router GEMM excluded) of ``router``
+    on ``logits`` and print its share of the step of row ``impl``; returns the JSON keys."""
+    route = _routing_phase(router, tile, logits, k, scoring)
+    route()
+    route_us = bench(route)
+    share = route_us / row["fwd_bwd_us"]
+    print(f"  {impl} routing phase (selection + metadata): {route_us:.1f} us, "
+          f"{100 * share:.2f}% of its step")
+    if profile_kernels:
+        _kernel_breakdown(route, rows=40, what=f"{impl} routing phase")
+    return {f"routing_us_{router}": route_us, f"routing_share_{router}": share}
+
+
+def _describe(scoring, shared) -> dict:
+    """The routing options and shared expert of a run, JSON-ready (the bias as a flag)."""
+    out = {key: value for key, value in (scoring or {}).items() if key != "expert_bias"}
+    out["expert_bias"] = bool(scoring and "expert_bias" in scoring)
+    out["shared_expert_cols"] = 0 if shared is None else shared[1].shape[2]
+    return out
 
 
 def _fmt(value, width: int, digits: int) -> str:
@@ -412,7 +515,24 @@ def main(argv=None):
                         help="fp8: also run sonic with the FP8 activation cache and compare")
     parser.add_argument("--vs-sonicmoe", metavar="FILE",
                         help="JSON lines of a SonicMoE benchmark run to compare with")
+    parser.add_argument("--score", choices=("softmax_topk", "topk_softmax", "sigmoid"),
+                        default="softmax_topk", help="router scores (sigmoid: DeepSeek-V3)")
+    parser.add_argument("--renormalize", action="store_true",
+                        help="renormalise topk_softmax / sigmoid scores to sum to 1")
+    parser.add_argument("--routed-scaling-factor", type=float, default=1.0,
+                        help="multiply every routing score (DeepSeek-V3: 2.5)")
+    parser.add_argument("--n-group", type=int, default=1,
+                        help="group-limited routing: experts in this many groups")
+    parser.add_argument("--topk-group", type=int, default=None,
+                        help="groups each token may choose from (default: --n-group)")
+    parser.add_argument("--expert-bias", action="store_true",
+                        help="a fixed random (E,) selection bias (aux-loss-free balancing)")
+    parser.add_argument("--shared-experts", type=int, default=0, metavar="M",
+                        help="add one dense SwiGLU expert of size M*n")
     args = parser.parse_args(argv)
+    scoring = {"score": args.score, "renormalize": args.renormalize,
+               "n_group": args.n_group, "topk_group": args.topk_group,
+               "scaling_factor": args.routed_scaling_factor}
     configs = list(args.config or [])
     if args.sweep:
         configs += [(name, sizes) for name, sizes in CONFIGS.items() if (name, sizes) not in configs]
@@ -424,7 +544,8 @@ def main(argv=None):
         os.makedirs(args.trace, exist_ok=True)
     results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
                        args.precision, args.activation_cache, args.fp8_epilogues,
-                       args.fp8_weight_grads)
+                       args.fp8_weight_grads,
+                       *layer_options(sizes, scoring, args.shared_experts, args.expert_bias))
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, anchor, args.vs_sonicmoe)

@@ -4,7 +4,9 @@ import importlib.util
 import pathlib
 
 import pytest
+import torch
 
+import sonic
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS
 
 
@@ -36,3 +38,33 @@ def test_plot_draws_every_config_and_sonicmoe_through_its_own_ratio(tmp_path):
     path = tmp_path / "sweep.png"
     bench.plot_results(results, anchor, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_bench_moe_deepseek_layers_equal_sonic_moe(renormalize):
+    """bench_moe.py's layers with DeepSeek-V3's router options and a shared expert (sonic's and
+    torch-gmm's) compute what sonic.MoE with the same options computes."""
+    bench = _bench_moe()
+    T, d, n, E, K = 64, 32, 16, 16, 4
+    torch.manual_seed(0)
+    layer = sonic.MoE(d, n, E, K, score="sigmoid", renormalize=renormalize,
+                      routed_scaling_factor=2.5, n_group=4, topk_group=2, expert_bias=True,
+                      num_shared_experts=1, backend="torch")
+    bias = 0.05 * torch.randn(E)
+    layer.expert_bias.copy_(bias)
+    x = torch.randn(T, d)
+    expect = layer(x)
+    scoring = dict(score="sigmoid", renormalize=renormalize, n_group=4, topk_group=2,
+                   scaling_factor=2.5, expert_bias=bias)
+    shared = (layer.shared_w1, layer.shared_w2)
+    args = (x, layer.gate.weight, layer.w1, layer.w2, K)
+    for fn in (bench._sonic_layer("topk", 8, scoring=scoring, shared=shared),
+               bench._torch_gmm_layer(scoring, shared)):
+        torch.testing.assert_close(fn(*args), expect, rtol=1e-5, atol=1e-6)
+    # Without the bias the selection differs, so the comparison above can fail.
+    unbiased = dict(scoring, expert_bias=torch.zeros(E))
+    assert not torch.allclose(bench._torch_gmm_layer(unbiased, shared)(*args), expect)
+    assert bench._torch_gmm_layer(None, None) is bench.torch_gmm_moe
+    assert bench._describe(scoring, shared) == dict(
+        score="sigmoid", renormalize=renormalize, n_group=4, topk_group=2, scaling_factor=2.5,
+        expert_bias=True, shared_expert_cols=n)

@@ -58,7 +58,24 @@ def torch_gmm_moe(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor
         scores = F.softmax(top_logits, dim=-1, dtype=torch.float32)
     else:
         scores, experts = F.softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
+    return torch_gmm_experts(x, w1, w2, scores, experts)
 
+
+def torch_gmm_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The expert part of :func:`torch_gmm_moe` for a routing made elsewhere (e.g. sigmoid
+    scores with groups, :func:`sonic.reference.ops.scored_topk`).
+
+    Args:
+        x: ``(T, d)`` tokens; w1 ``(E, 2n, d)``, w2 ``(E, d, n)`` as in :func:`torch_gmm_moe`.
+        scores: ``(T, k)`` float routing weights (applied in ``x.dtype``).
+        experts: ``(T, k)`` integer expert indices.
+
+    Returns:
+        ``(T, d)`` in ``x.dtype``.
+    """
+    T, d = x.shape
+    E, k = w1.shape[0], experts.shape[1]
     # Pair p = t*k + j (token t's j-th choice); rows are the pairs grouped by expert.
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)

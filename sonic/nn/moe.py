@@ -182,7 +182,7 @@ class MoE(nn.Module):
         n_group, topk_group: group-limited routing (DeepSeek-V3 §2.1.2 node-limited routing;
             DeepSeek-V2 device-limited routing): the experts form ``n_group`` groups of
             consecutive experts and a token chooses among its ``topk_group`` best groups
-            (:func:`sonic.routing.topk.group_limited_choice`); ``n_group=1`` disables it.
+            (:func:`sonic.reference.ops.group_limited_choice`); ``n_group=1`` disables it.
         expert_bias: keep a per-expert selection bias, the fp32 buffer ``expert_bias (E,)`` in
             the ``state_dict``, added to the affinities for the choice of experts only
             (DeepSeek-V3 §2.1.2, aux-loss-free balancing; transformers' DeepSeek-V3 and

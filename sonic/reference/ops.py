@@ -348,3 +348,58 @@ def topk_scores(logits: torch.Tensor, k: int, score: str,
         if renormalize:
             scores = scores / scores.sum(dim=-1, keepdim=True)
     return scores, idx.to(torch.int32)
+
+
+def affinity_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """``(T, E)`` token-to-expert affinities ``s`` in the accumulation dtype: ``sigmoid(logits)``
+    for ``score="sigmoid"`` (DeepSeek-V3 §2.1.2), ``softmax(logits)`` over E otherwise.
+    Differentiable with respect to ``logits``."""
+    acc = accumulate_dtype(logits.dtype)
+    if score == "sigmoid":
+        return torch.sigmoid(logits.to(acc))
+    return torch.softmax(logits.to(acc), dim=-1)
+
+
+def group_limited_choice(choice: torch.Tensor, n_group: int, topk_group: int,
+                         score: str) -> torch.Tensor:
+    """``choice (T, E)`` with every expert outside each token's ``topk_group`` best groups set
+    to ``-inf`` (``E`` experts in ``n_group`` consecutive groups).
+
+    A group's score is the sum of its two highest choice scores for ``score="sigmoid"``
+    (DeepSeek-V3's node-limited routing, §2.1.2; the sum of one score for groups of one expert)
+    and its highest choice score for softmax scoring (DeepSeek-V2's device-limited routing,
+    §2.1.2). Best groups by a stable descending sort: the lower group first on ties.
+    """
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+    if score == "sigmoid":
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    else:
+        group_scores = grouped.amax(dim=-1)
+    keep = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=choice.device)
+    keep.scatter_(1, topk_indices(group_scores, topk_group), True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+
+
+def scored_topk(logits: torch.Tensor, k: int, score: str, renormalize: bool,
+                expert_bias: torch.Tensor | None, n_group: int, topk_group: int):
+    """``(scores (T, k), idx (T, k) int32)`` in torch with no host read: selection on the
+    detached affinities plus the bias, within the best groups; weights from the unbiased
+    affinities (or, ``"softmax_topk"``, a softmax over the selected logits), differentiable
+    with respect to ``logits`` by autograd. The path of the options the fused top-K op lacks
+    (sigmoid scores, an expert bias, groups) on every backend."""
+    affinity = affinity_scores(logits, score)
+    choice = affinity.detach()
+    if expert_bias is not None:
+        choice = choice + expert_bias.to(choice.dtype)
+    if n_group > 1:
+        choice = group_limited_choice(choice, n_group, topk_group, score)
+    idx = topk_indices(choice, k)
+    if score == "softmax_topk":
+        acc = accumulate_dtype(logits.dtype)
+        scores = torch.softmax(logits.to(acc).gather(1, idx), dim=-1)
+    else:
+        scores = affinity.gather(1, idx)
+        if renormalize:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores, idx.to(torch.int32)
