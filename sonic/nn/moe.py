@@ -349,6 +349,10 @@ class MoE(nn.Module):
         # topk_group is kept resolved (None: n_group); None stays None while it resolves alike.
         if built.topk_group is not None or self.topk_group != self.n_group:
             current["topk_group"] = self.topk_group
+        # Nothing assigned since (every forward of a token-rounding EP layer asks): no rebuild,
+        # whose checks the assignments already ran.
+        if all(getattr(built, name) == value for name, value in current.items()):
+            return built
         return replace(built, **current)
 
     def _configure(self, config: MoEConfig, device) -> None:
