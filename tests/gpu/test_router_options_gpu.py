@@ -2,9 +2,10 @@
 
     python -m pytest -m gpu tests/gpu/test_router_options_gpu.py
 
-The options the fused top-K kernel lacks (sigmoid, expert bias, groups) are computed in torch
-on the GPU and feed the CuTe metadata and expert kernels: pairs must equal the CPU's exactly,
-the layer within bf16 rounding of the torch backend, and routing must make no host read.
+Sigmoid scores with an expert bias and groups run in the fused top-K kernel, softmax with a
+bias or groups in torch on the GPU; both feed the CuTe metadata and expert kernels: pairs must
+equal the CPU's exactly, the layer within bf16 rounding of the torch backend, and routing must
+make no host read.
 """
 
 import pytest
