@@ -38,11 +38,12 @@ def test_routing_on_cuda_equals_cpu_and_reads_nothing_back(name):
     logits = torch.randn(4096, E, generator=torch.Generator().manual_seed(0))
     bias = 0.05 * torch.randn(E, generator=torch.Generator().manual_seed(1))
     cpu = sonic.topk_routing(logits, K, expert_bias=bias, backend="torch", **opts)
+    # The host-to-device copies synchronise by themselves: made before the checked region.
+    logits_gpu, bias_gpu = logits.cuda(), bias.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        gpu = sonic.topk_routing(logits.cuda(), K, expert_bias=bias.cuda(), backend="cute",
-                                 **opts)
+        gpu = sonic.topk_routing(logits_gpu, K, expert_bias=bias_gpu, backend="cute", **opts)
         meta = sonic.routing_metadata(gpu, backend="cute")
     finally:
         torch.cuda.set_sync_debug_mode(0)
