@@ -38,10 +38,8 @@ ratios.
   dense SwiGLU expert of size ``M·n`` to every token (sonic: a one-expert ``moe_experts`` call,
   as ``sonic.MoE`` runs it; torch-gmm: ``F.linear``), counted in the FLOPs as ``M·T`` more
   pairs. torch-gmm routes with the same options through
-  :func:`sonic.reference.ops.scored_topk` (stock torch ops), which is also where
-  :func:`sonic.topk_routing` selects with sigmoid scores, a bias or groups (the fused top-K
-  kernel serves softmax scores without them), before sonic's metadata kernels. Every run also
-  times each sonic
+  :func:`sonic.reference.ops.scored_topk` (stock torch ops); sonic's top-K router selects
+  in the fused top-K kernel (sigmoid with a bias and groups). Every run also times each sonic
   router's routing phase (selection + metadata, the router GEMM excluded) and prints its share
   of that router's step (``routing_us_<router>``, ``routing_share_<router>`` in the JSON).
   DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize

@@ -10,6 +10,14 @@ logits-read GB/s and its percentage of the same-run device copy bandwidth (read 
 targets on H100: ≥ 60 %, and ≥ 3x torch), the speedup; then the same when calls run back to back
 from a CUDA graph (device time only, inputs rotating over more than the L2 cache), with the
 kernel's GB/s also against same-size copies run the same way; and the host time per eager call.
+
+    python benchmarks/bench_topk.py --score sigmoid --E 256 --n-group 8 --topk-group 4 \
+        --keys-per-lane 16 32 64
+
+times DeepSeek-V3's router instead (sigmoid scores, a random selection bias, renormalised,
+group-limited): the kernel against sonic's torch path (``sonic.reference.ops.scored_topk``),
+after checking that both select the same experts; ``--keys-per-lane`` sweeps the 64-bit-key
+plans' keys per lane (default 32).
 """
 
 import argparse
@@ -106,6 +114,33 @@ def sweep_keys_per_lane(T: int, E: int, K: int, dtype: torch.dtype, choices) -> 
     return out
 
 
+def run_sigmoid(T: int, E: int, K: int, dtype: torch.dtype, n_group: int, topk_group: int,
+                keys_per_lane) -> dict:
+    """The sigmoid + bias + groups kernel against the torch path: equal selection, then
+    median µs of both (L2 flushed), and back-to-back µs per keys-per-lane choice."""
+    from sonic.reference.ops import scored_topk
+
+    g = torch.Generator(device="cuda").manual_seed(E)
+    logits = torch.randn(T, E, device="cuda", generator=g).to(dtype)
+    bias = 0.01 * torch.randn(E, device="cuda", generator=g)
+    kw = dict(score="sigmoid", renormalize=True, expert_bias=bias, n_group=n_group,
+              topk_group=topk_group)
+    scores, idx = topk_scores(logits, K, **kw)
+    ref_scores, ref_idx = scored_topk(logits, K, "sigmoid", True, bias, n_group, topk_group)
+    assert torch.equal(idx, ref_idx), "the kernel selects other experts than the torch path"
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-7)
+    kernel_us = bench(lambda: topk_scores(logits, K, **kw))
+    torch_us = bench(lambda: scored_topk(logits, K, "sigmoid", True, bias, n_group, topk_group))
+    n_inputs = max(4, -(-ROTATE_BYTES // logits.nbytes))
+    inputs = [torch.randn_like(logits) for _ in range(n_inputs)]
+    b2b = {v: back_to_back_us(lambda i: topk._run(
+        inputs[i], K, "sigmoid", True, True, v, expert_bias=bias, n_group=n_group,
+        topk_group=topk_group), n_inputs) for v in keys_per_lane}
+    return {"T": T, "E": E, "K": K, "dtype": str(dtype).removeprefix("torch."),
+            "n_group": n_group, "topk_group": topk_group, "kernel_us": kernel_us,
+            "torch_us": torch_us, "speedup": torch_us / kernel_us, "keys_per_lane_b2b_us": b2b}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     parser.add_argument("--T", type=int, default=32768)
@@ -115,7 +150,26 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--keys-per-lane", type=int, nargs="*", default=[],
                         help="also time these keys-per-lane choices back to back (tuning)")
+    parser.add_argument("--score", choices=("softmax_topk", "sigmoid"), default="softmax_topk",
+                        help="sigmoid: DeepSeek-V3's router (bias, renormalised, groups)")
+    parser.add_argument("--n-group", type=int, default=8, help="groups (--score sigmoid)")
+    parser.add_argument("--topk-group", type=int, default=4, help="kept groups (--score sigmoid)")
     args = parser.parse_args()
+    if args.score == "sigmoid":
+        rows = [run_sigmoid(args.T, E, args.K, getattr(torch, args.dtype), args.n_group,
+                            args.topk_group, args.keys_per_lane or [topk._KEYS_PER_LANE_WIDE])
+                for E in args.E]
+        for r in rows:
+            print(f"T={r['T']} E={r['E']} K={r['K']} {r['dtype']} groups {r['n_group']}/"
+                  f"{r['topk_group']}: torch path {r['torch_us']:.1f} us, kernel "
+                  f"{r['kernel_us']:.1f} us ({r['speedup']:.1f}x); back to back by keys per "
+                  "lane: " + "  ".join(f"{v}: {us:.2f} us"
+                                      for v, us in r["keys_per_lane_b2b_us"].items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": device_name(), "torch": torch.__version__, "rows": rows},
+                          f, indent=1)
+        return
 
     copy = copy_bandwidth()
     launch = "TVM-FFI" if runtime.tvm_ffi_enabled() else "plain"

@@ -11,8 +11,10 @@ dispatcher's host time (:mod:`sonic._custom_op`), everywhere else ``torch.ops.so
 
 Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.moe_experts`):
 
-* ``sonic::topk_routing(logits, k, score, renormalize, backend) -> (scores, idx)`` — top-K
-  token choice, differentiable in ``logits`` (twice: the backward is made of torch ops).
+* ``sonic::topk_routing(logits, k, score, renormalize, backend, expert_bias, n_group,
+  topk_group) -> (scores, idx)`` — top-K token choice (softmax or sigmoid scores, an optional
+  selection bias and group-limited selection for sigmoid), differentiable in ``logits``
+  (twice: the backward is made of torch ops; the bias is not differentiated).
 * ``sonic::routing_metadata(token_idx, expert_idx, num_tokens, num_experts, top_k, backend)
   -> packed`` — the :class:`~sonic.RoutingMetadata` index vectors in one int32 buffer (see
   :func:`pack_metadata`); ``top_k = 0`` for pairs in any order.
@@ -177,37 +179,45 @@ def routing_metadata_op(token_idx, expert_idx, num_tokens: int, num_experts: int
 # ------------------------------------------------------------------------------ top-K routing
 
 
-def _topk_forward(logits, k, score, renormalize, use_kernel):
+def _topk_forward(logits, k, score, renormalize, expert_bias, n_group, topk_group, use_kernel):
     if use_kernel:
         from sonic.kernels.topk import topk_scores
-        return topk_scores(logits, k, score=score, renormalize=renormalize)
+        return topk_scores(logits, k, score=score, renormalize=renormalize,
+                           expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
+    if score == "sigmoid" or expert_bias is not None or n_group > 1:
+        return reference.scored_topk(logits, k, score, renormalize, expert_bias, n_group,
+                                     topk_group)
     return reference.topk_scores(logits.to(_acc(logits.dtype)), k, score, renormalize)
 
 
 @_op("topk_routing")
-def _topk_op(logits: torch.Tensor, k: int, score: str, renormalize: bool,
-             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_op(logits: torch.Tensor, k: int, score: str, renormalize: bool, backend: str,
+             expert_bias: torch.Tensor | None = None, n_group: int = 1,
+             topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     from sonic.backend import resolve_backend
     from sonic.kernels.topk import kernel_fits
-    use_kernel = resolve_backend(backend, logits.device) == "cute" and kernel_fits(logits, k)
+    use_kernel = (resolve_backend(backend, logits.device) == "cute"
+                  and kernel_fits(logits, k, score, n_group, topk_group))
     with _no_autocast(logits.device):
-        scores, idx = _topk_forward(logits, k, score, renormalize, use_kernel)
+        scores, idx = _topk_forward(logits, k, score, renormalize, expert_bias, n_group,
+                                    topk_group, use_kernel)
     return scores.to(_acc(logits.dtype)), idx.to(_INT32)
 
 
 @_topk_op.register_fake
-def _(logits, k, score, renormalize, backend):
+def _(logits, k, score, renormalize, backend, expert_bias=None, n_group=1, topk_group=1):
     t = logits.shape[0]
     return (logits.new_empty(t, k, dtype=_acc(logits.dtype)),
             logits.new_empty(t, k, dtype=_INT32))
 
 
 def _topk_setup(ctx, inputs, output):
-    logits, k, score, renormalize, _backend = inputs
+    logits, _k, score, renormalize = inputs[:4]
     scores, idx = output
     ctx.score, ctx.renormalize, ctx.num_experts = score, renormalize, logits.shape[1]
     ctx.logits_dtype = logits.dtype
-    ctx.save_for_backward(scores, idx, logits if score == "topk_softmax" else None)
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(scores, idx, logits if score != "softmax_topk" else None)
     ctx.mark_non_differentiable(idx)
 
 
@@ -220,10 +230,13 @@ def _topk_backward(ctx, grad_scores, _grad_idx):
     scores, idx, logits = ctx.saved_tensors
     idx = idx.long()
     g = grad_scores.to(scores.dtype)
+    rest = (None,) * (ctx.num_inputs - 1)   # k, score, ..., topk_group: not differentiable
     if ctx.score == "softmax_topk":
         grad = scores.new_zeros(idx.shape[0], ctx.num_experts, dtype=ctx.logits_dtype)
         grad_selected = torch._softmax_backward_data(g, scores, -1, scores.dtype)
-        return grad.scatter_(1, idx, grad_selected.to(ctx.logits_dtype)), None, None, None, None
+        return (grad.scatter_(1, idx, grad_selected.to(ctx.logits_dtype)),) + rest
+    if ctx.score == "sigmoid":
+        return (_sigmoid_topk_grad(g, logits, idx, scores.dtype, ctx.renormalize),) + rest
     probs = torch.softmax(logits.to(scores.dtype), dim=-1)
     if ctx.renormalize:
         # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs.
@@ -232,7 +245,26 @@ def _topk_backward(ctx, grad_scores, _grad_idx):
     # G: the selected entries' gradient scattered over all E experts.
     grad = torch.zeros_like(probs).scatter_(1, idx, g)
     return (torch._softmax_backward_data(grad, probs, -1, probs.dtype).to(ctx.logits_dtype),
-            None, None, None, None)
+            ) + rest
+
+
+def _sigmoid_topk_grad(g: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor,
+                       acc: torch.dtype, renormalize: bool) -> torch.Tensor:
+    """``(T, E)`` gradient of the logits of sigmoid top-K scores ``s = sigmoid(x[idx])``
+    (renormalised: ``s / Σs``) given ``g (T, k)``, the scores' gradient; zero outside ``idx``.
+
+    The selection (bias, groups) is piecewise constant: no gradient flows through it. The
+    sigmoids are recomputed from the saved logits, so that with ``create_graph`` the second
+    derivative reaches the logits; ``sigmoid_backward`` is the op autograd runs for sigmoid.
+    """
+    s = torch.sigmoid(logits.gather(1, idx).to(acc))
+    if renormalize:
+        # r = s / Σs  ⇒  ∂L/∂s = (g − ⟨g, r⟩) / Σs.
+        total = s.sum(-1, keepdim=True)
+        g = (g - (g * s).sum(-1, keepdim=True) / total) / total
+    grad_selected = torch.ops.aten.sigmoid_backward(g, s)
+    grad = s.new_zeros(idx.shape[0], logits.shape[1], dtype=logits.dtype)
+    return grad.scatter_(1, idx, grad_selected.to(logits.dtype))
 
 
 _topk_op.register_autograd(_topk_backward, setup_context=_topk_setup)

@@ -131,6 +131,33 @@ def test_scores_gradient_matches_naive(score):
         lambda lg: sonic.topk_routing(lg, 3, expert_bias=bias, **opts).scores, (logits,))
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_sigmoid_op_matches_naive_to_second_order(groups, renormalize):
+    """The op ``sonic::topk_routing`` with the sigmoid options (what the CuTe backend runs on a
+    GPU; here its torch selection) against the naive router: selection, scores, the registered
+    backward and its derivative (create_graph), and the op's registration (opcheck)."""
+    from sonic.ops import call
+    n_group, topk_group = groups
+    logits = _logits(9, 8, seed=11).requires_grad_()
+    bias = torch.randn(8, generator=torch.Generator().manual_seed(12), dtype=F64) * 0.1
+    args = (3, "sigmoid", renormalize, "torch", bias, n_group, topk_group)
+    scores, idx = call.topk_routing(logits, *args)
+    experts, naive = naive_route(logits, 3, score="sigmoid", renormalize=renormalize, bias=bias,
+                                 n_group=n_group, topk_group=topk_group)
+    assert idx.tolist() == experts
+    torch.testing.assert_close(scores, naive, rtol=1e-12, atol=1e-14)
+    weights = torch.randn(9, 3, dtype=F64, generator=torch.Generator().manual_seed(13))
+    (got,) = torch.autograd.grad((scores * weights).sum(), logits, create_graph=True)
+    (expect,) = torch.autograd.grad((naive * weights).sum(), logits, create_graph=True)
+    torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-14)
+    (got2,) = torch.autograd.grad(got.square().sum(), logits)
+    (expect2,) = torch.autograd.grad(expect.square().sum(), logits)
+    torch.testing.assert_close(got2, expect2, rtol=1e-12, atol=1e-14)
+    assert got2.abs().sum() > 0
+    torch.library.opcheck(torch.ops.sonic.topk_routing.default, (logits,) + args)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(n_group=3), "n_group=3 must divide"),
     (dict(n_group=4, topk_group=5), "topk_group"),

@@ -9,7 +9,8 @@ the leaf :mod:`sonic.types`. Entry points:
 * :func:`sonic.kernels.routing_metadata.routing_metadata_topk`,
   :func:`sonic.kernels.routing_metadata.routing_metadata_pairs` — routing metadata.
 * :func:`sonic.kernels.aggregation.aggregate` — expert aggregation (per-token gather-sum).
-* :func:`sonic.kernels.topk.topk_scores` — bitonic top-K with fused softmax scores.
+* :func:`sonic.kernels.topk.topk_scores` — bitonic top-K with fused softmax or sigmoid scores
+  (sigmoid: with a selection bias and group-limited selection).
 * :func:`sonic.kernels.swiglu.swiglu`, :func:`sonic.kernels.swiglu.dswiglu_epilogue` — the
   SwiGLU forward and the dSwiGLU + dS + A' backward epilogue as one-pass kernels.
 * :func:`sonic.kernels.grouped_gemm.grouped_gemm`,

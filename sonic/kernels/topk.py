@@ -31,7 +31,30 @@ Cost: the kernel is bound by the integer min/max of the networks (about 8.3 per 
 not by memory; on H100 it reads T=32768 x E=128 bf16 logits at about 45 % of the copy bandwidth
 (``benchmarks/bench_topk.py``), 30x faster than ``torch.topk`` + softmax.
 
-Compiled once per ``(dtype, E, K, score, renormalize, aligned)``; ``T`` is a runtime ``Int32``.
+**Sigmoid scoring** (``score="sigmoid"``, DeepSeek-V3 §2.1.2): the selection runs on the fp32
+*choice* ``sigmoid(x) + bias`` (the optional per-expert bias steers the selection only), which
+is no longer a bf16 value and must be ordered exactly, so the keys are 64-bit: the ordered fp32
+bits in the high word, ``E_pad - 1 - column`` in the low word (a stable descending sort's order
+for every distinct pair of values, ties to the lower column). The sigmoid is computed as
+PyTorch's CUDA kernel does (``1 / (1 + exp(-x))``, accurate ``exp``, correctly rounded division),
+so the choice values, hence the selection, are PyTorch's bit for bit. The weights are the
+unbiased ``sigmoid`` of the selected logits (re-read from the row), renormalised on request.
+64-bit keys double the registers per key, so these plans hold 32 keys per lane.
+
+**Group-limited selection** (``n_group > 1``; DeepSeek-V3 §2.1.2): experts form ``n_group``
+groups of ``E / n_group`` consecutive experts; a group's score is the sum of its two highest
+choice values; only the ``topk_group`` best groups (a stable descending order: the lower group
+first on ties) stay eligible. The plan keeps every group made of whole rows of ``lanes * vec``
+columns (it narrows the loads if needed), so the group of each register is known at trace
+time: a lane folds its values of each group into a top-2 pair, ``log2(G)`` butterfly steps
+combine the pairs, every lane ranks the group scores with the sorting network on 64-bit
+``(score, group)`` keys, and keys outside the kept groups become the padding key before the
+top-K. Groups need ``E / n_group`` to be a multiple of the lanes per row; other group shapes
+are left to the PyTorch path (:func:`kernel_fits`). Groups of one expert, or
+``topk_group = n_group``, select exactly what plain top-K selects and compile as such.
+
+Compiled once per ``(dtype, E, K, score, renormalize, aligned, keys per lane, bias, n_group,
+topk_group)``; ``T`` is a runtime ``Int32``.
 """
 
 import math
@@ -42,7 +65,7 @@ import torch
 from sonic.kernels import runtime
 from sonic.kernels.registry import KernelVariant, register
 
-SCORES = ("softmax_topk", "topk_softmax")
+SCORES = ("softmax_topk", "topk_softmax", "sigmoid")
 MAX_E = 512
 MAX_K = 16
 
@@ -53,6 +76,8 @@ _THREADS = 128
 # to hide latency. On H100 at T=32768, K=8, bf16, 64 beat 32 by 2-9 % (E = 64..256) and 128 gained
 # at most 3 % more, at up to twice the registers (168 for E=512, K=16, topk_softmax).
 _KEYS_PER_LANE = 64
+# Sigmoid plans sort 64-bit keys: half as many per lane keeps the same registers.
+_KEYS_PER_LANE_WIDE = 32
 _INT32_MIN = -(2**31)
 _VEC_BYTES = 16
 
@@ -72,6 +97,23 @@ class _Plan:
     renormalize: bool
     aligned: bool  # logits' base address is 16-byte aligned
     keys_per_lane_target: int = _KEYS_PER_LANE
+    bias: bool = False  # a per-expert fp32 selection bias (sigmoid only)
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def wide_keys(self) -> bool:
+        """64-bit keys: the fp32 choice values must be ordered exactly (sigmoid scoring)."""
+        return self.score == "sigmoid"
+
+    @property
+    def group_size(self) -> int:
+        return self.E // self.n_group
+
+    @property
+    def groups_fit(self) -> bool:
+        """Whether every group spans whole rows of ``lanes_per_row`` columns (scalar loads)."""
+        return self.n_group == 1 or self.group_size % self.lanes_per_row == 0
 
     @property
     def E_pad(self) -> int:
@@ -105,8 +147,10 @@ class _Plan:
             return 1
         elem = torch.empty((), dtype=self.dtype).element_size()
         vec = 1
+        # With groups, a row of lanes_per_row * vec columns must not straddle two groups.
         while (2 * vec * elem <= _VEC_BYTES and self.E % (2 * vec) == 0
-               and 2 * vec <= self.keys_per_lane):
+               and 2 * vec <= self.keys_per_lane
+               and (self.n_group == 1 or self.group_size % (2 * vec * self.lanes_per_row) == 0)):
             vec *= 2
         return vec
 
@@ -128,7 +172,7 @@ def _compile(plan: _Plan, keep_ptx: bool = False) -> runtime.Launcher:
 
     return runtime.compile_launcher(TopKKernel(plan), runtime.fake_address(),
                                     runtime.fake_address(), runtime.fake_address(),
-                                    cutlass.Int32(1), keep_ptx=keep_ptx)
+                                    runtime.fake_address(), cutlass.Int32(1), keep_ptx=keep_ptx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,31 +181,51 @@ def _compile(plan: _Plan, keep_ptx: bool = False) -> runtime.Launcher:
 
 
 def topk_scores(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
-                renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalize: bool = False, expert_bias: torch.Tensor | None = None,
+                n_group: int = 1, topk_group: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K experts of every token and their routing scores, by the bitonic top-K kernel.
 
     docs/design.md §4 / SonicMoE paper §4.3; the same selection and scores as
-    :func:`sonic.topk_routing`, which is the PyTorch reference.
+    :func:`sonic.topk_routing`, which is the PyTorch reference (before its
+    ``scaling_factor``).
 
     Args:
         logits: ``(T, E)`` router logits, ``bfloat16`` or ``float32``, on a Hopper CUDA device;
             ``E <= 512``. Not modified (a non-contiguous tensor is copied first).
         k: experts per token, ``1 <= k <= min(E, 16)``.
         score: ``"softmax_topk"`` — softmax over the K selected logits; ``"topk_softmax"`` — the
-            K largest entries of the softmax over all E logits.
-        renormalize: with ``"topk_softmax"``, divide the K scores by their sum (the scores of
-            ``"softmax_topk"`` already sum to 1, so it changes nothing there).
+            K largest entries of the softmax over all E logits; ``"sigmoid"`` — the
+            ``sigmoid`` of the K logits with the largest ``sigmoid(logit) + expert_bias``
+            (DeepSeek-V3 §2.1.2).
+        renormalize: with ``"topk_softmax"`` or ``"sigmoid"``, divide the K scores by their sum
+            (the scores of ``"softmax_topk"`` already sum to 1, so it changes nothing there).
+        expert_bias: optional ``(E,)`` float bias added to the sigmoid scores for the selection
+            only (aux-loss-free balancing); ``score="sigmoid"`` only. Read as fp32.
+        n_group: group-limited selection among ``n_group`` groups of ``E / n_group``
+            consecutive experts (``score="sigmoid"`` only; a group scores the sum of its two
+            highest ``sigmoid + bias``); ``1`` disables it.
+        topk_group: the groups kept per token, ``1 <= topk_group <= n_group``; ``None`` means
+            ``n_group``.
 
     Returns:
         ``(scores, indices)``: ``(T, k)`` float32 scores and ``(T, k)`` int32 expert indices,
-        row ``t`` holding token ``t``'s experts by descending logit, the lower index first among
-        equal logits. fp32 logits within a relative ``2**-(23 - ceil(log2 E))`` of each other
-        count as equal for the order (see the module notes); scores use the exact logits.
+        row ``t`` holding token ``t``'s experts by descending logit (sigmoid: descending
+        ``sigmoid + bias``), the lower index first among equal values. For the softmax scores,
+        fp32 logits within a relative ``2**-(23 - ceil(log2 E))`` of each other count as equal
+        for the order (see the module notes); sigmoid orders fp32 exactly. Scores use the
+        exact logits.
 
     Raises:
-        TypeError: ``logits`` is not a tensor or not bf16/fp32; ``k`` is not an int.
+        TypeError: ``logits`` is not a tensor or not bf16/fp32; ``k``, ``n_group`` or
+            ``topk_group`` is not an int; ``expert_bias`` is not a float tensor.
         ValueError: ``logits`` is not 2-D or not on a CUDA device, ``E > 512``, ``T·E >= 2**31``,
-            ``k`` outside ``[1, min(E, 16)]``, or an unknown ``score``.
+            ``k`` outside ``[1, min(E, 16)]``, an unknown ``score``, ``expert_bias`` or groups
+            with another score than ``"sigmoid"``, ``expert_bias`` not of shape ``(E,)`` on the
+            logits' device, ``n_group`` not dividing ``E``, ``topk_group`` outside
+            ``[1, n_group]``, ``k`` above the ``topk_group·E/n_group`` eligible experts, or
+            groups the kernel does not serve (``E / n_group`` not a multiple of the lanes that
+            share a row; :func:`kernel_fits` tells).
         RuntimeError: the CuTe-DSL kernels cannot run on this device (see
             :func:`sonic.kernels.runtime.kernels_available`).
     """
@@ -184,21 +248,78 @@ def topk_scores(logits: torch.Tensor, k: int, *, score: str = "softmax_topk",
         raise ValueError(f"k must be in [1, {min(E, MAX_K)}] (k <= E and k <= {MAX_K}), got {k}")
     if score not in SCORES:
         raise ValueError(f"score must be one of {', '.join(map(repr, SCORES))}, got {score!r}")
+    n_group, topk_group = _check_selection(logits, k, score, expert_bias, n_group, topk_group)
     device = logits.device
     if device.type != "cuda":
         raise ValueError(f"logits must be on a CUDA device, got {device}")
     _check_device(device)
 
     logits = logits.contiguous()
-    return _run(logits, k, score, renormalize and score == "topk_softmax",
-                logits.data_ptr() % _VEC_BYTES == 0)
+    return _run(logits, k, score, renormalize and score != "softmax_topk",
+                logits.data_ptr() % _VEC_BYTES == 0, expert_bias=expert_bias,
+                n_group=n_group, topk_group=topk_group)
 
 
-def kernel_fits(logits: torch.Tensor, k: int) -> bool:
-    """Whether :func:`topk_scores` serves ``(T, E)`` ``logits`` and ``k``: ``T > 0``,
-    ``E <= MAX_E``, ``k <= MAX_K``, bf16 or fp32 (the device is checked by the caller)."""
-    return (logits.shape[0] > 0 and logits.shape[1] <= MAX_E and k <= MAX_K
-            and logits.dtype in (torch.bfloat16, torch.float32))
+def _check_selection(logits: torch.Tensor, k: int, score: str,
+                     expert_bias: torch.Tensor | None, n_group: int,
+                     topk_group: int | None) -> tuple[int, int]:
+    """Check the bias and group arguments of :func:`topk_scores`; returns the
+    ``(n_group, topk_group)`` the kernel compiles: ``(1, 1)`` where groups change nothing
+    (groups of one expert select exactly the plain top-K, and so do all groups kept)."""
+    E = logits.shape[1]
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    topk_group = n_group if topk_group is None else topk_group
+    if score != "sigmoid" and (expert_bias is not None or n_group != 1):
+        raise ValueError(f"expert_bias and n_group > 1 need score='sigmoid', got {score!r}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
+            raise TypeError("expert_bias must be a float tensor")
+        if expert_bias.shape != (E,) or expert_bias.device != logits.device:
+            raise ValueError(f"expert_bias must have shape (E={E},) on {logits.device}, got "
+                             f"{tuple(expert_bias.shape)} on {expert_bias.device}")
+    if not (1 <= n_group <= E and E % n_group == 0):
+        raise ValueError(f"n_group must divide E={E}, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if k > topk_group * (E // n_group):
+        raise ValueError(f"k={k} is more than the topk_group*E/n_group = "
+                         f"{topk_group * (E // n_group)} eligible experts")
+    if E // n_group == 1 or topk_group == n_group:
+        return 1, 1
+    if not _plan(logits.dtype, E, k, score, False, True, bias=False, n_group=n_group,
+                 topk_group=topk_group).groups_fit:
+        raise ValueError(f"groups of E/n_group={E // n_group} experts are not a multiple of "
+                         "the lanes per row; use the PyTorch path (see kernel_fits)")
+    return n_group, topk_group
+
+
+def _plan(dtype: torch.dtype, E: int, k: int, score: str, renormalize: bool, aligned: bool,
+          keys_per_lane: int | None = None, *, bias: bool = False, n_group: int = 1,
+          topk_group: int = 1) -> _Plan:
+    """The :class:`_Plan` of a call, with the keys per lane of its key width by default."""
+    if keys_per_lane is None:
+        keys_per_lane = _KEYS_PER_LANE_WIDE if score == "sigmoid" else _KEYS_PER_LANE
+    return _Plan(dtype, E, k, score, renormalize, aligned, keys_per_lane, bias, n_group,
+                 topk_group)
+
+
+def kernel_fits(logits: torch.Tensor, k: int, score: str = "softmax_topk", n_group: int = 1,
+                topk_group: int | None = None) -> bool:
+    """Whether :func:`topk_scores` serves ``(T, E)`` ``logits``, ``k`` and the selection:
+    ``T > 0``, ``E <= MAX_E``, ``k <= MAX_K``, bf16 or fp32, and groups (sigmoid only) whose
+    size is a multiple of the lanes sharing a row (the device is checked by the caller;
+    the group arguments are assumed valid, as :func:`sonic.topk_routing` checked them)."""
+    T, E = logits.shape
+    if not (T > 0 and E <= MAX_E and k <= MAX_K
+            and logits.dtype in (torch.bfloat16, torch.float32)):
+        return False
+    topk_group = n_group if topk_group is None else topk_group
+    if n_group == 1 or E // n_group == 1 or topk_group == n_group:
+        return True
+    return score == "sigmoid" and _plan(logits.dtype, E, k, score, False, True, n_group=n_group,
+                                        topk_group=topk_group).groups_fit
 
 
 # Per CUDA device (a tensor's device, index included): ``kernels_available``'s answer.
@@ -214,9 +335,10 @@ def _check_device(device: torch.device) -> None:
 
 
 def _run(logits: torch.Tensor, k: int, score: str, renormalize: bool, aligned: bool,
-         keys_per_lane: int = _KEYS_PER_LANE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel of ``_Plan(logits.dtype, E, k, score, renormalize, aligned,
-    keys_per_lane)`` on contiguous CUDA ``logits``; returns ``(scores, indices)``.
+         keys_per_lane: int | None = None, *, expert_bias: torch.Tensor | None = None,
+         n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel of ``_plan(logits.dtype, E, k, score, renormalize, aligned,
+    keys_per_lane, ...)`` on contiguous CUDA ``logits``; returns ``(scores, indices)``.
 
     The compile-cache key is a plain tuple of those fields, cheap to hash: the plan itself is
     built only on a cache miss.
@@ -227,11 +349,21 @@ def _run(logits: torch.Tensor, k: int, score: str, renormalize: bool, aligned: b
     indices = torch.empty((T, k), dtype=torch.int32, device=device)
     if T == 0:
         return scores, indices
-    key = ("topk", logits.dtype, E, k, score, renormalize, aligned, keys_per_lane)
+    if keys_per_lane is None:
+        keys_per_lane = _KEYS_PER_LANE_WIDE if score == "sigmoid" else _KEYS_PER_LANE
+    bias_addr = 0
+    if expert_bias is not None:
+        # An fp32 copy on the device (no host read); the kernel loads it like a logits row.
+        expert_bias = expert_bias.to(torch.float32).contiguous()
+        if expert_bias.data_ptr() % _VEC_BYTES:
+            expert_bias = expert_bias.clone()
+        bias_addr = expert_bias.data_ptr()
+    key = ("topk", logits.dtype, E, k, score, renormalize, aligned, keys_per_lane,
+           expert_bias is not None, n_group, topk_group)
     fn = runtime.compiled(key, lambda: _compile(_Plan(*key[1:])))
     # Fresh outputs from the caching allocator are always 16-byte aligned.
     args = (runtime.address(logits, _VEC_BYTES if aligned else logits.element_size()),
-            scores.data_ptr(), indices.data_ptr(), T)
+            scores.data_ptr(), indices.data_ptr(), bias_addr, T)
     # The launcher runs on the current device's stream.
     if device.index == torch.cuda.current_device():
         fn(*args)
@@ -246,19 +378,31 @@ def _run(logits: torch.Tensor, k: int, score: str, renormalize: bool, aligned: b
 # --------------------------------------------------------------------------------------------
 
 _VARIANTS = {
-    # name: (dtype, E, K, score, renormalize, PTX markers beyond the shared ones)
-    "bf16_E128_K8_softmax_topk": (torch.bfloat16, 128, 8, "softmax_topk", False, ("ld.global.v4",)),
-    "fp32_E512_K16_topk_softmax_renorm": (torch.float32, 512, 16, "topk_softmax", True,
-                                          ("ld.global.v4",)),
-    "bf16_E96_K6_softmax_topk": (torch.bfloat16, 96, 6, "softmax_topk", False, ("ld.global.v4",)),
+    # name: (dtype, E, K, score, renormalize, bias, n_group, topk_group,
+    #        PTX markers beyond the shared ones)
+    "bf16_E128_K8_softmax_topk": (torch.bfloat16, 128, 8, "softmax_topk", False, False, 1, 1,
+                                  ("ld.global.v4", "max.s32", "min.s32")),
+    "fp32_E512_K16_topk_softmax_renorm": (torch.float32, 512, 16, "topk_softmax", True, False,
+                                          1, 1, ("ld.global.v4", "max.s32", "min.s32")),
+    "bf16_E96_K6_softmax_topk": (torch.bfloat16, 96, 6, "softmax_topk", False, False, 1, 1,
+                                 ("ld.global.v4", "max.s32", "min.s32")),
+    # DeepSeek-V3's router: sigmoid, selection bias, 8 groups of 32, the best 4 kept. 64-bit
+    # keys; the bias row is read with vector loads like the logits.
+    "bf16_E256_K8_sigmoid_bias_g8_renorm": (torch.bfloat16, 256, 8, "sigmoid", True, True, 8, 4,
+                                            ("max.s64", "min.s64", "ld.global.v4.b32")),
+    # Sigmoid without bias or groups at the largest E and K, E padded past a power of two.
+    "fp32_E384_K16_sigmoid": (torch.float32, 384, 16, "sigmoid", False, False, 1, 1,
+                              ("max.s64", "min.s64")),
+    "bf16_E96_K6_sigmoid_bias_g3": (torch.bfloat16, 96, 6, "sigmoid", False, True, 3, 2,
+                                    ("max.s64", "min.s64")),
 }
 
-for _name, (_dtype, _E, _K, _score, _renorm, _markers) in _VARIANTS.items():
-    _plan = _Plan(_dtype, _E, _K, _score, _renorm, aligned=True)
+for _name, (_dtype, _E, _K, _score, _renorm, _bias, _ng, _tg, _markers) in _VARIANTS.items():
+    _p = _plan(_dtype, _E, _K, _score, _renorm, True, bias=_bias, n_group=_ng, topk_group=_tg)
     register(KernelVariant(
         kernel="topk",
         variant=_name,
-        compile_fake=lambda plan=_plan: _compile(plan, keep_ptx=True),
+        compile_fake=lambda plan=_p: _compile(plan, keep_ptx=True),
         # Butterfly shuffles across the lanes of a row and integer max/min on the packed keys.
-        ptx_markers=("shfl.sync.bfly.b32", "max.s32", "min.s32") + _markers,
+        ptx_markers=("shfl.sync.bfly.b32",) + _markers,
     ))

@@ -9,12 +9,14 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cuda.bindings import driver as cuda
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from sonic.kernels import runtime
 from sonic.kernels.topk import _INT32_MIN, _THREADS, _VEC_BYTES
 
-# Sorting networks on Python lists of int32 DSL values (unrolled at trace time).
+_INT64_MIN = -(2**63)
+
+# Sorting networks on Python lists of int32 or int64 DSL values (unrolled at trace time).
 
 
 def exchange(keys: list, i: int, j: int) -> None:
@@ -87,7 +89,8 @@ def group_top(keys: list, k_pad: int, lanes: int) -> list:
 
 class TopKKernel:
     """The ``@cute.jit`` entry of one :class:`sonic.kernels.topk._Plan`:
-    ``(logits, scores, indices addresses, T, stream)``."""
+    ``(logits, scores, indices, bias addresses, T, stream)``; the bias address is read only by
+    plans with a bias."""
 
     def __init__(self, plan):
         self.E, self.K = plan.E, plan.K
@@ -100,7 +103,15 @@ class TopKKernel:
         self.exact_keys = plan.dtype != torch.float32  # bf16/fp16 survive the packing bit-exactly
         self.flip_bits = 0x7FFF0000 if self.exact_keys else 0x7FFFFFFF
         self.softmax_all = plan.score == "topk_softmax"
-        self.renormalize = self.softmax_all and plan.renormalize
+        self.sigmoid = plan.score == "sigmoid"
+        self.renormalize = plan.renormalize and plan.score != "softmax_topk"
+        self.wide = plan.wide_keys
+        if self.wide:
+            # The choice values are not bf16 values: exact 32-bit order bits, logits re-read.
+            self.exact_keys, self.flip_bits = False, 0x7FFFFFFF
+        self.has_bias = plan.bias
+        self.n_group, self.topk_group = plan.n_group, plan.topk_group
+        self.group_size = plan.group_size
 
     # The helpers below run at trace time and unroll into straight-line code over the V values
     # of a lane (Python lists of DSL scalars).
@@ -113,7 +124,8 @@ class TopKKernel:
         return x
 
     def load_lane(self, mX, src_row, lane):
-        """This lane's V logits as fp32 and, when E is padded, whether each is a real column."""
+        """This lane's V values of row ``src_row`` of ``mX`` (the logits, or the ``(1, E)``
+        bias) as fp32 and, when E is padded, whether each is a real column."""
         E, E_pad, G, V, vec = self.E, self.E_pad, self.G, self.V, self.vec
         # Chunk i of a lane covers columns [c*vec, c*vec + vec) with c = i*G + lane: the G lanes
         # of a row read adjacent pieces, so every load instruction is fully coalesced.
@@ -159,6 +171,14 @@ class TopKKernel:
             # float's fp32 pattern has 16 zero low bits, left as they are so that the index term
             # can be added and the logit read back exactly.
             ordered = bits ^ ((bits >> 31) & flip_bits)
+            if const_expr(self.wide):
+                # All 32 value bits above the index: the exact order of fp32 values.
+                key = (Int64(ordered) << 32) + Int64(lane_term + (mask - (t // vec) * G * vec
+                                                                  - t % vec))
+                if real is not None:
+                    key = Int64(cutlass.select_(real[t], key, Int64(_INT64_MIN)))
+                keys.append(key)
+                continue
             if not self.exact_keys:
                 ordered = ordered & ~mask
             key = ordered + lane_term + (mask - (t // vec) * G * vec - t % vec)
@@ -167,8 +187,101 @@ class TopKKernel:
             keys.append(key)
         return keys
 
+    @staticmethod
+    def sigmoid_of(x):
+        """``1 / (1 + exp(-x))`` as PyTorch's CUDA sigmoid computes it in fp32 (accurate
+        ``exp``, correctly rounded division), so that the selection matches it exactly."""
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+    def slot_group(self, t):
+        """The group of register ``t`` (the same on every lane: groups span whole rows of
+        ``G * vec`` columns), or None for a padding column past E."""
+        first = (t // self.vec) * self.G * self.vec
+        return first // self.group_size if first < self.E else None
+
+    def limit_groups(self, choice, keys):
+        """``keys`` with every expert outside the row's ``topk_group`` best groups replaced by
+        the padding key (DeepSeek-V3 §2.1.2: a group scores the sum of its two highest choice
+        values; the lower group first on ties)."""
+        n, V = self.n_group, self.V
+        top1, top2 = [], []
+        for g in range(n):
+            slots = [t for t in range(V) if self.slot_group(t) == g]
+            m1, m2 = choice[slots[0]], -Float32.inf
+            for t in slots[1:]:
+                m2 = cute.arch.fmax(m2, cute.arch.fmin(m1, choice[t]))
+                m1 = cute.arch.fmax(m1, choice[t])
+            top1.append(m1)
+            top2.append(m2)
+        offset = 1
+        while offset < self.G:
+            for g in range(n):
+                o1 = cute.arch.shuffle_sync_bfly(top1[g], offset=offset)
+                o2 = cute.arch.shuffle_sync_bfly(top2[g], offset=offset)
+                top2[g] = cute.arch.fmax(cute.arch.fmin(top1[g], o1), cute.arch.fmax(top2[g], o2))
+                top1[g] = cute.arch.fmax(top1[g], o1)
+            offset *= 2
+        group_keys = []
+        for g in range(n):
+            bits = (top1[g] + top2[g]).bitcast(Int32)
+            ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            group_keys.append((Int64(ordered) << 32) + Int64(n - 1 - g))
+        n_pad = 1 << max(n - 1, 0).bit_length()
+        ranked = sort_desc(group_keys + [Int64(_INT64_MIN)] * (n_pad - n))
+        threshold = ranked[self.topk_group - 1]
+        kept = [group_keys[g] >= threshold for g in range(n)]
+        out = list(keys)
+        for t in range(V):
+            g = self.slot_group(t)
+            if g is not None:
+                out[t] = Int64(cutlass.select_(kept[g], keys[t], Int64(_INT64_MIN)))
+        return out
+
+    def selection_keys(self, mX, mBias, src_row, lane):
+        """``(keys, stats)`` of this lane: packed logits, or (sigmoid) packed ``sigmoid + bias``
+        limited to the kept groups; and the row's softmax max and sum (softmax over all E; else
+        None)."""
+        vals, real = self.load_lane(mX, src_row, lane)
+        if const_expr(not self.sigmoid):
+            stats = self.softmax_stats(vals, real) if self.softmax_all else None
+            return self.pack_keys(vals, real, lane), stats
+        choice = [self.sigmoid_of(v) for v in vals]
+        if const_expr(self.has_bias):
+            bias, _ = self.load_lane(mBias, 0, lane)
+            choice = [choice[t] + bias[t] for t in range(self.V)]
+        keys = self.pack_keys(choice, real, lane)
+        if const_expr(self.n_group > 1):
+            keys = self.limit_groups(choice, keys)
+        return keys, None
+
+    def routing_scores(self, logit, stats):
+        """The K routing scores of the selected logits (descending), fp32."""
+        # One correctly rounded reciprocal per row, then products: within an ulp of PyTorch's
+        # per-element division, without K division slow paths.
+        if const_expr(self.softmax_all):
+            row_max, row_sum = stats
+            inv_sum = Float32(1.0) / row_sum
+            score = [cute.math.exp(logit[j] - row_max) * inv_sum for j in range(self.K)]
+        elif const_expr(self.sigmoid):
+            score = [self.sigmoid_of(logit[j]) for j in range(self.K)]
+        else:
+            exps = [cute.math.exp(logit[j] - logit[0]) for j in range(self.K)]
+            total = exps[0]
+            for j in range(1, self.K):
+                total = total + exps[j]
+            inv_total = Float32(1.0) / total
+            return [e * inv_total for e in exps]
+        if const_expr(self.renormalize):
+            total = score[0]
+            for j in range(1, self.K):
+                total = total + score[j]
+            inv_total = Float32(1.0) / total
+            score = [s * inv_total for s in score]
+        return score
+
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mScores: cute.Tensor, mIdx: cute.Tensor, num_rows: Int32):
+    def kernel(self, mX: cute.Tensor, mScores: cute.Tensor, mIdx: cute.Tensor, num_rows: Int32,
+               mBias: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % self.G
@@ -177,41 +290,23 @@ class TopKKernel:
         # row and skip the stores.
         src_row = cutlass.min(row, num_rows - 1)
 
-        vals, real = self.load_lane(mX, src_row, lane)
-        if const_expr(self.softmax_all):
-            row_max, row_sum = self.softmax_stats(vals, real)
-        keys = self.pack_keys(vals, real, lane)
+        keys, stats = self.selection_keys(mX, mBias, src_row, lane)
         top = group_top(keys, self.K_pad, self.G)
 
         idx = []
         logit = []
         for j in cutlass.range_constexpr(self.K):
-            col = self.mask - (top[j] & self.mask)
+            if const_expr(self.wide):
+                col = self.mask - Int32(top[j] & self.mask)
+            else:
+                col = self.mask - (top[j] & self.mask)
             idx.append(col)
             if const_expr(self.exact_keys):
                 ordered = top[j] - (top[j] & self.mask)
                 logit.append((ordered ^ ((ordered >> 31) & self.flip_bits)).bitcast(Float32))
             else:
                 logit.append(Float32(mX[src_row, col]))
-
-        # One correctly rounded reciprocal per row, then products: within an ulp of PyTorch's
-        # per-element division, without K division slow paths.
-        if const_expr(self.softmax_all):
-            inv_sum = Float32(1.0) / row_sum
-            score = [cute.math.exp(logit[j] - row_max) * inv_sum for j in range(self.K)]
-            if const_expr(self.renormalize):
-                total = score[0]
-                for j in cutlass.range_constexpr(1, self.K):
-                    total = total + score[j]
-                inv_total = Float32(1.0) / total
-                score = [s * inv_total for s in score]
-        else:
-            exps = [cute.math.exp(logit[j] - logit[0]) for j in range(self.K)]
-            total = exps[0]
-            for j in cutlass.range_constexpr(1, self.K):
-                total = total + exps[j]
-            inv_total = Float32(1.0) / total
-            score = [e * inv_total for e in exps]
+        score = self.routing_scores(logit, stats)
 
         if row < num_rows:
             gScores = cute.logical_divide(mScores[row, None], cute.make_layout(self.ovec))
@@ -229,7 +324,7 @@ class TopKKernel:
 
     @cute.jit
     def __call__(self, logits: cutlass.Int64, scores: cutlass.Int64, indices: cutlass.Int64,
-                 num_rows: Int32, stream: cuda.CUstream):
+                 bias: cutlass.Int64, num_rows: Int32, stream: cuda.CUstream):
         gmem = runtime.gmem_ptr
         E, K = self.E, self.K
         mX = cute.make_tensor(gmem(self.in_dtype, logits, self.in_align),
@@ -238,7 +333,12 @@ class TopKKernel:
                                    cute.make_layout((num_rows, K), stride=(K, 1)))
         mIdx = cute.make_tensor(gmem(Int32, indices, _VEC_BYTES),
                                 cute.make_layout((num_rows, K), stride=(K, 1)))
-        self.kernel(mX, mScores, mIdx, num_rows).launch(
+        # Plans without a bias pass None: the kernel's signature, hence its PTX, stays as it was.
+        mBias = None
+        if const_expr(self.has_bias):
+            mBias = cute.make_tensor(gmem(Float32, bias, _VEC_BYTES),
+                                     cute.make_layout((1, E), stride=(E, 1)))
+        self.kernel(mX, mScores, mIdx, num_rows, mBias).launch(
             grid=[cute.ceil_div(num_rows, self.rows_per_cta), 1, 1],
             block=[_THREADS, 1, 1],
             stream=stream,

@@ -386,8 +386,8 @@ def scored_topk(logits: torch.Tensor, k: int, score: str, renormalize: bool,
     """``(scores (T, k), idx (T, k) int32)`` in torch with no host read: selection on the
     detached affinities plus the bias, within the best groups; weights from the unbiased
     affinities (or, ``"softmax_topk"``, a softmax over the selected logits), differentiable
-    with respect to ``logits`` by autograd. The path of the options the fused top-K op lacks
-    (sigmoid scores, an expert bias, groups) on every backend."""
+    with respect to ``logits`` by autograd. The reference of the fused top-K op's sigmoid,
+    bias and group options, and their path where that op does not run."""
     affinity = affinity_scores(logits, score)
     choice = affinity.detach()
     if expert_bias is not None:

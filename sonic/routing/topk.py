@@ -16,7 +16,7 @@ from sonic.routing.types import Routing
 from sonic.types import Backend, Score
 
 SCORES: tuple[Score, ...] = get_args(Score)
-# Scores the fused top-K op computes; "sigmoid", an expert bias and groups run in torch.
+# Scores the fused top-K op computes without a bias or groups; it computes sigmoid with both.
 _KERNEL_SCORES = ("softmax_topk", "topk_softmax")
 
 
@@ -81,9 +81,11 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
         backend: ``"auto"`` runs the bitonic top-K kernel (paper §4.3) on a supported GPU for
             bf16/fp32 logits with ``E <= 512`` and ``k <= 16``, a stable sort otherwise;
             ``"torch"`` always the stable sort; ``"cute"`` requires a supported GPU. The
-            kernel serves the softmax scores without ``expert_bias`` and groups; every other
-            choice is computed in torch on the logits' device (no host read) on every backend,
-            and its pairs feed the same metadata path.
+            kernel serves the softmax scores without ``expert_bias`` and groups, and sigmoid
+            scores with or without both (groups whose size is a multiple of the lanes sharing
+            a row, see :func:`sonic.kernels.topk.kernel_fits`; others and softmax with a bias
+            or groups run in torch on the logits' device, with no host read). Either way the
+            pairs feed the same metadata path.
         expert_bias: optional ``(E,)`` float per-expert bias added to the affinities ``s``
             (softmax or sigmoid of the logits) for the selection only; the scores stay the
             unbiased ones (aux-loss-free balancing, DeepSeek-V3 §2.1.2). Not differentiated.
@@ -130,6 +132,11 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
         # The op topk_routing: the bitonic kernel where it serves the call, a stable sort
         # otherwise; backward (twice differentiable) registered with the op.
         scores, idx = sonic.ops.call.topk_routing(logits, k, score, renormalize, backend)
+    elif score == "sigmoid" and backend != "torch" and logits.device.type == "cuda":
+        # The same op with the kernel's sigmoid options; off CUDA (or with backend="torch")
+        # the torch selection keeps plain autograd (and torch.func transforms).
+        scores, idx = sonic.ops.call.topk_routing(logits, k, score, renormalize, backend,
+                                                  expert_bias, n_group, topk_group)
     else:
         scores, idx = scored_topk(logits, k, score, renormalize, expert_bias, n_group,
                                   topk_group)

@@ -2,9 +2,10 @@
 
     python -m pytest -m gpu tests/gpu/test_router_options_gpu.py
 
-The options the fused top-K kernel lacks (sigmoid, expert bias, groups) are computed in torch
-on the GPU and feed the CuTe metadata and expert kernels: pairs must equal the CPU's exactly,
-the layer within bf16 rounding of the torch backend, and routing must make no host read.
+Sigmoid scores with an expert bias and groups run in the fused top-K kernel, softmax with a
+bias or groups in torch on the GPU; both feed the CuTe metadata and expert kernels: pairs must
+equal the CPU's exactly, the layer within bf16 rounding of the torch backend, and routing must
+make no host read.
 """
 
 import pytest
@@ -37,11 +38,12 @@ def test_routing_on_cuda_equals_cpu_and_reads_nothing_back(name):
     logits = torch.randn(4096, E, generator=torch.Generator().manual_seed(0))
     bias = 0.05 * torch.randn(E, generator=torch.Generator().manual_seed(1))
     cpu = sonic.topk_routing(logits, K, expert_bias=bias, backend="torch", **opts)
+    # The host-to-device copies synchronise by themselves: made before the checked region.
+    logits_gpu, bias_gpu = logits.cuda(), bias.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        gpu = sonic.topk_routing(logits.cuda(), K, expert_bias=bias.cuda(), backend="cute",
-                                 **opts)
+        gpu = sonic.topk_routing(logits_gpu, K, expert_bias=bias_gpu, backend="cute", **opts)
         meta = sonic.routing_metadata(gpu, backend="cute")
     finally:
         torch.cuda.set_sync_debug_mode(0)
