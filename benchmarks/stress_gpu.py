@@ -24,6 +24,15 @@ kernels, the ``sonic.MoE`` layer), one line per case; small enough for compute-s
 
 (each ends with compute-sanitizer's ``ERROR SUMMARY``; a clean run reports 0 errors.)
 
+``--compute-sanitizer``: runs those four commands at once (one GPU, ``--seconds`` the time
+limit, default 600) and prints a table of the error records per case and tool, each tool's
+``ERROR SUMMARY``, and which grouped-GEMM variants of the sm_90a registry the cases launched
+(a plan: the configuration without its sizes); exits with status 1 on any error, failed case
+or tool that did not finish. Records are attributed to the case whose markers surround them
+in the output; the summaries are the totals::
+
+    python benchmarks/stress_gpu.py --compute-sanitizer [--tools memcheck,initcheck]
+
 ``--random N --seconds S``: up to N randomized cases or S seconds, whichever comes first::
 
     python benchmarks/stress_gpu.py --random 2000 --seconds 900 --seed 0
@@ -53,6 +62,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -80,12 +90,19 @@ class Case:
     gate_up: str = "concat"
     tile: int = 64
     layer: bool = False          # through sonic.MoE rather than the functional API
+    padded: bool = False         # token rounding padded to its capacity (rows past P)
+    precision: str = "bf16"      # "fp8": the FP8 expert path (d, n multiples of 128)
+    fp8_epilogues: str = "quantizing"   # sonic.backend.set_fp8_epilogues for precision="fp8"
+    fp8_weight_grads: str = "bf16"      # sonic.backend.set_fp8_weight_grads likewise
 
     def __str__(self) -> str:
         kind = "MoE layer" if self.layer else self.router
         return (f"T={self.T} d={self.d} n={self.n} E={self.E} K={self.K} {kind} "
                 f"{str(self.dtype).removeprefix('torch.')} {self.gate_up}"
-                + (f" tile={self.tile}" if self.router == "token_rounding" else ""))
+                + (f" tile={self.tile}" if self.router == "token_rounding" else "")
+                + (" padded" if self.padded else "")
+                + (f" fp8/{self.fp8_epilogues}/wgrad-{self.fp8_weight_grads}"
+                   if self.precision == "fp8" else ""))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -168,14 +185,14 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], backend: str):
             # differ from torch's in the last bit, which can reorder near-equal picks of an
             # expert and so which ones rounding drops; _check_token_rounding covers the kernel.
             routing = sonic.token_rounding_routing(leaves["logits"], case.K, tile=case.tile,
-                                                   backend="torch")
+                                                   backend="torch", padded=case.padded)
         else:
             routing = sonic.Routing(leaves["token_idx"], leaves["expert_idx"], leaves["scores"],
                                     case.T, case.E)
         meta = sonic.routing_metadata(routing, backend=backend)
         out = sonic.moe_experts(leaves["x"], leaves["w1"], leaves["w2"], routing.scores,
                                 routing.token_idx, routing.expert_idx, gate_up=case.gate_up,
-                                backend=backend, metadata=meta)
+                                backend=backend, metadata=meta, precision=case.precision)
         pairs = (routing.token_idx, routing.expert_idx)
         aux = None
         named = {"w1": leaves["w1"], "w2": leaves["w2"]}
@@ -226,8 +243,14 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str]:
             problem = _check_token_rounding(case, inputs["logits"])
             if problem:
                 return False, problem
-        pairs_auto, auto = _run(case, inputs, "auto")
-        pairs_ref, ref = _run(case, inputs, "torch")
+        previous = (sonic.backend.set_fp8_epilogues(case.fp8_epilogues),
+                    sonic.backend.set_fp8_weight_grads(case.fp8_weight_grads))
+        try:
+            pairs_auto, auto = _run(case, inputs, "auto")
+            pairs_ref, ref = _run(case, inputs, "torch")
+        finally:
+            sonic.backend.set_fp8_epilogues(previous[0])
+            sonic.backend.set_fp8_weight_grads(previous[1])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as err:  # noqa: BLE001 - report and go on with the next case
@@ -262,20 +285,172 @@ def _poison_allocator(case: Case, device: torch.device) -> None:
 
 
 def sanitize_cases() -> list[Case]:
-    """Small cases reaching every kernel path once."""
+    """Small cases that together launch every grouped-GEMM plan :mod:`the heuristic
+    <sonic.kernels.grouped_gemm.heuristic>` picks on sm_90a (``--compute-sanitizer`` reports
+    which registered variants they covered) and every other kernel path: top-K and token
+    rounding (exact and padded), both gate/up layouts, an expert with no tokens, one expert
+    taking every token, T = 1, T = 0, fp32, the ``sonic.MoE`` layer, and FP8 under each
+    ``set_fp8_epilogues`` choice. The shapes pick the plans: ``n = 128``: one n-tile (the
+    cluster shares B), ping-pong 128-wide down-proj and dX; ``d = 384, n = 256``: the
+    up-proj's cluster shares A, ping-pong 192-wide tiles; ``n = 384``: dX with K > 512
+    (cooperative, deferred stores); ``d = 256, n = 512``: the dH kernel shares A, 256-row
+    varlen-K tiles."""
     base = dict(T=256, d=128, n=128, E=8, K=2)
+    fp8 = dict(T=256, d=256, n=128, E=8, K=2, precision="fp8")
     return [
         Case(**base, router="topk", gate_up="concat"),
         Case(**base, router="topk", gate_up="interleaved"),
         Case(**base, router="token_rounding", gate_up="concat", tile=64),
-        Case(**base, router="token_rounding", gate_up="interleaved", tile=64),
+        Case(**base, router="token_rounding", gate_up="interleaved", tile=64, padded=True),
         Case(**base, router="empty_experts"),
         Case(T=256, d=128, n=128, E=8, K=1, router="hot_expert"),
         Case(T=1, d=128, n=128, E=8, K=2, router="topk"),
         Case(T=0, d=128, n=128, E=8, K=2, router="topk"),
         Case(**base, router="topk", dtype=torch.float32),
         Case(**base, router="topk", layer=True),
+        Case(T=256, d=384, n=256, E=8, K=2, router="token_rounding", tile=64, padded=True),
+        Case(T=256, d=128, n=384, E=8, K=2, router="topk", gate_up="interleaved"),
+        Case(T=256, d=256, n=512, E=8, K=2, router="topk"),
+        Case(**fp8, router="topk", fp8_epilogues="store"),
+        Case(**fp8, router="topk", gate_up="interleaved"),
+        Case(**fp8, router="token_rounding", tile=128, padded=True, fp8_epilogues="fused",
+             fp8_weight_grads="fp8"),
+        Case(T=256, d=384, n=384, E=8, K=2, router="topk", precision="fp8",
+             fp8_epilogues="fused", fp8_weight_grads="fp8"),
     ]
+
+
+# compute-sanitizer's tools the --compute-sanitizer driver runs, and its marker lines.
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+CASE_BEGIN, CASE_END, GEMM_CONFIG = "@@ case begin", "@@ case end", "@@ gemm config"
+_PLAN_FIELDS = ("varlen_k", "ab_dtype", "epilogue", "gate_up", "gather_a", "gather_b",
+                "b_n_major", "transpose_c", "tile_m", "tile_n", "pingpong", "cluster",
+                "multicast_a")
+
+
+def plan_key(cfg) -> str:
+    """A grouped-GEMM configuration without its sizes: the compiled code path it selects."""
+    return " ".join(f"{f}={getattr(cfg, f)}" for f in _PLAN_FIELDS)
+
+
+def record_gemm_plans() -> set[str]:
+    """Record the :func:`plan_key` of every grouped GEMM launched from now on."""
+    from sonic.kernels.grouped_gemm import interface
+
+    seen: set[str] = set()
+    launcher = interface._launcher
+
+    def recording(cfg):
+        seen.add(plan_key(cfg))
+        return launcher(cfg)
+
+    interface._launcher = recording
+    return seen
+
+
+def registered_gemm_plans(arch: str = "sm_90a") -> dict[str, str]:
+    """``{registered grouped-GEMM variant: plan_key}`` of ``arch``, without compiling (the
+    variants' configurations are taken where they would be compiled)."""
+    from sonic.kernels import registry
+    from sonic.kernels.grouped_gemm import interface
+
+    compile_config = interface.compile_config
+    interface.compile_config = lambda cfg, keep_ptx=False: cfg
+    try:
+        return {v.variant: plan_key(v.compile_fake()) for v in registry.variants(arch)
+                if v.kernel == "grouped_gemm"}
+    finally:
+        interface.compile_config = compile_config
+
+
+def _sanitizer_errors(lines: list[str]) -> int:
+    """Error records among compute-sanitizer's lines: a top-level ``=========`` line that is
+    not its banner, a summary or the exit note."""
+    quiet = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "Target application",
+             "Note:", "This tool")
+    return sum(1 for ln in lines if re.match(r"========= \S", ln)
+               and not ln[10:].startswith(quiet))
+
+
+def parse_sanitizer_log(text: str) -> tuple[dict[str, int], int | None, set[str], list[str]]:
+    """``({case: error records}, ERROR SUMMARY total or None, GEMM plans, failing case lines)``
+    of one ``--compute-sanitizer`` child's output; records outside any case count under
+    ``"(outside cases)"``."""
+    per_case: dict[str, int] = {}
+    plans: set[str] = set()
+    current, block, failed = "(outside cases)", [], []
+    total = None
+    for ln in text.splitlines():
+        if ln.startswith(CASE_BEGIN) or ln.startswith(CASE_END):
+            per_case[current] = per_case.get(current, 0) + _sanitizer_errors(block)
+            current = ln.split(" ", 3)[3] if ln.startswith(CASE_BEGIN) else "(outside cases)"
+            block = []
+        elif ln.startswith(GEMM_CONFIG):
+            plans.add(ln[len(GEMM_CONFIG):].strip())
+        else:
+            block.append(ln)
+            summary = re.search(r"ERROR SUMMARY: (\d+) error", ln)
+            if summary:
+                total = int(summary.group(1))
+            if re.match(r"\s*\d+ FAIL ", ln):
+                failed.append(ln.strip())
+    per_case[current] = per_case.get(current, 0) + _sanitizer_errors(block)
+    return per_case, total, plans, failed
+
+
+def run_sanitizers(tools: list[str], timeout: float, sanitizer: str) -> int:
+    """Run ``--sanitize`` under each compute-sanitizer tool (in parallel, one GPU), print the
+    table of error records per case and tool and the grouped-GEMM variants covered; 0 when
+    every tool reports no error and every case passes."""
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
+    procs = {}
+    logs = {}
+    for tool in tools:
+        logs[tool] = tempfile.TemporaryFile(mode="w+")
+        procs[tool] = subprocess.Popen(
+            [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "200",
+             sys.executable, os.path.abspath(__file__), "--sanitize"],
+            stdout=logs[tool], stderr=subprocess.STDOUT, env=env, text=True)
+    start = time.monotonic()
+    results, bad = {}, False
+    for tool, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        logs[tool].seek(0)
+        text = logs[tool].read()
+        results[tool] = (rc, *parse_sanitizer_log(text))
+        if rc != 0 or results[tool][2] is None:
+            print(f"--- {tool}: exit {rc}; last lines ---\n" + "\n".join(
+                text.splitlines()[-15:]), flush=True)
+    cases = [str(c) for c in sanitize_cases()] + ["(outside cases)"]
+    width = max(len(c) for c in cases)
+    print(f"{'case':<{width}} " + " ".join(f"{t:>10}" for t in tools))
+    for case in cases:
+        print(f"{case:<{width}} " + " ".join(
+            f"{results[t][1].get(case, '-')!s:>10}" for t in tools))
+    print(f"{'ERROR SUMMARY':<{width}} " + " ".join(
+        f"{results[t][2] if results[t][2] is not None else 'none'!s:>10}" for t in tools))
+    for tool in tools:
+        rc, _, total, _, failed = results[tool]
+        bad |= rc != 0 or total is None or total > 0 or bool(failed)
+        for line in failed:
+            print(f"{tool}: {line}")
+    launched = set().union(*(results[t][3] for t in tools))
+    registered = registered_gemm_plans()
+    covered = sorted(v for v, key in registered.items() if key in launched)
+    print(f"grouped-GEMM variants (sm_90a registry) covered: {len(covered)}/{len(registered)}")
+    for v, key in registered.items():
+        print(f"  {'covered    ' if v in covered else 'not covered'} {v}")
+    for key in sorted(launched - set(registered.values())):
+        print(f"  launched, not a registered variant: {key}")
+    print("sanitizers: " + ("ERRORS" if bad else "clean"), flush=True)
+    return 1 if bad else 0
 
 
 def random_case(rng: random.Random) -> Case:
@@ -302,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--sanitize", action="store_true",
                       help="small cases of every kernel path (for compute-sanitizer)")
     mode.add_argument("--random", type=int, metavar="N", help="run up to N random cases")
+    mode.add_argument("--compute-sanitizer", action="store_true",
+                      help="run --sanitize under compute-sanitizer's tools and tabulate")
+    parser.add_argument("--tools", default=",".join(SANITIZER_TOOLS),
+                        help="--compute-sanitizer: comma-separated tools (default: all four)")
+    parser.add_argument("--sanitizer", default="compute-sanitizer",
+                        help="--compute-sanitizer: the compute-sanitizer executable")
     parser.add_argument("--seconds", type=float, default=600.0,
                         help="time limit of --random (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random cases")
@@ -311,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--random must be >= 1, got {args.random}")
     if not args.seconds > 0:
         parser.error(f"--seconds must be > 0, got {args.seconds}")
+    if args.compute_sanitizer:
+        tools = [t for t in args.tools.split(",") if t]
+        unknown = sorted(set(tools) - set(SANITIZER_TOOLS))
+        if unknown or not tools:
+            parser.error(f"--tools must name some of {SANITIZER_TOOLS}, got {args.tools!r}")
+        return run_sanitizers(tools, args.seconds, args.sanitizer)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available (use --device cpu to check "
@@ -319,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)
     cases = sanitize_cases() if args.sanitize else None
+    plans = record_gemm_plans() if args.sanitize and device.type == "cuda" else set()
     start, count, failures = time.monotonic(), 0, 0
     while True:
         if cases is not None:
@@ -329,10 +517,16 @@ def main(argv: list[str] | None = None) -> int:
             if count == args.random or time.monotonic() - start > args.seconds:
                 break
             case = random_case(rng)
+        if cases is not None:
+            print(f"{CASE_BEGIN} {case}", flush=True)
         passed, summary = run_case(case, seed=args.seed * 100003 + count, device=device)
+        if cases is not None:
+            print(f"{CASE_END}", flush=True)
         count += 1
         failures += not passed
         print(f"{count:5d} {'ok  ' if passed else 'FAIL'} {case}: {summary}", flush=True)
+    for key in sorted(plans):
+        print(f"{GEMM_CONFIG} {key}", flush=True)
     print(f"{count} cases, {failures} failures", flush=True)
     return 1 if failures else 0
 
