@@ -54,6 +54,10 @@ class ExpertOps:
     # grouped_mm_varlen_k_fp8_reference).
     quantize_cols_grouped: Callable
     grouped_mm_varlen_k_fp8: Callable
+    # Fills an output's rows past expert_offsets[E] (signature as in
+    # sonic.reference.ops.fill_padding_rows); None where the backend's varlen-M steps write
+    # the reference's zeros there already.
+    fill_padding_rows: Callable | None
 
 
 def _torch_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
@@ -80,6 +84,7 @@ TORCH_OPS = ExpertOps(
     dh_dswiglu_fp8=_torch_dh_dswiglu_fp8,
     quantize_cols_grouped=fp8_reference.quantize_cols_grouped,
     grouped_mm_varlen_k_fp8=fp8_reference.grouped_mm_varlen_k_fp8_reference,
+    fill_padding_rows=None,
 )
 
 
@@ -410,6 +415,18 @@ def _cute_grouped_mm_varlen_k(a, b, offsets, gather_idx_a=None, gather_idx_b=Non
     return reference.grouped_mm_varlen_k(a, b, offsets, gather_idx_a, gather_idx_b)
 
 
+def _cute_fill_padding_rows(t, offsets, dim=0, value=0.0):
+    # The varlen-M kernels store only expert rows: a padded routing's padding rows get their
+    # values from this small kernel, whose work is the padding alone.
+    from sonic.kernels import padding as kernels
+
+    if (t.is_cuda and t.is_contiguous() and t.dim() in (1, 2) and offsets.dtype == torch.int32
+            and offsets.is_contiguous()
+            and (t.element_size() * (t.shape[1] if dim == 0 and t.dim() == 2 else 1)) % 4 == 0):
+        return kernels.fill_padding_rows(t, offsets, dim, value)
+    return reference.fill_padding_rows(t, offsets, dim, value)
+
+
 # ------------------------------------------------------------------------------ FP8
 
 FP8_ARCH = "sm_90a"
@@ -598,4 +615,5 @@ def _cute_ops(strict: bool = False) -> ExpertOps:
         dh_dswiglu_fp8=_cute_dh_dswiglu_fp8,
         quantize_cols_grouped=_cute_quantize_cols_grouped,
         grouped_mm_varlen_k_fp8=_cute_grouped_mm_varlen_k_fp8,
+        fill_padding_rows=_cute_fill_padding_rows,
     )

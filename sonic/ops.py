@@ -94,6 +94,20 @@ def _impl(backend: str, device: torch.device):
     return expert_ops(backend, device)
 
 
+def _fill_padding(backend: str, offsets: torch.Tensor, *rows: torch.Tensor, dim: int = 0,
+                  value: float = 0.0):
+    """The reference's values (zeros by default) in the rows past ``offsets[E]`` (along
+    ``dim``) of each of an op's ``rows`` outputs: a padded routing's padding rows belong to no
+    expert, and left as allocated they would make the op's result depend on memory rather
+    than its inputs. Read on the device, no host synchronisation; with no padding, the CuTe
+    backend's one small launch per output stores nothing."""
+    fill = _impl(backend, offsets.device).fill_padding_rows
+    if fill is not None:
+        for t in rows:
+            if t.numel():
+                fill(t, offsets, dim, value)
+
+
 def _no_autocast(device: torch.device):
     """Inside an op the inputs already have the dtypes the caller chose (``sonic.moe_experts``
     applies autocast itself, once, before the op); autocast must not re-cast the kernels'
@@ -277,7 +291,9 @@ _topk_op.register_autograd(_topk_backward, setup_context=_topk_setup)
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                    gather_idx: torch.Tensor | None, backend: str) -> torch.Tensor:
     with _no_autocast(a.device):
-        return _impl(backend, a.device).grouped_mm(a, b, offsets, gather_idx)
+        out = _impl(backend, a.device).grouped_mm(a, b, offsets, gather_idx)
+    _fill_padding(backend, offsets, out)
+    return out
 
 
 @_grouped_mm_op.register_fake
@@ -305,7 +321,9 @@ def _up_proj_swiglu_op(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor,
                        gather_idx: torch.Tensor, gate_up: str,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     with _no_autocast(x.device):
-        return _impl(backend, x.device).up_proj_swiglu(x, w1, offsets, gather_idx, gate_up)
+        h, act = _impl(backend, x.device).up_proj_swiglu(x, w1, offsets, gather_idx, gate_up)
+    _fill_padding(backend, offsets, h, act)
+    return h, act
 
 
 @_up_proj_swiglu_op.register_fake
@@ -327,7 +345,9 @@ def _dh_dswiglu_op(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                    gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
                    gate_up: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # As an op, never in place: the op promises not to mutate h (see _experts_backward).
-    return _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend)
+    step = _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend)
+    _fill_padding(backend, offsets, *step)
+    return step
 
 
 @_dh_dswiglu_op.register_fake
@@ -395,6 +415,12 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
         # its output: the forward's peak then never holds H and Y together.
         cache, scales = packed or activation_cache_pack(h, activation_cache, ops.name == "cute")
         del h, packed
+        if m.top_k is None:
+            # A padded routing's cache rows past offsets[E] (an op output) as the reference
+            # has them: zeros, and for the fp8 cache an all-zero block's scale.
+            _fill_padding(backend, offsets, cache)
+            _fill_padding(backend, offsets, scales, dim=1,
+                          value=fp8_reference.ZERO_BLOCK_SCALE)
         if fp8_weights is None:
             y = ops.grouped_mm(act, w2.transpose(1, 2), offsets)
         else:
@@ -584,8 +610,10 @@ def _(w, backend):
 def _grouped_mm_fp8_op(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
                        b_scales: torch.Tensor, offsets: torch.Tensor,
                        gather_idx: torch.Tensor | None, backend: str) -> torch.Tensor:
-    return _impl(backend, a_q.device).grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets,
-                                                     gather_idx)
+    out = _impl(backend, a_q.device).grouped_mm_fp8(a_q, a_scales, b_q, b_scales, offsets,
+                                                    gather_idx)
+    _fill_padding(backend, offsets, out)
+    return out
 
 
 @_grouped_mm_fp8_op.register_fake
@@ -694,8 +722,10 @@ def _dh_dswiglu_fp8_op(do_q: torch.Tensor, do_scales: torch.Tensor, w2t_q: torch
                        h: torch.Tensor, row_scores: torch.Tensor, gate_up: str,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # As an op, never in place (see _dh_on_saved_h).
-    return _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
+    step = _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
                            row_scores, gate_up, backend)
+    _fill_padding(backend, offsets, *step)
+    return step
 
 
 @_dh_dswiglu_fp8_op.register_fake

@@ -20,6 +20,8 @@ the leaf :mod:`sonic.types`. Entry points:
   — the gathered dA' GEMM with the dSwiGLU epilogue. The package is split by concern (config,
   heuristic, tile scheduler, operand ring, TMA producers, base kernel, sm_90 WGMMA and sm_100
   tcgen05 mainloops, epilogues, self-check); see its docstring.
+* :func:`sonic.kernels.padding.fill_padding_rows` — a padded routing's padding rows of an
+  output filled (zeros, or an FP8 scale), reading ``expert_offsets[E]`` on the device.
 * :mod:`sonic.kernels.activation` — the fp32 silu / SwiGLU / dSwiGLU maths shared by the
   one-pass kernels and the grouped-GEMM epilogues.
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 # Kernel modules that register variants, in listing order.
 KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu",
-                  "token_rounding", "fp8_quant")
+                  "token_rounding", "fp8_quant", "padding")
 # Compile targets of the compile check: Hopper and Blackwell (datacenter).
 ARCHS = ("sm_90a", "sm_100a")
 

@@ -151,8 +151,10 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
         token_idx: ``(P,)`` int32, contiguous, CUDA; values in ``[0, T)``.
         expert_idx: ``(P,)`` int32, contiguous, same device; values in ``[0, E]``: ``E`` marks
             a padding pair (:attr:`sonic.Routing.num_valid`), which gets a row after
-            ``expert_offsets[E]`` (the routed pairs) and no place in ``token_offsets`` /
-            ``token_rows`` (pairs with other values get no row and leave rows unwritten).
+            ``expert_offsets[E]`` (the routed pairs) and no place in ``token_offsets``; the
+            padding rows close ``token_rows`` in pair order (row ``r`` at position ``r``),
+            as in the reference (pairs with other values get no row and leave rows
+            unwritten).
         num_tokens: ``T`` >= 0.
         num_experts: ``E`` in ``[1, sonic.types.ROUTING_METADATA_MAX_EXPERTS]`` (512; a
             compile-time constant: each new ``E`` compiles once).
@@ -173,7 +175,13 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
                          f"{token_idx.numel()} and {expert_idx.numel()}")
     _check_num("num_tokens", num_tokens, 0)
     _check_num("num_experts", num_experts, 1, ROUTING_METADATA_MAX_EXPERTS)
-    return _launch(expert_idx, token_idx, num_tokens, 1, num_experts)
+    meta = _launch(expert_idx, token_idx, num_tokens, 1, num_experts)
+    # The kernels leave the padding out of the token grouping, so the tail of token_rows
+    # (past token_offsets[T], which equals expert_offsets[E]) is unwritten; the reference
+    # closes it with the padding rows in pair order, i.e. row r at position r.
+    rows = torch.arange(meta.token_rows.numel(), dtype=torch.int32, device=token_idx.device)
+    torch.where(rows >= meta.expert_offsets[-1], rows, meta.token_rows, out=meta.token_rows)
+    return meta
 
 
 _PTX_MARKERS = ("match.any.sync.b32", "popc.b32", "atom.shared.add", "bar.sync")

@@ -39,6 +39,8 @@ import torch
 from sonic.types import FP8_BLOCK
 
 FP8_DTYPE = torch.float8_e4m3fn
+# The scale of an all-zero block (its values are 0 whatever the scale; 1.0 keeps it finite).
+ZERO_BLOCK_SCALE = 1.0
 # Largest finite e4m3 value (S.1111.110 = 1.75 · 2^8).
 FP8_MAX = 448.0
 # Unit roundoff of e4m3 round-to-nearest: 3 stored mantissa bits, so |q − x/s| ≤ 2^-4 |x/s| for
@@ -97,7 +99,7 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     # its reciprocal, which differs from IEEE division in the last bit for some amax, so the
     # reference would not be the same function on CPU and GPU (nor equal to the kernels).
     divisor = torch.full_like(amax, FP8_MAX)
-    return torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
+    return torch.where(amax > 0, amax / divisor, torch.full_like(amax, ZERO_BLOCK_SCALE))
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -72,10 +72,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     if a.device.type == "meta":  # shapes only: nothing to compute, no offsets to read
         return a.new_empty(a.shape[0], b.shape[-1])
     if _use_grouped_mm(b.shape[-1], a, b):
-        out = torch._grouped_mm(a, b, offs=offsets[1:])
-        # On the device, without reading offsets[E] back (CUDA graphs).
-        padding = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
-        return out.masked_fill_(padding[:, None], 0)
+        return fill_padding_rows(torch._grouped_mm(a, b, offs=offsets[1:]), offsets)
     out = a.new_empty(a.shape[0], b.shape[-1])
     bounds = _expert_bounds(offsets)
     for e in range(b.shape[0]):
@@ -83,6 +80,15 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         torch.matmul(a[lo:hi], b[e], out=out[lo:hi])
     out[bounds[-1]:].zero_()
     return out
+
+
+def fill_padding_rows(t: torch.Tensor, offsets: torch.Tensor, dim: int = 0,
+                      value: float = 0.0) -> torch.Tensor:
+    """``value`` in ``t``'s rows ``offsets[E]:`` along ``dim`` (a padded routing's padding,
+    which no GEMM computes), in place; ``offsets[E]`` is compared on the device, never read
+    back (CUDA graphs, no host synchronisation). Returns ``t``."""
+    padding = torch.arange(t.shape[dim], device=t.device) >= offsets[-1]
+    return t.masked_fill_(padding.view(-1, *(1,) * (t.dim() - 1 - dim)), value)
 
 
 def grouped_mm_varlen_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
@@ -219,7 +225,10 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
     rows = y.index_select(0, token_rows).to(acc)
     if row_scores is not None:
         rows = rows * row_scores.index_select(0, token_rows).to(acc).unsqueeze(-1)
-    out = torch.segment_reduce(rows, "sum", offsets=token_offsets, axis=0)
+    # A padded routing's padding rows lie past token_offsets[T]: one more segment takes them
+    # and is dropped, so the segments cover every row of `rows`, with no host read of T's end.
+    bounds = torch.cat([token_offsets, token_offsets.new_full((1,), rows.shape[0])])
+    out = torch.segment_reduce(rows, "sum", offsets=bounds, axis=0)[:-1]
     return out.to(y.dtype)
 
 

@@ -72,6 +72,8 @@ def _random_pairs(t, e, p, mode, gen):
     elif mode == "expert_major":  # token-rounding style order: grouped by expert
         order = torch.argsort(experts * t + tokens)
         tokens, experts = tokens[order], experts[order]
+    elif mode == "padded":  # a padded routing: its last pairs are padding (expert E)
+        experts[p - p // 5:] = e
     return tokens, experts
 
 
@@ -86,6 +88,8 @@ def _random_pairs(t, e, p, mode, gen):
     (8193, 64, 30001, "expert_major"), (16384, 128, 131072, "random"),
     (40000, 32, 2049, "random"), (200000, 128, 150000, "empty_tokens"),
     (32768, 128, 262144, "expert_major"),
+    # Padding pairs: rows after expert_offsets[E], which also close token_rows.
+    (3000, 64, 12345, "padded"), (1, 8, 5, "padded"), (8193, 512, 40000, "padded"),
 ])
 def test_pairs_matches_reference(t, e, p, mode):
     from sonic.kernels.routing_metadata import routing_metadata_pairs

@@ -147,8 +147,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
             (N-major, e.g. ``w2.transpose(1, 2)`` for the backward's ``dO·W2``); no copy is made.
         expert_offsets: ``(E+1,)`` int32, contiguous: expert ``e`` owns rows
             ``[expert_offsets[e], expert_offsets[e+1])``; non-decreasing from 0 with
-            ``expert_offsets[E] == P`` (as :class:`sonic.RoutingMetadata` builds it). Read on
-            the device only; not validated against the data.
+            ``expert_offsets[E] <= P`` (as :class:`sonic.RoutingMetadata` builds it). The
+            rows past ``expert_offsets[E]`` (a padded routing's padding) are not written:
+            :func:`sonic.kernels.padding.fill_padding_rows` fills them where an op returns
+            them. Read on the device only; not validated against the data.
         gather_idx: ``(P,)`` int32, contiguous, values in ``[0, T)``, or None.
         out: ``(P, N)`` bf16, contiguous, written in place and returned; allocated if None.
 

@@ -1,0 +1,114 @@
+"""A padded routing's padding rows filled on the GPU, without reading the padding back.
+
+A padded routing (token rounding's ``padded=True``, :attr:`sonic.Routing.num_valid`) has a
+static number of pairs ``P`` of which only the first ``expert_offsets[E]`` rows belong to an
+expert; no grouped GEMM computes the rest. An op whose output kept them as the allocator
+left them would not be a function of its inputs (``torch.library.opcheck`` and CUDA graphs
+replaying different data see it). The reference writes zeros there (and an all-zero block's
+scale in the FP8 scales); this kernel writes the same value into the CuTe backend's outputs,
+reading ``expert_offsets[E]`` on the device: no host synchronisation, and work proportional
+to the padding alone (a routing without padding costs one launch whose threads read one
+offset and return).
+
+A tensor is seen as ``(outer, P, row)`` 4-byte words with ``row`` contiguous and the ``P``
+rows at ``dim``: ``(P,)`` and ``(P, W)`` tensors have ``outer = 1``, the FP8 path's
+column-major scales ``(W/128, P)`` have ``row = 1``. Each thread of a grid-stride loop stores
+one unit of the fill word: 16 bytes where every row is a multiple of 16 bytes and the tensor
+16-byte aligned, 4 bytes otherwise.
+"""
+
+import struct
+
+import torch
+
+from sonic.kernels import runtime
+from sonic.kernels.registry import KernelVariant, register
+
+THREADS = 256
+# Blocks per SM of the grid-stride loop: the grid is sized without knowing the padding.
+BLOCKS_PER_SM = 4
+_WORD = 4
+
+
+def _compile(vec: int, keep_ptx: bool = False):
+    """Compile one static configuration with placeholder arguments."""
+    import cutlass
+
+    from sonic.kernels.padding_kernel import PaddingKernel
+
+    return runtime.compile_launcher(PaddingKernel(vec), runtime.fake_address(),
+                                    runtime.fake_address(), *(cutlass.Int32(1) for _ in range(6)),
+                                    keep_ptx=keep_ptx)
+
+
+def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 0,
+                      value: float = 0.0) -> torch.Tensor:
+    """Write ``value``, in place, into ``t``'s rows ``expert_offsets[E]:P`` along ``dim``.
+
+    Args:
+        t: contiguous CUDA tensor with its ``P`` rows at ``dim``: ``(P,)`` or ``(P, W)`` (``dim
+            = 0``; ``W`` times the element size a multiple of 4 bytes), or ``(B, P)`` of
+            4-byte elements (``dim = 1``, e.g. the FP8 path's 1×128 scales).
+        expert_offsets: ``(E+1,)`` int32 on ``t``'s device (:attr:`sonic.RoutingMetadata.
+            expert_offsets`); read on the device only. Rows before ``expert_offsets[E]`` are
+            not touched; with ``expert_offsets[E] >= P`` nothing is written.
+        dim: the dimension of the ``P`` rows, 0 or 1 (1 only for 2-D tensors).
+        value: 0, or for an fp32 ``t`` any float (e.g. an all-zero FP8 block's scale, 1.0).
+
+    Returns:
+        ``t``.
+
+    Raises:
+        TypeError: ``expert_offsets`` is not int32, or ``t`` is not a tensor.
+        ValueError: ``t`` is not a contiguous CUDA tensor of 1 or 2 dimensions,
+            ``expert_offsets`` is not a 1-D tensor of at least one entry on ``t``'s device,
+            ``dim`` is not a dimension of ``t``, a row is not a whole number of 4-byte
+            words, ``t`` holds ``2**31`` words or more, or a nonzero ``value`` for a ``t``
+            that is not fp32.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a tensor, got {type(t).__name__}")
+    runtime.check_tensor("t", t, dtypes=(t.dtype,), ndim=t.dim())
+    if t.dim() not in (1, 2):
+        raise ValueError(f"t must have 1 or 2 dimensions, got {t.dim()}")
+    runtime.check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1,
+                         device=t.device)
+    if expert_offsets.numel() < 1:
+        raise ValueError("expert_offsets must have E+1 >= 1 entries, got 0")
+    if dim not in range(t.dim()):
+        raise ValueError(f"dim must be a dimension of t ({t.dim()}-D), got {dim}")
+    rows = t.shape[dim]
+    outer = t.shape[0] if dim == 1 else 1
+    row_bytes = t.element_size() * (t.shape[1] if dim == 0 and t.dim() == 2 else 1)
+    if row_bytes % _WORD:
+        raise ValueError(f"t's rows must be whole 4-byte words, got {row_bytes} bytes per row "
+                         f"({tuple(t.shape)} {t.dtype}, dim {dim})")
+    if value != 0 and t.dtype != torch.float32:
+        raise ValueError(f"value must be 0 for a {t.dtype} t (a nonzero fill is fp32 only), "
+                         f"got {value}")
+    word = struct.unpack("<i", struct.pack("<f", value))[0]
+    if t.numel() == 0:
+        return t
+    if t.numel() * t.element_size() // _WORD >= 2**31:
+        raise ValueError(f"t must have fewer than 2**31 4-byte words, got {tuple(t.shape)} "
+                         f"{t.dtype}")
+    vec = 4 if row_bytes % 16 == 0 and t.data_ptr() % 16 == 0 else 1
+    row_units = row_bytes // (_WORD * vec)
+    blocks = min(-(-outer * rows * row_units // THREADS),
+                 BLOCKS_PER_SM * _sm_count(t.device))
+    fn = runtime.compiled(("padding", vec), lambda: _compile(vec))
+    fn(runtime.address(t, _WORD * vec), runtime.address(expert_offsets, 4),
+       expert_offsets.numel() - 1, rows, row_units, outer, word, blocks)
+    return t
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+for _vec in (1, 4):
+    register(KernelVariant(
+        kernel="padding",
+        variant=f"vec{_vec}",
+        compile_fake=lambda v=_vec: _compile(v, keep_ptx=True),
+        ptx_markers=("st.global.v4" if _vec == 4 else ("st.global.b32", "st.global.u32"),)))

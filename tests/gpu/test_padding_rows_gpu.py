@@ -1,0 +1,176 @@
+"""Padded token rounding on the CuTe expert kernels: the rows past ``expert_offsets[E]`` (the
+padding, which belongs to no expert and no tile) of every output are what the PyTorch
+reference gives them, zeros, and the routed rows match the reference.
+
+Fresh random inputs on every run; each CuTe call allocates from a poisoned private memory pool,
+so a row that a kernel leaves unwritten reads as NaN rather than as a stale zero.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import sonic
+from sonic.backend import set_fp8_epilogues
+
+from kernel_checks import fp8_kernels, rel_err, require_kernels  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.gpu
+
+# Every output is over 1 MiB, so it comes from the allocator's large pool, which
+# poison_allocator fills; "nearest" leaves some 500 padding rows of 2560.
+T, D, N, E, K, TILE = 1024, 512, 512, 8, 2, 128
+
+
+def _problem():
+    """Weights, tokens, output gradient and a padded token-rounding routing with its CuTe
+    metadata, drawn from the default generator without a fixed seed."""
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, 2 * N, D, device="cuda") / D ** 0.5).bfloat16()
+    w2 = (torch.randn(E, D, N, device="cuda") / N ** 0.5).bfloat16()
+    dout = torch.randn(T, D, device="cuda").bfloat16()
+    r = sonic.token_rounding_routing(torch.randn(T, E, device="cuda"), K, tile=TILE,
+                                     padded=True)
+    meta = sonic.routing_metadata(r, backend="cute")
+    valid = int(r.num_valid)
+    assert valid < r.num_pairs, "the routing must have padding rows"
+    return x, w1, w2, dout, r, meta, valid
+
+
+@contextlib.contextmanager
+def _poisoned(rows: int, cols: int):
+    """Inside: allocations come from a private memory pool whose memory was filled with 0xFF
+    bytes first (a large segment and small-block segments), so an element a kernel leaves
+    unwritten reads as NaN rather than as a stale zero; checked on a fresh ``(rows, cols)``
+    bf16 buffer, so the checks below can fail. (The shared caching allocator cannot be
+    poisoned reliably: its free blocks lie between live tensors.)"""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        blocks = [torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")]
+        blocks += [torch.full((512 << 10,), -1, dtype=torch.int8, device="cuda")
+                   for _ in range(16)]
+        torch.cuda.synchronize()
+        del blocks
+        assert torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda").isnan().all()
+        assert torch.empty(rows, dtype=torch.float32, device="cuda").isnan().all()
+        yield
+
+
+def _check(name: str, got: torch.Tensor, want: torch.Tensor, valid: int, tol: float) -> None:
+    """Padding rows (dim 0; dim 1 of a ``(blocks, P)`` scale tensor) equal the reference's
+    exactly, and are zeros (an e4m3 row's scales: the reference's 1.0 of an all-zero block);
+    the routed rows of a bf16 / fp32 output are within ``tol`` relative error."""
+    assert got.shape == want.shape, name
+    scales = name.endswith("scales")
+    if scales:
+        got, want = got.t(), want.t()
+    pad_got, pad_want = got[valid:].float(), want[valid:].float()
+    assert torch.equal(pad_got, pad_want), (
+        f"{name}: padding rows differ from the reference ({pad_got.isnan().sum().item()} NaN)")
+    assert scales or pad_want.eq(0).all(), name
+    if got.dtype in (torch.bfloat16, torch.float32):
+        err = rel_err(got[:valid], want[:valid])
+        assert err < tol, (name, err)
+
+
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_bf16_expert_steps_fill_the_padding_rows(gate_up):
+    """Up-proj + SwiGLU (H, A), the dH step (dH, A', ds: the fused kernel for "concat", the
+    dA' GEMM and the one-pass epilogue for "interleaved"), the down-proj Y and the dX rows,
+    each through its ``torch.ops.sonic`` op, CuTe against the reference."""
+    require_kernels()
+    x, w1, w2, dout, r, meta, valid = _problem()
+    off, gidx, P = meta.expert_offsets, meta.gather_idx, r.num_pairs
+    row_scores = r.scores.index_select(0, meta.sorted_pairs).float()
+    ops = torch.ops.sonic
+    h, a = ops.up_proj_swiglu(x, w1, off, gidx, gate_up, "torch")
+    dh = ops.dh_dswiglu(dout, w2, off, gidx, h, row_scores, gate_up, "torch")[0]
+    steps = {
+        "up_proj_swiglu": lambda b: ops.up_proj_swiglu(x, w1, off, gidx, gate_up, b),
+        "dh_dswiglu": lambda b: ops.dh_dswiglu(dout, w2, off, gidx, h, row_scores, gate_up, b),
+        "down_proj": lambda b: (ops.grouped_mm(a, w2.transpose(1, 2), off, None, b),),
+        "dx_rows": lambda b: (ops.grouped_mm(dh, w1, off, None, b),),
+    }
+    for step, run in steps.items():
+        want = run("torch")
+        with _poisoned(P, 2 * N):
+            got = run("cute")
+            torch.cuda.synchronize()
+            for i, (g, w) in enumerate(zip(got, want)):
+                _check(f"{step}[{i}]", g, w, valid, tol=2e-2)
+
+
+def test_opcheck_on_padded_routing_with_the_cute_backend():
+    """``torch.library.opcheck`` on the up-proj op and on the expert op (forward and
+    backward: the dH kernel, the dX and weight-gradient GEMMs), with the CuTe backend: its
+    runs agree only if every output is a function of the inputs."""
+    require_kernels()
+    x, w1, w2, _, r, meta, valid = _problem()
+    with _poisoned(r.num_pairs, 2 * N):
+        torch.library.opcheck(torch.ops.sonic.routing_metadata.default,
+                              (r.token_idx, r.expert_idx, T, E, 0, "cute"))
+        torch.library.opcheck(torch.ops.sonic.up_proj_swiglu.default,
+                              (x, w1, meta.expert_offsets, meta.gather_idx, "concat", "cute"))
+    args = (x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_(),
+            r.scores.detach().requires_grad_(), meta.packed, 0, "concat", "cute")
+    with _poisoned(r.num_pairs, 2 * N):
+        torch.library.opcheck(torch.ops.sonic.moe_experts.default, args)
+        _, h, _ = torch.ops.sonic.moe_experts(*args)
+        assert h[valid:].eq(0).all() and h[:valid].ne(0).any()
+
+
+@pytest.mark.parametrize("activation_cache", ["bf16", "fp8"])
+def test_expert_op_cache_padding_is_the_references(activation_cache):
+    """The expert op's activation cache (H, or its e4m3 copy and 1×128 scales) on a padded
+    routing: the padding rows as the reference has them (zeros; an all-zero block's scale)."""
+    require_kernels()
+    x, w1, w2, _, r, meta, valid = _problem()
+    args = (x, w1, w2, r.scores.detach(), meta.packed, 0, "concat")
+    want = torch.ops.sonic.moe_experts(*args, "torch", activation_cache)
+    with _poisoned(r.num_pairs, 2 * N):
+        got = torch.ops.sonic.moe_experts(*args, "cute", activation_cache)
+        torch.cuda.synchronize()
+        _check("out", got[0], want[0], x.shape[0], tol=2e-2)
+        _check("cache", got[1], want[1], valid, tol=2e-2)
+        if activation_cache == "fp8":
+            _check("cache scales", got[2], want[2], valid, tol=2e-2)
+
+
+@pytest.mark.parametrize("epilogues", ["store", "quantizing", "fused"])
+def test_fp8_expert_steps_fill_the_padding_rows(epilogues, fp8_kernels):
+    """The FP8 ops with P rows under each ``set_fp8_epilogues`` choice (the store FP8 GEMM and
+    the one-pass kernels, or the fused SwiGLU / dSwiGLU GEMMs): the dH step (dH, A', ds), the
+    dX rows, and the FP8 expert op's e4m3 activation cache with its scales."""
+    x, w1, w2, dout, r, meta, valid = _problem()
+    off, gidx, P = meta.expert_offsets, meta.gather_idx, r.num_pairs
+    row_scores = r.scores.index_select(0, meta.sorted_pairs).float()
+    fp8_w = sonic.quantize_expert_weights(w1, w2, backend="cute")
+    ops = torch.ops.sonic
+    h = ops.up_proj_swiglu(x, w1, off, gidx, "concat", "torch")[0]
+    do_q, do_scales = ops.quantize_rows(dout, "torch")
+    dh = ops.dh_dswiglu(dout, w2, off, gidx, h, row_scores, "concat", "torch")[0]
+    dh_q, dh_scales = ops.quantize_rows(dh, "torch")
+    previous = set_fp8_epilogues(epilogues)
+    try:
+        steps = {
+            "dh_dswiglu_fp8": lambda b: ops.dh_dswiglu_fp8(
+                do_q, do_scales, fp8_w.w2t_q, fp8_w.w2t_scales, off, gidx, h, row_scores,
+                "concat", b),
+            "dx_rows_fp8": lambda b: (ops.grouped_mm_fp8(dh_q, dh_scales, fp8_w.w1t_q,
+                                                         fp8_w.w1t_scales, off, None, b),),
+            "moe_experts_fp8": lambda b: ops.moe_experts_fp8(
+                x, w1, w2, r.scores.detach(), meta.packed, list(fp8_w), 0, "concat", b, "fp8",
+                "bf16")[1:],
+        }
+        names = {"moe_experts_fp8": ("cache", "cache scales")}
+        for step, run in steps.items():
+            want = run("torch")
+            with _poisoned(P, 2 * N):
+                got = run("cute")
+                torch.cuda.synchronize()
+                for i, (g, w) in enumerate(zip(got, want)):
+                    name = names[step][i] if step in names else f"[{i}]"
+                    _check(f"{step} {name}", g, w, valid, tol=2e-2)
+    finally:
+        set_fp8_epilogues(previous)
