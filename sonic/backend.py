@@ -490,8 +490,6 @@ def _cute_quantize_blocks(w):
 
 def _fp8_gemm_fits(a_q, a_scales, b_q, b_scales, offsets, gather_idx) -> bool:
     # The kernel's own limits (K, N multiples of 128 are the layer's precondition).
-    from sonic.kernels import grouped_gemm as kernels
-
     return (all(t.is_contiguous() for t in (a_q, a_scales, b_q, b_scales))
             and a_q.data_ptr() % 16 == 0 and b_q.data_ptr() % 16 == 0
             and b_q.shape[1] % 128 == 0 and b_q.shape[2] % 128 == 0

@@ -531,24 +531,11 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
     try:
         for step in bar:
             lr = scheduler.get_last_lr()[0]
-            inputs, targets = to_device(corpus.batch("train", config.batch_size,
-                                                     config.seq_len, train_gen,
-                                                     shard=par.rank, num_shards=par.world))
-            with collect_aux_losses(model) as aux_losses:
-                lm_loss = _lm_loss(trained, inputs, targets)
-            aux_losses += model.take_aux_losses()
-            aux_loss = (sum(aux_losses[1:], aux_losses[0]) if aux_losses
-                        else lm_loss.new_zeros(()))
-            loss = lm_loss + aux_loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            parallel.clip_grad_norm(model, config.grad_clip, par)
-            optimizer.step()
-            scheduler.step()
-            if par.distributed:   # the losses of the global batch: means over the ranks
-                lm_loss, aux_loss = parallel.mean_over_world(
-                    torch.stack([lm_loss.detach().float(), aux_loss.detach().float()]), par)
-            losses.append(lm_loss.detach())
+            batch = to_device(corpus.batch("train", config.batch_size, config.seq_len,
+                                           train_gen, shard=par.rank, num_shards=par.world))
+            lm_loss, aux_loss = _optimizer_step(model, trained, optimizer, scheduler, batch,
+                                                config.grad_clip, par)
+            losses.append(lm_loss)
             done = step + 1
             if warm is None:
                 warm = clock()
@@ -566,7 +553,7 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
             rates.append(rate)
             if log is not None or writer is not None:
                 record = {"step": done, "loss": losses[-1].item(),
-                          "aux_loss": float(aux_loss.detach()), "lr": lr, "tokens_per_s": rate}
+                          "aux_loss": float(aux_loss), "lr": lr, "tokens_per_s": rate}
                 if evaluated is not None:
                     record["val_loss"] = evaluated
                 _write_record(record, log, writer)
@@ -602,6 +589,29 @@ def _train(config: TrainConfig, par: parallel.Parallel, device: torch.device, *,
                                    torch.Generator().manual_seed(config.seed + 1)))[0]
     return _summary(config, par, device, dtype, model, probe, end=end, losses=losses,
                     val_history=val_history, tokens_per_s=tokens_per_s, rates=rates)
+
+
+def _optimizer_step(model: ByteMoELM, trained, optimizer, scheduler, batch: tuple,
+                    grad_clip: float, par: parallel.Parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step on ``batch = (inputs, targets)``: the LM loss through ``trained`` (the model,
+    or its data-parallel wrapper) plus the MoE layers' aux losses, backward, gradients clipped
+    to ``grad_clip``, then the optimizer and schedule steps. Returns the detached
+    ``(lm_loss, aux_loss)``, distributed: their means over the ranks (the global batch's)."""
+    inputs, targets = batch
+    with collect_aux_losses(model) as aux_losses:
+        lm_loss = _lm_loss(trained, inputs, targets)
+    aux_losses += model.take_aux_losses()
+    aux_loss = sum(aux_losses[1:], aux_losses[0]) if aux_losses else lm_loss.new_zeros(())
+    optimizer.zero_grad(set_to_none=True)
+    (lm_loss + aux_loss).backward()
+    parallel.clip_grad_norm(model, grad_clip, par)
+    optimizer.step()
+    scheduler.step()
+    lm_loss, aux_loss = lm_loss.detach(), aux_loss.detach()
+    if par.distributed:
+        lm_loss, aux_loss = parallel.mean_over_world(
+            torch.stack([lm_loss.float(), aux_loss.float()]), par)
+    return lm_loss, aux_loss
 
 
 def _restore(state: dict, model: ByteMoELM, optimizer, train_gen: torch.Generator,
