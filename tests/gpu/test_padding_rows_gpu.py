@@ -74,6 +74,20 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, valid: int, tol: fl
         assert err < tol, (name, err)
 
 
+def _compare(steps: dict, rows: int, valid: int, names: dict | None = None) -> None:
+    """Each step's outputs on the CuTe backend (from a poisoned pool) against the reference's
+    (:func:`_check`); ``steps[name](backend)`` runs a step, ``names[name]`` names its
+    outputs (by position otherwise)."""
+    for step, run in steps.items():
+        want = run("torch")
+        with _poisoned(rows, 2 * N):
+            got = run("cute")
+            torch.cuda.synchronize()
+            for i, (g, w) in enumerate(zip(got, want)):
+                name = names[step][i] if names and step in names else f"[{i}]"
+                _check(f"{step} {name}", g, w, valid, tol=2e-2)
+
+
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
 def test_bf16_expert_steps_fill_the_padding_rows(gate_up):
     """Up-proj + SwiGLU (H, A), the dH step (dH, A', ds: the fused kernel for "concat", the
@@ -92,13 +106,7 @@ def test_bf16_expert_steps_fill_the_padding_rows(gate_up):
         "down_proj": lambda b: (ops.grouped_mm(a, w2.transpose(1, 2), off, None, b),),
         "dx_rows": lambda b: (ops.grouped_mm(dh, w1, off, None, b),),
     }
-    for step, run in steps.items():
-        want = run("torch")
-        with _poisoned(P, 2 * N):
-            got = run("cute")
-            torch.cuda.synchronize()
-            for i, (g, w) in enumerate(zip(got, want)):
-                _check(f"{step}[{i}]", g, w, valid, tol=2e-2)
+    _compare(steps, P, valid)
 
 
 def test_opcheck_on_padded_routing_with_the_cute_backend():
@@ -163,14 +171,6 @@ def test_fp8_expert_steps_fill_the_padding_rows(epilogues, fp8_kernels):
                 x, w1, w2, r.scores.detach(), meta.packed, list(fp8_w), 0, "concat", b, "fp8",
                 "bf16")[1:],
         }
-        names = {"moe_experts_fp8": ("cache", "cache scales")}
-        for step, run in steps.items():
-            want = run("torch")
-            with _poisoned(P, 2 * N):
-                got = run("cute")
-                torch.cuda.synchronize()
-                for i, (g, w) in enumerate(zip(got, want)):
-                    name = names[step][i] if step in names else f"[{i}]"
-                    _check(f"{step} {name}", g, w, valid, tol=2e-2)
+        _compare(steps, P, valid, names={"moe_experts_fp8": ("cache", "cache scales")})
     finally:
         set_fp8_epilogues(previous)

@@ -217,11 +217,17 @@ def test_bad_arguments(args, kwargs, error, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run these")
 @pytest.mark.parametrize("plan", [
-    (torch.bfloat16, 1, 1, "softmax_topk", False, True),
-    (torch.float32, 257, 16, "topk_softmax", True, False),
-    (torch.bfloat16, 100, 3, "topk_softmax", False, True),
-    (torch.float32, 8, 8, "softmax_topk", False, True),
-], ids=lambda p: f"{str(p[0]).removeprefix('torch.')}_E{p[1]}_K{p[2]}_{p[3]}")
+    (torch.bfloat16, 1, 1, "softmax_topk", False, True, dict()),
+    (torch.float32, 257, 16, "topk_softmax", True, False, dict()),
+    (torch.bfloat16, 100, 3, "topk_softmax", False, True, dict()),
+    (torch.float32, 8, 8, "softmax_topk", False, True, dict()),
+    # Sigmoid scores (64-bit keys) with a selection bias and groups.
+    (torch.bfloat16, 1, 1, "sigmoid", False, True, dict()),
+    (torch.float32, 257, 16, "sigmoid", True, False, dict(bias=True)),
+    (torch.float32, 64, 8, "sigmoid", True, False, dict(bias=True, n_group=4, topk_group=2)),
+    (torch.bfloat16, 512, 16, "sigmoid", False, True, dict(n_group=16, topk_group=3)),
+], ids=lambda p: f"{str(p[0]).removeprefix('torch.')}_E{p[1]}_K{p[2]}_{p[3]}"
+                 + "".join(f"_{k}{v}" for k, v in sorted(p[6].items())))
 def test_edge_plans_compile_for_sm90a(plan):
     if os.environ.get("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":
         pytest.skip("CUTE_DSL_ARCH is set to another target")
@@ -230,4 +236,5 @@ def test_edge_plans_compile_for_sm90a(plan):
     except RuntimeError as err:
         pytest.skip(str(err))
     pytest.importorskip("cutlass")
-    assert topk._compile(topk._Plan(*plan)) is not None
+    *args, kw = plan
+    assert topk._compile(topk._plan(*args, **kw)) is not None

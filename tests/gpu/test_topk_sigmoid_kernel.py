@@ -7,16 +7,15 @@ The kernel computes the sigmoid as PyTorch's CUDA kernel does and orders the fp3
 exactly, so the selected experts and their order must equal the torch path's bit for bit, ties
 included (the lower expert, or group, first). Scores are sigmoids of the same logits; only the
 renormalising sum's order differs (a few ulp). The CPU tests at the end check the argument
-errors, the layout invariant that group selection relies on, and compile edge plans.
+errors, and the layout invariant that group selection relies on (its edge plans compile in
+test_topk_kernel.py).
 """
-
-import os
 
 import pytest
 import torch
 
 import sonic
-from sonic.kernels import runtime, topk
+from sonic.kernels import topk
 from sonic.reference.ops import scored_topk
 
 from kernel_checks import poison_allocator, require_kernels
@@ -264,22 +263,3 @@ def test_every_group_is_static_per_register(dtype, aligned):
                 assert groups == {first // size if first < E else None}, (E, n_group, t)
             checked += 1
     assert checked > 40
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run these")
-@pytest.mark.parametrize("plan", [
-    (torch.bfloat16, 1, 1, "sigmoid", False, True, dict()),
-    (torch.float32, 257, 16, "sigmoid", True, False, dict(bias=True)),
-    (torch.float32, 64, 8, "sigmoid", True, False, dict(bias=True, n_group=4, topk_group=2)),
-    (torch.bfloat16, 512, 16, "sigmoid", False, True, dict(n_group=16, topk_group=3)),
-], ids=lambda p: f"{str(p[0]).removeprefix('torch.')}_E{p[1]}_K{p[2]}_{sorted(p[6])}")
-def test_edge_plans_compile_for_sm90a(plan):
-    if os.environ.get("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":
-        pytest.skip("CUTE_DSL_ARCH is set to another target")
-    try:
-        runtime.set_compile_arch("sm_90a")
-    except RuntimeError as err:
-        pytest.skip(str(err))
-    pytest.importorskip("cutlass")
-    *args, kw = plan
-    assert topk._compile(topk._plan(*args, **kw)) is not None
