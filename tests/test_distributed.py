@@ -531,3 +531,20 @@ def test_ranks_disagreeing_on_a_setting_raise_on_every_rank(tmp_path, world):
             assert f"EP rank{'s' if world > 2 else ''} {others}" in message, (rank, message)
             assert f"on EP rank {world - 1}" in message, (rank, message)
             assert f"this rank is {rank}" in message, (rank, message)
+
+
+def test_auto_transport_picks_copy_engines_only_where_verified(monkeypatch):
+    """``"auto"`` takes the copy engines for a one-host NCCL group of at most two ranks, the
+    size they are verified at; ``"copy_engine"`` on more ranks warns (the availability check
+    and the transport are stubbed: they need CUDA and NCCL)."""
+    import sonic.distributed.experts as ep
+
+    monkeypatch.setattr(ep, "peer_transport_available", lambda group, device: True)
+    monkeypatch.setattr(ep, "peer_transport", lambda group, device: "peer")
+    cpu = torch.device("cpu")
+    for size, want in ((2, "peer"), (4, None)):
+        monkeypatch.setattr(ep.dist, "get_world_size", lambda group=None, size=size: size)
+        assert ep._resolve_transport("auto", None, cpu) == want
+        assert ep._resolve_transport("nccl", None, cpu) is None
+    with pytest.warns(RuntimeWarning, match="verified on 2 only"):
+        assert ep._resolve_transport("copy_engine", None, cpu) == "peer"

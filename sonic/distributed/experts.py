@@ -31,10 +31,12 @@ all-to-alls overlap another's local experts (:mod:`sonic.distributed.overlap`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
@@ -53,13 +55,26 @@ from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
 
 
+# The largest EP group the copy-engine transport has completed a benchmark on; "auto" picks it
+# only up to there (docs/expert-parallelism.md).
+COPY_ENGINE_VERIFIED_RANKS = 2
+
+
 def _resolve_transport(transport: Transport, group, device: torch.device):
     """The :class:`~sonic.distributed.peer.PeerTransport` that ``transport`` names for
     ``group`` on ``device``, or ``None`` for ``torch.distributed``. Collective (every rank
     agreed on ``transport``)."""
-    if transport == "nccl" or (transport == "auto"
-                               and not peer_transport_available(group, device)):
+    if transport == "nccl":
         return None
+    ep_size = dist.get_world_size(group)
+    if transport == "auto" and (ep_size > COPY_ENGINE_VERIFIED_RANKS
+                                or not peer_transport_available(group, device)):
+        return None
+    if ep_size > COPY_ENGINE_VERIFIED_RANKS:
+        warnings.warn(f"transport='copy_engine' with {ep_size} EP ranks: it is verified on "
+                      f"{COPY_ENGINE_VERIFIED_RANKS} only, and a 4-rank benchmark with it did "
+                      "not finish in its time limit; transport='nccl' is the tested path",
+                      RuntimeWarning, stacklevel=3)
     return peer_transport(group, device)
 
 
