@@ -420,9 +420,8 @@ def _cute_fill_padding_rows(t, offsets, dim=0, value=0.0):
     # values from this small kernel, whose work is the padding alone.
     from sonic.kernels import padding as kernels
 
-    if (t.is_cuda and t.is_contiguous() and t.dim() in (1, 2) and offsets.dtype == torch.int32
-            and offsets.is_contiguous()
-            and (t.element_size() * (t.shape[1] if dim == 0 and t.dim() == 2 else 1)) % 4 == 0):
+    if (kernels.fits(t, dim) and offsets.dtype == torch.int32 and offsets.is_contiguous()
+            and (value == 0 or t.dtype == torch.float32)):
         return kernels.fill_padding_rows(t, offsets, dim, value)
     return reference.fill_padding_rows(t, offsets, dim, value)
 

@@ -50,3 +50,22 @@ def test_grouped_mm_gather_equals_materialised_rows():
     torch.testing.assert_close(grad_w1[1], torch.zeros(10, 12, dtype=torch.float64))
     torch.testing.assert_close(grouped_mm_varlen_k(x, dh, offsets, gather_idx_a=idx),
                                grad_w1.transpose(1, 2))
+
+
+def test_fill_padding_rows_along_either_dim():
+    """The rows past ``offsets[E]`` get the value, along dim 0 of ``(P,)`` / ``(P, W)`` and
+    dim 1 of ``(B, P)`` scales; rows before are untouched. Off the GPU the CuTe backend's fill
+    is this one."""
+    from sonic.backend import _cute_fill_padding_rows
+    from sonic.reference.ops import fill_padding_rows
+
+    offsets = torch.tensor([0, 3, 5], dtype=torch.int32)
+    for fill in (fill_padding_rows, _cute_fill_padding_rows):
+        rows, scales, ds = torch.randn(7, 4), torch.randn(2, 7), torch.randn(7)
+        want = [rows.clone(), scales.clone(), ds.clone()]
+        want[0][5:], want[1][:, 5:], want[2][5:] = 0, 1.5, 0
+        assert fill(rows, offsets) is rows and torch.equal(rows, want[0])
+        assert torch.equal(fill(scales, offsets, 1, 1.5), want[1])
+        assert torch.equal(fill(ds, offsets), want[2])
+        none = torch.randn(5, 4)
+        assert torch.equal(fill(none.clone(), offsets), none)

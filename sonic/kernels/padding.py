@@ -63,8 +63,8 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
         ValueError: ``t`` is not a contiguous CUDA tensor of 1 or 2 dimensions,
             ``expert_offsets`` is not a 1-D tensor of at least one entry on ``t``'s device,
             ``dim`` is not a dimension of ``t``, a row is not a whole number of 4-byte
-            words, ``t`` holds ``2**31`` words or more, or a nonzero ``value`` for a ``t``
-            that is not fp32.
+            words, ``t`` takes ``2**31`` stores or more (over 8 GiB; 32 GiB with 16-byte
+            rows), or a nonzero ``value`` for a ``t`` that is not fp32.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a tensor, got {type(t).__name__}")
@@ -79,7 +79,7 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
         raise ValueError(f"dim must be a dimension of t ({t.dim()}-D), got {dim}")
     rows = t.shape[dim]
     outer = t.shape[0] if dim == 1 else 1
-    row_bytes = t.element_size() * (t.shape[1] if dim == 0 and t.dim() == 2 else 1)
+    row_bytes = _row_bytes(t, dim)
     if row_bytes % _WORD:
         raise ValueError(f"t's rows must be whole 4-byte words, got {row_bytes} bytes per row "
                          f"({tuple(t.shape)} {t.dtype}, dim {dim})")
@@ -89,17 +89,39 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
     word = struct.unpack("<i", struct.pack("<f", value))[0]
     if t.numel() == 0:
         return t
-    if t.numel() * t.element_size() // _WORD >= 2**31:
-        raise ValueError(f"t must have fewer than 2**31 4-byte words, got {tuple(t.shape)} "
-                         f"{t.dtype}")
-    vec = 4 if row_bytes % 16 == 0 and t.data_ptr() % 16 == 0 else 1
+    vec = store_words(t, dim)
     row_units = row_bytes // (_WORD * vec)
+    if outer * rows * row_units >= 2**31:
+        raise ValueError(f"t must take fewer than 2**31 stores of {_WORD * vec} bytes, got "
+                         f"{tuple(t.shape)} {t.dtype}")
     blocks = min(-(-outer * rows * row_units // THREADS),
                  BLOCKS_PER_SM * _sm_count(t.device))
     fn = runtime.compiled(("padding", vec), lambda: _compile(vec))
     fn(runtime.address(t, _WORD * vec), runtime.address(expert_offsets, 4),
        expert_offsets.numel() - 1, rows, row_units, outer, word, blocks)
     return t
+
+
+def _row_bytes(t: torch.Tensor, dim: int) -> int:
+    """Bytes of one of ``t``'s rows along ``dim``: the whole row of a ``(P, W)`` tensor, one
+    element otherwise."""
+    return t.element_size() * (t.shape[1] if dim == 0 and t.dim() == 2 else 1)
+
+
+def store_words(t: torch.Tensor, dim: int = 0) -> int:
+    """4-byte words per store for ``t``: 4 (16 bytes) where every row is a multiple of 16
+    bytes and ``t`` 16-byte aligned, else 1."""
+    return 4 if _row_bytes(t, dim) % 16 == 0 and t.data_ptr() % 16 == 0 else 1
+
+
+def fits(t: torch.Tensor, dim: int = 0) -> bool:
+    """Whether :func:`fill_padding_rows` serves ``t``: a contiguous CUDA tensor of 1 or 2
+    dimensions, rows of whole 4-byte words, fewer than ``2**31`` stores."""
+    if not (t.is_cuda and t.is_contiguous() and t.dim() in (1, 2) and dim < t.dim()):
+        return False
+    row_bytes = _row_bytes(t, dim)
+    return (row_bytes % _WORD == 0
+            and t.numel() * t.element_size() // (_WORD * store_words(t, dim)) < 2**31)
 
 
 def _sm_count(device: torch.device) -> int:
