@@ -17,8 +17,6 @@ one unit of the fill word: 16 bytes where every row is a multiple of 16 bytes an
 16-byte aligned, 4 bytes otherwise.
 """
 
-import struct
-
 import torch
 
 from sonic.kernels import runtime
@@ -86,7 +84,10 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
     if value != 0 and t.dtype != torch.float32:
         raise ValueError(f"value must be 0 for a {t.dtype} t (a nonzero fill is fp32 only), "
                          f"got {value}")
-    word = struct.unpack("<i", struct.pack("<f", value))[0]
+    # The fill's fp32 bit pattern, which the kernel stores as a 32-bit word (a zero of another
+    # dtype: all bits clear, -0.0 included).
+    word = (int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+            if t.dtype == torch.float32 else 0)
     if t.numel() == 0:
         return t
     vec = store_words(t, dim)
