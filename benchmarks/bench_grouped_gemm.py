@@ -304,7 +304,7 @@ PLAN_CANDIDATES = {
             T(128, False, 1, tile_m=256), T(128, False, CLUSTER, tile_m=256),
             T(128, False, CLUSTER, tile_m=256, multicast_a=True)),
     True: (None, T(256, False, CLUSTER), T(128, False, 1, tile_m=256),
-           T(128, False, CLUSTER, tile_m=256)),
+           T(128, False, CLUSTER, tile_m=256), T(128, True, 1)),
 }
 
 

@@ -189,9 +189,12 @@ def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
       the cluster, instead of 128 unshared row copies per k-tile on M).
 
     Not on sm_100a: its one epilogue warpgroup holds all TILE_M rows of a tile, more than the
-    transposed staging block (SLAB rows) takes, so its producers gather B directly."""
+    transposed staging block (SLAB rows) takes, so its producers gather B directly. Nor on
+    ping-pong tiles (which :func:`plan` does not give varlen-K; ``bench_grouped_gemm.py
+    --plans`` forces them): the transposed store is the cooperative kernel's."""
     if gather_a == gather_b or arch != "sm_90a":
         return False
     if gather_b:
-        return plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True).tile_m == TILE_M
+        tiles = plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True)
+        return tiles.tile_m == TILE_M and not tiles.pingpong
     return plan(True, dim_m, False, dim_m=dim_n, arch=arch, gather_b=True).tile_m != TILE_M

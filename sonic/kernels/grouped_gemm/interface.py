@@ -802,6 +802,13 @@ _register("varlen_m_n640_k576_contig_m256_share_a",
                                          dim_m=0, dim_n=640, dim_k=576, gather_a=False,
                                          arch=arch, tile_m=256, multicast_a=True),
           archs=("sm_90a",))
+# ... and ping-pong varlen-K tiles (dW1 with gathered B, each warpgroup's epilogue under the
+# other's mainloop), where an expert's few rows make the tiles' mainloops short.
+_register("varlen_k_m4096_n7168_gather_b_pingpong",
+          lambda arch: GroupedGemmConfig(varlen_k=True, tile_n=128, pingpong=True, cluster=1,
+                                         dim_m=4096, dim_n=7168, dim_k=0, gather_a=False,
+                                         gather_b=True, arch=arch),
+          archs=("sm_90a",))
 # Block-scaled FP8: the gathered up-proj and the contiguous down-proj / dX̃ on
 # 256-wide tiles, and the contiguous one on 128-wide tiles (N = 384: overlapped promotion).
 for _n, _k, _gather in ((512, 1536, True), (1536, 256, False), (384, 256, False)):
