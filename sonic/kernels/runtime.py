@@ -23,6 +23,7 @@ Conventions every kernel module follows:
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from typing import Callable, Hashable, Iterable
 
@@ -253,7 +254,16 @@ def compile_launcher(fn, *args, keep_ptx: bool = False) -> Launcher:
 
     tvm_ffi = tvm_ffi_enabled()
     options = " ".join(o for o, on in (("--keep-ptx", keep_ptx), ("--enable-tvm-ffi", tvm_ffi)) if on)
-    return Launcher(cute.compile(fn, *args, make_fake_stream(), options=options), tvm_ffi)
+    if not keep_ptx:
+        return Launcher(cute.compile(fn, *args, make_fake_stream(), options=options), tvm_ffi)
+    # The DSL writes the kept PTX to <dump dir>/<function name>.<arch>.ptx (the working
+    # directory by default) and reads it back; function names do not tell configurations
+    # apart, so two processes compiling at once could read each other's file. A private
+    # directory per compile keeps them apart; the PTX stays in the compiled object.
+    with tempfile.TemporaryDirectory(prefix="sonic-ptx-") as dump_dir:
+        compiled = cute.compile(fn, *args, make_fake_stream(),
+                                options=f"{options} --dump-dir={dump_dir}")
+    return Launcher(compiled, tvm_ffi)
 
 
 def address(t: torch.Tensor, align: int = 16, name: str = "tensor") -> int:
