@@ -41,7 +41,9 @@ ratios.
   :func:`sonic.reference.ops.scored_topk` (stock torch ops); sonic's top-K router selects
   in the fused top-K kernel (sigmoid with a bias and groups). Every run also times each sonic
   router's routing phase (selection + metadata, the router GEMM excluded) and prints its share
-  of that router's step (``routing_us_<router>``, ``routing_share_<router>`` in the JSON).
+  of that router's step (``routing_us_<router>``, ``routing_share_<router>`` in the JSON),
+  beside the time of its kernels alone (``routing_kernel_us_<router>``: without the host's
+  launch time, which a step can hide under earlier GPU work).
   DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize
   --routed-scaling-factor 2.5 --n-group 8 --topk-group 4 --expert-bias --shared-experts 1``.
 * ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``) and the
@@ -163,15 +165,20 @@ def _peak_mib(fn, grad):
     return (torch.cuda.max_memory_allocated() - base) / MiB
 
 
-def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward"):
-    """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first."""
+def _kernel_events(fn) -> list:
+    """The CUDA kernels of one ``fn()`` (torch.profiler's averages, device time in µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
-              and e.self_device_time_total > 0]
+    return [e for e in prof.key_averages() if e.device_type.name == "CUDA"
+            and e.self_device_time_total > 0]
+
+
+def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward"):
+    """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first."""
+    events = _kernel_events(fn)
     total = sum(e.self_device_time_total for e in events)
     print(f"  per-kernel CUDA time of one {what}: {total / 1e3:.3f} ms")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
@@ -378,11 +385,16 @@ def _routing_share(router: str, impl: str, tile: int, logits, k, scoring, row: d
     route()
     route_us = bench(route)
     share = route_us / row["fwd_bwd_us"]
+    # Timed alone, the phase also shows the host's launch time, which inside a step can run
+    # ahead under the previous GPU work; its kernels' own time is the lower bound.
+    kernel_us = sum(e.self_device_time_total for e in _kernel_events(route))
     print(f"  {impl} routing phase (selection + metadata): {route_us:.1f} us, "
-          f"{100 * share:.2f}% of its step")
+          f"{100 * share:.2f}% of its step; its kernels {kernel_us:.1f} us, "
+          f"{100 * kernel_us / row['fwd_bwd_us']:.2f}%")
     if profile_kernels:
         _kernel_breakdown(route, rows=40, what=f"{impl} routing phase")
-    return {f"routing_us_{router}": route_us, f"routing_share_{router}": share}
+    return {f"routing_us_{router}": route_us, f"routing_share_{router}": share,
+            f"routing_kernel_us_{router}": kernel_us}
 
 
 def _describe(scoring, shared) -> dict:
