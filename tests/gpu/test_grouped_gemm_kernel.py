@@ -102,7 +102,7 @@ VARLEN_M_PLANS = [
     TilePlan(256, False, CLUSTER, multicast_a=True),
 ]
 VARLEN_K_PLANS = [TilePlan(128, False, 1, tile_m=256), TilePlan(128, False, CLUSTER, tile_m=256),
-                  TilePlan(256, False, CLUSTER, multicast_a=True)]
+                  TilePlan(256, False, CLUSTER, multicast_a=True), TilePlan(128, True, 1)]
 
 
 @pytest.fixture
@@ -197,8 +197,9 @@ def test_gathered_cluster_shares(gathered_cluster_shares, share_a, case):
 def test_varlen_k_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_m, dim_n, mode,
                              gather_a, gather_b):
     """varlen-K on 256-row tiles (one CTA, and clusters pairing m-tiles; B gathered on N; A
-    gathered: swapped, C stored transposed from 64-row staged blocks), and on a cluster
-    sharing A (pairs of n-tiles, each CTA half of A's column blocks), against fp32."""
+    gathered: swapped, C stored transposed from 64-row staged blocks), on a cluster sharing
+    A (pairs of n-tiles, each CTA half of A's column blocks), and on ping-pong 128 x 128
+    tiles (never transposed), against fp32."""
     forced_plan(tiles, varlen_k=True)
     test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b)
 
