@@ -226,6 +226,19 @@ def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
                                                                          True)
 
 
+def test_ping_pong_varlen_k_is_never_transposed(monkeypatch):
+    """A ping-pong varlen-K plan (``bench_grouped_gemm.py --plans`` forces one) keeps C
+    untransposed, which the ping-pong kernel needs, where the cooperative plan would swap."""
+    assert heuristic.transpose_varlen_k(False, True, "sm_90a", 4096, 7168)
+    original = heuristic.plan
+    monkeypatch.setattr(heuristic, "plan", lambda varlen_k, *args, **kwargs: (
+        heuristic.TilePlan(128, True, 1) if varlen_k else original(varlen_k, *args, **kwargs)))
+    for gather_a, gather_b in ((False, True), (True, False)):
+        assert not heuristic.transpose_varlen_k(gather_a, gather_b, "sm_90a", 4096, 7168)
+        cfg = heuristic.varlen_k_config(4096, 7168, gather_a, gather_b)
+        assert (cfg.pingpong, cfg.transpose_c, cfg.tile_n) == (True, False, 128)
+
+
 def test_sm100_config_plan_and_contract():
     # One epilogue warpgroup holds all 128 rows: a 128 x 72 staging block, still 4 stages.
     cfg = heuristic.varlen_m_config(1024, 1536, True, arch="sm_100a")
