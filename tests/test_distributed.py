@@ -543,7 +543,7 @@ def test_auto_transport_picks_copy_engines_only_where_verified(monkeypatch):
     monkeypatch.setattr(ep, "peer_transport", lambda group, device: "peer")
     cpu = torch.device("cpu")
     for size, want in ((2, "peer"), (4, None)):
-        monkeypatch.setattr(ep.dist, "get_world_size", lambda group=None, size=size: size)
+        monkeypatch.setattr(ep, "check_group", lambda group, size=size: (size, 0))
         assert ep._resolve_transport("auto", None, cpu) == want
         assert ep._resolve_transport("nccl", None, cpu) is None
     with pytest.warns(RuntimeWarning, match="verified on 2 only"):

@@ -36,7 +36,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from sonic._validation import (check_choice, check_float, check_index, check_int,
                                check_same_device)
@@ -66,7 +65,7 @@ def _resolve_transport(transport: Transport, group, device: torch.device):
     agreed on ``transport``)."""
     if transport == "nccl":
         return None
-    ep_size = dist.get_world_size(group)
+    ep_size, _ = check_group(group)
     if transport == "auto" and (ep_size > COPY_ENGINE_VERIFIED_RANKS
                                 or not peer_transport_available(group, device)):
         return None

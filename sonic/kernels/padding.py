@@ -91,12 +91,12 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
     if t.numel() == 0:
         return t
     vec = store_words(t, dim)
-    row_units = row_bytes // (_WORD * vec)
-    if outer * rows * row_units >= 2**31:
+    stores = _stores(t, dim)
+    if stores >= 2**31:
         raise ValueError(f"t must take fewer than 2**31 stores of {_WORD * vec} bytes, got "
                          f"{tuple(t.shape)} {t.dtype}")
-    blocks = min(-(-outer * rows * row_units // THREADS),
-                 BLOCKS_PER_SM * _sm_count(t.device))
+    row_units = row_bytes // (_WORD * vec)
+    blocks = min(-(-stores // THREADS), BLOCKS_PER_SM * _sm_count(t.device))
     fn = runtime.compiled(("padding", vec), lambda: _compile(vec))
     fn(runtime.address(t, _WORD * vec), runtime.address(expert_offsets, 4),
        expert_offsets.numel() - 1, rows, row_units, outer, word, blocks)
@@ -120,9 +120,12 @@ def fits(t: torch.Tensor, dim: int = 0) -> bool:
     dimensions, rows of whole 4-byte words, fewer than ``2**31`` stores."""
     if not (t.is_cuda and t.is_contiguous() and t.dim() in (1, 2) and dim < t.dim()):
         return False
-    row_bytes = _row_bytes(t, dim)
-    return (row_bytes % _WORD == 0
-            and t.numel() * t.element_size() // (_WORD * store_words(t, dim)) < 2**31)
+    return _row_bytes(t, dim) % _WORD == 0 and _stores(t, dim) < 2**31
+
+
+def _stores(t: torch.Tensor, dim: int) -> int:
+    """Stores that fill all of ``t``: its bytes over the store width."""
+    return t.numel() * t.element_size() // (_WORD * store_words(t, dim))
 
 
 def _sm_count(device: torch.device) -> int:

@@ -33,10 +33,12 @@ class PaddingKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        first = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))[num_experts]
-        # Units of one outer slice past `first`; none (nothing stored) when the routing has no
-        # padding, or offsets[E] > rows (not a valid routing: left to the caller's checks).
-        per_outer = cutlass.max(rows - first, 0) * row_units
+        # Clamped into [0, rows]: offsets not from a valid routing (the ops do not check them
+        # against the data) store nothing past the rows, and nothing before the tensor.
+        first = cutlass.max(cutlass.min(
+            cute.make_tensor(offsets, cute.make_layout(num_experts + 1))[num_experts], rows), 0)
+        # Units of one outer slice past `first`; none when the routing has no padding.
+        per_outer = (rows - first) * row_units
         fill = cute.make_rmem_tensor((self.vec,), Int32)
         fill.fill(word)
         for i in cutlass.range(bidx * THREADS + tidx, per_outer * outer, grid * THREADS,
