@@ -58,8 +58,8 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
 
     Raises:
         TypeError: ``expert_offsets`` is not int32, or ``t`` is not a tensor.
-        ValueError: ``t`` is not a contiguous CUDA tensor of 1 or 2 dimensions,
-            ``expert_offsets`` is not a 1-D tensor of at least one entry on ``t``'s device,
+        ValueError: ``t`` is not a contiguous CUDA tensor of 1 or 2 dimensions or requires
+            grad, ``expert_offsets`` is not a 1-D tensor of at least one entry on ``t``'s device,
             ``dim`` is not a dimension of ``t``, a row is not a whole number of 4-byte
             words, ``t`` takes ``2**31`` stores or more (over 8 GiB; 32 GiB with 16-byte
             rows), or a nonzero ``value`` for a ``t`` that is not fp32.
@@ -67,6 +67,9 @@ def fill_padding_rows(t: torch.Tensor, expert_offsets: torch.Tensor, dim: int = 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a tensor, got {type(t).__name__}")
     runtime.check_tensor("t", t, dtypes=(t.dtype,), ndim=t.dim())
+    if t.requires_grad:
+        raise ValueError("t must not require grad: the fill writes through its memory, which "
+                         "autograd does not see (fill a detached output)")
     if t.dim() not in (1, 2):
         raise ValueError(f"t must have 1 or 2 dimensions, got {t.dim()}")
     runtime.check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1,
@@ -117,8 +120,10 @@ def store_words(t: torch.Tensor, dim: int = 0) -> int:
 
 def fits(t: torch.Tensor, dim: int = 0) -> bool:
     """Whether :func:`fill_padding_rows` serves ``t``: a contiguous CUDA tensor of 1 or 2
-    dimensions, rows of whole 4-byte words, fewer than ``2**31`` stores."""
-    if not (t.is_cuda and t.is_contiguous() and t.dim() in (1, 2) and dim < t.dim()):
+    dimensions that does not require grad, rows of whole 4-byte words, fewer than ``2**31``
+    stores."""
+    if not (t.is_cuda and t.is_contiguous() and t.dim() in (1, 2) and dim < t.dim()
+            and not t.requires_grad):
         return False
     return _row_bytes(t, dim) % _WORD == 0 and _stores(t, dim) < 2**31
 

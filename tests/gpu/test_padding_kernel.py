@@ -87,5 +87,7 @@ def test_rejects_what_it_cannot_fill():
                           value=1.0)
     with pytest.raises(ValueError, match="dim must be"):
         fill_padding_rows(torch.empty(8, dtype=torch.float32, device="cuda"), offsets, dim=1)
+    with pytest.raises(ValueError, match="must not require grad"):
+        fill_padding_rows(torch.zeros(8, 8, device="cuda", requires_grad=True), offsets)
     with pytest.raises(TypeError, match="expert_offsets must have dtype int32"):
         fill_padding_rows(torch.empty(8, 8, dtype=torch.float32, device="cuda"), offsets.long())
