@@ -23,6 +23,7 @@ import torch
 from sonic._validation import check_choice
 # sonic.backend.sm_margin is public; the grouped GEMMs own the setting.
 from sonic.kernels.grouped_gemm.interface import sm_margin  # noqa: F401
+from sonic.reference import activations
 from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
 from sonic.reference.metadata import pairs_metadata
@@ -40,6 +41,8 @@ class ExpertOps:
     metadata: Callable
     grouped_mm: Callable
     grouped_mm_varlen_k: Callable
+    # The up-proj and dH steps of every activation (keyword ``activation``, SwiGLU by default;
+    # signatures as in sonic.reference.activations.up_proj / dh_step).
     up_proj_swiglu: Callable
     dh_dswiglu: Callable
     aggregate: Callable
@@ -74,8 +77,8 @@ TORCH_OPS = ExpertOps(
     metadata=pairs_metadata,
     grouped_mm=reference.grouped_mm,
     grouped_mm_varlen_k=reference.grouped_mm_varlen_k,
-    up_proj_swiglu=reference.up_proj_swiglu,
-    dh_dswiglu=reference.dh_dswiglu,
+    up_proj_swiglu=activations.up_proj,
+    dh_dswiglu=activations.dh_step,
     aggregate=reference.aggregate,
     quantize_rows=fp8_reference.quantize_rows,
     quantize_blocks=fp8_reference.quantize_blocks_and_transpose,
@@ -318,41 +321,56 @@ def _epilogue_kernel_fits(h: torch.Tensor) -> bool:
     return h.dtype == torch.bfloat16 and h.is_contiguous() and h.shape[1] % 16 == 0
 
 
-def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, h_out=None, strict=False):
+def _cute_up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, *, h_out=None, strict=False,
+                         activation="swiglu"):
     from sonic.kernels import grouped_gemm as gemm
     from sonic.kernels import swiglu as kernels
 
     # The up-proj GEMM with the SwiGLU epilogue beats the GEMM followed by the one-pass SwiGLU
-    # kernel at the 7B, OLMoE and 30B shapes (bench_grouped_gemm.py).
+    # kernel at the 7B, OLMoE and 30B shapes (bench_grouped_gemm.py). The other GLU variants
+    # run the same epilogue with their gate function; the non-gated activations run the GEMM
+    # and the reference activation. The self-check covers the epilogue's data movement, which
+    # every GLU variant shares.
     n = w1.shape[1] // 2
-    if (_gemm_kernel_fits(x, w1, offsets, gather_idx) and w1.is_contiguous()
-            and n % (64 if gate_up == "concat" else gemm.VEC) == 0
+    if (activations.is_gated(activation) and _gemm_kernel_fits(x, w1, offsets, gather_idx)
+            and w1.is_contiguous() and n % (64 if gate_up == "concat" else gemm.VEC) == 0
             and _self_checked(f"up_proj_swiglu_{gate_up}", x.device, strict)):
-        return gemm.grouped_gemm_swiglu(x, w1, offsets, gather_idx, gate_up, h_out=h_out)
+        return gemm.grouped_gemm_swiglu(x, w1, offsets, gather_idx, gate_up, h_out=h_out,
+                                        activation=activation)
     h = _cute_grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx, strict=strict)
-    act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
+    if activation == "swiglu":
+        act = (kernels.swiglu if _epilogue_kernel_fits(h) else reference.swiglu)(h, gate_up)
+    else:
+        act = activations.activate(h, activation, gate_up)
     return reference.copy_into(h_out, h), act
 
 
 def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
-                     overwrite_h=False, a_out=None, strict=False):
+                     overwrite_h=False, a_out=None, strict=False, activation="swiglu"):
     from sonic.kernels import grouped_gemm as gemm
 
-    # The dH kernel: the dA' GEMM with the dSwiGLU epilogue, H arriving by TMA through the
-    # operand ring; it beats the dA' GEMM followed by the one-pass epilogue kernel at the 7B,
-    # OLMoE and 30B shapes (bench_grouped_gemm.py).
-    if not _epilogue_kernel_fits(h):
-        dh, a_scaled, ds = reference.dswiglu_epilogue(
+    # The dH kernel: the dA' GEMM with the dSwiGLU epilogue (or another GLU variant's
+    # derivative), H arriving by TMA through the operand ring; it beats the dA' GEMM followed
+    # by the one-pass epilogue kernel at the 7B, OLMoE and 30B shapes (bench_grouped_gemm.py).
+    # The one-pass kernel computes SwiGLU only: the other activations' unfused step is the
+    # reference epilogue after the CuTe GEMM.
+    if not _epilogue_kernel_fits(h) or not activations.is_gated(activation):
+        dh, a_scaled, ds = activations.activation_backward(
             _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict), h, row_scores,
-            gate_up)
+            activation, gate_up)
         return dh, reference.copy_into(a_out, a_scaled), ds
     row_scores = row_scores.float().contiguous()
     if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
             and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
             and h.data_ptr() % 16 == 0 and _self_checked("dh_dswiglu", dout.device, strict)):
         return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
-                                         dh_out=h if overwrite_h else None, a_out=a_out)
+                                         dh_out=h if overwrite_h else None, a_out=a_out,
+                                         activation=activation)
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict).contiguous()
+    if activation != "swiglu":
+        dh, a_scaled, ds = activations.activation_backward(da_prime, h, row_scores, activation,
+                                                           gate_up)
+        return dh, reference.copy_into(a_out, a_scaled), ds
     return _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out)
 
 

@@ -66,6 +66,7 @@ from sonic.activation_cache import pack_fake as activation_cache_fake
 from sonic.activation_cache import unpack as activation_cache_unpack
 from sonic.reference import fp8 as fp8_reference
 from sonic.reference import ops as reference
+from sonic.reference.activations import is_gated
 from sonic.types import RoutingMetadata
 
 _INT32 = torch.int32
@@ -316,44 +317,54 @@ def _(a, b, offsets, gather_idx_a, gather_idx_b, backend):
     return a.new_empty(offsets.shape[0] - 1, a.shape[1], b.shape[1])
 
 
+def _act_cols(h_cols: int, activation: str) -> int:
+    """A's columns for H's: ``n`` of ``2n`` for a gated activation, ``n`` of ``n`` otherwise."""
+    return h_cols // 2 if is_gated(activation) else h_cols
+
+
 @_op("up_proj_swiglu")
 def _up_proj_swiglu_op(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor,
-                       gather_idx: torch.Tensor, gate_up: str,
-                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                       gather_idx: torch.Tensor, gate_up: str, backend: str,
+                       activation: str = "swiglu") -> tuple[torch.Tensor, torch.Tensor]:
     with _no_autocast(x.device):
-        h, act = _impl(backend, x.device).up_proj_swiglu(x, w1, offsets, gather_idx, gate_up)
+        h, act = _impl(backend, x.device).up_proj_swiglu(x, w1, offsets, gather_idx, gate_up,
+                                                         activation=activation)
     _fill_padding(backend, offsets, h, act)
     return h, act
 
 
 @_up_proj_swiglu_op.register_fake
-def _(x, w1, offsets, gather_idx, gate_up, backend):
-    p, two_n = gather_idx.shape[0], w1.shape[1]
-    return x.new_empty(p, two_n), x.new_empty(p, two_n // 2)
+def _(x, w1, offsets, gather_idx, gate_up, backend, activation="swiglu"):
+    p, rows = gather_idx.shape[0], w1.shape[1]
+    return x.new_empty(p, rows), x.new_empty(p, _act_cols(rows, activation))
 
 
 def _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend, *,
-                overwrite_h=False, a_out=None):
+                overwrite_h=False, a_out=None, activation="swiglu"):
     with _no_autocast(dout.device):
         return _impl(backend, dout.device).dh_dswiglu(dout, w2, offsets, gather_idx, h,
                                                       row_scores, gate_up,
-                                                      overwrite_h=overwrite_h, a_out=a_out)
+                                                      overwrite_h=overwrite_h, a_out=a_out,
+                                                      activation=activation)
 
 
 @_op("dh_dswiglu")
 def _dh_dswiglu_op(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                    gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor,
-                   gate_up: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   gate_up: str, backend: str, activation: str = "swiglu"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # As an op, never in place: the op promises not to mutate h (see _experts_backward).
-    step = _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend)
+    step = _dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend,
+                       activation=activation)
     _fill_padding(backend, offsets, *step)
     return step
 
 
 @_dh_dswiglu_op.register_fake
-def _(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend):
-    p, two_n = h.shape
-    return h.new_empty(p, two_n), h.new_empty(p, two_n // 2), h.new_empty(p, dtype=_acc(h.dtype))
+def _(dout, w2, offsets, gather_idx, h, row_scores, gate_up, backend, activation="swiglu"):
+    p, rows = h.shape
+    return (h.new_empty(p, rows), h.new_empty(p, _act_cols(rows, activation)),
+            h.new_empty(p, dtype=_acc(h.dtype)))
 
 
 @_op("aggregate")
@@ -374,16 +385,17 @@ def _(y, token_rows, token_offsets, row_scores, backend):
 @_op("moe_experts")
 def _moe_experts_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                     meta: torch.Tensor, top_k: int, gate_up: str, backend: str,
-                    activation_cache: str = "bf16"
+                    activation_cache: str = "bf16", activation: str = "swiglu"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
     return experts_forward(x, w1, w2, scores, m, gate_up, backend,
-                           activation_cache=activation_cache)
+                           activation_cache=activation_cache, activation=activation)
 
 
 def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend: str, *,
                     h_out: torch.Tensor | None = None, activation_cache: str = "bf16",
-                    fp8_weights: Sequence[torch.Tensor] | None = None
+                    fp8_weights: Sequence[torch.Tensor] | None = None,
+                    activation: str = "swiglu"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of ``sonic::moe_experts`` and ``sonic::moe_experts_fp8`` on unpacked metadata:
     ``(out (T, d), cache, scales)``, the activation cache of
@@ -392,7 +404,8 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
     dataflow of :mod:`sonic.experts.moe_experts`: X quantized once per token (the up-proj
     gathers rows of ``x_q`` and their scales), A quantized per row for the down-proj. H is
     written into ``h_out`` when given (the chunked EP path keeps the H of all its chunks in one
-    buffer; bf16 cache only). Not an op: no autograd, no fake; the caller has validated the
+    buffer; bf16 cache only). ``activation``: the experts' activation (SwiGLU with
+    ``fp8_weights``). Not an op: no autograd, no fake; the caller has validated the
     inputs."""
     ops = _impl(backend, x.device)
     offsets = m.expert_offsets
@@ -401,7 +414,8 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
         # copy) and its epilogue stores both H and A (transient).
         packed = []
         if fp8_weights is None:
-            h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out)
+            h, act = ops.up_proj_swiglu(x, w1, offsets, m.gather_idx, gate_up, h_out=h_out,
+                                        activation=activation)
         else:
             # A comes back quantized per row, as the down-proj reads it; the fp8 cache's H
             # too, from the same pass over H where the SwiGLU kernel makes both.
@@ -432,7 +446,8 @@ def experts_forward(x, w1, w2, scores, m: RoutingMetadata, gate_up: str, backend
 
 
 @_moe_experts_op.register_fake
-def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache="bf16"):
+def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache="bf16",
+      activation="swiglu"):
     return (x.new_empty(x.shape),
             *activation_cache_fake((scores.shape[0], w1.shape[1]), x.dtype, activation_cache, x))
 
@@ -440,12 +455,14 @@ def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache="bf16")
 def _experts_setup(ctx, inputs, output):
     # The dispatcher leaves out trailing arguments equal to their schema defaults.
     x, w1, w2, scores, meta, top_k, gate_up, backend, *rest = inputs
-    activation_cache = rest[0] if rest else "bf16"
+    defaults = ("bf16", "swiglu")
+    activation_cache, activation = (*rest, *defaults[len(rest):])
+    ctx.num_inputs = len(inputs)
     _out, h, h_scales = output
     ctx.save_for_backward(x, w1, w2, h, h_scales if activation_cache == "fp8" else None,
                           scores, meta)
     ctx.top_k, ctx.gate_up, ctx.backend = top_k, gate_up, backend
-    ctx.activation_cache = activation_cache
+    ctx.activation_cache, ctx.activation = activation_cache, activation
     ctx.mark_non_differentiable(h, h_scales)
     # H has no gradient; materialised, it would be a P x 2n buffer of zeros in every backward.
     ctx.set_materialize_grads(False)
@@ -514,7 +531,7 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
         raise _first_order_error()
     x, w1, w2, h, h_scales, scores, meta = ctx.saved_tensors
     if grad_out is None:     # the output took no part in the loss (grads are not materialised)
-        return None, None, None, None, None, None, None, None, None
+        return (None,) * ctx.num_inputs
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], ctx.top_k)
     backend, gate_up = ctx.backend, ctx.gate_up
     offsets = m.expert_offsets
@@ -525,13 +542,13 @@ def _experts_backward(ctx, grad_out, _grad_cache, _grad_scales):
     step = _dh_on_saved_h(
         ctx, h, h_scales, x.dtype,
         lambda h, overwrite_h: dh_step(grad_out, w2, None, m, h, row_scores, gate_up, backend,
-                                       overwrite_h=overwrite_h),
+                                       overwrite_h=overwrite_h, activation=ctx.activation),
         lambda h: call.dh_dswiglu(grad_out, w2, offsets, m.gather_idx, h, row_scores,
-                                  gate_up, backend))
+                                  gate_up, backend, ctx.activation))
     del h, h_scales
     grads = _grads_after_dh(ctx, step, grad_out, x, scores, m,
                             lambda dh: dx_rows(dh, w1, None, offsets, backend))
-    return *grads, None, None, None, None, None
+    return *grads, *(None,) * (ctx.num_inputs - len(grads))
 
 
 def _dh_on_saved_h(ctx, h, h_scales, dtype: torch.dtype, eager, op, *,
@@ -633,7 +650,7 @@ def _dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h, 
 
 def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_up: str,
             backend: str, *, overwrite_h: bool = False, a_out=None, for_dx: bool = False,
-            h_scales=None):
+            h_scales=None, activation: str = "swiglu"):
     """The dH step, eagerly (not an op): ``(dH, A', ds per row, *dx_operand)`` from the
     layer's output gradient ``grad_out (T, d)``, bf16 (``fp8_weights`` None: the dH kernel on
     W2) or FP8 (dO quantized once per token, the dA' GEMM on W2ᵀ's copy ``fp8_weights[6:8]``).
@@ -641,10 +658,11 @@ def dh_step(grad_out, w2, fp8_weights, m: RoutingMetadata, h, row_scores, gate_u
     the dX GEMM (by the dSwiGLU kernel itself under the default ``set_fp8_epilogues``); empty
     otherwise. Pass it on to :func:`dx_rows`. ``h_scales`` (FP8 only): ``h`` is the fp8
     activation cache, e4m3 with these scales. ``overwrite_h`` / ``a_out``: as for the
-    backends' dH step."""
+    backends' dH step. ``activation``: the experts' activation (bf16 only)."""
     if fp8_weights is None:
         return _dh_dswiglu(grad_out, w2, m.expert_offsets, m.gather_idx, h, row_scores,
-                           gate_up, backend, overwrite_h=overwrite_h, a_out=a_out)
+                           gate_up, backend, overwrite_h=overwrite_h, a_out=a_out,
+                           activation=activation)
     do_q, do_scales = call.quantize_rows(grad_out, backend)
     # Indexed, not a starred slice: a slice of a sequence has no length a type checker knows.
     w2t_q, w2t_scales = fp8_weights[6], fp8_weights[7]

@@ -4,6 +4,8 @@ The GPU kernels (:mod:`sonic.kernels`) may import from here and from nothing els
 layers run one way: kernels -> backend -> routing / autograd / nn.
 
 * ``Literal`` types of the string options (:data:`Router`, :data:`Backend`, ...).
+* :data:`ACTIVATIONS`, :data:`GATED_ACTIVATIONS` — the experts' activations, and those the
+  fused grouped-GEMM epilogues compute.
 * :data:`GATE_UP_LAYOUTS` — how the gate and up halves of ``W1``'s rows (and of ``H``'s columns)
   are laid out (docs/design.md, "Names and shapes").
 * :data:`FP8_BLOCK`, :data:`GROUPED_GEMM_MAX_EXPERTS`, :data:`ROUTING_METADATA_MAX_EXPERTS` —
@@ -30,11 +32,17 @@ Rounding = Literal["nearest", "up", "down"]
 Backend = Literal["auto", "torch", "cute"]
 Precision = Literal["bf16", "fp8"]
 ActivationCache = Literal["bf16", "fp8"]
+# The experts' activation: the gated GLU variants (H has 2n columns, A = φ(gate) ⊙ up), then the
+# non-gated ones (H has n columns, A = φ(H)); see sonic.reference.activations.
+GatedActivation = Literal["swiglu", "geglu", "geglu_tanh", "reglu"]
+Activation = Literal["swiglu", "geglu", "geglu_tanh", "reglu", "relu2", "gelu"]
 # What moves expert parallelism's data all-to-alls (sonic.distributed.ep_moe_experts).
 Transport = Literal["nccl", "copy_engine", "auto"]
 
 GATE_UP_LAYOUTS: tuple[GateUp, ...] = get_args(GateUp)
 TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
+GATED_ACTIVATIONS: tuple[GatedActivation, ...] = get_args(GatedActivation)
+ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 
 # Side of the FP8 recipe's scale blocks (DeepSeek-V3, arXiv 2412.19437 §3.3): activations carry
 # one scale per 1 x FP8_BLOCK row slice, weights one per FP8_BLOCK x FP8_BLOCK block. The

@@ -87,8 +87,8 @@ def test_activation_with_padded_token_rounding_matches_trimmed():
     logits = x @ layer.gate.weight.T
     s = sonic.token_rounding_routing(logits, 2, tile=4).scores
     meta = sonic.routing_metadata(trimmed)
-    from sonic.nn.experts import activation_experts
-    expect = activation_experts(x, layer.w1, layer.w2, s, meta, "relu2")
+    expect = sonic.moe_experts(x, layer.w1, layer.w2, s, trimmed.token_idx, trimmed.expert_idx,
+                               metadata=meta, activation="relu2")
     torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
     g1 = torch.autograd.grad(out.sum(), [x, layer.w1, layer.gate.weight])
     g2 = torch.autograd.grad(expect.sum(), [x, layer.w1, layer.gate.weight])
@@ -109,7 +109,6 @@ def test_activation_keeps_h_and_not_a():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(backend="cute"), "backend='cute'"),
     (dict(precision="fp8"), "precision='fp8'"),
     (dict(activation_cache="fp8"), "activation_cache='fp8'"),
 ])
@@ -118,8 +117,40 @@ def test_swiglu_only_options_raise_at_construction(kw, match):
         sonic.MoE(128, 128, 4, 2, activation="gelu", **kw)
     layer = sonic.MoE(128, 128, 4, 2, activation="gelu")
     name, value = next(iter(kw.items()))
-    if name != "backend":
-        with pytest.raises(ValueError, match=match):
-            setattr(layer, name, value)
+    with pytest.raises(ValueError, match=match):
+        setattr(layer, name, value)
     with pytest.raises(ValueError, match="activation must be one of"):
         sonic.MoE(8, 4, 4, 2, activation="swish")
+
+
+@pytest.mark.parametrize("activation", ["geglu", "relu2"])
+def test_experts_op_with_an_activation_passes_opcheck_and_compiles(activation):
+    g = torch.Generator().manual_seed(4)
+    rows = 8 if activation == "geglu" else 4
+    x = torch.randn(9, 8, generator=g, requires_grad=True)
+    w1 = (torch.randn(4, rows, 8, generator=g) / 8 ** 0.5).requires_grad_()
+    w2 = torch.randn(4, 8, 4, generator=g) / 2
+    r = sonic.topk_routing(torch.randn(9, 4, generator=g), 2, backend="torch")
+    meta = sonic.routing_metadata(r, backend="torch")
+    torch.library.opcheck(torch.ops.sonic.moe_experts.default,
+                          (x, w1, w2, r.scores.detach(), meta.packed, 2, "concat", "torch",
+                           "bf16", activation))
+    fn = torch.compile(sonic.moe_experts, fullgraph=True)
+    args = (x, w1, w2, r.scores.detach(), r.token_idx, r.expert_idx)
+    torch.testing.assert_close(fn(*args, activation=activation),
+                               sonic.moe_experts(*args, activation=activation))
+
+
+def test_moe_experts_checks_the_activation_against_the_weights():
+    x = torch.randn(5, 8)
+    tok, exp, s = torch.tensor([0, 1, 4]), torch.tensor([0, 1, 1]), torch.rand(3)
+    w1, w2 = torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    with pytest.raises(ValueError, match=r"w2 must have shape \(E=2, d=8, n=8\)"):
+        sonic.moe_experts(x, w1, w2, s, tok, exp, activation="relu2")
+    with pytest.raises(ValueError, match=r"w1 must have shape \(E, 2n, d=8\).*'geglu'"):
+        sonic.moe_experts(x, torch.randn(2, 7, 8), w2, s, tok, exp, activation="geglu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        sonic.moe_experts(x, w1, w2, s, tok, exp, activation="silu")
+    with pytest.raises(ValueError, match="precision='fp8' runs SwiGLU experts only.*'gelu'"):
+        sonic.moe_experts(x, w1, torch.randn(2, 8, 8), s, tok, exp, activation="gelu",
+                          precision="fp8")

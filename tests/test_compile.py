@@ -205,7 +205,8 @@ def _recording_dh(calls):
     from sonic.reference import ops as reference
 
     def dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *, overwrite_h=False,
-                   a_out=None):
+                   a_out=None, activation="swiglu"):
+        assert activation == "swiglu"
         calls.append(overwrite_h)
         dh, a_scaled, ds = reference.dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
                                                 gate_up, a_out=a_out)

@@ -96,8 +96,8 @@ def test_invalid_values_raise_naming_the_field(field, value, error, message):
 def test_cross_field_checks_and_frozen():
     with pytest.raises(ValueError, match="top_k=4 is more than the topk_group"):
         MoEConfig(D, N, 8, 4, n_group=4, topk_group=1)
-    with pytest.raises(ValueError, match="activation='gelu'.*backend='cute'"):
-        MoEConfig(D, N, 8, 2, activation="gelu", backend="cute")
+    with pytest.raises(ValueError, match="activation='gelu'.*precision='fp8'"):
+        MoEConfig(128, 128, 8, 2, activation="gelu", precision="fp8")
     with pytest.raises(dataclasses.FrozenInstanceError):
         MoEConfig(D, N, 8, 2).top_k = 3
     with pytest.raises(TypeError, match="config must be a sonic.MoEConfig, got dict"):
@@ -106,7 +106,7 @@ def test_cross_field_checks_and_frozen():
 
 def test_assignments_are_checked_by_the_config():
     layer = sonic.MoE(D, N, 8, 2, activation="gelu", n_group=4, topk_group=2)
-    for name, value, message in (("backend", "cute", "activation='gelu'.*backend='cute'"),
+    for name, value, message in (("activation_cache", "fp8", "activation_cache='fp8'"),
                                  ("backend", "triton", "backend must be one of"),
                                  ("top_k", 5, "top_k=5 is more than the topk_group")):
         before = getattr(layer, name)

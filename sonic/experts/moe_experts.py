@@ -61,8 +61,8 @@ from sonic._validation import (check_choice, check_float, check_index, check_ind
                                check_same_device)
 from sonic.activation_cache import check_activation_cache
 from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads, resolve_backend
-from sonic.types import (FP8_BLOCK, GATE_UP_LAYOUTS, ActivationCache, Backend, GateUp,
-                         Precision, RoutingMetadata)
+from sonic.types import (ACTIVATIONS, FP8_BLOCK, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, Activation,
+                         ActivationCache, Backend, GateUp, Precision, RoutingMetadata)
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
@@ -204,12 +204,14 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
                 token_idx: torch.Tensor, expert_idx: torch.Tensor, *, gate_up: GateUp = "concat",
                 backend: Backend = "auto", metadata: RoutingMetadata | None = None,
                 precision: Precision = "bf16", fp8_weights: Fp8ExpertWeights | None = None,
-                activation_cache: ActivationCache = "bf16") -> torch.Tensor:
-    """Routed SwiGLU experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·SwiGLU(W1[e]·x_t)``.
+                activation_cache: ActivationCache = "bf16",
+                activation: Activation = "swiglu") -> torch.Tensor:
+    """Routed experts: ``o_t = Σ_{(t,e) routed} s · W2[e]·act(W1[e]·x_t)``, SwiGLU by default.
 
     Args:
         x: ``(T, d)`` layer input (bf16, fp16, fp32 or fp64).
-        w1: ``(E, 2n, d)`` up-projection weights, ``x``'s dtype (under ``torch.autocast``
+        w1: ``(E, 2n, d)`` up-projection weights (``(E, n, d)`` for a non-gated
+            ``activation``), ``x``'s dtype (under ``torch.autocast``
             x and both weights are cast once to the autocast dtype, and H is kept in it).
             Rows ``[gate; up]`` with ``gate_up="concat"`` (Hugging Face layout), alternating
             gate/up rows with ``"interleaved"``.
@@ -238,10 +240,17 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             forward, hence the output, is the same bit for bit; the gradients are those at ``dequantize(quantize(H))`` (see
             :mod:`sonic.activation_cache`). ``"fp8"`` needs ``2n`` a multiple of 128
             and a bf16 / fp16 compute dtype.
+        activation: the experts' activation, one of :data:`sonic.types.ACTIVATIONS`: the GLU
+            variants ``"swiglu"``, ``"geglu"``, ``"geglu_tanh"``, ``"reglu"`` (Shazeer 2020),
+            whose ``A = φ(gate) ⊙ up`` and its derivative the CuTe kernels' fused epilogues
+            compute, or the non-gated ``"relu2"`` (So et al. 2021) and ``"gelu"``, computed
+            by the reference between the CuTe GEMMs. Only SwiGLU takes ``precision="fp8"`` or
+            ``activation_cache="fp8"``.
 
     Returns:
         ``(T, d)`` in ``x``'s dtype; fp32 accumulation. Differentiable in x, w1, w2 and scores.
-        Saved for backward: x (by reference), H ``(P, 2n)`` (or its e4m3 form and scales),
+        Saved for backward: x (by reference), H ``(P, 2n)`` or ``(P, n)`` (or its e4m3 form and
+        scales),
         scores and the routing metadata.
 
     Raises:
@@ -250,7 +259,8 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             dtype (such a layer keeps H exactly; see :mod:`sonic.activation_cache`).
         ValueError: mismatched shapes or devices, indices out of range (without ``metadata``;
             checked where values can be read without breaking graph capture), unknown
-            ``gate_up``/``backend``/``precision``/``activation_cache``; ``activation_cache="fp8"``
+            ``gate_up``/``backend``/``precision``/``activation_cache``/``activation``;
+            an ``activation`` other than SwiGLU with an FP8 option; ``activation_cache="fp8"``
             with ``2n`` not a multiple of 128; with ``precision="fp8"``, d or n not a
             multiple of 128, or ``fp8_weights`` of the wrong shapes.
         RuntimeError: ``backend="cute"`` where the kernels cannot run; ``precision="fp8"``
@@ -272,6 +282,12 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
     check_choice("backend", backend, BACKENDS)
     check_choice("precision", precision, PRECISIONS)
+    check_choice("activation", activation, ACTIVATIONS)
+    if activation != "swiglu":
+        for name, value in (("precision", precision), ("activation_cache", activation_cache)):
+            if value == "fp8":
+                raise ValueError(f"{name}='fp8' runs SwiGLU experts only, got "
+                                 f"activation={activation!r}")
     check_same_device(x=x, w1=w1, w2=w2, scores=scores, token_idx=token_idx,
                       expert_idx=expert_idx)
     x, w1, w2 = autocast_experts(x, w1, w2)
@@ -281,10 +297,13 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
                             "torch.autocast the experts do not cast; cast x or the weights)")
     num_tokens, d = x.shape
     num_experts, two_n, d_w1 = w1.shape
-    if two_n % 2 or d_w1 != d:
-        raise ValueError(f"w1 must have shape (E, 2n, d={d}), got {tuple(w1.shape)}")
-    if tuple(w2.shape) != (num_experts, d, two_n // 2):
-        raise ValueError(f"w2 must have shape (E={num_experts}, d={d}, n={two_n // 2}), "
+    gated = activation in GATED_ACTIVATIONS
+    if (gated and two_n % 2) or d_w1 != d:
+        raise ValueError(f"w1 must have shape (E, {'2n' if gated else 'n'}, d={d}) for "
+                         f"activation={activation!r}, got {tuple(w1.shape)}")
+    n = two_n // 2 if gated else two_n
+    if tuple(w2.shape) != (num_experts, d, n):
+        raise ValueError(f"w2 must have shape (E={num_experts}, d={d}, n={n}), "
                          f"got {tuple(w2.shape)}")
     check_activation_cache(activation_cache, x.dtype, two_n)
     num_pairs = scores.shape[0]
@@ -325,7 +344,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             activation_cache, fp8_weight_grads())
         return out
     out, _cache, _scales = call.moe_experts(x, w1, w2, scores, packed, top_k, gate_up, backend,
-                                            activation_cache)
+                                            activation_cache, activation)
     return out
 
 

@@ -42,8 +42,6 @@ from sonic.experts.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_expe
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
 from sonic.nn.config import MoEConfig
-from sonic.nn.experts import activation_experts
-from sonic.reference.ops import accumulate_dtype
 from sonic.types import ActivationCache, Backend, Precision
 
 try:
@@ -334,18 +332,13 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     meta = sonic.routing_metadata(routing, backend=backend)
     # Autocast first, so that the cached FP8 copies are those of the weights the GEMMs use.
     x, w1, w2 = autocast_experts(hidden_states.to(w1.dtype), w1, w2)
-    if activation != "swiglu":
-        # The reference path of the other activations (the fused epilogues are SwiGLU's).
-        meta = sonic.routing_metadata(routing, backend="torch")
-        return activation_experts(x, w1, w2, scores.to(accumulate_dtype(x.dtype)), meta,
-                                  activation, gate_up).to(hidden_states.dtype)
     fp8_weights = None
     if precision == "fp8":
         fp8_weights = _fp8_cache(self).get(w1, w2, params, backend)
     out = sonic.moe_experts(x, w1, w2, scores, routing.token_idx, routing.expert_idx,
                             gate_up=gate_up, backend=backend, metadata=meta,
                             precision=precision, fp8_weights=fp8_weights,
-                            activation_cache=activation_cache)
+                            activation_cache=activation_cache, activation=activation)
     return out.to(hidden_states.dtype)
 
 
@@ -366,8 +359,8 @@ def _check_fp8_options(module: nn.Module, precision: str, activation_cache: str)
     d, n = w2.shape[1], w2.shape[2]
     activation = expert_activation(module)
     if activation != "swiglu" and (precision, activation_cache) != ("bf16", "bf16"):
-        raise ValueError(f"activation {activation!r} runs sonic's PyTorch reference path, "
-                         f"which has no precision='fp8' or activation_cache='fp8' (SwiGLU only)")
+        raise ValueError(f"activation {activation!r} has no FP8 path: precision='fp8' and "
+                         f"activation_cache='fp8' run SwiGLU experts only")
     if precision == "fp8":
         check_fp8_sizes(d, n)
     if activation_cache == "fp8":
@@ -422,10 +415,6 @@ def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision:
         try:
             check_experts(module)
             _check_fp8_options(module, precision, activation_cache)
-            if backend == "cute" and expert_activation(module) != "swiglu":
-                raise ValueError(f"activation {expert_activation(module)!r} has no CuTe "
-                                 f"kernels (fused epilogues are SwiGLU's); use backend="
-                                 f"'auto' or 'torch'")
         except ValueError as err:
             raise ValueError(f"model.{name}: {err}") from err
     register()

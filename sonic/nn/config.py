@@ -67,10 +67,10 @@ class MoEConfig:
         bias_update_rate: ``γ`` of aux-loss-free balancing (finite real ``>= 0``).
         seq_aux_loss_coef: weight of the sequence-wise balance loss (finite real ``>= 0``).
         z_loss_coef: weight of the router z-loss (finite real ``>= 0``).
-        activation: the experts' activation, one of :data:`sonic.reference.activations.ACTIVATIONS`
+        activation: the experts' activation, one of :data:`sonic.types.ACTIVATIONS`
             (``"swiglu"``, ``"geglu"``, ``"geglu_tanh"``, ``"reglu"``, ``"relu2"``,
-            ``"gelu"``); other than ``"swiglu"`` it runs the PyTorch reference path only, so
-            not with ``backend="cute"``, ``precision="fp8"`` or ``activation_cache="fp8"``.
+            ``"gelu"``); other than ``"swiglu"`` not with ``precision="fp8"`` or
+            ``activation_cache="fp8"``.
         num_shared_experts: shared experts every token passes through (``int >= 0``).
         shared_expert_d: the shared expert's size (``int >= 1``) instead of
             ``num_shared_experts·d_expert``; ``None``: that product.
@@ -85,8 +85,7 @@ class MoEConfig:
             the message names the field.
         ValueError: a field out of range or not among its choices, ``top_k`` above what the
             groups allow, ``n_group`` not dividing ``num_experts``, FP8 sizes that are not
-            multiples of the FP8 blocks, an activation other than SwiGLU with ``backend="cute"``
-            or an FP8 option, or ``shared_expert_gate`` without shared experts; the message
+            multiples of the FP8 blocks, an activation other than SwiGLU with an FP8 option, or ``shared_expert_gate`` without shared experts; the message
             names the field.
     """
 
@@ -151,16 +150,14 @@ class MoEConfig:
 
     def _check_activation_support(self) -> None:
         """Raise ``ValueError`` where an activation other than SwiGLU meets an option only the
-        SwiGLU path has (the CuTe backend, FP8 GEMMs or the FP8 activation cache)."""
+        SwiGLU path has (FP8 GEMMs or the FP8 activation cache)."""
         if self.activation == "swiglu":
             return
-        for name, refused in (("backend", "cute"), ("precision", "fp8"),
-                              ("activation_cache", "fp8")):
-            if getattr(self, name) == refused:
+        for name in ("precision", "activation_cache"):
+            if getattr(self, name) == "fp8":
                 raise ValueError(
-                    f"activation={self.activation!r} runs only the PyTorch reference path: the "
-                    f"CuTe kernels' fused epilogues compute SwiGLU only, so {name}={refused!r} "
-                    f"is not available with it (use backend='torch' or 'auto', bf16)")
+                    f"activation={self.activation!r} has no FP8 path: {name}='fp8' runs "
+                    f"SwiGLU experts only (use {name}='bf16')")
 
     @property
     def resolved_topk_group(self) -> int:

@@ -19,7 +19,6 @@ from sonic.experts.moe_experts import (Fp8ExpertWeights, Fp8WeightCache, autocas
 from sonic.reference.activations import is_gated
 from sonic.reference.ops import accumulate_dtype
 from sonic.nn.config import ROUTERS, MoEConfig  # noqa: F401  (ROUTERS: re-exported)
-from sonic.nn.experts import activation_experts
 from sonic.routing.gate import gate_logits
 from sonic.routing.losses import expert_load, router_z_loss, sequence_balance_loss
 from sonic.routing.metadata import routing_metadata
@@ -203,10 +202,10 @@ class MoE(nn.Module):
         activation: the experts' activation (:mod:`sonic.reference.activations`):
             ``"swiglu"`` (default), ``"geglu"``, ``"geglu_tanh"``, ``"reglu"`` (gated: ``w1``
             is ``(E, 2n, d)``) or ``"relu2"``, ``"gelu"`` (not gated: ``w1`` is ``(E, n, d)``).
-            Only SwiGLU has fused CuTe epilogues: the others run the PyTorch reference path
-            (``torch.ops.sonic.moe_experts_act``, memory-minimal as the SwiGLU path) on every
-            device, so ``backend="cute"``, ``precision="fp8"`` and ``activation_cache="fp8"``
-            raise with them.
+            The gated ones run the CuTe kernels' fused up-proj and dH epilogues with their
+            gate function; the non-gated ones the reference activation between the CuTe GEMMs
+            (see :func:`moe_experts`). Only SwiGLU takes ``precision="fp8"`` and
+            ``activation_cache="fp8"``.
         num_shared_experts: shared experts (DeepSeekMoE, Dai et al. 2024, §3.2; Qwen2-MoE):
             dense experts with the layer's ``activation`` that every token passes through,
             their output added to the routed output. ``m`` shared experts of size ``n`` are one
@@ -523,15 +522,12 @@ class MoE(nn.Module):
                      routing: Routing, precision: Precision) -> torch.Tensor:
         """This process's experts ``w1``, ``w2`` on the routing, with the layer's activation."""
         scores = routing.scores.to(accumulate_dtype(tokens.dtype))
-        if self.activation != "swiglu":
-            return activation_experts(tokens, w1, w2, scores,
-                                      routing_metadata(routing, backend="torch"),
-                                      self.activation, self.gate_up)
         return moe_experts(tokens, w1, w2, scores, routing.token_idx, routing.expert_idx,
                            gate_up=self.gate_up, backend=self.backend,
                            metadata=routing_metadata(routing, backend=self.backend),
                            precision=precision, activation_cache=self.activation_cache,
-                           fp8_weights=self._fp8_weights(w1, w2) if precision == "fp8" else None)
+                           fp8_weights=self._fp8_weights(w1, w2) if precision == "fp8" else None,
+                           activation=self.activation)
 
     def shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
         """The shared expert's output ``(T, d)`` for ``tokens (T, d)`` (see

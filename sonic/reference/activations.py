@@ -16,11 +16,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sonic.reference.ops import (accumulate_dtype, aggregate, grouped_mm, grouped_mm_varlen_k,
-                                 merge_gate_up, split_gate_up)
+from sonic.reference import ops
+from sonic.reference.ops import (accumulate_dtype, aggregate, copy_into, grouped_mm,
+                                 grouped_mm_varlen_k, merge_gate_up, split_gate_up)
 
-GATED = ("swiglu", "geglu", "geglu_tanh", "reglu")
-ACTIVATIONS = GATED + ("relu2", "gelu")
+from sonic.types import ACTIVATIONS, GATED_ACTIVATIONS as GATED
 
 
 def is_gated(activation: str) -> bool:
@@ -55,6 +55,8 @@ def _phi(g: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
 def activate(h: torch.Tensor, activation: str, gate_up: str = "concat") -> torch.Tensor:
     """The up-projection's epilogue: ``A (P, n)`` from ``H (P, 2n)`` (gated) or ``(P, n)``,
     math in the accumulation dtype (fp32; fp64 for fp64), one rounding to ``h``'s dtype."""
+    if activation == "swiglu":
+        return ops.swiglu(h, gate_up)
     acc = accumulate_dtype(h.dtype)
     if is_gated(activation):
         gate, up = split_gate_up(h, gate_up)
@@ -66,7 +68,10 @@ def activation_backward(da_prime: torch.Tensor, h: torch.Tensor, row_scores: tor
                         activation: str, gate_up: str = "concat"):
     """The dH epilogue for any activation: from ``dA' (P, n)``, the saved ``H`` and each row's
     score ``s``, ``(dH, A' = s·A, ds = ⟨dA', A⟩)`` with ``dA = s·dA'``; dH and A' in ``h``'s
-    dtype, ds in the accumulation dtype (as :func:`sonic.reference.ops.dswiglu_epilogue`)."""
+    dtype, ds in the accumulation dtype (SwiGLU: :func:`sonic.reference.ops.dswiglu_epilogue`
+    itself)."""
+    if activation == "swiglu":
+        return ops.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
     acc = accumulate_dtype(h.dtype)
     dap = da_prime.to(acc)
     s = row_scores.to(acc).unsqueeze(-1)
@@ -81,6 +86,33 @@ def activation_backward(da_prime: torch.Tensor, h: torch.Tensor, row_scores: tor
         a, dphi = _phi(h.to(acc), activation)
         dh = s * dap * dphi
     return dh.to(h.dtype), (s * a).to(h.dtype), (dap * a).sum(dim=-1)
+
+
+def up_proj(x: torch.Tensor, w1: torch.Tensor, offsets: torch.Tensor, gather_idx: torch.Tensor,
+            gate_up: str, *, h_out: torch.Tensor | None = None, activation: str = "swiglu"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sonic.reference.ops.up_proj_swiglu` for any activation: ``(H, A)``, H
+    ``(P, 2n)`` (gated) or ``(P, n)``, ``A = act(H)`` ``(P, n)``; with ``h_out`` H is written
+    there."""
+    if activation == "swiglu":
+        return ops.up_proj_swiglu(x, w1, offsets, gather_idx, gate_up, h_out=h_out)
+    h = grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
+    return copy_into(h_out, h), activate(h, activation, gate_up)
+
+
+def dh_step(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
+            gather_idx: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor, gate_up: str, *,
+            overwrite_h: bool = False, a_out: torch.Tensor | None = None,
+            activation: str = "swiglu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sonic.reference.ops.dh_dswiglu` for any activation: ``dA' = gather(dO)·W2``
+    then :func:`activation_backward`, ``(dH, A', ds)``; ``overwrite_h`` is accepted and
+    ignored (dH is always a new tensor), A' goes into ``a_out`` when given."""
+    if activation == "swiglu":
+        return ops.dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up,
+                              overwrite_h=overwrite_h, a_out=a_out)
+    dh, a_scaled, ds = activation_backward(grouped_mm(dout, w2, offsets, gather_idx), h,
+                                           row_scores, activation, gate_up)
+    return dh, copy_into(a_out, a_scaled), ds
 
 
 def experts_forward(x, w1, w2, row_scores, offsets, gather_idx, token_rows, token_offsets,

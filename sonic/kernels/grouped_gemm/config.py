@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sonic.types import FP8_BLOCK, GATE_UP_LAYOUTS, GROUPED_GEMM_MAX_EXPERTS
+from sonic.types import FP8_BLOCK, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, GROUPED_GEMM_MAX_EXPERTS
 
 TILE_M = 128
 # M tiles: 256 rows (128 per consumer warpgroup) serve the cooperative bf16 sm_90a store
@@ -97,6 +97,9 @@ class GroupedGemmConfig:
             ds partials from dA', H and the row scores).
         gate_up: gate/up layout of the ``"swiglu"`` epilogue (``"concat"`` or
             ``"interleaved"``), else None.
+        activation: the GLU variant the ``"swiglu"`` and ``"dswiglu"`` epilogues compute, one
+            of :data:`sonic.types.GATED_ACTIVATIONS` (``"swiglu"`` with every other
+            epilogue); bf16 only.
         arch: target architecture, a key of :data:`MAINLOOPS`.
         tile_m: M tile, one of :data:`TILE_MS`; 256 (two 128-row warpgroup halves, ``128 x
             128`` accumulators) only for the cooperative bf16 sm_90a store kernel on
@@ -131,6 +134,7 @@ class GroupedGemmConfig:
     ab_dtype: str = "bf16"
     tile_m: int = TILE_M
     multicast_a: bool = False
+    activation: str = "swiglu"
 
     def __post_init__(self):
         if self.arch not in MAINLOOPS:
@@ -190,6 +194,16 @@ class GroupedGemmConfig:
                                            or self.pingpong or self.tile_n < TILE_M):
             raise ValueError("the dSwiGLU epilogue serves the gathered dA' GEMM "
                              "(cooperative, tile_n >= 128)")
+
+        self._check_activation()
+
+    def _check_activation(self):
+        if self.activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got "
+                             f"{self.activation!r}")
+        if self.activation != "swiglu" and (self.epilogue == "store" or self.fp8):
+            raise ValueError(f"activation={self.activation!r} serves the bf16 SwiGLU and "
+                             "dSwiGLU epilogues (a GLU variant's gate function)")
 
     def _check_tile_m(self):
         if self.tile_m not in TILE_MS:

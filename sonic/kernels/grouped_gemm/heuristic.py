@@ -136,8 +136,10 @@ def b_outgrows_l2(dim_k: int, tile_n: int, rows_per_expert: int,
 def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,
                     epilogue: str = "store", gate_up: str | None = None,
                     arch: str = "sm_90a", ab_dtype: str = "bf16", rows_per_expert: int = 0,
-                    memory: DeviceMemory | None = None) -> GroupedGemmConfig:
-    """The planned varlen-M configuration (:func:`plan`, then the epilogue's constraints).
+                    memory: DeviceMemory | None = None,
+                    activation: str = "swiglu") -> GroupedGemmConfig:
+    """The planned varlen-M configuration (:func:`plan`, then the epilogue's constraints);
+    ``activation``: the GLU variant of the fused epilogues.
 
     With the SwiGLU "concat" epilogue a tile's gate half must not run past ``n = N/2``: when
     ``n`` is not a multiple of half the planned tile, the tile drops to ``128 x 128``.
@@ -154,7 +156,8 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
                              cluster=tiles.cluster, dim_m=0, dim_n=dim_n, dim_k=dim_k,
                              gather_a=gathered, b_n_major=b_n_major, epilogue=epilogue,
                              gate_up=gate_up, arch=arch, ab_dtype=ab_dtype,
-                             tile_m=tiles.tile_m, multicast_a=tiles.multicast_a)
+                             tile_m=tiles.tile_m, multicast_a=tiles.multicast_a,
+                             activation=activation)
 
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,

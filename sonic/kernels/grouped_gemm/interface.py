@@ -168,8 +168,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
 
 def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
                         gather_idx: torch.Tensor, gate_up: str, *,
-                        h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``, ``A = SwiGLU(H)``, one launch.
+                        h_out: torch.Tensor | None = None,
+                        activation: str = "swiglu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Up-proj with the SwiGLU epilogue: ``H = gather(X)·W1ᵀ``, ``A = SwiGLU(H)``, one launch
+    (or another GLU variant's ``A = φ(gate) ⊙ up``, ``activation``).
 
     docs/design.md §3 forward; SonicMoE (arXiv 2512.14080) §4.1.2. The epilogue stores H (kept for the
     backward) and A, computed from H's bf16 values exactly as :func:`sonic.kernels.swiglu.swiglu`
@@ -184,13 +186,15 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
         gate_up: ``"concat"`` or ``"interleaved"``.
         h_out: ``(P, 2n)`` bf16, contiguous: where H is written (e.g. a chunk's rows of a
             buffer holding the H of several calls), allocated if None.
+        activation: the GLU variant, one of :data:`sonic.types.GATED_ACTIVATIONS`
+            (Shazeer 2020; the gate functions of :mod:`sonic.kernels.activation`).
 
     Returns:
         ``(H, A)``: ``(P, 2n)`` and ``(P, n)`` bf16; H is ``h_out`` when given.
 
     Raises:
-        TypeError / ValueError: as :func:`grouped_gemm`; also an unknown ``gate_up``, or ``n``
-            not a multiple of 8 (of 64 with ``"concat"``).
+        TypeError / ValueError: as :func:`grouped_gemm`; also an unknown ``gate_up`` or
+            ``activation``, or ``n`` not a multiple of 8 (of 64 with ``"concat"``).
     """
     if gate_up not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {gate_up!r}")
@@ -201,13 +205,13 @@ def grouped_gemm_swiglu(x: torch.Tensor, w1: torch.Tensor, expert_offsets: torch
     if n <= 0 or n % (64 if gate_up == "concat" else VEC) or w1.shape[1] % 2:
         raise ValueError(f"w1 must have 2n rows per expert with n a multiple of "
                          f"{64 if gate_up == 'concat' else VEC}, got shape {tuple(w1.shape)}")
-    return _varlen_m(x, w1, expert_offsets, gather_idx, h_out, gate_up)
+    return _varlen_m(x, w1, expert_offsets, gather_idx, h_out, gate_up, activation=activation)
 
 
 def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: torch.Tensor,
                          gather_idx: torch.Tensor, h: torch.Tensor,
                          row_scores: torch.Tensor, *, dh_out: torch.Tensor | None = None,
-                         a_out: torch.Tensor | None = None
+                         a_out: torch.Tensor | None = None, activation: str = "swiglu"
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's dH kernel: ``dA' = gather(dO)·W2`` with the dSwiGLU epilogue, one launch.
 
@@ -231,6 +235,8 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
             reads its H slabs into shared memory before it stores their dH, and no two tiles
             touch the same element (the backward thus needs no second ``P x 2n`` buffer).
         a_out: ``(P, n)`` bf16, contiguous: where A' is written, allocated if None.
+        activation: the GLU variant of the forward (:func:`grouped_gemm_swiglu`); dH is its
+            derivative, ``d_gate = dA·u·φ′(g)``, ``d_up = dA·φ(g)``.
 
     Returns:
         ``(dH (P, 2n) bf16, A' (P, n) bf16, ds (P,) fp32)``; dH is ``dh_out`` and A' is
@@ -246,7 +252,7 @@ def grouped_gemm_dswiglu(dout: torch.Tensor, w2: torch.Tensor, expert_offsets: t
                          device=w2.device)
     _check_dswiglu_inputs(h, row_scores, dh_out, gather_idx.numel(), w2.shape[2], w2.device)
     return _varlen_m(dout, w2.transpose(1, 2), expert_offsets, gather_idx, dh_out, None,
-                     (h, row_scores), a_out)
+                     (h, row_scores), a_out, activation=activation)
 
 
 def _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs: int, n: int, device) -> None:
@@ -266,7 +272,8 @@ def _check_dswiglu_inputs(h, row_scores, dh_out, num_pairs: int, n: int, device)
                          "shifted overlap would overwrite H rows another tile still reads")
 
 
-def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_out=None):
+def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_out=None, *,
+              activation="swiglu"):
     """:func:`grouped_gemm` (``swiglu`` and ``dswiglu`` None): ``(out, None)``;
     :func:`grouped_gemm_swiglu`: ``(H, A)``; :func:`grouped_gemm_dswiglu` (``dswiglu`` =
     ``(h, row_scores)``, validated by the caller; ``out`` receives dH, ``act_out`` A'):
@@ -310,7 +317,8 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
         epilogue="dswiglu" if dswiglu is not None else "swiglu" if swiglu else "store",
         gate_up=swiglu, arch=runtime.device_arch(device),
         rows_per_expert=num_pairs // max(num_experts, 1),
-        memory=device_memory(_index(device)) if device.type == "cuda" else None)
+        memory=device_memory(_index(device)) if device.type == "cuda" else None,
+        activation=activation)
     ds_parts = None
     if dswiglu is not None:
         if act_out is None:
@@ -777,6 +785,15 @@ for _n in (1024, 192, 1280):
     _register(f"varlen_m_n{_n}_k4096_gather_bn_dswiglu",
               lambda arch, n=_n: heuristic.varlen_m_config(n, 4096, True, True,
                                                            epilogue="dswiglu", arch=arch))
+# The other GLU variants' gate functions in both fused epilogues (the data movement is
+# SwiGLU's, checked above).
+for _act, _gate_up in (("geglu", "concat"), ("geglu_tanh", "interleaved"), ("reglu", "concat")):
+    _register(f"varlen_m_n512_k1536_gather_{_act}_{_gate_up}",
+              lambda arch, a=_act, gu=_gate_up: heuristic.varlen_m_config(
+                  512, 1536, True, epilogue="swiglu", gate_up=gu, arch=arch, activation=a))
+    _register(f"varlen_m_n1024_k4096_gather_bn_d{_act}",
+              lambda arch, a=_act: heuristic.varlen_m_config(
+                  1024, 4096, True, True, epilogue="dswiglu", arch=arch, activation=a))
 # The backward's dW2 (gathered dO on the M side, or on sm_90 swapped: C stored transposed
 # from 256 x 128 tiles gathering dO on N) and dW1 (gathered X, on sm_90 as C stored
 # transposed when N > 2048, or on 256 x 128 tiles gathered on the B side; on sm_100 gathered

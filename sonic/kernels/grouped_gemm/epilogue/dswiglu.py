@@ -1,7 +1,8 @@
 """dH epilogue (docs/design.md §3 backward step 1; SonicMoE arXiv 2512.14080 §4.1.3, App. C).
 
 On the fp32 tile of ``dA' = gather(dO)·W2`` (never stored), with the saved H ("concat" layout,
-``[gate | up]``) and the row scores ``s``: store ``dH = dSwiGLU(s·dA', H)`` ``(P, 2n)``,
+``[gate | up]``) and the row scores ``s``: store ``dH = dSwiGLU(s·dA', H)`` ``(P, 2n)`` (or
+the derivative of the config's other GLU variant, :mod:`sonic.kernels.activation`),
 ``A' = s·A`` ``(P, n)`` and per n-tile partial sums of ``ds = ⟨dA', A⟩`` ``(P, n_tiles)``
 (fp32; summed by the caller in a fixed order, so bitwise deterministic).
 
@@ -273,11 +274,10 @@ class DswigluEpilogue(Epilogue):
                 dap = acc.value(p, v0)
                 g = gate_pair[v0].to(F32)
                 u = up_pair[v0].to(F32)
-                sig = activation.sigmoid(g)
-                silu = activation.silu(g, sig)
-                d_gate[v0] = activation.dswiglu_gate(s * dap, g, u, sig)
-                d_up[v0] = (s * dap) * silu
-                act = silu * u
+                phi, dg = activation.gate_grad(g, u, s, dap, self.cfg.activation)
+                d_gate[v0] = dg
+                d_up[v0] = (s * dap) * phi
+                act = phi * u
                 partial[p.row] = partial[p.row] + dap * act
                 a_out[v0] = act * s
             for dst, row, values in ((gate, m, d_gate), (up, m, d_up),
@@ -298,7 +298,7 @@ class DswigluEpilogue(Epilogue):
         row0, rows, nt = tile.row0, tile.rows, tile.n_tile
         full, empty = stages.full, stages.empty
         n = self.cfg.dim_n
-        silu = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
+        phis = cute.make_rmem_tensor((acc.pairs_per_slab * 2,), F32)
         private = acc.warp_private
         cols = n - nt * self.cfg.tile_n
         for sl in cutlass.range_constexpr(self.cfg.tile_n // SLAB):
@@ -306,7 +306,7 @@ class DswigluEpilogue(Epilogue):
             slabs = self.h_slabs(stages, stage)
             col0 = nt * self.cfg.tile_n + sl * SLAB
             for part in cutlass.range_constexpr(3):
-                self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, silu, rScore,
+                self.stage_dswiglu_slab(acc, stage_c, wg_row0, sl, slabs, cols, phis, rScore,
                                         partial, part)
                 self.sync(wg, private)
                 if cutlass.const_expr(part == 2):
@@ -337,14 +337,14 @@ class DswigluEpilogue(Epilogue):
 
     @cute.jit
     def stage_dswiglu_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
-                           slabs: tuple, cols: Int32, silu: cute.Tensor, rScore: cute.Tensor,
+                           slabs: tuple, cols: Int32, phis: cute.Tensor, rScore: cute.Tensor,
                            partial: cute.Tensor, part: int):
-        """Slab ``sl`` of dH's gate half (``part`` 0, which also keeps ``silu(g)``), up half
+        """Slab ``sl`` of dH's gate half (``part`` 0, which also keeps ``φ(g)``), up half
         (1) or A' (2, also adding ``dA'·A`` to the row partials) → staging buffer. With
-        ``dA = s·dA'``: ``d_gate = dA·u·σ(g)(1 + g(1 − σ(g)))``, ``d_up = dA·silu(g)``,
-        ``A' = s·silu(g)·u`` (:mod:`sonic.kernels.activation`, as the one-pass
-        :func:`sonic.kernels.swiglu.dswiglu_epilogue`; σ is evaluated once per value). g and u
-        are read from the slab's ring stage, as zeros on columns past n (a column pair is
+        ``dA = s·dA'``: ``d_gate = dA·u·φ′(g)``, ``d_up = dA·φ(g)``, ``A' = s·φ(g)·u``
+        (:func:`sonic.kernels.activation.gate_grad` with the config's activation; for SwiGLU
+        as the one-pass :func:`sonic.kernels.swiglu.dswiglu_epilogue`, σ evaluated once per
+        value). g and u are read from the slab's ring stage, as zeros on columns past n (a column pair is
         entirely inside or outside: n is a multiple of 8), so no value of the neighbouring
         columns enters ds."""
         out = cute.make_rmem_tensor((2,), F32)
@@ -364,13 +364,13 @@ class DswigluEpilogue(Epilogue):
                 if cutlass.const_expr(part == 0):
                     g = gate[v0].to(F32)
                     u = up[v0].to(F32)
-                    sig = activation.sigmoid(g)
-                    silu[slot + v0] = activation.silu(g, sig)
-                    out[v0] = activation.dswiglu_gate(s * dap, g, u, sig)
+                    phi, dg = activation.gate_grad(g, u, s, dap, self.cfg.activation)
+                    phis[slot + v0] = phi
+                    out[v0] = dg
                 elif cutlass.const_expr(part == 1):
-                    out[v0] = (s * dap) * silu[slot + v0]
+                    out[v0] = (s * dap) * phis[slot + v0]
                 else:
-                    act = silu[slot + v0] * up[v0].to(F32)
+                    act = phis[slot + v0] * up[v0].to(F32)
                     partial[p.row] = partial[p.row] + dap * act
                     out[v0] = act * s
             pair.store(out.load().to(BF16))

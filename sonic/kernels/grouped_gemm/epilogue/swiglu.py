@@ -20,7 +20,8 @@ from sonic.kernels.grouped_gemm.protocols import AccumulatorView
 
 
 class SwigluEpilogue(Epilogue):
-    """H ``(P, 2n)`` (the tile, bf16) and ``A = silu(gate) ⊙ up`` ``(P, n)``.
+    """H ``(P, 2n)`` (the tile, bf16) and ``A = φ(gate) ⊙ up`` ``(P, n)``, φ the gate function
+    of the config's GLU variant (:func:`sonic.kernels.activation.gate`; SiLU for SwiGLU).
 
     Not deferred (:meth:`Epilogue.defers`): with the tile held in bf16 registers beside the
     next tile's accumulator and its H and A boxes stored during that tile's k-tiles, the
@@ -83,8 +84,7 @@ class SwigluEpilogue(Epilogue):
                     gate_up[1] = acc.value(p, 1)
                 rounded.store(gate_up.load().to(BF16))
                 g = rounded[0].to(F32)
-                sig = activation.sigmoid(g)
-                value = (activation.silu(g, sig) * rounded[1].to(F32)).to(BF16)
+                value = (activation.gate(g, self.cfg.activation) * rounded[1].to(F32)).to(BF16)
                 a_col = col - sl * SLAB
                 if cutlass.const_expr(not concat):
                     a_col = a_col // 2
