@@ -455,8 +455,8 @@ def _(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache="bf16",
 def _experts_setup(ctx, inputs, output):
     # The dispatcher leaves out trailing arguments equal to their schema defaults.
     x, w1, w2, scores, meta, top_k, gate_up, backend, *rest = inputs
-    defaults = ("bf16", "swiglu")
-    activation_cache, activation = (*rest, *defaults[len(rest):])
+    activation_cache = rest[0] if rest else "bf16"
+    activation = rest[1] if len(rest) > 1 else "swiglu"
     ctx.num_inputs = len(inputs)
     _out, h, h_scales = output
     ctx.save_for_backward(x, w1, w2, h, h_scales if activation_cache == "fp8" else None,

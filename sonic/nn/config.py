@@ -13,7 +13,8 @@ from sonic.reference.activations import ACTIVATIONS
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.token_rounding import ROUNDINGS
 from sonic.routing.topk import SCORES, check_group_args, check_positive
-from sonic.types import ActivationCache, Backend, GateUp, Precision, Rounding, Router, Score
+from sonic.types import (Activation, ActivationCache, Backend, GateUp, Precision, Rounding, Router,
+                         Score)
 
 ROUTERS: tuple[Router, ...] = get_args(Router)
 
@@ -110,7 +111,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     seq_aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
-    activation: str = "swiglu"
+    activation: Activation = "swiglu"
     num_shared_experts: int = 0
     shared_expert_d: int | None = None
     shared_expert_gate: bool = False

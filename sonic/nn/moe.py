@@ -25,7 +25,7 @@ from sonic.routing.metadata import routing_metadata
 from sonic.routing.token_rounding import token_rounding_routing
 from sonic.routing.topk import topk_routing
 from sonic.routing.types import Routing
-from sonic.types import (ActivationCache, Backend, GateUp, Precision, Rounding, Router,
+from sonic.types import (Activation, ActivationCache, Backend, GateUp, Precision, Rounding, Router,
                          Score)
 
 # The settings kept behind a checked property (in "_<name>"), assignable after construction.
@@ -283,7 +283,7 @@ class MoE(nn.Module):
     n_group: int
     topk_group: int
     bias_update_rate: float
-    activation: str
+    activation: Activation
     shared_expert_d: int
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor
@@ -297,7 +297,7 @@ class MoE(nn.Module):
                  activation_cache: ActivationCache = "bf16", routed_scaling_factor: float = 1.0,
                  n_group: int = 1, topk_group: int | None = None, expert_bias: bool = False,
                  bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, activation: str = "swiglu",
+                 z_loss_coef: float = 0.0, activation: Activation = "swiglu",
                  num_shared_experts: int = 0, shared_expert_d: int | None = None,
                  shared_expert_gate: bool = False, device=None, dtype=None):
         super().__init__()

@@ -47,14 +47,22 @@ def _poisoned(rows: int, cols: int):
     poisoned reliably: its free blocks lie between live tensors.)"""
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
-        blocks = [torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")]
-        blocks += [torch.full((512 << 10,), -1, dtype=torch.int8, device="cuda")
-                   for _ in range(16)]
-        torch.cuda.synchronize()
-        del blocks
+        _fill_pool()
         assert torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda").isnan().all()
         assert torch.empty(rows, dtype=torch.float32, device="cuda").isnan().all()
+        # The checks' own results (bool tensors of 0x01 bytes) came from the pool: fill it
+        # again, or the first small output below could land on them.
+        _fill_pool()
         yield
+
+
+def _fill_pool() -> None:
+    """Allocate, fill with 0xFF bytes and free the current pool's segments: one large and
+    four 2 MiB small-block segments."""
+    blocks = [torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")]
+    blocks += [torch.full((512 << 10,), -1, dtype=torch.int8, device="cuda") for _ in range(16)]
+    torch.cuda.synchronize()
+    del blocks
 
 
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, valid: int, tol: float) -> None:
