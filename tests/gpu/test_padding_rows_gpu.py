@@ -2,11 +2,12 @@
 padding, which belongs to no expert and no tile) of every output are what the PyTorch
 reference gives them, zeros, and the routed rows match the reference.
 
-Fresh random inputs on every run; each CuTe call allocates from a poisoned private memory pool,
+Fresh random inputs on every run; each CuTe call runs with its outputs allocated NaN-filled,
 so a row that a kernel leaves unwritten reads as NaN rather than as a stale zero.
 """
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -40,29 +41,31 @@ def _problem():
 
 @contextlib.contextmanager
 def _poisoned(rows: int, cols: int):
-    """Inside: allocations come from a private memory pool whose memory was filled with 0xFF
-    bytes first (a large segment and small-block segments), so an element a kernel leaves
-    unwritten reads as NaN rather than as a stale zero; checked on a fresh ``(rows, cols)``
-    bf16 buffer, so the checks below can fail. (The shared caching allocator cannot be
-    poisoned reliably: its free blocks lie between live tensors.)"""
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool):
-        _fill_pool()
+    """Inside: every floating-point CUDA tensor made by ``torch.empty``, ``torch.empty_like`` or
+    ``Tensor.new_empty`` (how the ops allocate their outputs) is filled with 0xFF bytes (NaN in
+    bf16, fp32 and e4m3), so an element a kernel leaves unwritten reads as NaN rather than as a
+    stale zero; checked on fresh ``(rows, cols)`` bf16 and ``(rows,)`` fp32 buffers, so the
+    checks below can fail. (A memory pool filled beforehand did not poison every small
+    allocation reliably.)"""
+    real_empty, real_like, real_new = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda and t.is_floating_point() and t.numel():
+            flat = t.view(-1) if t.is_contiguous() else None
+            if flat is not None and flat.element_size() in (1, 2, 4, 8):
+                flat.view(torch.uint8).fill_(255)
+            else:
+                t.fill_(float("nan"))
+        return t
+
+    with mock.patch.object(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k))), \
+            mock.patch.object(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k))), \
+            mock.patch.object(torch.Tensor, "new_empty",
+                              lambda self, *a, **k: poison(real_new(self, *a, **k))):
         assert torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda").isnan().all()
         assert torch.empty(rows, dtype=torch.float32, device="cuda").isnan().all()
-        # The checks' own results (bool tensors of 0x01 bytes) came from the pool: fill it
-        # again, or the first small output below could land on them.
-        _fill_pool()
+        assert torch.ones(1, device="cuda").new_empty(rows).isnan().all()
         yield
-
-
-def _fill_pool() -> None:
-    """Allocate, fill with 0xFF bytes and free the current pool's segments: one large and
-    four 2 MiB small-block segments."""
-    blocks = [torch.full((256 << 20,), -1, dtype=torch.int8, device="cuda")]
-    blocks += [torch.full((512 << 10,), -1, dtype=torch.int8, device="cuda") for _ in range(16)]
-    torch.cuda.synchronize()
-    del blocks
 
 
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, valid: int, tol: float) -> None:
