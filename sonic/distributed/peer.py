@@ -285,18 +285,31 @@ class PeerTransport:
 
         current = torch.cuda.current_stream(self.device)
         send_rows(me, out[recv_at[me]:recv_at[me] + out_splits[me]])
-        for step in range(1, self.ep_size):
-            j = (me + step) % self.ep_size
+        peers = [(me + step) % self.ep_size for step in range(1, self.ep_size)]
+        # Two phases, joined on the current stream. A stream blocked in cuStreamWaitValue32
+        # can hold up other streams that share its hardware queue; if a wait for a peer's
+        # "ready" came before this rank's own "ready" signals, such a false dependency could
+        # close a cycle over the ranks (one peer stream per rank, EP = 2, never has one). So
+        # every "ready" is raised before any is awaited: phase 1 waits only on flags of
+        # earlier calls.
+        for j in peers:
             stream = self._streams[j]
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 self._wait(stream, self._flag(me, 1, slot, j), generation - 1)
                 send_rows(j, region(me, j, in_splits[j]))
                 self._signal(stream, self._flag(j, 0, slot, me), generation)
+        for j in peers:
+            current.wait_stream(self._streams[j])
+        for j in peers:
+            stream = self._streams[j]
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
                 self._wait(stream, self._flag(me, 0, slot, j), generation)
                 if out_splits[j]:
                     self._copy(out[recv_at[j]:recv_at[j] + out_splits[j]],
                                region(j, me, out_splits[j]))
                 self._signal(stream, self._flag(j, 1, slot, me), generation)
-            current.wait_stream(stream)
+        for j in peers:
+            current.wait_stream(self._streams[j])
         return out
