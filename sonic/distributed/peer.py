@@ -23,8 +23,11 @@ persistent GEMMs (docs/expert-parallelism.md):
      output rows (over NVLink);
   5. raise the ``done`` flag in ``j``'s pad.
 
-  The rows for this rank itself are copied locally. Two slots alternate, so one all-to-all's
-  sends never wait for the previous one's readers.
+  Steps 1–3 for every peer come first, then (after a join on the caller's stream) steps 4–5:
+  every ``ready`` flag is raised before any is awaited, so a stream blocked in a wait can
+  never hold up a flag another rank waits for. The rows for this rank itself are copied
+  locally. Two slots alternate, so one all-to-all's sends never wait for the previous one's
+  readers.
 
 Copies go through ``cuMemcpyBatchAsync`` with the hint to overlap compute
 (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``, CUDA 12.8+), which asks the driver for a
