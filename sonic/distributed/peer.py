@@ -10,7 +10,7 @@ persistent GEMMs (docs/expert-parallelism.md):
 
 * every rank of the group allocates one send buffer in symmetric memory
   (``torch.distributed._symmetric_memory``: each rank's allocation mapped into every peer's
-  address space) with a region per (slot, destination rank), and a signal pad of flags;
+  address space) with a region per (slot, peer), and a signal pad of flags;
 * for one all-to-all, the exchange with each peer ``j`` runs on a stream of its own:
 
   1. wait until ``j`` has pulled what this rank last put in the slot (``done`` flag);
@@ -181,7 +181,9 @@ class PeerTransport:
         region = -(-region_bytes // _ALIGN) * _ALIGN
         torch.cuda.synchronize(self.device)
         group = _process_group(self.group)
-        buffer = self._symm_mem.empty(_SLOTS, self.ep_size, region, dtype=torch.uint8,
+        # One region per peer and slot: a rank's rows for itself are copied locally.
+        peers = max(self.ep_size - 1, 1)
+        buffer = self._symm_mem.empty(_SLOTS, peers, region, dtype=torch.uint8,
                                       device=self.device)
         handle = self._symm_mem.rendezvous(buffer, group)
         flags = 2 * _SLOTS * self.ep_size
@@ -190,7 +192,7 @@ class PeerTransport:
         # No peer raises a flag in this rank's new pad before it is zeroed.
         dist.barrier(group=self.group, device_ids=[self.device.index])
         self._buffer, self._handle = buffer, handle
-        self._regions = [handle.get_buffer(j, (_SLOTS, self.ep_size, region), torch.uint8)
+        self._regions = [handle.get_buffer(j, (_SLOTS, peers, region), torch.uint8)
                          for j in range(self.ep_size)]
         self._pads = list(handle.signal_pad_ptrs)
         self.region_bytes, self._uses = region, 0
@@ -283,7 +285,9 @@ class PeerTransport:
                     torch.index_select(x, 0, index[part], out=dst)
 
         def region(rank: int, j: int, count: int) -> torch.Tensor:
-            return self._regions[rank][slot, j, :count * row_bytes].view(dtype).view(
+            # Rank `rank`'s region for peer j: indexed by j's offset from it, 1 .. ep_size - 1.
+            peer = (j - rank) % self.ep_size - 1
+            return self._regions[rank][slot, peer, :count * row_bytes].view(dtype).view(
                 (count,) + shape)
 
         current = torch.cuda.current_stream(self.device)
