@@ -31,7 +31,6 @@ all-to-alls overlap another's local experts (:mod:`sonic.distributed.overlap`).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,9 +53,10 @@ from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
 
 
-# The largest EP group the copy-engine transport has completed a benchmark on; "auto" picks it
-# only up to there (docs/expert-parallelism.md).
-COPY_ENGINE_VERIFIED_RANKS = 2
+# The largest EP group on which "auto" picks the copy engines: on four H200s they moved the
+# all-to-alls at 180-192 GB/s bus bandwidth against NCCL's 295-328 and the step was slower
+# (benchmarks/RESULTS.md, docs/expert-parallelism.md).
+COPY_ENGINE_AUTO_MAX_RANKS = 2
 
 
 def _resolve_transport(transport: Transport, group, device: torch.device):
@@ -66,14 +66,9 @@ def _resolve_transport(transport: Transport, group, device: torch.device):
     if transport == "nccl":
         return None
     ep_size, _ = check_group(group)
-    if transport == "auto" and (ep_size > COPY_ENGINE_VERIFIED_RANKS
+    if transport == "auto" and (ep_size > COPY_ENGINE_AUTO_MAX_RANKS
                                 or not peer_transport_available(group, device)):
         return None
-    if ep_size > COPY_ENGINE_VERIFIED_RANKS:
-        warnings.warn(f"transport='copy_engine' with {ep_size} EP ranks: it is verified on "
-                      f"{COPY_ENGINE_VERIFIED_RANKS} only, and a 4-rank benchmark with it did "
-                      "not finish in its time limit; transport='nccl' is the tested path",
-                      RuntimeWarning, stacklevel=3)
     return peer_transport(group, device)
 
 
