@@ -64,12 +64,16 @@ def _rel(a, b):
 # --- the layer: ExpertParallelMoE against sonic.MoE -------------------------------------------
 
 LAYER_CASES = {
-    # name: (tokens on rank r, E, K, forced routing)
+    # name: (tokens on rank r, E, K, forced routing[, activation, num_chunks])
     "topk_ragged": (lambda r: 2 + 3 * r, 8, 2, None),
     "tokens_1": (lambda r: 1, 8, 2, None),
     "k_equals_e": (lambda r: 3, 4, 4, None),
     "empty_expert": (lambda r: 4 + r, 8, 2, "empty_expert"),
     "rank_without_tokens": (lambda r: 5, 8, 3, "last_rank"),
+    # Other activations: gated (w1 (E/ep, 2n, d)) unchunked, non-gated (w1 (E/ep, n, d))
+    # through the chunked pipeline.
+    "geglu": (lambda r: 2 + 3 * r, 8, 2, None, "geglu", 1),
+    "relu2_chunked": (lambda r: 6 + r, 8, 2, None, "relu2", 2),
 }
 
 
@@ -90,9 +94,11 @@ def layer_step(layer, full, x_full, grad_full, counts, rank):
 
 
 def _layer_case(rank, world, name, seed):
-    tokens_of, num_experts, top_k, forced = LAYER_CASES[name]
+    tokens_of, num_experts, top_k, forced, *extra = LAYER_CASES[name]
+    activation, num_chunks = extra or ("swiglu", 1)
     torch.manual_seed(seed)
-    full = sonic.MoE(D, N, num_experts, top_k, backend="torch", dtype=torch.float64)
+    full = sonic.MoE(D, N, num_experts, top_k, backend="torch", dtype=torch.float64,
+                     activation=activation)
     counts = [tokens_of(r) for r in range(world)]
     g = torch.Generator().manual_seed(seed)
     x_full = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
@@ -106,7 +112,7 @@ def _layer_case(rank, world, name, seed):
         avoided = [1] if forced == "empty_expert" else list(range(num_experts - local, num_experts))
         with torch.no_grad():
             full.gate.weight[avoided, 0] = -10.0
-    layer = ExpertParallelMoE.from_moe(full)
+    layer = ExpertParallelMoE.from_moe(full, num_chunks=num_chunks)
     lo = sum(counts[:rank])
     x, out, x_ref, out_ref, gate_grad = layer_step(layer, full, x_full, grad_full, counts, rank)
     experts = slice(rank * local, (rank + 1) * local)
@@ -499,6 +505,9 @@ def _settings_cases(rank, world):
     scores = torch.rand(3, dtype=torch.float32 if last else torch.float64)
     out["scores_dtype"] = _catch(lambda: ep_moe_experts(
         x[:3], w1, w2, scores, tok, exp, group=None, num_experts=num_experts, backend="torch"))
+    out["activation"] = _catch(lambda: ep_moe_experts(
+        x[:3], w1, w2, scores.double(), tok, exp, group=None, num_experts=num_experts,
+        backend="torch", activation="geglu" if last else "swiglu"))
     logits = torch.randn(6, num_experts, dtype=torch.float64)
     out["tr_tile"] = _catch(lambda: sonic.distributed.ep_token_rounding_routing(
         logits, 2, tile=8 if last else 2))
@@ -519,6 +528,7 @@ def test_ranks_disagreeing_on_a_setting_raise_on_every_rank(tmp_path, world):
                 "n_group": "n_group: 1 on EP rank", "transport": "transport: 'nccl' on EP rank",
                 "bias_update_rate": "bias_update_rate: 0.0 on EP rank",
                 "scores_dtype": "dtype of scores: torch.float64", "tr_tile": "tile: 2 on EP rank",
+                "activation": "activation: 'swiglu' on EP rank",
                 "tr_dtype": "dtype of scores: torch.float64"}
     others = ", ".join(map(str, range(world - 1)))
     for rank, result in enumerate(results):

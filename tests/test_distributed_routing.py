@@ -140,8 +140,8 @@ def test_ep_aux_loss_free_balancing_and_losses_match_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    (dict(activation="gelu"), "activation='gelu'"),
     (dict(num_shared_experts=1), "shared_expert_d=4"),
+    (dict(num_shared_experts=1, activation="gelu"), "shared_expert_d=4"),
 ])
 def test_from_moe_names_the_options_it_cannot_carry(kwargs, named):
     moe = sonic.MoE(D, N, E, K, backend="torch", **OPTIONS, **kwargs)

@@ -403,10 +403,10 @@ def test_expert_parallel_copy_refuses_options_it_cannot_carry():
                                       "z_loss_coef=0.1"]
     assert layer.options_beyond(("score", "n_group")) == ["activation='gelu'", "z_loss_coef=0.1"]
     assert _layer(score="topk_softmax").options_beyond() == []
-    # The expert-parallel layer carries the routing options and the losses, not the
-    # activations beyond SwiGLU.
-    with pytest.raises(ValueError, match="cannot carry activation='gelu' yet"):
-        ExpertParallelMoE.from_moe(layer)
+    # The expert-parallel layer carries the routing options, the losses and the activations,
+    # not shared experts.
+    with pytest.raises(ValueError, match="cannot carry shared_expert_d=6 yet"):
+        ExpertParallelMoE.from_moe(_layer(activation="gelu", num_shared_experts=1))
 
 
 def test_update_expert_biases_reaches_every_layer():

@@ -47,7 +47,8 @@ from sonic.distributed.eplb import Placement
 from sonic.distributed.overlap import ChunkedExperts
 from sonic.distributed.peer import peer_transport, peer_transport_available
 from sonic.distributed.plan import MAX_CHUNKS, DispatchPlan, agreed_values, plan_dispatch
-from sonic.types import TRANSPORTS, ActivationCache, Backend, GateUp, Precision, Transport
+from sonic.types import (ACTIVATIONS, GATED_ACTIVATIONS, TRANSPORTS, Activation, ActivationCache,
+                         Backend, GateUp, Precision, Transport)
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
 from sonic.routing.types import Routing
@@ -145,7 +146,8 @@ class Combine(torch.autograd.Function):
 
 def _check_arguments(x, w1_local, w2_local, scores, token_idx, expert_idx, *, group,
                      num_experts, gate_up, placement, num_chunks, comm_sm_margin,
-                     recompute_dispatch, precision, transport) -> tuple[int, int]:
+                     recompute_dispatch, precision, transport, activation,
+                     activation_cache) -> tuple[int, int]:
     """The checks of :func:`ep_moe_experts` that need no other rank (raised on this rank,
     before any collective); returns ``(ep_size, local experts or slots per rank)``."""
     check_float("x", x, ndim=2)
@@ -163,6 +165,12 @@ def _check_arguments(x, w1_local, w2_local, scores, token_idx, expert_idx, *, gr
         raise TypeError(f"recompute_dispatch must be a bool, got "
                         f"{type(recompute_dispatch).__name__}")
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
+    check_choice("activation", activation, ACTIVATIONS)
+    if activation != "swiglu":
+        for name, value in (("precision", precision), ("activation_cache", activation_cache)):
+            if value == "fp8":
+                raise ValueError(f"{name}='fp8' runs SwiGLU experts only, got "
+                                 f"activation={activation!r}")
     check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
                       token_idx=token_idx, expert_idx=expert_idx)
     ep_size, _ = check_group(group)
@@ -176,9 +184,10 @@ def _check_arguments(x, w1_local, w2_local, scores, token_idx, expert_idx, *, gr
         num_local, label = placement.slots_per_rank, "slots_per_rank"
     d = x.shape[1]
     n = w2_local.shape[-1]
-    if tuple(w1_local.shape) != (num_local, 2 * n, d):
-        raise ValueError(f"w1_local must have shape ({label}={num_local}, 2n={2 * n}, d={d}), "
-                         f"got {tuple(w1_local.shape)}")
+    rows, rows_name = (2 * n, "2n") if activation in GATED_ACTIVATIONS else (n, "n")
+    if tuple(w1_local.shape) != (num_local, rows, d):
+        raise ValueError(f"w1_local must have shape ({label}={num_local}, {rows_name}={rows}, "
+                         f"d={d}) for activation={activation!r}, got {tuple(w1_local.shape)}")
     if tuple(w2_local.shape) != (num_local, d, n):
         raise ValueError(f"w2_local must have shape ({label}={num_local}, d={d}, n), "
                          f"got {tuple(w2_local.shape)}")
@@ -198,7 +207,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                    fp8_weights: Fp8ExpertWeights | None = None,
                    activation_cache: ActivationCache = "bf16",
                    settings: Mapping[str, object] | None = None,
-                   transport: Transport = "nccl") -> torch.Tensor:
+                   transport: Transport = "nccl",
+                   activation: Activation = "swiglu") -> torch.Tensor:
     """Expert-parallel :func:`sonic.moe_experts`: this rank's tokens, experts spread over ``group``.
 
     Every rank of ``group`` calls it with its own tokens and routed pairs; expert ``e`` lives on
@@ -216,7 +226,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
     Args:
         x: ``(T, d)`` this rank's tokens (bf16, fp16, fp32 or fp64); ``T`` may differ per rank
             and may be 0.
-        w1_local: ``(E/ep, 2n, d)`` up-projection weights of this rank's experts, ``x``'s dtype.
+        w1_local: ``(E/ep, 2n, d)`` up-projection weights of this rank's experts (``(E/ep,
+            n, d)`` for a non-gated ``activation``), ``x``'s dtype.
         w2_local: ``(E/ep, d, n)`` down-projection weights of this rank's experts.
         scores: ``(P,)`` float gate weight of each routed pair.
         token_idx: ``(P,)`` int32/int64 local token of each pair, in ``[0, T)``.
@@ -243,6 +254,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             (:mod:`sonic.distributed.overlap`, then also for ``C = 1``): ``R·d`` fewer bytes
             kept for one more ``R × d`` all-to-all; the gradients are exactly those without
             it. The same on every rank. An in-place change of ``x`` before backward raises.
+        activation: the experts' activation, as in :func:`sonic.moe_experts`; the same on
+            every rank.
         precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
             local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``), on every
             path; the rows travel in bf16 either way (each rank quantizes what it received).
@@ -296,11 +309,13 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         x, w1_local, w2_local, scores, token_idx, expert_idx, group=group,
         num_experts=num_experts, gate_up=gate_up, placement=placement, num_chunks=num_chunks,
         comm_sm_margin=comm_sm_margin, recompute_dispatch=recompute_dispatch,
-        precision=precision, transport=transport)
+        precision=precision, transport=transport, activation=activation,
+        activation_cache=activation_cache)
     num_tokens, d = x.shape
     local_options: dict[str, Any] = {
         "gate_up": gate_up, "backend": backend, "precision": precision,
-        "fp8_weights": fp8_weights, "activation_cache": activation_cache}
+        "fp8_weights": fp8_weights, "activation_cache": activation_cache,
+        "activation": activation}
     if ep_size == 1 and placement is None:
         return moe_experts(x, w1_local, w2_local, scores, token_idx, expert_idx,
                            **local_options)
@@ -313,7 +328,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         "placement (its fingerprint; 0 for the contiguous default)":
             0 if placement is None else placement.fingerprint(),
         "num_chunks": num_chunks, "recompute_dispatch": recompute_dispatch,
-        "precision": precision, "activation_cache": activation_cache, "transport": transport})
+        "precision": precision, "activation_cache": activation_cache, "transport": transport,
+        "activation": activation})
     plan = plan_dispatch(token_idx, expert_idx, num_tokens, num_experts, agreed, group,
                          placement, num_chunks)
     # After the exchange: every rank agrees on the transport and takes the same (collective)
@@ -330,7 +346,7 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
                                     backend, ops.aggregate, comm_sm_margin, recompute_dispatch,
                                     None if precision == "bf16" or fp8_weights is None
                                     else tuple(fp8_weights),
-                                    activation_cache)
+                                    activation_cache, activation)
     return _unchunked(x, scores, w1_local, w2_local, plan, num_local, ops.aggregate,
                       local_options)
 
@@ -345,7 +361,7 @@ def _autocast_checked(x, w1_local, w2_local, num_local: int, local_options: dict
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype} (outside "
                             "torch.autocast the experts do not cast)")
     n = w2_local.shape[-1]
-    check_activation_cache(local_options["activation_cache"], x.dtype, 2 * n)
+    check_activation_cache(local_options["activation_cache"], x.dtype, w1_local.shape[1])
     if local_options["precision"] == "fp8":
         check_fp8_call(x, num_local, n, local_options["fp8_weights"])
         check_fp8_backend(local_options["backend"], x.device)

@@ -20,18 +20,18 @@ from sonic.nn.moe import MoE
 from sonic.reference.ops import GATE_UP_LAYOUTS, accumulate_dtype
 from sonic.routing.topk import SCORES
 from sonic.routing.types import Routing
-from sonic.types import (TRANSPORTS, ActivationCache, Backend, GateUp, Precision, Rounding,
-                         Router, Score, Transport)
+from sonic.reference.activations import is_gated
+from sonic.types import (ACTIVATIONS, TRANSPORTS, Activation, ActivationCache, Backend, GateUp,
+                         Precision, Rounding, Router, Score, Transport)
 
-# The options of sonic.MoE beyond the original ones that act before dispatch (routing on each
-# rank's own tokens), which this layer carries.
-_ROUTING_OPTIONS = ("score", "routed_scaling_factor", "n_group", "expert_bias",
-                    "bias_update_rate", "seq_aux_loss_coef", "z_loss_coef")
-# The options of sonic.MoE this layer does not take (its experts are SwiGLU, none shared).
-_SINGLE_PROCESS_OPTIONS = ("activation", "num_shared_experts", "shared_expert_d",
-                           "shared_expert_gate")
+# The options of sonic.MoE beyond the original ones that this layer carries: those that act
+# before dispatch (routing on each rank's own tokens), and the experts' activation.
+_CARRIED_OPTIONS = ("score", "routed_scaling_factor", "n_group", "expert_bias",
+                    "bias_update_rate", "seq_aux_loss_coef", "z_loss_coef", "activation")
+# The options of sonic.MoE this layer does not take (no shared experts).
+_SINGLE_PROCESS_OPTIONS = ("num_shared_experts", "shared_expert_d", "shared_expert_gate")
 _CONFIG = ("d_model", "d_expert", "num_experts", "top_k", "score", "renormalize", "gate_up",
-           "dtype", "placement (fingerprint)")
+           "dtype", "placement (fingerprint)", "activation")
 
 
 class ExpertParallelMoE(MoE):
@@ -49,7 +49,7 @@ class ExpertParallelMoE(MoE):
     (:mod:`sonic.train.parallel` does both).
 
     The layer's options are a :class:`sonic.MoEConfig` (which checks them; :attr:`config`
-    gives it) without an activation other than SwiGLU or shared experts: :meth:`from_config`
+    gives it) without shared experts: :meth:`from_config`
     builds the layer from one, :meth:`from_moe` from a single-process layer.
 
     Args:
@@ -96,6 +96,8 @@ class ExpertParallelMoE(MoE):
             (default), ``"copy_engine"`` (NVLink peer memory and copy engines, no SMs; CUDA
             ranks of one host) or ``"auto"`` (see :func:`ep_moe_experts`). The attribute
             :attr:`transport` may be changed between calls.
+        activation: the experts' activation, as in :class:`sonic.MoE` (``w1`` is
+            ``(E/ep, n, d)`` for a non-gated one); the same on every rank.
 
     Parameters: ``gate.weight (E, d)`` (replicated), ``w1 (E/ep, 2n, d)``,
     ``w2 (E/ep, d, n)`` — this rank's experts ``ep_rank·E/ep …``; with a placement
@@ -146,7 +148,8 @@ class ExpertParallelMoE(MoE):
                  routed_scaling_factor: float = 1.0, n_group: int = 1,
                  topk_group: int | None = None, expert_bias: bool = False,
                  bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, transport: Transport = "nccl"):
+                 z_loss_coef: float = 0.0, transport: Transport = "nccl",
+                 activation: Activation = "swiglu"):
         # Not MoE.__init__: it would allocate all E experts on every rank.
         nn.Module.__init__(self)
         self._configure(MoEConfig(d_model, d_expert, num_experts, top_k, router=router,
@@ -157,7 +160,8 @@ class ExpertParallelMoE(MoE):
                                   routed_scaling_factor=routed_scaling_factor, n_group=n_group,
                                   topk_group=topk_group, expert_bias=expert_bias,
                                   bias_update_rate=bias_update_rate,
-                                  seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef),
+                                  seq_aux_loss_coef=seq_aux_loss_coef, z_loss_coef=z_loss_coef,
+                                  activation=activation),
                         device)
         self.ep_size, self.ep_rank = check_group(group)
         if placement is not None:
@@ -180,7 +184,8 @@ class ExpertParallelMoE(MoE):
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(d_model, num_experts, bias=False, **factory)
         local = self.num_local_experts
-        self.w1 = nn.Parameter(torch.empty(local, 2 * d_expert, d_model, **factory))
+        rows = 2 * d_expert if is_gated(activation) else d_expert
+        self.w1 = nn.Parameter(torch.empty(local, rows, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_expert, **factory))
         self._check_config()
         self.reset_parameters()
@@ -189,7 +194,8 @@ class ExpertParallelMoE(MoE):
         mine = [self.d_model, self.d_expert, self.num_experts, self.top_k,
                 SCORES.index(self.score), int(self.renormalize),
                 GATE_UP_LAYOUTS.index(self.gate_up), DTYPE_CODES.index(self.w1.dtype),
-                0 if self.placement is None else self.placement.fingerprint()]
+                0 if self.placement is None else self.placement.fingerprint(),
+                ACTIVATIONS.index(self.activation)]
         device = comm_device(self.group, torch.device("cpu"))
         local = torch.tensor(mine, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(local) for _ in range(self.ep_size)]
@@ -243,12 +249,12 @@ class ExpertParallelMoE(MoE):
         Raises:
             TypeError: ``config`` is not a :class:`sonic.MoEConfig`.
             ValueError: as the constructor, or ``config`` sets options the expert-parallel
-                layer does not carry yet (:meth:`sonic.MoEConfig.options_beyond`: an
-                activation other than SwiGLU, shared experts), naming them.
+                layer does not carry yet (:meth:`sonic.MoEConfig.options_beyond`:
+                shared experts), naming them.
         """
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a sonic.MoEConfig, got {type(config).__name__}")
-        unsupported = config.options_beyond(_ROUTING_OPTIONS)
+        unsupported = config.options_beyond(_CARRIED_OPTIONS)
         if unsupported:
             raise ValueError(f"ExpertParallelMoE cannot carry {', '.join(unsupported)} yet; "
                              "leave them at their defaults")
@@ -337,7 +343,7 @@ class ExpertParallelMoE(MoE):
                               recompute_dispatch=self.recompute_dispatch,
                               precision=self.precision, activation_cache=self.activation_cache,
                               fp8_weights=self._fp8_weights(w1, w2), settings=self._settings(),
-                              transport=self.transport)
+                              transport=self.transport, activation=self.activation)
 
     def _settings(self) -> dict:
         """The layer's settings every EP rank must share in each forward (they may be changed
@@ -362,5 +368,6 @@ class ExpertParallelMoE(MoE):
 
 
 def _decode(name: str, code: int):
-    tables = {"score": SCORES, "gate_up": GATE_UP_LAYOUTS, "dtype": DTYPE_CODES}
+    tables = {"score": SCORES, "gate_up": GATE_UP_LAYOUTS, "dtype": DTYPE_CODES,
+              "activation": ACTIVATIONS}
     return tables[name][code] if name in tables else code

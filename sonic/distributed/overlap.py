@@ -129,7 +129,7 @@ class ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scores, w1, w2, plan: DispatchPlan, num_local: int, gate_up: str,
                 backend: str, aggregate, margin: int, recompute_dispatch: bool,
-                fp8_weights: tuple | None, activation_cache: str):
+                fp8_weights: tuple | None, activation_cache: str, activation: str):
         streams = _Streams(x.device)
         rows_at, pairs_at = _received_slices(plan)
         # The local routing of every chunk, while the first dispatch is on the link. Its pairs
@@ -161,7 +161,8 @@ class ChunkedExperts(torch.autograd.Function):
                 y_recv, *cache = experts_forward(
                     x_recv[rows_at[c]], w1, w2, s_recv[pairs_at[c]], metadata[c], gate_up,
                     backend, h_out=None if h is None else h[pairs_at[c]],
-                    activation_cache=activation_cache, fp8_weights=fp8_weights)
+                    activation_cache=activation_cache, fp8_weights=fp8_weights,
+                    activation=activation)
                 if h is None:
                     caches += cache
                 with streams.on_comm(y_recv, rows):
@@ -183,6 +184,7 @@ class ChunkedExperts(torch.autograd.Function):
         # The weight gradients' precision as set when the forward ran (as the layer's op).
         ctx.fp8_weight_grads = ctx.fp8 and fp8_weight_grads() == "fp8"
         ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
+        ctx.activation = activation
         ctx.aggregate, ctx.margin = aggregate, margin
         return aggregate(rows, plan.token_rows, plan.token_offsets, None)
 
@@ -245,7 +247,8 @@ class ChunkedExperts(torch.autograd.Function):
                         kept_h[2 * c], kept_h[2 * c + 1], w1.dtype, dequantize_kernel), True
                 grad_x_recv, grad_s_recv = _activation_grads(
                     grad_y[rows_at[c]], w1, w2, fp8_weights, h_c, s_recv[pairs], metadata[c],
-                    ctx.gate_up, backend, need_x, need_s, overwrite_h=owned or not keep,
+                    ctx.gate_up, ctx.activation, backend, need_x, need_s,
+                    overwrite_h=owned or not keep,
                     a_out=a_scaled[pairs] if need_w2 else None,
                     dh_out=dh_all[pairs] if need_w1 else None)
                 del h_c
@@ -278,11 +281,11 @@ class ChunkedExperts(torch.autograd.Function):
         if need_s:
             grad_scores = torch.empty_like(grad_s_sent).index_copy_(0, plan.pair_order,
                                                                     grad_s_sent)
-        return (grad_x, grad_scores, grad_w1, grad_w2) + (None,) * 9
+        return (grad_x, grad_scores, grad_w1, grad_w2) + (None,) * 10
 
 
-def _activation_grads(grad_y, w1, w2, fp8_weights, h, scores, m, gate_up, backend, need_x,
-                      need_s, *, overwrite_h, a_out, dh_out):
+def _activation_grads(grad_y, w1, w2, fp8_weights, h, scores, m, gate_up, activation, backend,
+                      need_x, need_s, *, overwrite_h, a_out, dh_out):
     """One chunk's expert backward without the weight gradients: the dH step (dH into
     ``dh_out`` when given, A' into ``a_out``; FP8 with ``fp8_weights``), then ``(dX of the
     received rows or None, score gradients or None)``. The steps of sonic's expert backward
@@ -290,7 +293,7 @@ def _activation_grads(grad_y, w1, w2, fp8_weights, h, scores, m, gate_up, backen
     row_scores = scores.index_select(0, m.sorted_pairs).to(_acc(grad_y.dtype))
     dh, _, ds_rows, *dx_operand = dh_step(grad_y, w2, fp8_weights, m, h, row_scores, gate_up,
                                           backend, overwrite_h=overwrite_h, a_out=a_out,
-                                          for_dx=need_x)
+                                          for_dx=need_x, activation=activation)
     if dh_out is not None and dh.data_ptr() != dh_out.data_ptr():
         dh_out.copy_(dh)            # the reference, or a kept graph: dH not written over H
     grad_s = pair_score_grads(ds_rows, m, scores.dtype) if need_s else None

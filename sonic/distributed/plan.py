@@ -25,7 +25,7 @@ from sonic.distributed.eplb import Placement
 from sonic.nn.moe import ROUTERS
 from sonic.routing.token_rounding import ROUNDINGS
 from sonic.routing.topk import SCORES
-from sonic.types import TRANSPORTS
+from sonic.types import ACTIVATIONS, TRANSPORTS
 
 # What every rank sends every other rank beside its counts; all ranks compare all entries, so
 # a disagreement raises on every rank at once instead of hanging in the next collective. The
@@ -39,7 +39,7 @@ _AGREED = ("router", "training", "top_k", "tile", "rounding", "score", "renormal
            "dtype of x", "torch.is_grad_enabled()", "x.requires_grad", "scores.requires_grad",
            "w1_local.requires_grad", "w2_local.requires_grad",
            "placement (its fingerprint; 0 for the contiguous default)", "num_chunks",
-           "recompute_dispatch", "precision", "activation_cache", "transport")
+           "recompute_dispatch", "precision", "activation_cache", "transport", "activation")
 # How the named entries of _AGREED travel (an index into these) and are printed.
 _BOOL = (False, True)
 _AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "score": SCORES,
@@ -48,7 +48,7 @@ _AGREED_CODES = {"router": ROUTERS, "training": _BOOL, "rounding": ROUNDINGS, "s
                  "scores.requires_grad": _BOOL, "w1_local.requires_grad": _BOOL,
                  "w2_local.requires_grad": _BOOL, "recompute_dispatch": _BOOL,
                  "precision": PRECISIONS, "activation_cache": ACTIVATION_CACHES,
-                 "transport": TRANSPORTS}
+                 "transport": TRANSPORTS, "activation": ACTIVATIONS}
 # Float settings, sent as the int64 of their IEEE-754 bits (exact: ranks must agree bit for bit).
 _FLOATS = ("routed_scaling_factor", "bias_update_rate", "seq_aux_loss_coef", "z_loss_coef")
 # The value of a setting the caller did not give (a bare functional call).
