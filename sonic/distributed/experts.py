@@ -40,14 +40,15 @@ from sonic._validation import (check_choice, check_float, check_index, check_int
                                check_same_device)
 from sonic.activation_cache import check_activation_cache
 from sonic.experts.moe_experts import (PRECISIONS, Fp8ExpertWeights, autocast_experts,
-                                        check_fp8_call, moe_experts, quantize_expert_weights)
+                                        check_activation, check_fp8_call, moe_experts,
+                                        quantize_expert_weights)
 from sonic.backend import check_fp8_backend, expert_ops
 from sonic.distributed.comm import check_group
 from sonic.distributed.eplb import Placement
 from sonic.distributed.overlap import ChunkedExperts
 from sonic.distributed.peer import peer_transport, peer_transport_available
 from sonic.distributed.plan import MAX_CHUNKS, DispatchPlan, agreed_values, plan_dispatch
-from sonic.types import (ACTIVATIONS, GATED_ACTIVATIONS, TRANSPORTS, Activation, ActivationCache,
+from sonic.types import (GATED_ACTIVATIONS, TRANSPORTS, Activation, ActivationCache,
                          Backend, GateUp, Precision, Transport)
 from sonic.reference.ops import GATE_UP_LAYOUTS
 from sonic.routing.metadata import routing_metadata
@@ -165,12 +166,7 @@ def _check_arguments(x, w1_local, w2_local, scores, token_idx, expert_idx, *, gr
         raise TypeError(f"recompute_dispatch must be a bool, got "
                         f"{type(recompute_dispatch).__name__}")
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
-    check_choice("activation", activation, ACTIVATIONS)
-    if activation != "swiglu":
-        for name, value in (("precision", precision), ("activation_cache", activation_cache)):
-            if value == "fp8":
-                raise ValueError(f"{name}='fp8' runs SwiGLU experts only, got "
-                                 f"activation={activation!r}")
+    check_activation(activation, precision, activation_cache)
     check_same_device(x=x, w1_local=w1_local, w2_local=w2_local, scores=scores,
                       token_idx=token_idx, expert_idx=expert_idx)
     ep_size, _ = check_group(group)

@@ -67,6 +67,18 @@ from sonic.types import (ACTIVATIONS, FP8_BLOCK, GATE_UP_LAYOUTS, GATED_ACTIVATI
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
+def check_activation(activation: str, precision: str, activation_cache: str) -> None:
+    """Raise ``ValueError`` unless ``activation`` is one of :data:`sonic.types.ACTIVATIONS`
+    and, other than SwiGLU, comes without ``precision="fp8"`` or ``activation_cache="fp8"``
+    (the FP8 paths compute SwiGLU only)."""
+    check_choice("activation", activation, ACTIVATIONS)
+    if activation != "swiglu":
+        for name, value in (("precision", precision), ("activation_cache", activation_cache)):
+            if value == "fp8":
+                raise ValueError(f"{name}='fp8' runs SwiGLU experts only, got "
+                                 f"activation={activation!r}")
+
+
 class Fp8ExpertWeights(NamedTuple):
     """Block-scaled e4m3 copies of the expert weights (:func:`quantize_expert_weights`).
 
@@ -282,12 +294,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
     check_choice("gate_up", gate_up, GATE_UP_LAYOUTS)
     check_choice("backend", backend, BACKENDS)
     check_choice("precision", precision, PRECISIONS)
-    check_choice("activation", activation, ACTIVATIONS)
-    if activation != "swiglu":
-        for name, value in (("precision", precision), ("activation_cache", activation_cache)):
-            if value == "fp8":
-                raise ValueError(f"{name}='fp8' runs SwiGLU experts only, got "
-                                 f"activation={activation!r}")
+    check_activation(activation, precision, activation_cache)
     check_same_device(x=x, w1=w1, w2=w2, scores=scores, token_idx=token_idx,
                       expert_idx=expert_idx)
     x, w1, w2 = autocast_experts(x, w1, w2)

@@ -66,3 +66,46 @@ def fp8_rand(*shape, gen) -> torch.Tensor:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative error in the Frobenius norm, ``|out - ref| / |ref|``."""
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def bf16_rand(*shape, gen) -> torch.Tensor:
+    """bf16 CUDA data, standard normal shifted by 0.1 (no exact zeros)."""
+    return (torch.randn(*shape, generator=gen) + 0.1).to(torch.bfloat16).cuda()
+
+
+def ref_varlen_m(a_rows: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """fp32 varlen-M reference: rows ``offsets[e]:offsets[e+1]`` of ``a_rows`` times
+    ``b[e]ᵀ`` (``b (E, N, K)``)."""
+    out = torch.empty(a_rows.shape[0], b.shape[1], dtype=torch.float32, device="cuda")
+    off = offsets.tolist()
+    for e in range(b.shape[0]):
+        out[off[e]:off[e + 1]] = a_rows[off[e]:off[e + 1]].float() @ b[e].float().t()
+    return out
+
+
+def dh_problem(num_pairs: int, num_experts: int, n: int, dim_k: int, mode: str, seed: int, *,
+               rand=bf16_rand):
+    """Random inputs of the dH kernel, made by ``rand``: ``(offsets, w2 (E, d, n),
+    dout (T, d), gather_idx (P,), h (P, 2n), scores (P,) fp32)``."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = expert_offsets(expert_counts(mode, num_experts, num_pairs, gen))
+    w2 = rand(num_experts, dim_k, n, gen=gen)
+    num_tokens = max(num_pairs // 3, 1)
+    dout = rand(num_tokens, dim_k, gen=gen)
+    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
+    h = rand(num_pairs, 2 * n, gen=gen)
+    scores = torch.rand(num_pairs, generator=gen).cuda()
+    return offsets, w2, dout, idx, h, scores
+
+
+def up_proj_problem(num_pairs: int, num_experts: int, n: int, dim_k: int, mode: str,
+                    seed: int):
+    """Random inputs of the gathered up-proj and its fp32 H: ``(offsets, w1 (E, 2n, d),
+    x (T, d), gather_idx (P,), H (P, 2n) fp32)``."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = expert_offsets(expert_counts(mode, num_experts, num_pairs, gen))
+    w1 = bf16_rand(num_experts, 2 * n, dim_k, gen=gen)
+    num_tokens = max(num_pairs // 3, 1)
+    x = bf16_rand(num_tokens, dim_k, gen=gen)
+    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
+    return offsets, w1, x, idx, ref_varlen_m(x[idx.long()], w1, offsets)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import sonic
-from kernel_checks import (expert_counts, expert_offsets, poison_allocator, rel_err,
-                           require_kernels)
+from kernel_checks import (dh_problem, poison_allocator, ref_varlen_m, rel_err,
+                           require_kernels, up_proj_problem)
 from sonic.reference import activations
 
 pytestmark = pytest.mark.gpu
@@ -20,18 +20,6 @@ def _needs_kernels():
     require_kernels()
 
 
-def _rand(*shape, gen):
-    return (torch.randn(*shape, generator=gen) + 0.1).to(torch.bfloat16).cuda()
-
-
-def _ref_varlen_m(a_rows, b, offsets):
-    out = torch.empty(a_rows.shape[0], b.shape[1], dtype=torch.float32, device="cuda")
-    off = offsets.tolist()
-    for e in range(b.shape[0]):
-        out[off[e]:off[e + 1]] = a_rows[off[e]:off[e + 1]].float() @ b[e].float().t()
-    return out
-
-
 CASES = [(1, 1, 128, 64, "ragged"), (3001, 16, 256, 1536, "empty"),
          (1000, 8, 64, 136, "ragged"), (2000, 4, 1024, 512, "one")]
 
@@ -42,13 +30,8 @@ CASES = [(1, 1, 128, 64, "ragged"), (3001, 16, 256, 1536, "empty"),
 def test_up_proj_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up, activation):
     from sonic.kernels.grouped_gemm import grouped_gemm_swiglu
 
-    gen = torch.Generator().manual_seed(num_pairs + n + dim_k)
-    offsets = expert_offsets(expert_counts(mode, num_experts, num_pairs, gen))
-    w1 = _rand(num_experts, 2 * n, dim_k, gen=gen)
-    num_tokens = max(num_pairs // 3, 1)
-    x = _rand(num_tokens, dim_k, gen=gen)
-    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
-    expected_h = _ref_varlen_m(x[idx.long()], w1, offsets)
+    offsets, w1, x, idx, expected_h = up_proj_problem(num_pairs, num_experts, n, dim_k, mode,
+                                                      num_pairs + n + dim_k)
     poison_allocator(512 << 20)
     h, a = grouped_gemm_swiglu(x, w1, offsets, idx, gate_up, activation=activation)
     assert h.shape == (num_pairs, 2 * n) and a.shape == (num_pairs, n)
@@ -70,15 +53,9 @@ def test_up_proj_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up, activ
 def test_dh_epilogue(num_pairs, num_experts, n, dim_k, mode, activation):
     from sonic.kernels.grouped_gemm import grouped_gemm_dswiglu
 
-    gen = torch.Generator().manual_seed(num_pairs + n + dim_k + 1)
-    offsets = expert_offsets(expert_counts(mode, num_experts, num_pairs, gen))
-    w2 = _rand(num_experts, dim_k, n, gen=gen)
-    num_tokens = max(num_pairs // 3, 1)
-    dout = _rand(num_tokens, dim_k, gen=gen)
-    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
-    h = _rand(num_pairs, 2 * n, gen=gen)
-    scores = torch.rand(num_pairs, generator=gen).cuda()
-    da_prime = _ref_varlen_m(dout[idx.long()], w2.transpose(1, 2), offsets)
+    offsets, w2, dout, idx, h, scores = dh_problem(num_pairs, num_experts, n, dim_k, mode,
+                                                   num_pairs + n + dim_k + 1)
+    da_prime = ref_varlen_m(dout[idx.long()], w2.transpose(1, 2), offsets)
     ref_dh, ref_a, ref_ds = activations.activation_backward(da_prime, h.float(), scores,
                                                             activation)
     poison_allocator(512 << 20)

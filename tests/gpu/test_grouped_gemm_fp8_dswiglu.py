@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kernel_checks import (fp8_kernels,  # noqa: F401 (fixture)
-                           expert_counts as _counts, expert_offsets as _offsets, fp8_rand,
-                           poison_allocator, rel_err)
+                           dh_problem, expert_offsets as _offsets, fp8_rand, poison_allocator,
+                           rel_err)
 
 from sonic.reference import ops as ref_ops
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
@@ -27,14 +27,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_kernels")]
 
 
 def _problem(num_pairs, num_experts, n, dim_k, mode):
-    gen = torch.Generator().manual_seed(num_pairs + 5 * n + dim_k)
-    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
-    w2 = fp8_rand(num_experts, dim_k, n, gen=gen)
-    num_tokens = max(num_pairs // 3, 1)
-    dout = fp8_rand(num_tokens, dim_k, gen=gen)
-    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
-    h = fp8_rand(num_pairs, 2 * n, gen=gen)
-    scores = torch.rand(num_pairs, generator=gen).cuda()
+    offsets, w2, dout, idx, h, scores = dh_problem(num_pairs, num_experts, n, dim_k, mode,
+                                                   num_pairs + 5 * n + dim_k, rand=fp8_rand)
     return dout, w2, offsets, idx, h, scores
 
 

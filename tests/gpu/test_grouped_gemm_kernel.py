@@ -4,8 +4,9 @@ import pytest
 import torch
 
 
-from kernel_checks import (expert_counts as _counts, expert_offsets as _offsets,
-                           poison_allocator, require_kernels)
+from kernel_checks import (bf16_rand as _rand, dh_problem, expert_counts as _counts,
+                           expert_offsets as _offsets, poison_allocator,
+                           ref_varlen_m as _ref_varlen_m, require_kernels, up_proj_problem)
 from sonic.kernels.grouped_gemm import heuristic
 from sonic.kernels.grouped_gemm.config import CLUSTER
 from sonic.kernels.grouped_gemm.heuristic import TilePlan
@@ -18,20 +19,8 @@ def _needs_kernels():
     require_kernels()
 
 
-def _rand(*shape, gen):
-    return (torch.randn(*shape, generator=gen) + 0.1).to(torch.bfloat16).cuda()
-
-
 def _rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def _ref_varlen_m(a_rows, b, offsets):
-    out = torch.empty(a_rows.shape[0], b.shape[1], dtype=torch.float32, device="cuda")
-    off = offsets.tolist()
-    for e in range(b.shape[0]):
-        out[off[e]:off[e + 1]] = a_rows[off[e]:off[e + 1]].float() @ b[e].float().t()
-    return out
 
 
 def _ref_varlen_k(a_rows, b_rows, offsets):
@@ -287,13 +276,8 @@ def test_up_proj_swiglu_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up
     from sonic.kernels.swiglu import swiglu
     from sonic.reference import ops as ref
 
-    gen = torch.Generator().manual_seed(num_pairs + n + dim_k)
-    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
-    w1 = _rand(num_experts, 2 * n, dim_k, gen=gen)
-    num_tokens = max(num_pairs // 3, 1)
-    x = _rand(num_tokens, dim_k, gen=gen)
-    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
-    expected_h = _ref_varlen_m(x[idx.long()], w1, offsets)
+    offsets, w1, x, idx, expected_h = up_proj_problem(num_pairs, num_experts, n, dim_k, mode,
+                                                      num_pairs + n + dim_k)
     poison_allocator(512 << 20)
     h, a = grouped_gemm_swiglu(x, w1, offsets, idx, gate_up)
     assert h.shape == (num_pairs, 2 * n) and a.shape == (num_pairs, n)
@@ -319,14 +303,8 @@ def test_dh_dswiglu_epilogue(num_pairs, num_experts, n, dim_k, mode):
     from sonic.kernels.grouped_gemm import grouped_gemm_dswiglu
     from sonic.reference import ops as ref
 
-    gen = torch.Generator().manual_seed(num_pairs + n + dim_k + 1)
-    offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
-    w2 = _rand(num_experts, dim_k, n, gen=gen)
-    num_tokens = max(num_pairs // 3, 1)
-    dout = _rand(num_tokens, dim_k, gen=gen)
-    idx = torch.randint(0, num_tokens, (num_pairs,), generator=gen, dtype=torch.int32).cuda()
-    h = _rand(num_pairs, 2 * n, gen=gen)
-    scores = torch.rand(num_pairs, generator=gen).cuda()
+    offsets, w2, dout, idx, h, scores = dh_problem(num_pairs, num_experts, n, dim_k, mode,
+                                                   num_pairs + n + dim_k + 1)
     da_prime = _ref_varlen_m(dout[idx.long()], w2.transpose(1, 2), offsets)
     ref_dh, ref_a, ref_ds = ref.dswiglu_epilogue(da_prime, h.float(), scores, "concat")
     poison_allocator(512 << 20)
