@@ -231,7 +231,8 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
         group: the EP process group (``None``: the default group).
         num_experts: ``E``, all experts over all ranks; divisible by the group size ``ep``
             unless a ``placement`` is given.
-        gate_up, backend: as in :func:`sonic.moe_experts`, for the local expert computation.
+        gate_up, backend, activation: as in :func:`sonic.moe_experts`, for the local expert
+            computation (``activation``: the same on every rank).
         placement: a :class:`~sonic.distributed.Placement` for ``ep`` ranks and ``E`` experts
             (the same on every rank), or ``None`` for the contiguous placement; with it
             ``w1_local``/``w2_local`` hold ``slots_per_rank`` experts.
@@ -250,8 +251,6 @@ def ep_moe_experts(x: torch.Tensor, w1_local: torch.Tensor, w2_local: torch.Tens
             (:mod:`sonic.distributed.overlap`, then also for ``C = 1``): ``R·d`` fewer bytes
             kept for one more ``R × d`` all-to-all; the gradients are exactly those without
             it. The same on every rank. An in-place change of ``x`` before backward raises.
-        activation: the experts' activation, as in :func:`sonic.moe_experts`; the same on
-            every rank.
         precision, fp8_weights, activation_cache: as in :func:`sonic.moe_experts`, for the
             local experts (``fp8_weights``: the copies of ``w1_local``/``w2_local``), on every
             path; the rows travel in bf16 either way (each rank quantizes what it received).
