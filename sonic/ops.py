@@ -23,8 +23,9 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   :mod:`sonic.reference.ops` plus ``backend``.
 * ``sonic::moe_experts(x, w1, w2, scores, meta, top_k, gate_up, backend, activation_cache,
   activation) -> (out, H, H_scales)`` — the expert forward (``activation``: one of
-  :data:`sonic.types.ACTIVATIONS`, SwiGLU by default; H is ``(P, n)`` for a non-gated one); its registered backward runs ``dh_dswiglu``,
-  ``grouped_mm_varlen_k``, ``grouped_mm`` and ``aggregate`` (docs/design.md §3). It saves x, w1, w2,
+  :data:`sonic.types.ACTIVATIONS`, SwiGLU by default; H is ``(P, n)`` for a non-gated one);
+  its registered backward runs ``dh_dswiglu``, ``grouped_mm_varlen_k``, ``grouped_mm`` and
+  ``aggregate`` (docs/design.md §3). It saves x, w1, w2,
   the activation cache, scores and the packed metadata, nothing else. The cache is H in the
   form :mod:`sonic.activation_cache` keeps it: ``(H (P, 2n), empty)`` for ``"bf16"``,
   ``(e4m3 H (P, 2n), fp32 scales (2n/128, P))`` for ``"fp8"``; it is handed back only so

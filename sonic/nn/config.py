@@ -86,8 +86,8 @@ class MoEConfig:
             the message names the field.
         ValueError: a field out of range or not among its choices, ``top_k`` above what the
             groups allow, ``n_group`` not dividing ``num_experts``, FP8 sizes that are not
-            multiples of the FP8 blocks, an activation other than SwiGLU with an FP8 option, or ``shared_expert_gate`` without shared experts; the message
-            names the field.
+            multiples of the FP8 blocks, an activation other than SwiGLU with an FP8 option,
+            or ``shared_expert_gate`` without shared experts; the message names the field.
     """
 
     d_model: int

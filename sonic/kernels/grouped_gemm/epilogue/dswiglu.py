@@ -344,9 +344,9 @@ class DswigluEpilogue(Epilogue):
         ``dA = s·dA'``: ``d_gate = dA·u·φ′(g)``, ``d_up = dA·φ(g)``, ``A' = s·φ(g)·u``
         (:func:`sonic.kernels.activation.gate_grad` with the config's activation; for SwiGLU
         as the one-pass :func:`sonic.kernels.swiglu.dswiglu_epilogue`, σ evaluated once per
-        value). g and u are read from the slab's ring stage, as zeros on columns past n (a column pair is
-        entirely inside or outside: n is a multiple of 8), so no value of the neighbouring
-        columns enters ds."""
+        value). g and u are read from the slab's ring stage, as zeros on columns past n (a
+        column pair is entirely inside or outside: n is a multiple of 8), so no value of the
+        neighbouring columns enters ds."""
         out = cute.make_rmem_tensor((2,), F32)
         pair = cute.make_rmem_tensor((2,), BF16)
         gate = cute.make_rmem_tensor((2,), BF16)
