@@ -2,7 +2,8 @@
 renormalisation, ``routed_scaling_factor``, group-limited routing, an expert bias and its
 aux-loss-free update) and the sequence-wise and z losses, on gloo CPU ranks: the layer equals
 single-process sonic on the concatenated batch, and with ``n_group`` a multiple of the EP size
-a token's pairs reach at most ``topk_group`` ranks."""
+a token's pairs reach at most ``topk_group`` ranks; token rounding rounds the choice these
+options make, as on one process."""
 
 import pytest
 import torch
@@ -62,9 +63,27 @@ def _routing_case(rank, world):
         free.gate.weight.copy_(full.gate.weight)
     free(x.detach())
     result["free_ranks_per_token"] = _ranks_per_token(free.last_routing, world).tolist()
-    # Token rounding under EP rounds the default scoring's choice only: refused, by name.
-    layer.router = "token_rounding"
-    result["token_rounding"] = _catch(lambda: layer(x.detach()))
+    # Token rounding under EP rounds the choice these options make, as one process does.
+    for moe in (layer, full):
+        moe.router, moe.tile = "token_rounding", 4
+        moe.zero_grad(set_to_none=True)
+    x, out, x_ref, out_ref, gate_grad = layer_step(layer, full, x_full, grad_full, counts, rank)
+    ref = full.last_routing.trim()
+    ref_rows = (ref.token_idx >= lo) & (ref.token_idx < lo + counts[rank])
+    mine = layer.last_routing
+    same = (torch.equal(mine.token_idx, ref.token_idx[ref_rows] - lo)
+            and torch.equal(mine.expert_idx, ref.expert_idx[ref_rows]))
+    result["tr_pairs_differ"] = float(not same)
+    result["tr_rounded"] = float(not torch.equal(
+        torch.bincount(ref.expert_idx.long(), minlength=E) % 4, torch.zeros(E, dtype=torch.long)))
+    result["tr"] = {
+        "out": _rel(out.detach(), out_ref.detach()[lo:lo + counts[rank]]),
+        "x": _rel(x.grad, x_ref.grad[lo:lo + counts[rank]]),
+        "gate": _rel(gate_grad, full.gate.weight.grad),
+        "w1": _rel(layer.w1.grad, full.w1.grad[experts]),
+        "w2": _rel(layer.w2.grad, full.w2.grad[experts]),
+        "scores": _rel(mine.scores, ref.scores[ref_rows]) if same else 1.0,
+    }
     return result
 
 
@@ -91,11 +110,13 @@ def test_group_limited_routing_bounds_the_ranks_a_token_reaches(routing_results)
         assert max(n for r in results for n in r["free_ranks_per_token"]) > 2
 
 
-def test_ep_token_rounding_refuses_routing_options(routing_results):
-    for r in routing_results[1]:
-        assert r["token_rounding"].startswith("ValueError: router='token_rounding'"), r
-        assert "score='sigmoid'" in r["token_rounding"]
-        assert "expert_bias=True" in r["token_rounding"]
+def test_ep_token_rounding_with_routing_options_matches_single_process(routing_results):
+    """Sigmoid scores, renormalisation, a scaling factor, groups and a bias: EP token rounding
+    keeps the pairs single-process token rounding keeps on the whole batch (every expert a
+    multiple of the tile), with the same output and gradients."""
+    for rank, r in enumerate(routing_results[1]):
+        assert r["tr_pairs_differ"] == 0 and r["tr_rounded"] == 0, rank
+        assert all(v <= TOL for v in r["tr"].values()), (rank, r["tr"])
 
 
 def _balancing_case(rank, world):

@@ -13,7 +13,7 @@ from sonic.distributed.comm import DTYPE_CODES, check_group, comm_device
 from sonic.distributed.eplb import ExpertLoad, Placement, reduce_replica_grads, sum_over_replicas
 from sonic._validation import check_choice, check_int
 from sonic.distributed.experts import check_placement, ep_moe_experts
-from sonic.distributed.plan import MAX_CHUNKS, check_settings
+from sonic.distributed.plan import MAX_CHUNKS
 from sonic.distributed.token_rounding import ep_token_rounding_routing
 from sonic.nn.config import MoEConfig
 from sonic.nn.moe import MoE
@@ -62,8 +62,8 @@ class ExpertParallelMoE(MoE):
             ``expert_bias (E,)``, the same on every rank. With ``n_group`` a multiple of the EP
             size and the contiguous placement, every group lies on one rank, so a token's
             pairs reach at most ``topk_group`` ranks (DeepSeek-V3 §2.1.2 node-limited
-            routing). Token rounding (``router="token_rounding"`` in training mode) refuses
-            them, and ``score="sigmoid"``: it rounds the default scoring's choice only.
+            routing). Token rounding (``router="token_rounding"`` in training mode) rounds
+            the choice these options make, as the single-process layer does.
         bias_update_rate: aux-loss-free balancing as in :class:`sonic.MoE`: every training
             forward counts this rank's routed pairs per expert, and
             :meth:`update_expert_bias` sums the counts over the EP group before the sign rule,
@@ -312,19 +312,12 @@ class ExpertParallelMoE(MoE):
         """Top-K routing of this rank's tokens, or in training mode with
         ``router="token_rounding"`` token rounding across the group (collective)."""
         if self.training and self.router == "token_rounding":
-            beyond = self.options_beyond()
-            if beyond:
-                # Meet the other ranks' first exchange (the one token rounding starts with),
-                # so that ranks disagreeing on these options raise together instead of hanging.
-                check_settings({**self._settings(), "num_experts": self.num_experts,
-                                "dtype of scores": accumulate_dtype(logits.dtype)},
-                               self.group, logits.device)
-                raise ValueError(f"router='token_rounding' under expert parallelism rounds the "
-                                 f"top-K choice of the default scoring only; this layer has "
-                                 f"{', '.join(beyond)} (use router='topk')")
-            return ep_token_rounding_routing(logits, self.top_k, group=self.group, tile=self.tile,
-                                             rounding=self.rounding, backend=self.backend,
-                                             settings=self._settings())
+            return ep_token_rounding_routing(
+                logits, self.top_k, group=self.group, tile=self.tile, rounding=self.rounding,
+                backend=self.backend, settings=self._settings(), score=self.score,
+                renormalize=self.renormalize, expert_bias=getattr(self, "expert_bias", None),
+                n_group=self.n_group, topk_group=self.topk_group,
+                scaling_factor=self.routed_scaling_factor)
         return super().route(logits)
 
     def experts(self, tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

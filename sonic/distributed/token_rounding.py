@@ -25,6 +25,7 @@ weakest picks (strongest non-picks), so a rank only ships those candidates:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -33,13 +34,13 @@ import torch.distributed as dist
 from sonic._validation import check_choice, check_int
 from sonic.distributed.comm import check_group, comm_device
 from sonic.distributed.plan import check_settings
-from sonic.reference.ops import accumulate_dtype
+from sonic.reference.ops import accumulate_dtype, affinity_scores
 from sonic.routing.token_rounding import (ROUNDINGS, expert_counts, kept_keys,
                                           kept_routing, rounded_counts,
                                           strongest_non_pick_tokens, weakest_pick_ranks)
 from sonic.routing.topk import check_router_args, topk_routing
 from sonic.routing.types import Routing
-from sonic.types import Backend, Rounding
+from sonic.types import Backend, Rounding, Score
 
 # The most pairs rounding can move one expert's boundary by, per rounding mode, for a tile:
 # "nearest" drops at most ceil(tile/2) - 1 picks or adds at most floor(tile/2) non-picks.
@@ -54,7 +55,11 @@ def candidate_width(tile: int, rounding: str) -> int:
 
 def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile: int = 128,
                               rounding: Rounding = "nearest", backend: Backend = "auto",
-                              settings: Mapping[str, object] | None = None) -> Routing:
+                              settings: Mapping[str, object] | None = None,
+                              score: Score = "softmax_topk", renormalize: bool = False,
+                              expert_bias: torch.Tensor | None = None, n_group: int = 1,
+                              topk_group: int | None = None,
+                              scaling_factor: float = 1.0) -> Routing:
     """Token rounding of the whole expert-parallel batch, run by every rank on its own tokens.
 
     Collective: every rank of ``group`` must call it, with the same ``E``, ``k``, ``tile``,
@@ -67,6 +72,10 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         logits: ``(T_r, E)`` float router logits of this rank's tokens (``T_r`` may differ
             between ranks, and may be 0).
         k, tile, rounding, backend: as in :func:`sonic.token_rounding_routing`.
+        score, renormalize, expert_bias, n_group, topk_group, scaling_factor: the scoring
+            options of :func:`sonic.token_rounding_routing`, the same on every rank (they act
+            per token, so each rank's token choice and affinities are those of the whole
+            batch); ``expert_bias`` ``(E,)`` must hold the same values on every rank.
         group: the EP process group (``None``: the default group).
         settings: further settings every rank must share, as in
             :func:`sonic.distributed.ep_moe_experts` (:class:`ExpertParallelMoE` passes its
@@ -78,7 +87,8 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         (fp64 for fp64 logits), differentiable with respect to ``logits``.
 
     Agreement: the first collective is the count exchange of :func:`ep_moe_experts` without
-    counts, carrying ``E``, ``k``, ``tile``, ``rounding``, the scores' dtype and ``settings``:
+    counts, carrying ``E``, ``k``, ``tile``, ``rounding``, the scoring options (whether there
+    is an ``expert_bias``, not its values), the scores' dtype and ``settings``:
     ranks that disagree on any of them, or where another rank dispatches top-K pairs instead,
     raise on every rank naming the setting, before the gathers (whose sizes depend on them).
 
@@ -101,14 +111,19 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
     comm = comm_device(group, device)
     acc = accumulate_dtype(logits.dtype)
     check_settings({**(settings or {}), "router": "token_rounding", "top_k": k, "tile": tile,
-                    "rounding": rounding, "num_experts": num_experts, "dtype of scores": acc},
+                    "rounding": rounding, "num_experts": num_experts, "dtype of scores": acc,
+                    "score": score, "renormalize": renormalize, "n_group": n_group,
+                    "topk_group": n_group if topk_group is None else topk_group,
+                    "expert_bias": expert_bias is not None,
+                    "routed_scaling_factor": scaling_factor},
                    group, device)
     key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
     # Token choice on this rank's tokens: per token, so its picks and scores are those of the
     # whole batch.
-    tc = topk_routing(logits, k, backend=backend)
+    tc = topk_routing(logits, k, backend=backend, score=score, renormalize=renormalize,
+                      expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     tc_scores = tc.scores.to(acc)
-    probs = torch.softmax(logits.to(acc), dim=-1)
+    probs = affinity_scores(logits, score)
     scores_d, probs_d = tc_scores.detach(), probs.detach()
     tc_tokens, tc_experts = tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype)
 
@@ -141,7 +156,9 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         # expert dispatch checks that all ranks agree on scores.requires_grad).
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return Routing(empty, empty, probs.reshape(-1)[:0], 0, num_experts, validated=True)
-    return kept_routing(keys, order, num_kept, tc_scores, probs)
+    routing = kept_routing(keys, order, num_kept, tc_scores, probs)
+    # Unconditionally, as the single-process router scales (a traced float stays symbolic).
+    return dataclasses.replace(routing, scores=routing.scores * scaling_factor)
 
 
 def _all_gather(x: torch.Tensor, ep_size: int, group) -> torch.Tensor:
