@@ -1,12 +1,13 @@
-"""Expert activations beyond SwiGLU, and the routed expert computation for any of them.
+"""Expert activations beyond SwiGLU: the reference up-proj and dH steps for any of them.
 
 Gated (GLU variants, Shazeer 2020, "GLU Variants Improve Transformer"): ``H = X·W1ᵀ`` has
 ``2n`` columns split into ``gate`` and ``up`` (``gate_up`` layout) and ``A = φ(gate) ⊙ up``:
 SwiGLU (φ = SiLU), GeGLU (φ = GELU, exact or tanh-approximated) and ReGLU (φ = ReLU).
 Non-gated: ``H`` has ``n`` columns and ``A = φ(H)``: ReLU² (So et al. 2021, "Primer") and GELU.
 The dataflow is SonicMoE's (§3.2, App. C) with the activation and its derivative as the only
-change: the forward keeps X (by reference), H, the scores and the metadata; the backward
-recomputes A from H and takes the score gradient as ``⟨dA', A⟩``.
+change (``sonic::moe_experts`` runs it with these steps on the torch backend): the forward
+keeps X (by reference), H, the scores and the metadata; the backward recomputes A from H and
+takes the score gradient as ``⟨dA', A⟩``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from sonic.reference import ops
-from sonic.reference.ops import (accumulate_dtype, aggregate, copy_into, grouped_mm,
-                                 grouped_mm_varlen_k, merge_gate_up, split_gate_up)
-
+from sonic.reference.ops import (accumulate_dtype, copy_into, grouped_mm, merge_gate_up,
+                                 split_gate_up)
 from sonic.types import ACTIVATIONS, GATED_ACTIVATIONS as GATED
 
 
@@ -113,26 +113,3 @@ def dh_step(dout: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
     dh, a_scaled, ds = activation_backward(grouped_mm(dout, w2, offsets, gather_idx), h,
                                            row_scores, activation, gate_up)
     return dh, copy_into(a_out, a_scaled), ds
-
-
-def experts_forward(x, w1, w2, row_scores, offsets, gather_idx, token_rows, token_offsets,
-                    activation: str, gate_up: str = "concat"):
-    """``(out (T, d), H)``: up-projection of the gathered rows, activation, down-projection
-    and score-weighted aggregation per token (rows grouped by expert, as
-    :class:`sonic.RoutingMetadata` says)."""
-    h = grouped_mm(x, w1.transpose(1, 2), offsets, gather_idx)
-    y = grouped_mm(activate(h, activation, gate_up), w2.transpose(1, 2), offsets)
-    return aggregate(y, token_rows, token_offsets, row_scores), h
-
-
-def experts_backward(grad_out, x, w1, w2, h, row_scores, offsets, gather_idx, token_rows,
-                     token_offsets, activation: str, gate_up: str = "concat"):
-    """``(dX, dW1, dW2, ds per row)`` of :func:`experts_forward` from ``dO (T, d)`` and the
-    saved H (SonicMoE App. C with ``activation``'s derivative)."""
-    da_prime = grouped_mm(grad_out, w2, offsets, gather_idx)
-    dh, a_scaled, ds_rows = activation_backward(da_prime, h, row_scores, activation, gate_up)
-    del da_prime
-    dw2 = grouped_mm_varlen_k(grad_out, a_scaled, offsets, gather_idx_a=gather_idx)
-    dw1 = grouped_mm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx)
-    dx = aggregate(grouped_mm(dh, w1, offsets), token_rows, token_offsets)
-    return dx, dw1, dw2, ds_rows
