@@ -354,24 +354,22 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
     # by the one-pass epilogue kernel at the 7B, OLMoE and 30B shapes (bench_grouped_gemm.py).
     # The one-pass kernel computes SwiGLU only: the other activations' unfused step is the
     # reference epilogue after the CuTe GEMM.
-    if not _epilogue_kernel_fits(h) or not activations.is_gated(activation):
-        dh, a_scaled, ds = activations.activation_backward(
-            _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict), h, row_scores,
-            activation, gate_up)
-        return dh, reference.copy_into(a_out, a_scaled), ds
-    row_scores = row_scores.float().contiguous()
-    if (gate_up == "concat" and gather_idx is not None and w2.is_contiguous()
+    bf16_rows = _epilogue_kernel_fits(h)
+    if (bf16_rows and activations.is_gated(activation) and gate_up == "concat"
+            and gather_idx is not None and w2.is_contiguous()
             and _gemm_kernel_fits(dout, w2.transpose(1, 2), offsets, gather_idx)
             and h.data_ptr() % 16 == 0 and _self_checked("dh_dswiglu", dout.device, strict)):
-        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h, row_scores,
+        return gemm.grouped_gemm_dswiglu(dout, w2, offsets, gather_idx, h,
+                                         row_scores.float().contiguous(),
                                          dh_out=h if overwrite_h else None, a_out=a_out,
                                          activation=activation)
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict).contiguous()
-    if activation != "swiglu":
+    if not bf16_rows or activation != "swiglu":
         dh, a_scaled, ds = activations.activation_backward(da_prime, h, row_scores, activation,
                                                            gate_up)
         return dh, reference.copy_into(a_out, a_scaled), ds
-    return _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out)
+    return _dswiglu_epilogue_kernel(da_prime, h, row_scores.float().contiguous(), gate_up,
+                                    overwrite_h, a_out)
 
 
 def _dswiglu_epilogue_kernel(da_prime, h, row_scores, gate_up, overwrite_h, a_out,
