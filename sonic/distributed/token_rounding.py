@@ -38,7 +38,7 @@ from sonic.reference.ops import accumulate_dtype, affinity_scores
 from sonic.routing.token_rounding import (ROUNDINGS, expert_counts, kept_keys,
                                           kept_routing, rounded_counts,
                                           strongest_non_pick_tokens, weakest_pick_ranks)
-from sonic.routing.topk import check_router_args, topk_routing
+from sonic.routing.topk import check_scoring, topk_routing
 from sonic.routing.types import Routing
 from sonic.types import Backend, Rounding, Score
 
@@ -102,7 +102,9 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
         RuntimeError: ``torch.distributed`` not initialised; ValueError: this process is not
             in ``group``.
     """
-    check_router_args(logits, k)
+    # Before the first collective: a bad option raises on this rank, not in a gather's size.
+    topk_group = check_scoring(logits, k, score, renormalize, expert_bias, n_group, topk_group,
+                               scaling_factor)
     check_int("tile", tile, low=1)
     check_choice("rounding", rounding, ROUNDINGS)
     ep_size, ep_rank = check_group(group)
@@ -113,7 +115,7 @@ def ep_token_rounding_routing(logits: torch.Tensor, k: int, *, group=None, tile:
     check_settings({**(settings or {}), "router": "token_rounding", "top_k": k, "tile": tile,
                     "rounding": rounding, "num_experts": num_experts, "dtype of scores": acc,
                     "score": score, "renormalize": renormalize, "n_group": n_group,
-                    "topk_group": n_group if topk_group is None else topk_group,
+                    "topk_group": topk_group,
                     "expert_bias": expert_bias is not None,
                     "routed_scaling_factor": scaling_factor},
                    group, device)

@@ -64,6 +64,26 @@ def check_group_args(num_experts: int, k: int, n_group: int, topk_group: int | N
     return topk_group
 
 
+def check_scoring(logits, k, score, renormalize, expert_bias, n_group, topk_group,
+                  scaling_factor) -> int:
+    """Raise what :func:`topk_routing` raises for its logits, ``k`` and scoring options (see
+    there); returns the resolved ``topk_group``."""
+    check_router_args(logits, k)
+    check_choice("score", score, SCORES)
+    check_bool("renormalize", renormalize)
+    num_experts = logits.shape[1]
+    topk_group = check_group_args(num_experts, k, n_group, topk_group)
+    if not torch.compiler.is_compiling():     # a traced float may be symbolic
+        check_positive("scaling_factor", scaling_factor)
+    if expert_bias is not None:
+        check_float("expert_bias", expert_bias, ndim=1)
+        check_same_device(logits=logits, expert_bias=expert_bias)
+        if expert_bias.shape[0] != num_experts:
+            raise ValueError(f"expert_bias must have shape (E={num_experts},), got "
+                             f"{tuple(expert_bias.shape)}")
+    return topk_group
+
+
 def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
                  renormalize: bool = False, backend: Backend = "auto",
                  expert_bias: torch.Tensor | None = None, n_group: int = 1,
@@ -112,22 +132,12 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
     import sonic.ops
     from sonic.backend import BACKENDS, resolve_backend
 
-    check_router_args(logits, k)
-    check_choice("score", score, SCORES)
-    check_bool("renormalize", renormalize)
+    topk_group = check_scoring(logits, k, score, renormalize, expert_bias, n_group, topk_group,
+                               scaling_factor)
     check_choice("backend", backend, BACKENDS)
     if not torch.compiler.is_compiling():
         resolve_backend(backend, logits.device)   # backend="cute" that cannot run fails here
     num_tokens, num_experts = logits.shape
-    topk_group = check_group_args(num_experts, k, n_group, topk_group)
-    if not torch.compiler.is_compiling():     # a traced float may be symbolic
-        check_positive("scaling_factor", scaling_factor)
-    if expert_bias is not None:
-        check_float("expert_bias", expert_bias, ndim=1)
-        check_same_device(logits=logits, expert_bias=expert_bias)
-        if expert_bias.shape[0] != num_experts:
-            raise ValueError(f"expert_bias must have shape (E={num_experts},), got "
-                             f"{tuple(expert_bias.shape)}")
     if score in _KERNEL_SCORES and expert_bias is None and n_group == 1:
         # The op topk_routing: the bitonic kernel where it serves the call, a stable sort
         # otherwise; backward (twice differentiable) registered with the op.
