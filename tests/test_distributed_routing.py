@@ -168,3 +168,21 @@ def test_from_moe_names_the_options_it_cannot_carry(kwargs, named):
     moe = sonic.MoE(D, N, E, K, backend="torch", **OPTIONS, **kwargs)
     with pytest.raises(ValueError, match=f"cannot carry {named}"):
         ExpertParallelMoE.from_moe(moe)
+
+
+def _bad_scoring_case(rank, world):
+    logits = torch.randn(6, E, dtype=torch.float64)
+    return {name: _catch(lambda kw=kw: sonic.distributed.ep_token_rounding_routing(
+                logits, K, tile=2, **kw))
+            for name, kw in (("score", dict(score="bogus")),
+                             ("scaling_factor", dict(scaling_factor=-1.0)),
+                             ("n_group", dict(n_group=3)),
+                             ("expert_bias", dict(expert_bias=torch.zeros(E - 1))))}
+
+
+def test_ep_token_rounding_checks_its_scoring_options(tmp_path):
+    (r,) = _spawn(1, _bad_scoring_case, tmp_path)
+    assert r["score"].startswith("ValueError: score must be one of"), r
+    assert "scaling_factor must be finite and > 0" in r["scaling_factor"], r
+    assert f"n_group=3 must divide num_experts={E}" in r["n_group"], r
+    assert f"expert_bias must have shape (E={E},)" in r["expert_bias"], r
