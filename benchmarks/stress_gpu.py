@@ -33,6 +33,10 @@ in the output; the summaries are the totals::
 
     python benchmarks/stress_gpu.py --compute-sanitizer [--tools memcheck,initcheck]
 
+It also prints, per tool, the kernels its records were reported in. ``--cases REGEX`` keeps
+the cases whose line matches (both modes); ``--log-dir DIR`` keeps each tool's whole output
+as ``DIR/<tool>.log``.
+
 ``--random N --seconds S``: up to N randomized cases or S seconds, whichever comes first::
 
     python benchmarks/stress_gpu.py --random 2000 --seconds 900 --seed 0
@@ -284,7 +288,7 @@ def _poison_allocator(case: Case, device: torch.device) -> None:
     del blocks
 
 
-def sanitize_cases() -> list[Case]:
+def sanitize_cases(pattern: str | None = None) -> list[Case]:
     """Small cases that together launch every grouped-GEMM plan :mod:`the heuristic
     <sonic.kernels.grouped_gemm.heuristic>` picks on sm_90a (``--compute-sanitizer`` reports
     which registered variants they covered) and every other kernel path: top-K and token
@@ -297,7 +301,7 @@ def sanitize_cases() -> list[Case]:
     varlen-K tiles."""
     base = dict(T=256, d=128, n=128, E=8, K=2)
     fp8 = dict(T=256, d=256, n=128, E=8, K=2, precision="fp8")
-    return [
+    cases = [
         Case(**base, router="topk", gate_up="concat"),
         Case(**base, router="topk", gate_up="interleaved"),
         Case(**base, router="token_rounding", gate_up="concat", tile=64),
@@ -318,6 +322,7 @@ def sanitize_cases() -> list[Case]:
         Case(T=256, d=384, n=384, E=8, K=2, router="topk", precision="fp8",
              fp8_epilogues="fused", fp8_weight_grads="fp8"),
     ]
+    return [c for c in cases if pattern is None or re.search(pattern, str(c))]
 
 
 # compute-sanitizer's tools the --compute-sanitizer driver runs, and its marker lines.
@@ -389,19 +394,38 @@ def parse_sanitizer_log(text: str) -> tuple[dict[str, int], int | None, set[str]
             plans.add(ln[len(GEMM_CONFIG):].strip())
         else:
             block.append(ln)
-            summary = re.search(r"ERROR SUMMARY: (\d+) error", ln)
+            # racecheck ends with its own summary line, counting hazards and errors
+            summary = re.search(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: .*\((\d+) error", ln)
             if summary:
-                total = int(summary.group(1))
+                total = int(summary.group(1) or summary.group(2))
             if re.match(r"\s*\d+ FAIL ", ln):
                 failed.append(ln.strip())
     per_case[current] = per_case.get(current, 0) + _sanitizer_errors(block)
     return per_case, total, plans, failed
 
 
-def run_sanitizers(tools: list[str], timeout: float, sanitizer: str) -> int:
+def record_kernels(text: str) -> dict[str, int]:
+    """``{kernel: error records}`` of one compute-sanitizer log: each record's first
+    ``at <function>`` frame (the device function it was reported in)."""
+    tally: dict[str, int] = {}
+    pending = False
+    for ln in text.splitlines():
+        if _sanitizer_errors([ln]):
+            pending = True
+        elif pending and re.match(r"=========\s+at ", ln):
+            name = re.sub(r"\+0x[0-9a-f]+.*$", "", ln.split(" at ", 1)[1]).strip()
+            tally[name] = tally.get(name, 0) + 1
+            pending = False
+    return tally
+
+
+def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str | None = None,
+                   log_dir: str | None = None) -> int:
     """Run ``--sanitize`` under each compute-sanitizer tool (in parallel, one GPU), print the
-    table of error records per case and tool and the grouped-GEMM variants covered; 0 when
-    every tool reports no error and every case passes."""
+    table of error records per case and tool, the kernels the records name and the
+    grouped-GEMM variants covered; 0 when every tool reports no error and every case passes.
+    ``cases``: the ``--cases`` filter handed to each run; ``log_dir``: keep each tool's whole
+    output there as ``<tool>.log``."""
     import subprocess
     import tempfile
 
@@ -412,7 +436,8 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str) -> int:
         logs[tool] = tempfile.TemporaryFile(mode="w+")
         procs[tool] = subprocess.Popen(
             [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "200",
-             sys.executable, os.path.abspath(__file__), "--sanitize"],
+             sys.executable, os.path.abspath(__file__), "--sanitize",
+             *(("--cases", cases) if cases else ())],
             stdout=logs[tool], stderr=subprocess.STDOUT, env=env, text=True)
     start = time.monotonic()
     results, bad = {}, False
@@ -424,14 +449,20 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str) -> int:
             rc = "timeout"
         logs[tool].seek(0)
         text = logs[tool].read()
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, f"{tool}.log"), "w") as f:
+                f.write(text)
         results[tool] = (rc, *parse_sanitizer_log(text))
         if rc != 0 or results[tool][2] is None:
             print(f"--- {tool}: exit {rc}; last lines ---\n" + "\n".join(
                 text.splitlines()[-15:]), flush=True)
-    cases = [str(c) for c in sanitize_cases()] + ["(outside cases)"]
-    width = max(len(c) for c in cases)
+        for name, count in sorted(record_kernels(text).items(), key=lambda kv: -kv[1]):
+            print(f"{tool}: {count} records in {name}", flush=True)
+    names = [str(c) for c in sanitize_cases(cases)] + ["(outside cases)"]
+    width = max(len(c) for c in names)
     print(f"{'case':<{width}} " + " ".join(f"{t:>10}" for t in tools))
-    for case in cases:
+    for case in names:
         print(f"{case:<{width}} " + " ".join(
             f"{results[t][1].get(case, '-')!s:>10}" for t in tools))
     print(f"{'ERROR SUMMARY':<{width}} " + " ".join(
@@ -483,6 +514,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="--compute-sanitizer: comma-separated tools (default: all four)")
     parser.add_argument("--sanitizer", default="compute-sanitizer",
                         help="--compute-sanitizer: the compute-sanitizer executable")
+    parser.add_argument("--cases", metavar="REGEX",
+                        help="--sanitize / --compute-sanitizer: only the cases whose line "
+                             "matches this regular expression")
+    parser.add_argument("--log-dir", metavar="DIR",
+                        help="--compute-sanitizer: keep each tool's whole output in DIR/<tool>.log")
     parser.add_argument("--seconds", type=float, default=600.0,
                         help="time limit of --random (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random cases")
@@ -492,12 +528,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--random must be >= 1, got {args.random}")
     if not args.seconds > 0:
         parser.error(f"--seconds must be > 0, got {args.seconds}")
+    if args.cases is not None:
+        try:
+            matched = sanitize_cases(args.cases)
+        except re.error as e:
+            parser.error(f"--cases must be a regular expression, got {args.cases!r}: {e}")
+        if not matched:
+            parser.error(f"--cases {args.cases!r} matches none of the --sanitize cases")
     if args.compute_sanitizer:
         tools = [t for t in args.tools.split(",") if t]
         unknown = sorted(set(tools) - set(SANITIZER_TOOLS))
         if unknown or not tools:
             parser.error(f"--tools must name some of {SANITIZER_TOOLS}, got {args.tools!r}")
-        return run_sanitizers(tools, args.seconds, args.sanitizer)
+        return run_sanitizers(tools, args.seconds, args.sanitizer, args.cases, args.log_dir)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available (use --device cpu to check "
@@ -505,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}: {sonic.explain_backend('auto', device)}", flush=True)
 
     rng = random.Random(args.seed)
-    cases = sanitize_cases() if args.sanitize else None
+    cases = sanitize_cases(args.cases) if args.sanitize else None
     plans = record_gemm_plans() if args.sanitize and device.type == "cuda" else set()
     start, count, failures = time.monotonic(), 0, 0
     while True:

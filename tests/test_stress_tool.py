@@ -1,0 +1,61 @@
+"""The compute-sanitizer driver of ``benchmarks/stress_gpu.py``: its case filter and log parsing,
+on the CPU (the sanitizer itself needs a GPU)."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+
+def _stress():
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "stress_gpu.py"
+    spec = importlib.util.spec_from_file_location("stress_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module         # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+LOG = """\
+========= COMPUTE-SANITIZER
+@@ case begin T=256 d=128 n=128 E=8 K=2 topk bfloat16 concat
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at kernel_a+0x1f0 in /tmp/x.py:12
+=========     by thread (3,0,0) in block (0,0,0)
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at void at::native::reduce_kernel<512, 1>(T1)+0x80
+=========     by thread (0,0,0) in block (1,0,0)
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at kernel_a+0x2a0 in /tmp/x.py:14
+@@ case end
+    1 ok   T=256 d=128 n=128 E=8 K=2 topk bfloat16 concat: max rel err 3.94e-03 (x.grad)
+========= ERROR SUMMARY: 3 errors
+"""
+
+
+def test_records_are_counted_per_case_and_per_kernel():
+    stress = _stress()
+    per_case, total, _, failed = stress.parse_sanitizer_log(LOG)
+    assert per_case["T=256 d=128 n=128 E=8 K=2 topk bfloat16 concat"] == 3
+    assert total == 3 and failed == []
+    assert stress.record_kernels(LOG) == {"kernel_a": 2,
+                                          "void at::native::reduce_kernel<512, 1>(T1)": 1}
+
+
+def test_case_filter():
+    stress = _stress()
+    every = stress.sanitize_cases()
+    picked = stress.sanitize_cases(r"topk bfloat16 (concat|interleaved)$")
+    assert 0 < len(picked) < len(every)
+    assert all("topk bfloat16" in str(c) for c in picked)
+    with pytest.raises(SystemExit):
+        stress.main(["--sanitize", "--device", "cpu", "--cases", "no such case"])
+    with pytest.raises(SystemExit):
+        stress.main(["--sanitize", "--device", "cpu", "--cases", "("])
+
+
+def test_racecheck_summary_counts_its_errors():
+    stress = _stress()
+    log = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warnings)\n"
+    assert stress.parse_sanitizer_log(log)[1] == 2
