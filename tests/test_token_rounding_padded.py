@@ -176,3 +176,36 @@ def test_padding_rows_with_nan_give_no_nan_gradient(monkeypatch):
         out.backward(torch.randn_like(out))
     assert torch.isfinite(out).all()
     assert all(torch.isfinite(t).all() for t in [x.grad, *(p.grad for p in layer.parameters())])
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_scores_differentiate_as_the_gathers(padded, dtype):
+    """The selection kernel writes the kept pairs' scores itself; ``kept_scores`` gives them
+    the gradients of :func:`scored_routing`'s gathers, to second order, padding none."""
+    from sonic.routing import token_rounding as tr
+
+    g = torch.Generator().manual_seed(3)
+    T, E, k, tile = 96, 8, 2, 16
+    logits = torch.randn(T, E, generator=g, dtype=dtype).requires_grad_()
+    probs = logits.softmax(-1)
+    tc = sonic.topk_routing(logits, k, backend="torch")
+    keys, order, num_kept = tr._selection(tc.scores.detach(), tc.token_idx.long(),
+                                          tc.expert_idx.long(), probs.detach(), tile, "up")
+    size = keys.numel() if padded else int(num_kept)
+    ref = tr.kept_routing(keys, order, num_kept if padded else size, tc.scores, probs,
+                          capacity=size if padded else None)
+    assert int(ref.num_pairs) > T * k                     # rounding up added pairs
+    values = ref.scores.detach().clone()
+    mine = tr.kept_scores(values, ref.token_idx, ref.expert_idx, order[:size], tc.scores, probs)
+    torch.testing.assert_close(mine, ref.scores, rtol=0, atol=0)
+    w = torch.randn(size, generator=g, dtype=dtype)
+    first = [torch.autograd.grad((s * w).sum(), logits, create_graph=True, retain_graph=True)[0]
+             for s in (mine, ref.scores)]
+    torch.testing.assert_close(first[0], first[1], rtol=0, atol=1e-12)
+    assert first[1].abs().max() > 0
+    second = [torch.autograd.grad((f ** 2).sum(), logits, retain_graph=True)[0] for f in first]
+    torch.testing.assert_close(second[0], second[1], rtol=0, atol=1e-12)
+    with torch.no_grad():
+        assert tr.kept_scores(values, ref.token_idx, ref.expert_idx, order[:size], tc.scores,
+                              probs) is values

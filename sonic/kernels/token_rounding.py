@@ -10,10 +10,17 @@ The combined score becomes one int32 sort key per (expert, token), laid out expe
 pattern of its token-choice score plus ``2**30``. Both are non-negative floats at most 1, whose
 bits order like integers below ``2**30``, so every pick outranks every non-pick and comparing
 keys compares ``C`` exactly (no ``S − 1`` rounding). The expert-major layout makes each CTA's
-reads contiguous: building it costs one transposing copy of the ``(T, E)`` probabilities, which
-a strided read of a column would pay ``E/8``-fold in 32-byte sectors in every pass below.
+reads contiguous: building it costs one transposing pass over the ``(T, E)`` probabilities,
+which a strided read of a column would pay ``E/8``-fold in 32-byte sectors in every pass below.
 
-A CTA, per expert:
+One launch runs three kernels:
+
+* *counts* zeroed (one CTA);
+* *keys* — per ``KEY_TOKENS × KEY_EXPERTS`` tile of the probabilities: staged through shared
+  memory (coalesced reads along ``E``, writes along ``T``), its picks' keys set from their
+  token-choice scores, and its picks per expert added to the top-K counts ``f_e`` (one global
+  atomic per expert and tile);
+* *select*, a CTA per expert:
 
 1. *offsets* — sums ``r_e'`` over all experts (their counts are an input; ``E`` values) for its
    first output slot ``Σ_{e'<e} r_e'`` and the total ``P``, so outputs land grouped by expert
@@ -28,7 +35,9 @@ A CTA, per expert:
    ones: a token is kept when its key exceeds ``v``, or equals it and fewer than ``need`` equal
    keys come before it (a block scan), and its slot is a block scan of the kept flags, so each
    expert's tokens come out ascending. A kept pick's source is its top-K pair ``t·K + j``
-   (found among the token's ``K`` choices), an added pair's is ``T·K``.
+   (found among the token's ``K`` choices), an added pair's is ``T·K``; its score is its key
+   with a pick's ``2**30`` taken off (the token-choice score of a pick, ``S[t, e]`` of an
+   added pair), so the routing's scores need no gathers.
 """
 
 import torch
@@ -44,6 +53,10 @@ BINS = 1 << RADIX_BITS
 # Added to a pick's score bits: above every probability's bits (fp32 1.0 is 0x3F800000).
 PICK_KEY = 1 << 30
 MAX_TOP_K = 16
+# The keys kernel's tile (tokens × experts) and threads.
+KEY_TOKENS = 128
+KEY_EXPERTS = 32
+KEY_THREADS = 256
 ROUNDINGS = ("nearest", "up", "down")
 
 
@@ -53,7 +66,7 @@ def _compile(rounding: str, top_k: int, keep_ptx: bool = False):
 
     from sonic.kernels.token_rounding_kernel import TokenRoundingSelect
 
-    addresses = [runtime.fake_address() for _ in range(7)]
+    addresses = [runtime.fake_address() for _ in range(10)]
     return runtime.compile_launcher(TokenRoundingSelect(rounding, top_k), *addresses,
                                     *(cutlass.Int32(1) for _ in range(4)), keep_ptx=keep_ptx)
 
@@ -65,12 +78,14 @@ def kernel_fits(num_tokens: int, num_experts: int) -> bool:
 
 def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_experts: torch.Tensor,
                           tile: int, rounding: str, capacity: int):
-    """Token rounding's kept pairs (SonicMoE §5.2, Algorithm 4 steps 2–4), on the GPU with no
-    host synchronisation.
+    """Token rounding's kept pairs and their scores (SonicMoE §5.2, Algorithm 4 steps 2–5), on
+    the GPU in one launch with no host synchronisation.
 
     Args:
-        probs: ``(T, E)`` fp32 ``softmax(logits)``, CUDA.
-        tc_scores: ``(T·K,)`` fp32 token-choice scores, token-major (``sonic.topk_routing``).
+        probs: ``(T, E)`` fp32 ``softmax(logits)`` (or the router's other affinities, each in
+            ``[0, 1]``), CUDA.
+        tc_scores: ``(T·K,)`` fp32 token-choice scores in ``[0, 1]``, token-major
+            (``sonic.topk_routing``).
         tc_experts: ``(T, K)`` int32 token-choice experts, ``K <= 16``, same device.
         tile: ``M_tile``, ``>= 1``.
         rounding: ``"nearest"``, ``"up"`` or ``"down"``.
@@ -78,13 +93,16 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
             :func:`sonic.routing.token_rounding.capacity`).
 
     Returns:
-        ``(token_idx, expert_idx, source, num_kept)``: ``(capacity,)`` int32 each and a 0-d
-        int32. The first ``num_kept`` pairs are the kept ones, grouped by expert (ascending),
-        tokens ascending within an expert; ``source`` is the top-K pair ``t·K + j`` of a kept
-        pick and ``T·K`` for an added pair. The rest is padding: expert ``E``, token 0, source 0.
-        Ties as :func:`sonic.routing.token_rounding.weakest_pick_ranks` and
-        :func:`~sonic.routing.token_rounding.strongest_non_pick_tokens` define them: among equal
-        scores the lower token is kept.
+        ``(token_idx, expert_idx, source, scores, num_kept)``: ``(capacity,)`` int32, int32,
+        int32 and fp32, and a 0-d int32. The first ``num_kept`` pairs are the kept ones,
+        grouped by expert (ascending), tokens ascending within an expert; ``source`` is the
+        top-K pair ``t·K + j`` of a kept pick and ``T·K`` for an added pair; ``scores`` are
+        the pick's ``tc_scores[source]`` or the added pair's ``probs[t, e]``, bit for bit (not
+        differentiable: :func:`sonic.routing.token_rounding.kept_scores` attaches their
+        gradient). The rest is padding: expert ``E``, token 0, source 0, score 0. Ties as
+        :func:`sonic.routing.token_rounding.weakest_pick_ranks` and
+        :func:`~sonic.routing.token_rounding.strongest_non_pick_tokens` define them: among
+        equal scores the lower token is kept.
 
     Raises:
         TypeError: a tensor of the wrong dtype.
@@ -112,27 +130,20 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity < 2**31:
         raise ValueError(f"capacity must be an int in [0, 2**31), got {capacity!r}")
     device = probs.device
-    out = torch.empty(3 * capacity + 1, dtype=torch.int32, device=device)
-    tokens, experts, source, num_kept = out.split((capacity, capacity, capacity, 1))
-    num_kept = num_kept.view(())
+    out = torch.empty(4 * capacity + 1, dtype=torch.int32, device=device)
+    tokens, experts, source, scores, num_kept = out.split((capacity,) * 4 + (1,))
+    scores, num_kept = scores.view(torch.float32), num_kept.view(())
     if num_tokens == 0:
         num_kept.zero_()
-        return tokens, experts, source, num_kept
-    tc_experts = tc_experts.contiguous()
-    # Sort keys, expert-major (see the module docstring): probability bits, picks raised.
-    # A copy even where probs.t() is already contiguous (T = 1 or E = 1): the picks are
-    # written into it, and probs is the caller's (autograd saves it for softmax).
-    keys = probs.t().clone(memory_format=torch.contiguous_format).view(torch.int32)
-    token_of_pair = torch.arange(num_tokens, device=device, dtype=torch.int32).repeat_interleave(top_k)
-    picks = tc_experts.view(-1) * num_tokens + token_of_pair
-    keys.view(-1).index_copy_(0, picks.long(), tc_scores.contiguous().view(torch.int32) + PICK_KEY)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    counts.scatter_add_(0, tc_experts.view(-1).long(), torch.ones_like(picks))
+        return tokens, experts, source, scores, num_kept
+    # The kernels' workspace: the (E, T) keys and the E top-K counts.
+    work = torch.empty(num_experts * (num_tokens + 1), dtype=torch.int32, device=device)
     fn = runtime.compiled(("token_rounding", rounding, top_k), lambda: _compile(rounding, top_k))
     a = runtime.address
-    fn(a(keys, 4), a(counts, 4), a(tc_experts, 4), a(tokens, 4), a(experts, 4), a(source, 4),
-       a(num_kept, 4), num_tokens, num_experts, tile, capacity)
-    return tokens, experts, source, num_kept
+    fn(a(probs.contiguous(), 4), a(tc_scores.contiguous(), 4), a(tc_experts.contiguous(), 4),
+       a(work, 4), a(work[num_experts * num_tokens:], 4), a(tokens, 4), a(experts, 4),
+       a(source, 4), a(scores, 4), a(num_kept, 4), num_tokens, num_experts, tile, capacity)
+    return tokens, experts, source, scores, num_kept
 
 
 register(KernelVariant(

@@ -10,10 +10,14 @@ from cutlass import Int32, cute
 from cuda.bindings import driver as cuda
 
 from sonic.kernels import runtime
-from sonic.kernels.token_rounding import BINS, ITEMS, PICK_KEY, RADIX_BITS, THREADS
+from sonic.kernels.token_rounding import (BINS, ITEMS, KEY_EXPERTS, KEY_THREADS, KEY_TOKENS,
+                                          PICK_KEY, RADIX_BITS, THREADS)
 
 # Warps per CTA: block_scan keeps one partial sum per warp in shared memory.
 WARPS = THREADS // 32
+# Row pitch of the keys kernel's staged tile: one word of padding keeps both the row-wise
+# writes and the column-wise reads free of shared-memory bank conflicts.
+KEY_PITCH = KEY_EXPERTS + 1
 
 
 @cute.jit
@@ -48,14 +52,90 @@ class TokenRoundingSelect:
         self.K = top_k
 
     @cute.jit
-    def __call__(self, keys: cutlass.Int64, counts: cutlass.Int64, tc_experts: cutlass.Int64,
-                 tokens_out: cutlass.Int64, experts_out: cutlass.Int64,
-                 source_out: cutlass.Int64, num_valid: cutlass.Int64, num_tokens: Int32,
+    def __call__(self, probs: cutlass.Int64, tc_scores: cutlass.Int64, tc_experts: cutlass.Int64,
+                 keys: cutlass.Int64, counts: cutlass.Int64, tokens_out: cutlass.Int64,
+                 experts_out: cutlass.Int64, source_out: cutlass.Int64,
+                 scores_out: cutlass.Int64, num_valid: cutlass.Int64, num_tokens: Int32,
                  num_experts: Int32, tile: Int32, capacity: Int32, stream: cuda.CUstream):
-        ptrs = [runtime.gmem_ptr(Int32, a, 4) for a in (
-            keys, counts, tc_experts, tokens_out, experts_out, source_out, num_valid)]
-        self.kernel(*ptrs, num_tokens, num_experts, tile, capacity).launch(
+        # fp32 probabilities and scores travel as their bits: they become sort keys.
+        (probs, tc_scores, tc_experts, keys, counts, tokens_out, experts_out, source_out,
+         scores_out, num_valid) = [runtime.gmem_ptr(Int32, a, 4) for a in (
+             probs, tc_scores, tc_experts, keys, counts, tokens_out, experts_out, source_out,
+             scores_out, num_valid)]
+        self.zero_counts(counts, num_experts).launch(
+            grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.build_keys(probs, tc_scores, tc_experts, keys, counts, num_tokens,
+                        num_experts).launch(
+            grid=[(num_tokens + KEY_TOKENS - 1) // KEY_TOKENS,
+                  (num_experts + KEY_EXPERTS - 1) // KEY_EXPERTS, 1],
+            block=[KEY_THREADS, 1, 1], stream=stream)
+        self.kernel(keys, counts, tc_experts, tokens_out, experts_out, source_out, scores_out,
+                    num_valid, num_tokens, num_experts, tile, capacity).launch(
             grid=[num_experts, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def zero_counts(self, counts: cute.Pointer, num_experts: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        mCounts = cute.make_tensor(counts, cute.make_layout(num_experts))
+        for e in cutlass.range(tidx, num_experts, THREADS):
+            mCounts[e] = 0
+
+    @cute.kernel
+    def build_keys(self, probs: cute.Pointer, tc_scores: cute.Pointer, tc_experts: cute.Pointer,
+                   keys: cute.Pointer, counts: cute.Pointer, num_tokens: Int32,
+                   num_experts: Int32):
+        """The expert-major keys of a ``KEY_TOKENS × KEY_EXPERTS`` tile, and its picks added
+        to ``counts``: the tile is staged in shared memory so that the ``(T, E)`` reads and
+        the ``(E, T)`` writes are both coalesced."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bt, be, _ = cute.arch.block_idx()
+        T = num_tokens
+        E = num_experts
+        t0 = bt * KEY_TOKENS
+        e0 = be * KEY_EXPERTS
+        smem = cutlass.memory.SmemAllocator()
+        sTile = smem.allocate_tensor(Int32, cute.make_layout(KEY_TOKENS * KEY_PITCH),
+                                     byte_alignment=16)
+        sCount = smem.allocate_tensor(Int32, cute.make_layout(KEY_EXPERTS), byte_alignment=16)
+        mProbs = cute.make_tensor(probs, cute.make_layout(T * E))
+        mKeys = cute.make_tensor(keys, cute.make_layout(T * E))
+        mScores = cute.make_tensor(tc_scores, cute.make_layout(T * self.K))
+        mChoices = cute.make_tensor(tc_experts, cute.make_layout(T * self.K))
+        mCounts = cute.make_tensor(counts, cute.make_layout(E))
+        per_thread = KEY_TOKENS * KEY_EXPERTS // KEY_THREADS
+        if tidx < KEY_EXPERTS:
+            sCount[tidx] = 0
+        # Every load issued before any store: clamped in range, out-of-range cells never
+        # leave the tile.
+        staged = []
+        for i in cutlass.range_constexpr(per_thread):
+            flat = i * KEY_THREADS + tidx
+            t = cutlass.min(t0 + flat // KEY_EXPERTS, T - 1)
+            e = cutlass.min(e0 + flat % KEY_EXPERTS, E - 1)
+            staged.append(mProbs[t * E + e])
+        for i in cutlass.range_constexpr(per_thread):
+            flat = i * KEY_THREADS + tidx
+            sTile[flat // KEY_EXPERTS * KEY_PITCH + flat % KEY_EXPERTS] = staged[i]
+        cute.arch.sync_threads()
+        # The tile's picks outrank every probability (see the module docstring of
+        # sonic.kernels.token_rounding); pairs t·K + j of its tokens are contiguous.
+        first_pair = t0 * self.K
+        for j in cutlass.range(tidx, KEY_TOKENS * self.K, KEY_THREADS):
+            if first_pair + j < T * self.K:
+                e = mChoices[first_pair + j] - e0
+                if e >= 0 and e < KEY_EXPERTS:
+                    sTile[j // self.K * KEY_PITCH + e] = mScores[first_pair + j] + PICK_KEY
+                    cute.arch.atomic_add(sCount.iterator + e, Int32(1))
+        cute.arch.sync_threads()
+        if tidx < KEY_EXPERTS and e0 + tidx < E:
+            if sCount[tidx] > 0:
+                cute.arch.atomic_add(mCounts.iterator + e0 + tidx, sCount[tidx])
+        for i in cutlass.range_constexpr(per_thread):
+            flat = i * KEY_THREADS + tidx
+            t = t0 + flat % KEY_TOKENS
+            e = e0 + flat // KEY_TOKENS
+            if t < T and e < E:
+                mKeys[e * T + t] = sTile[flat % KEY_TOKENS * KEY_PITCH + flat // KEY_TOKENS]
 
     @cute.jit
     def rounded(self, count: Int32, tile: Int32, num_tokens: Int32):
@@ -70,8 +150,8 @@ class TokenRoundingSelect:
     @cute.kernel
     def kernel(self, keys: cute.Pointer, counts: cute.Pointer, tc_experts: cute.Pointer,
                tokens_out: cute.Pointer, experts_out: cute.Pointer, source_out: cute.Pointer,
-               num_valid: cute.Pointer, num_tokens: Int32, num_experts: Int32, tile: Int32,
-               capacity: Int32):
+               scores_out: cute.Pointer, num_valid: cute.Pointer, num_tokens: Int32,
+               num_experts: Int32, tile: Int32, capacity: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         e, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -85,6 +165,7 @@ class TokenRoundingSelect:
         mTokens = cute.make_tensor(tokens_out, cute.make_layout(capacity))
         mExperts = cute.make_tensor(experts_out, cute.make_layout(capacity))
         mSources = cute.make_tensor(source_out, cute.make_layout(capacity))
+        mScoresOut = cute.make_tensor(scores_out, cute.make_layout(capacity))
         mChoices = cute.make_tensor(tc_experts, cute.make_layout(T * self.K))
         gKeys = cute.make_tensor(keys + cutlass.Int64(e) * cutlass.Int64(T), cute.make_layout(T))
 
@@ -103,6 +184,7 @@ class TokenRoundingSelect:
             mTokens[p] = 0
             mExperts[p] = num_experts
             mSources[p] = 0
+            mScoresOut[p] = 0
         kept = self.rounded(mCounts[e], tile, T)
 
         if kept > 0:
@@ -115,20 +197,23 @@ class TokenRoundingSelect:
                 for b in cutlass.range(tidx, BINS, THREADS):
                     sHist[b] = 0
                 cute.arch.sync_threads()
-                # Whole warps per step, so match.any sees every lane.
-                for base in cutlass.range(0, T, THREADS):
-                    t = base + tidx
-                    key = gKeys[cutlass.min(t, T - 1)]
-                    live = t < T
-                    if cutlass.const_expr(step > 0):
-                        live = live & ((key >> (shift + RADIX_BITS))
-                                       == (prefix >> (shift + RADIX_BITS)))
-                    digit = Int32(cutlass.select_(live, (key >> shift) & (BINS - 1), BINS))
-                    peers = cute.arch.match_sync(0xFFFFFFFF, digit)
-                    first = (peers & ((cutlass.Uint32(1) << lane) - 1)) == 0
-                    if first and digit < BINS:
-                        cute.arch.atomic_add(sHist.iterator + digit,
-                                             Int32(cute.arch.popc(peers)))
+                # Whole warps per step, so match.any sees every lane; the ITEMS loads are
+                # issued before any is used, so they overlap.
+                for base in cutlass.range(0, T, THREADS * ITEMS):
+                    got = [gKeys[cutlass.min(base + i * THREADS + tidx, T - 1)]
+                           for i in range(ITEMS)]
+                    for i in cutlass.range_constexpr(ITEMS):
+                        key = got[i]
+                        live = base + i * THREADS + tidx < T
+                        if cutlass.const_expr(step > 0):
+                            live = live & ((key >> (shift + RADIX_BITS))
+                                           == (prefix >> (shift + RADIX_BITS)))
+                        digit = Int32(cutlass.select_(live, (key >> shift) & (BINS - 1), BINS))
+                        peers = cute.arch.match_sync(0xFFFFFFFF, digit)
+                        first = (peers & ((cutlass.Uint32(1) << lane) - 1)) == 0
+                        if first and digit < BINS:
+                            cute.arch.atomic_add(sHist.iterator + digit,
+                                                 Int32(cute.arch.popc(peers)))
                 cute.arch.sync_threads()
                 if warp_idx == 0:
                     # Lane l owns bins [8l, 8l + 8); count from the top bin down.
@@ -175,7 +260,10 @@ class TokenRoundingSelect:
                     if keep[i] == 1:
                         t = first_token + i
                         src = T * self.K
+                        # A key is its score's bits, a pick's raised by PICK_KEY.
+                        score = got[i]
                         if got[i] >= PICK_KEY:
+                            score = got[i] - PICK_KEY
                             for c in cutlass.range_constexpr(self.K):
                                 if mChoices[t * self.K + c] == e:
                                     src = t * self.K + c
@@ -183,6 +271,7 @@ class TokenRoundingSelect:
                         mTokens[out] = t
                         mExperts[out] = e
                         mSources[out] = src
+                        mScoresOut[out] = score
                         slot += 1
                 equal_seen += equal_total
                 written += slot_total

@@ -127,14 +127,17 @@ def _round(tc: Routing, probs: torch.Tensor, tile: int, rounding: str, backend: 
     size = capacity(num_tokens, num_experts, k, tile, rounding)
     if _use_kernel(backend, probs):
         from sonic.kernels.token_rounding import token_rounding_select
-        tokens, experts, source, num_kept = token_rounding_select(
+        tokens, experts, source, values, num_kept = token_rounding_select(
             probs.detach(), tc_scores.detach(), tc.expert_idx.view(num_tokens, k), tile,
             rounding, size)
         if not padded:
             count = int(num_kept)                              # the one host read: P
-            tokens, experts, source = tokens[:count], experts[:count], source[:count]
-        return scored_routing(tokens, experts, source, tc_scores, probs,
-                              num_kept if padded else None)
+            tokens, experts, source, values = (tokens[:count], experts[:count],
+                                               source[:count], values[:count])
+        return Routing(token_idx=tokens, expert_idx=experts,
+                       scores=kept_scores(values, tokens, experts, source, tc_scores, probs),
+                       num_tokens=num_tokens, num_experts=num_experts, validated=True,
+                       num_valid=num_kept if padded else None)
     # Keys e·T + t, and the sorts over them, in int32 where they fit: half the radix passes.
     key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
     inputs = (tc_scores.detach(), tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype),
@@ -198,6 +201,48 @@ def scored_routing(tokens: torch.Tensor, experts: torch.Tensor, source: torch.Te
         validated=True,
         num_valid=num_valid,
     )
+
+
+class _KeptScores(torch.autograd.Function):
+    """The kept pairs' scores as the selection kernel wrote them, with the gradient of the
+    gathers :func:`scored_routing` runs: a pick's flows to ``tc_scores[source]``, an added
+    pair's to ``probs[t, e]``, padding's nowhere. The backward is made of differentiable ops,
+    so higher-order gradients pass through."""
+
+    @staticmethod
+    def forward(ctx, values, tokens, experts, source, tc_scores, probs):
+        ctx.save_for_backward(tokens, experts, source)
+        ctx.sizes = tc_scores.numel(), probs.shape
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        tokens, experts, source = ctx.saved_tensors
+        num_picks, (num_tokens, num_experts) = ctx.sizes
+        real = experts < num_experts
+        pick = real & (source < num_picks)
+        grad_picks = grad_probs = None
+        if ctx.needs_input_grad[4]:
+            grad_picks = grad.new_zeros(num_picks).index_add(
+                0, source.clamp(max=num_picks - 1).long(), torch.where(pick, grad, 0))
+        if ctx.needs_input_grad[5]:
+            added = real & (source >= num_picks)
+            grad_probs = grad.new_zeros(num_tokens * num_experts).index_add(
+                0, tokens.long() * num_experts + experts.clamp(max=num_experts - 1),
+                torch.where(added, grad, 0)).view(num_tokens, num_experts)
+        return None, None, None, None, grad_picks, grad_probs
+
+
+def kept_scores(values: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                source: torch.Tensor, tc_scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``(P,)`` scores of kept pairs whose values are known (``values``, as
+    :func:`sonic.kernels.token_rounding.token_rounding_select` writes them: the pick's
+    ``tc_scores[source]``, the added pair's ``probs[t, e]``, 0 for padding), differentiable
+    with respect to ``tc_scores (T·K,)`` and ``probs (T, E)`` as :func:`scored_routing`'s
+    gathers are. Index tensors are int32, padding's expert is ``E``."""
+    if not (tc_scores.requires_grad or probs.requires_grad) or not torch.is_grad_enabled():
+        return values
+    return _KeptScores.apply(values, tokens, experts, source, tc_scores, probs)
 
 
 def _selection(tc_scores: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: torch.Tensor,

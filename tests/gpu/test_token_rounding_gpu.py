@@ -69,10 +69,15 @@ def test_selection_kernel_matches_torch_selection(rounding, ties, T, E, k, tile)
         tc = sonic.topk_routing(leaf, k)
         probs = torch.softmax(leaf, dim=-1)
         if use_kernel:
-            tokens, experts, source, num_kept = token_rounding_select(
+            tokens, experts, source, values, num_kept = token_rounding_select(
                 probs.detach(), tc.scores.detach(), tc.expert_idx.view(T, k), tile, rounding,
                 size)
-            r = tr.scored_routing(tokens, experts, source, tc.scores, probs, num_kept)
+            # The kernel's scores are the gathers' bit for bit, padding 0.
+            gathered = tr.scored_routing(tokens, experts, source, tc.scores, probs, num_kept)
+            assert torch.equal(values, gathered.scores.detach())
+            r = sonic.Routing(tokens, experts, tr.kept_scores(values, tokens, experts, source,
+                                                              tc.scores, probs),
+                              T, E, validated=True, num_valid=num_kept)
         else:
             keys, order, num_kept = tr._selection(tc.scores.detach(), tc.token_idx,
                                                   tc.expert_idx, probs.detach(), tile, rounding)
