@@ -13,7 +13,9 @@ Two spawned ranks run the EP layer (bf16, ``backend="auto"``: CuTe kernels) with
   the compute stream);
 * ``recompute_dispatch`` (the received rows sent again in backward on the comm stream, dW1
   waiting for them): bitwise the results without it, for ``C = 2`` and ``4``, and its step
-  keeps less memory.
+  keeps less memory;
+* the experts' other activations (GeGLU in the fused epilogues, ReLU² between the GEMMs) at
+  ``C = 2`` against one process.
 """
 
 import pytest
@@ -35,6 +37,17 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _one_process(full, x_full, dout_full, mine, local):
+    """This rank's share of one process's step on the whole batch: output, dx, the router's
+    gradient, and the local experts' dW1 and dW2."""
+    x_ref = x_full.clone().requires_grad_()
+    full(x_ref).backward(dout_full)
+    with torch.no_grad():
+        out = full(x_full)[mine]
+    return [out, x_ref.grad[mine], full.gate.weight.grad, full.w1.grad[local],
+            full.w2.grad[local]]
+
+
 def _rank(rank, world, port, tmp):
     import sonic
     from sonic.distributed import ExpertParallelMoE, overlap
@@ -47,12 +60,7 @@ def _rank(rank, world, port, tmp):
     dout_full = torch.randn(world * T, D, device=device, dtype=torch.bfloat16, generator=g)
     mine = slice(rank * T, (rank + 1) * T)
     local = slice(rank * E // world, (rank + 1) * E // world)
-    x_ref = x_full.clone().requires_grad_()
-    full(x_ref).backward(dout_full)
-    ref = [None, x_ref.grad[mine], full.gate.weight.grad, full.w1.grad[local],
-           full.w2.grad[local]]
-    with torch.no_grad():
-        ref[0] = full(x_full)[mine]
+    ref = _one_process(full, x_full, dout_full, mine, local)
     layer = ExpertParallelMoE.from_moe(full)
     result, runs = {}, {}
     for c in (1, 2, 4):
@@ -94,6 +102,17 @@ def _rank(rank, world, port, tmp):
         kept[flag] = sonic.profile_activation_memory(layer, xg).activation_bytes
     result["recompute_keeps_less"] = kept[True] < kept[False]
     layer.recompute_dispatch = False
+    for activation in ("geglu", "relu2"):
+        torch.manual_seed(2)
+        other = sonic.MoE(D, N, E, K, device=device, dtype=torch.bfloat16, activation=activation)
+        want = _one_process(other, x_full, dout_full, mine, local)
+        split = ExpertParallelMoE.from_moe(other)
+        split.num_chunks = 2
+        got = step(split, x_full[mine], dout_full[mine])
+        gate = got[2].clone()
+        dist.all_reduce(gate)
+        result[f"{activation}_vs_one_process"] = max(
+            _rel(a, b) for a, b in zip([*got[:2], gate, *got[3:]], want))
     result["comm_stream"] = (torch.cuda.current_stream(device).device_index in
                              overlap._COMM_STREAMS)
     dist.destroy_process_group()
@@ -114,3 +133,5 @@ def test_chunked_ep_on_two_gpus(tmp_path):
         assert r["comm_stream"], rank
         assert r["recompute_bitwise"] and r["recompute_C2_bitwise"], rank
         assert r["recompute_keeps_less"], rank
+        for activation in ("geglu", "relu2"):
+            assert r[f"{activation}_vs_one_process"] < 2e-2, (rank, activation, r)
