@@ -35,7 +35,8 @@ in the output; the summaries are the totals::
 
 It also prints, per tool, the kernels its records were reported in. ``--cases REGEX`` keeps
 the cases whose line matches (both modes); ``--log-dir DIR`` keeps each tool's whole output
-as ``DIR/<tool>.log``.
+as ``DIR/<tool>.log``; ``--shards N`` splits each tool's cases over N processes (initcheck
+takes minutes per case).
 
 ``--random N --seconds S``: up to N randomized cases or S seconds, whichever comes first::
 
@@ -419,46 +420,67 @@ def record_kernels(text: str) -> dict[str, int]:
     return tally
 
 
+def merge_sanitizer_logs(parsed: list[tuple]) -> tuple:
+    """One tool's :func:`parse_sanitizer_log` results over its shards, as one: records per
+    case and summary totals added (None if a shard printed no summary), plans and failures
+    joined."""
+    per_case: dict[str, int] = {}
+    for counts, *_ in parsed:
+        for case, n in counts.items():
+            per_case[case] = per_case.get(case, 0) + n
+    totals = [p[1] for p in parsed]
+    total = None if any(t is None for t in totals) else sum(totals)
+    return (per_case, total, set().union(*(p[2] for p in parsed)),
+            [line for p in parsed for line in p[3]])
+
+
 def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str | None = None,
-                   log_dir: str | None = None) -> int:
+                   log_dir: str | None = None, shards: int = 1) -> int:
     """Run ``--sanitize`` under each compute-sanitizer tool (in parallel, one GPU), print the
     table of error records per case and tool, the kernels the records name and the
     grouped-GEMM variants covered; 0 when every tool reports no error and every case passes.
-    ``cases``: the ``--cases`` filter handed to each run; ``log_dir``: keep each tool's whole
-    output there as ``<tool>.log``."""
+    ``cases``: the ``--cases`` filter handed to each run; ``log_dir``: keep each run's whole
+    output there as ``<tool>.log`` (``<tool>.<shard>.log`` with shards); ``shards``: split
+    each tool's cases over that many processes (``--shard i/N``), for the slow tools."""
     import subprocess
     import tempfile
 
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
-    procs = {}
-    logs = {}
+    runs = {}
     for tool in tools:
-        logs[tool] = tempfile.TemporaryFile(mode="w+")
-        procs[tool] = subprocess.Popen(
-            [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "200",
-             sys.executable, os.path.abspath(__file__), "--sanitize",
-             *(("--cases", cases) if cases else ())],
-            stdout=logs[tool], stderr=subprocess.STDOUT, env=env, text=True)
+        for shard in range(shards):
+            log = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(
+                [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "200",
+                 sys.executable, os.path.abspath(__file__), "--sanitize",
+                 *(("--cases", cases) if cases else ()),
+                 *(("--shard", f"{shard}/{shards}") if shards > 1 else ())],
+                stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+            runs[tool, shard] = (proc, log)
     start = time.monotonic()
-    results, bad = {}, False
-    for tool, proc in procs.items():
+    codes, parsed = {}, {}
+    for (tool, shard), (proc, log) in runs.items():
         try:
             rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = "timeout"
-        logs[tool].seek(0)
-        text = logs[tool].read()
+        log.seek(0)
+        text = log.read()
+        name = f"{tool}.{shard}" if shards > 1 else tool
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, f"{tool}.log"), "w") as f:
+            with open(os.path.join(log_dir, f"{name}.log"), "w") as f:
                 f.write(text)
-        results[tool] = (rc, *parse_sanitizer_log(text))
-        if rc != 0 or results[tool][2] is None:
-            print(f"--- {tool}: exit {rc}; last lines ---\n" + "\n".join(
+        parsed.setdefault(tool, []).append(parse_sanitizer_log(text))
+        codes[tool] = codes.get(tool, 0) or rc
+        if rc != 0 or parsed[tool][-1][1] is None:
+            print(f"--- {name}: exit {rc}; last lines ---\n" + "\n".join(
                 text.splitlines()[-15:]), flush=True)
-        for name, count in sorted(record_kernels(text).items(), key=lambda kv: -kv[1]):
-            print(f"{tool}: {count} records in {name}", flush=True)
+        for kernel, count in sorted(record_kernels(text).items(), key=lambda kv: -kv[1]):
+            print(f"{name}: {count} records in {kernel}", flush=True)
+    results = {t: (codes[t], *merge_sanitizer_logs(parsed[t])) for t in tools}
+    bad = False
     names = [str(c) for c in sanitize_cases(cases)] + ["(outside cases)"]
     width = max(len(c) for c in names)
     print(f"{'case':<{width}} " + " ".join(f"{t:>10}" for t in tools))
@@ -502,6 +524,17 @@ def random_case(rng: random.Random) -> Case:
                 tile=rng.choice([16, 64, 128]), layer=layer)
 
 
+def shard_of(parser: argparse.ArgumentParser, text: str) -> slice:
+    """The cases of ``--shard i/N``: every N-th from the i-th."""
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        parser.error(f"--shard must be i/N with 0 <= i < N, got {text!r}")
+    return slice(index, None, count)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -517,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", metavar="REGEX",
                         help="--sanitize / --compute-sanitizer: only the cases whose line "
                              "matches this regular expression")
+    parser.add_argument("--shards", type=int, default=1, metavar="N",
+                        help="--compute-sanitizer: split each tool's cases over N processes")
+    parser.add_argument("--shard", metavar="I/N",
+                        help="--sanitize: run only the cases i, i+N, i+2N, ... (0-based)")
     parser.add_argument("--log-dir", metavar="DIR",
                         help="--compute-sanitizer: keep each tool's whole output in DIR/<tool>.log")
     parser.add_argument("--seconds", type=float, default=600.0,
@@ -540,7 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(tools) - set(SANITIZER_TOOLS))
         if unknown or not tools:
             parser.error(f"--tools must name some of {SANITIZER_TOOLS}, got {args.tools!r}")
-        return run_sanitizers(tools, args.seconds, args.sanitizer, args.cases, args.log_dir)
+        if args.shards < 1:
+            parser.error(f"--shards must be >= 1, got {args.shards}")
+        return run_sanitizers(tools, args.seconds, args.sanitizer, args.cases, args.log_dir,
+                              args.shards)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available (use --device cpu to check "
@@ -549,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)
     cases = sanitize_cases(args.cases) if args.sanitize else None
+    if cases is not None and args.shard is not None:
+        cases = cases[shard_of(parser, args.shard)]
     plans = record_gemm_plans() if args.sanitize and device.type == "cuda" else set()
     start, count, failures = time.monotonic(), 0, 0
     while True:

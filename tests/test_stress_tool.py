@@ -59,3 +59,39 @@ def test_racecheck_summary_counts_its_errors():
     stress = _stress()
     log = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warnings)\n"
     assert stress.parse_sanitizer_log(log)[1] == 2
+
+
+FAKE_SANITIZER = """\
+import subprocess, sys
+tool, command = sys.argv[2], sys.argv[7:]
+subprocess.run(command + ["--device", "cpu"], check=False)
+if tool == "initcheck":
+    print("========= Uninitialized __global__ memory read of size 4 bytes")
+    print("=========     at fake_kernel+0x10")
+    print("========= ERROR SUMMARY: 1 error")
+else:
+    print("========= ERROR SUMMARY: 0 errors")
+"""
+
+
+def test_sharded_driver_merges_its_runs(tmp_path, capsys):
+    """``--compute-sanitizer --shards 2`` runs each tool's cases over two processes and adds
+    their records up; a stand-in for compute-sanitizer runs the cases on the CPU and reports
+    one initcheck record per run."""
+    stress = _stress()
+    fake = tmp_path / "fake_sanitizer.py"
+    fake.write_text(FAKE_SANITIZER)
+    launcher = tmp_path / "sanitizer"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    launcher.chmod(0o755)
+    rc = stress.main(["--compute-sanitizer", "--sanitizer", str(launcher), "--shards", "2",
+                      "--tools", "memcheck,initcheck", "--cases", "^T=[01] ",
+                      "--log-dir", str(tmp_path / "logs"), "--seconds", "300"])
+    out = capsys.readouterr().out
+    assert rc == 1                                      # initcheck's records fail the run
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "initcheck.0.log", "initcheck.1.log", "memcheck.0.log", "memcheck.1.log"]
+    summary = next(ln for ln in out.splitlines() if ln.startswith("ERROR SUMMARY"))
+    assert summary.split()[-2:] == ["0", "2"]           # memcheck 0, initcheck 1 + 1
+    assert "initcheck.0: 1 records in fake_kernel" in out
+    assert "sanitizers: ERRORS" in out
