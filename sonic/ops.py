@@ -486,13 +486,16 @@ def _traced(t: torch.Tensor) -> bool:
 
 
 def pair_score_grads(ds_rows: torch.Tensor, m: RoutingMetadata, dtype: torch.dtype) -> torch.Tensor:
-    """Per-pair score gradients from the dH kernel's per-row ``ds``: zero for the rows past
-    ``expert_offsets[E]`` (a padded routing's padding, :attr:`sonic.Routing.num_valid`), which
-    no GEMM writes, so their ``ds`` is whatever that memory held (NaN included). Top-K
-    metadata (``m.top_k`` set) has no padding: its rows are taken as they are."""
+    """Per-pair score gradients from the dH kernel's per-row ``ds``: zero for the pairs on
+    rows past ``expert_offsets[E]`` (a padded routing's padding, :attr:`sonic.Routing.num_valid`),
+    which no GEMM writes, so their ``ds`` is whatever that memory held (NaN included). Those
+    rows are never read: a padding pair gathers a routed row (or row 0) and is then zeroed.
+    Top-K metadata (``m.top_k`` set) has no padding: its rows are taken as they are."""
     if m.top_k is None:
-        real = torch.arange(ds_rows.shape[0], device=ds_rows.device) < m.expert_offsets[-1]
-        ds_rows = torch.where(real, ds_rows, 0)
+        routed = m.expert_offsets[-1]
+        real = m.pair_rows < routed
+        rows = m.pair_rows.clamp(max=routed - 1).clamp(min=0)
+        return torch.where(real, ds_rows.index_select(0, rows), 0).to(dtype)
     return ds_rows.index_select(0, m.pair_rows).to(dtype)
 
 

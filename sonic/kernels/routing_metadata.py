@@ -106,6 +106,11 @@ def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens
         token_idx = token_work = token_slots = expert_idx
     else:
         token_work = torch.zeros(max(num_tokens, 1), **i32)
+        # The kernels leave the padding out of the token grouping and write token_rows only
+        # up to token_offsets[T] (= expert_offsets[E]); the tail keeps these values: the
+        # padding rows in pair order, row r at position r, as in the reference. Written
+        # before the launch, so nothing reads memory the kernels left unwritten.
+        torch.arange(num_pairs, out=out.token_rows)
     fn(*(t.data_ptr() for t in (expert_idx, token_idx, hist, token_work, token_slots)),
        *(t.data_ptr() for t in out.tensors()), num_pairs, num_tokens, k)
     return out
@@ -175,13 +180,7 @@ def routing_metadata_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, nu
                          f"{token_idx.numel()} and {expert_idx.numel()}")
     _check_num("num_tokens", num_tokens, 0)
     _check_num("num_experts", num_experts, 1, ROUTING_METADATA_MAX_EXPERTS)
-    meta = _launch(expert_idx, token_idx, num_tokens, 1, num_experts)
-    # The kernels leave the padding out of the token grouping, so the tail of token_rows
-    # (past token_offsets[T], which equals expert_offsets[E]) is unwritten; the reference
-    # closes it with the padding rows in pair order, i.e. row r at position r.
-    rows = torch.arange(meta.token_rows.numel(), dtype=torch.int32, device=token_idx.device)
-    torch.where(rows >= meta.expert_offsets[-1], rows, meta.token_rows, out=meta.token_rows)
-    return meta
+    return _launch(expert_idx, token_idx, num_tokens, 1, num_experts)
 
 
 _PTX_MARKERS = ("match.any.sync.b32", "popc.b32", "atom.shared.add", "bar.sync")
