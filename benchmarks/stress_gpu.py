@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import torch
 
 import sonic
+from sonic.types import GATED_ACTIVATIONS
 
 THRESHOLDS = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 ROUTERS = ("topk", "token_rounding", "empty_experts", "hot_expert")
@@ -99,6 +100,7 @@ class Case:
     precision: str = "bf16"      # "fp8": the FP8 expert path (d, n multiples of 128)
     fp8_epilogues: str = "quantizing"   # sonic.backend.set_fp8_epilogues for precision="fp8"
     fp8_weight_grads: str = "bf16"      # sonic.backend.set_fp8_weight_grads likewise
+    activation: str = "swiglu"          # one of sonic.types.ACTIVATIONS
 
     def __str__(self) -> str:
         kind = "MoE layer" if self.layer else self.router
@@ -107,7 +109,8 @@ class Case:
                 + (f" tile={self.tile}" if self.router == "token_rounding" else "")
                 + (" padded" if self.padded else "")
                 + (f" fp8/{self.fp8_epilogues}/wgrad-{self.fp8_weight_grads}"
-                   if self.precision == "fp8" else ""))
+                   if self.precision == "fp8" else "")
+                + (f" {self.activation}" if self.activation != "swiglu" else ""))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -147,9 +150,10 @@ def _inputs(case: Case, seed: int, device: torch.device) -> dict[str, torch.Tens
     cleared) picks exactly what the stable sort picks."""
     g = torch.Generator().manual_seed(seed)
     T, d, n, E = case.T, case.d, case.n, case.E
+    up_rows = 2 * n if case.activation in GATED_ACTIVATIONS else n
     made = {
         "x": torch.randn(T, d, generator=g),
-        "w1": torch.randn(E, 2 * n, d, generator=g) / d ** 0.5,
+        "w1": torch.randn(E, up_rows, d, generator=g) / d ** 0.5,
         "w2": torch.randn(E, d, n, generator=g) / n ** 0.5,
         "logits": torch.randn(T, E, generator=g).bfloat16().float(),
     }
@@ -174,7 +178,8 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], backend: str):
     if case.layer:
         layer = sonic.MoE(case.d, case.n, case.E, case.K, router=case.router, tile=case.tile,
                           gate_up=case.gate_up, aux_loss_coef=0.01, backend=backend,
-                          device=leaves["x"].device, dtype=case.dtype)
+                          activation=case.activation, device=leaves["x"].device,
+                          dtype=case.dtype)
         with torch.no_grad():
             layer.w1.copy_(leaves["w1"])
             layer.w2.copy_(leaves["w2"])
@@ -197,7 +202,8 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], backend: str):
         meta = sonic.routing_metadata(routing, backend=backend)
         out = sonic.moe_experts(leaves["x"], leaves["w1"], leaves["w2"], routing.scores,
                                 routing.token_idx, routing.expert_idx, gate_up=case.gate_up,
-                                backend=backend, metadata=meta, precision=case.precision)
+                                backend=backend, metadata=meta, precision=case.precision,
+                                activation=case.activation)
         pairs = (routing.token_idx, routing.expert_idx)
         aux = None
         named = {"w1": leaves["w1"], "w2": leaves["w2"]}
@@ -295,11 +301,17 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
     which registered variants they covered) and every other kernel path: top-K and token
     rounding (exact and padded), both gate/up layouts, an expert with no tokens, one expert
     taking every token, T = 1, T = 0, fp32, the ``sonic.MoE`` layer, and FP8 under each
-    ``set_fp8_epilogues`` choice. The shapes pick the plans: ``n = 128``: one n-tile (the
+    ``set_fp8_epilogues`` choice, and each other activation in its fused epilogues (or, not
+    gated, the plain gathered up-proj). The shapes pick the plans: ``n = 128``: one n-tile (the
     cluster shares B), ping-pong 128-wide down-proj and dX; ``d = 384, n = 256``: the
     up-proj's cluster shares A, ping-pong 192-wide tiles; ``n = 384``: dX with K > 512
     (cooperative, deferred stores); ``d = 256, n = 512``: the dH kernel shares A, 256-row
-    varlen-K tiles."""
+    varlen-K tiles; ``d = 256, n = 256`` interleaved: the 256-wide interleaved up-proj, the
+    dA' GEMM sharing B, dW2 on 128 x 256 tiles untransposed; ``d = 256, n = 768``: the
+    down-proj with K > 512 on 256-wide tiles; ``n = 192``: the dH kernel on 128-wide tiles;
+    ``d = 2304``: dW2 untransposed with its cluster sharing A. Two registered variants are
+    ``bench_grouped_gemm.py --plans`` candidates the heuristic never picks (256-row varlen-M
+    tiles, ping-pong varlen-K): no case covers them."""
     base = dict(T=256, d=128, n=128, E=8, K=2)
     fp8 = dict(T=256, d=256, n=128, E=8, K=2, precision="fp8")
     cases = [
@@ -322,6 +334,14 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
              fp8_weight_grads="fp8"),
         Case(T=256, d=384, n=384, E=8, K=2, router="topk", precision="fp8",
              fp8_epilogues="fused", fp8_weight_grads="fp8"),
+        Case(T=256, d=256, n=256, E=8, K=2, router="topk", gate_up="interleaved"),
+        Case(T=256, d=256, n=768, E=8, K=2, router="topk"),
+        Case(T=256, d=128, n=192, E=8, K=2, router="topk"),
+        Case(T=64, d=2304, n=512, E=8, K=2, router="topk"),
+        *(Case(T=256, d=128, n=512, E=8, K=2, router="topk", activation=act)
+          for act in ("geglu", "geglu_tanh", "reglu", "relu2")),
+        Case(T=256, d=128, n=256, E=8, K=2, router="topk", gate_up="interleaved",
+             activation="geglu_tanh"),
     ]
     return [c for c in cases if pattern is None or re.search(pattern, str(c))]
 
@@ -331,7 +351,7 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 CASE_BEGIN, CASE_END, GEMM_CONFIG = "@@ case begin", "@@ case end", "@@ gemm config"
 _PLAN_FIELDS = ("varlen_k", "ab_dtype", "epilogue", "gate_up", "gather_a", "gather_b",
                 "b_n_major", "transpose_c", "tile_m", "tile_n", "pingpong", "cluster",
-                "multicast_a")
+                "multicast_a", "activation")
 
 
 def plan_key(cfg) -> str:
@@ -340,14 +360,19 @@ def plan_key(cfg) -> str:
 
 
 def record_gemm_plans() -> set[str]:
-    """Record the :func:`plan_key` of every grouped GEMM launched from now on."""
+    """Record the :func:`plan_key` of every grouped GEMM launched from now on, and print each
+    new one at once (a ``@@ gemm config`` line: a run stopped at its time limit still reports
+    what it launched)."""
     from sonic.kernels.grouped_gemm import interface
 
     seen: set[str] = set()
     launcher = interface._launcher
 
     def recording(cfg):
-        seen.add(plan_key(cfg))
+        key = plan_key(cfg)
+        if key not in seen:
+            seen.add(key)
+            print(f"{GEMM_CONFIG} {key}", flush=True)
         return launcher(cfg)
 
     interface._launcher = recording
@@ -591,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = sanitize_cases(args.cases) if args.sanitize else None
     if cases is not None and args.shard is not None:
         cases = cases[shard_of(parser, args.shard)]
-    plans = record_gemm_plans() if args.sanitize and device.type == "cuda" else set()
+    if args.sanitize and device.type == "cuda":
+        record_gemm_plans()
     start, count, failures = time.monotonic(), 0, 0
     while True:
         if cases is not None:
@@ -610,8 +636,6 @@ def main(argv: list[str] | None = None) -> int:
         count += 1
         failures += not passed
         print(f"{count:5d} {'ok  ' if passed else 'FAIL'} {case}: {summary}", flush=True)
-    for key in sorted(plans):
-        print(f"{GEMM_CONFIG} {key}", flush=True)
     print(f"{count} cases, {failures} failures", flush=True)
     return 1 if failures else 0
 

@@ -55,6 +55,19 @@ def test_case_filter():
         stress.main(["--sanitize", "--device", "cpu", "--cases", "("])
 
 
+def test_sanitizer_cases_run_every_activation_and_plans_tell_them_apart():
+    """Each activation's fused epilogues are their own kernels: the cases run every gated one
+    and a non-gated one, and a plan's key names its activation."""
+    from sonic.types import GATED_ACTIVATIONS
+    stress = _stress()
+    activations = {c.activation for c in stress.sanitize_cases()}
+    assert set(GATED_ACTIVATIONS) <= activations and activations - set(GATED_ACTIVATIONS)
+    pytest.importorskip("cutlass")
+    plans = stress.registered_gemm_plans()
+    assert (plans["varlen_m_n512_k1536_gather_swiglu_concat"]
+            != plans["varlen_m_n512_k1536_gather_geglu_concat"])
+
+
 def test_racecheck_summary_counts_its_errors():
     stress = _stress()
     log = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warnings)\n"
