@@ -359,24 +359,23 @@ def plan_key(cfg) -> str:
     return " ".join(f"{f}={getattr(cfg, f)}" for f in _PLAN_FIELDS)
 
 
-def record_gemm_plans() -> set[str]:
-    """Record the :func:`plan_key` of every grouped GEMM launched from now on, and print each
-    new one at once (a ``@@ gemm config`` line: a run stopped at its time limit still reports
-    what it launched)."""
+def announce_gemm_plans() -> None:
+    """From now on print the :func:`plan_key` of each grouped GEMM the first time it is
+    launched (a ``@@ gemm config`` line, at once: a run stopped at its time limit still
+    reports what it launched)."""
     from sonic.kernels.grouped_gemm import interface
 
     seen: set[str] = set()
     launcher = interface._launcher
 
-    def recording(cfg):
+    def announcing(cfg):
         key = plan_key(cfg)
         if key not in seen:
             seen.add(key)
             print(f"{GEMM_CONFIG} {key}", flush=True)
         return launcher(cfg)
 
-    interface._launcher = recording
-    return seen
+    interface._launcher = announcing
 
 
 def registered_gemm_plans(arch: str = "sm_90a") -> dict[str, str]:
@@ -617,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     if cases is not None and args.shard is not None:
         cases = cases[shard_of(parser, args.shard)]
     if args.sanitize and device.type == "cuda":
-        record_gemm_plans()
+        announce_gemm_plans()
     start, count, failures = time.monotonic(), 0, 0
     while True:
         if cases is not None:
