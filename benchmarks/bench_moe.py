@@ -46,7 +46,8 @@ ratios.
   launch time, which a step can hide under earlier GPU work).
   DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize
   --routed-scaling-factor 2.5 --n-group 8 --topk-group 4 --expert-bias --shared-experts 1``.
-* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``) and the
+* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``), each of
+  its grouped GEMMs by role (up-proj, down-proj, dH, dW2, dX, dW1, in launch order) and the
   per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
@@ -165,20 +166,47 @@ def _peak_mib(fn, grad):
     return (torch.cuda.max_memory_allocated() - base) / MiB
 
 
-def _kernel_events(fn) -> list:
-    """The CUDA kernels of one ``fn()`` (torch.profiler's averages, device time in µs)."""
+def _profiled(fn):
+    """torch.profiler's record of the CUDA kernels of one ``fn()``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def _cuda_averages(prof) -> list:
+    """The CUDA kernels of a record, per name (device time in µs)."""
     return [e for e in prof.key_averages() if e.device_type.name == "CUDA"
             and e.self_device_time_total > 0]
 
 
+def _kernel_events(fn) -> list:
+    """The CUDA kernels of one ``fn()`` per name (torch.profiler's averages, device µs)."""
+    return _cuda_averages(_profiled(fn))
+
+
+# The grouped GEMMs of one bf16 step without shared experts, in launch order (sonic.ops: the
+# forward's two, then the dH kernel, dW2, dX and dW1); every launch shares one kernel name.
+STEP_GEMMS = ("up-proj + activation", "down-proj", "dH + activation grad", "dW2", "dX", "dW1")
+
+
+def label_gemm_launches(launches: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """``(label, µs)`` of a step's grouped-GEMM launches given as ``(start, µs)`` in any order:
+    sorted by start and named by :data:`STEP_GEMMS` when there are as many, else numbered."""
+    ordered = [us for _, us in sorted(launches)]
+    names = STEP_GEMMS if len(ordered) == len(STEP_GEMMS) else [
+        f"GEMM {i + 1}" for i in range(len(ordered))]
+    return list(zip(names, ordered))
+
+
 def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward"):
-    """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first."""
-    events = _kernel_events(fn)
+    """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first, then
+    each grouped-GEMM launch in launch order (the kernels share a name, so the table above
+    sums them)."""
+    prof = _profiled(fn)
+    events = _cuda_averages(prof)
     total = sum(e.self_device_time_total for e in events)
     print(f"  per-kernel CUDA time of one {what}: {total / 1e3:.3f} ms")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
@@ -186,6 +214,10 @@ def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward"):
         label = label if len(label) <= 72 else f"{label[:34]}...{label[-35:]}"
         print(f"    {e.self_device_time_total / 1e3:7.3f} ms {100 * e.self_device_time_total / total:5.1f}%"
               f"  x{e.count:<3d} {label}")
+    launches = [(e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+                if e.device_type.name == "CUDA" and "grouped_gemm" in e.name]
+    for name, us in label_gemm_launches(launches):
+        print(f"    {us / 1e3:7.3f} ms  {name}")
 
 
 def _steps(layer, x, params, k, grad):

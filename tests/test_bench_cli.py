@@ -40,6 +40,15 @@ def test_plot_draws_every_config_and_sonicmoe_through_its_own_ratio(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_profile_names_each_gemm_launch_by_its_start():
+    bench = _bench_moe()
+    launches = [(30.0, 3.0), (10.0, 1.0), (60.0, 6.0), (20.0, 2.0), (50.0, 5.0), (40.0, 4.0)]
+    assert bench.label_gemm_launches(launches) == list(zip(bench.STEP_GEMMS, range(1, 7)))
+    # Any other count (shared experts, FP8 extras) is numbered, never mislabelled.
+    assert bench.label_gemm_launches([(2.0, 7.0), (1.0, 8.0)]) == [("GEMM 1", 8.0),
+                                                                  ("GEMM 2", 7.0)]
+
+
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_bench_moe_deepseek_layers_equal_sonic_moe(renormalize):
     """bench_moe.py's layers with DeepSeek-V3's router options and a shared expert (sonic's and
