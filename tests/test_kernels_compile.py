@@ -125,7 +125,7 @@ echo "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instru
 ])
 def test_deferred_stores_where_measured(changes, deferred, parts):
     """The consumer defers the stores of the cooperative bf16 sm_90 varlen-M store GEMMs only
-    (benchmarks/RESULTS.md, sixteenth session), in one box per 64-row block and slab."""
+    (benchmarks/RESULTS.md), in one box per 64-row block and slab."""
     from sonic.kernels.grouped_gemm.config import CLUSTER, GroupedGemmConfig
     from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 
