@@ -87,8 +87,7 @@ def test_layer_cute_matches_torch_backend(name, router):
 
 @pytest.mark.parametrize("activation", ["geglu", "relu2"])
 def test_activation_and_shared_experts_on_cuda_match_cpu(activation):
-    """Non-SwiGLU activations and SwiGLU shared experts on the GPU (fp32: the torch path for
-    the routed experts) against the CPU."""
+    """Non-SwiGLU activations and SwiGLU shared experts on the GPU (fp32) against the CPU."""
     kw = dict(activation=activation, num_shared_experts=1, shared_expert_gate=True,
               score="sigmoid", n_group=8, topk_group=4)
     torch.manual_seed(0)
