@@ -364,6 +364,9 @@ def _cute_dh_dswiglu(dout, w2, offsets, gather_idx, h, row_scores, gate_up, *,
                                          dh_out=h if overwrite_h else None, a_out=a_out,
                                          activation=activation)
     da_prime = _cute_grouped_mm(dout, w2, offsets, gather_idx, strict=strict).contiguous()
+    # The epilogue reads every row: a padded routing's padding rows of dA', which no GEMM
+    # tile writes, get zeros first (their dH, A' and ds are overwritten by the step's own fill).
+    _cute_fill_padding_rows(da_prime, offsets)
     if not bf16_rows or activation != "swiglu":
         dh, a_scaled, ds = activations.activation_backward(da_prime, h, row_scores, activation,
                                                            gate_up)
