@@ -54,6 +54,9 @@ def _m(**kw):
     (dict(multicast_a=True, gather_a=False, cluster=1), "multicast_a serves"),
     (dict(multicast_a=True, gather_a=False, ab_dtype="e4m3"), "multicast_a serves"),
     (dict(multicast_a=True, tile_n=128, pingpong=True), "multicast_a serves"),  # gathered
+    (dict(n_band=-1), "n_band orders the bf16 sm_90a varlen-M tiles"),
+    (dict(n_band=2, ab_dtype="e4m3"), "n_band orders"),
+    (dict(n_band=2, arch="sm_100a", cluster=1), "n_band orders"),
 ])
 def test_config_rejects_unsupported_combinations(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -194,9 +197,42 @@ def test_varlen_m_config_passes_rows_and_memory():
                                      memory=H200).multicast_a
 
 
+# (N, K, P / E) of the gathered up-proj (N = 2n, K = d) and dH kernel (N = n): Mixtral-8x7B's
+# experts hold 4096 rows each against 235 / 117 MB of B; the other named shapes' experts
+# read their B about once per wave (few m-tiles each, or B within the L2).
+@pytest.mark.parametrize("dim_n,dim_k,rows,band", [
+    (28672, 4096, 4096, {"H100": 4, "H200": 5}), (14336, 4096, 4096, {"H100": 4, "H200": 5}),
+    (4096, 7168, 512, None), (2048, 7168, 512, None), (3072, 5120, 819, None),
+    (3072, 4096, 1024, None), (2048, 4096, 2048, None), (512, 1536, 1536, None),
+    (28672, 4096, 256, None),            # two m-tiles an expert: one wave holds them
+])
+def test_gathered_tile_order_bands_where_b_is_read_per_m_tile(dim_n, dim_k, rows, band):
+    for name, memory in (("H100", H100), ("H200", H200)):
+        tiles = heuristic.plan(False, dim_n, True, dim_k, rows_per_expert=rows, memory=memory)
+        assert tiles.n_band == (band[name] if band else 0)
+        cfg = heuristic.varlen_m_config(dim_n, dim_k, True, epilogue="swiglu",
+                                        gate_up="concat", rows_per_expert=rows, memory=memory)
+        assert cfg.n_band == tiles.n_band
+    # Unknown rows or GPU: no bands; FP8 and varlen-K never band.
+    assert heuristic.plan(False, dim_n, True, dim_k).n_band == 0
+    assert heuristic.plan(False, dim_n, True, dim_k, rows_per_expert=rows).n_band == 0
+    assert heuristic.plan(False, dim_n, True, dim_k, ab_dtype="e4m3", rows_per_expert=rows,
+                          memory=H100).n_band == 0
+
+
+def test_band_width_counts_the_bytes_both_ways():
+    """Mixtral's contiguous down-proj (K = n = 14336) reads its 7 MB B panels about four
+    times unbanded, but bands of two panels would read its A eight times: no bands. A band
+    never covers the whole of N."""
+    assert heuristic.band_width(4096, 14336, 256, CLUSTER, False, 4096, H100) == 0
+    width = heuristic.band_width(28672, 4096, 256, CLUSTER, True, 4096, H100)
+    assert 0 < width < 28672 // 256 // CLUSTER
+    assert width * 256 * CLUSTER * 4096 * 2 <= H100.l2_bytes // 3
+
+
 def test_plan_varlen_k_cluster_needs_even_m_tiles():
-    assert heuristic.plan(True, 256, dim_m=1536) == (256, False, CLUSTER, 128, False)
-    assert heuristic.plan(True, 256, dim_m=384) == (256, False, 1, 128, False)
+    assert heuristic.plan(True, 256, dim_m=1536) == heuristic.TilePlan(256, False, CLUSTER)
+    assert heuristic.plan(True, 256, dim_m=384) == heuristic.TilePlan(256, False, 1)
     assert heuristic.varlen_k_config(384, 256, True, False).cluster == 1
 
 

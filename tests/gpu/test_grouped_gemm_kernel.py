@@ -82,13 +82,17 @@ def test_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered, b_n_majo
         assert torch.equal(before, after)
 
 
-# Tile plans beside heuristic.plan's own: 256-row cooperative tiles and clusters sharing A
-# (multicast_a), so each stays correct whether or not the plan picks it today.
+# Tile plans beside heuristic.plan's own: 256-row cooperative tiles, clusters sharing A
+# (multicast_a) and banded tile orders (n_band, the last band narrower where the band does not
+# divide N's n-groups), so each stays correct whether or not the plan picks it today.
 VARLEN_M_PLANS = [
     TilePlan(128, False, 1, tile_m=256), TilePlan(128, False, CLUSTER, tile_m=256),
     TilePlan(128, False, CLUSTER, tile_m=256, multicast_a=True),
     TilePlan(192, True, CLUSTER, multicast_a=True), TilePlan(128, True, CLUSTER, multicast_a=True),
     TilePlan(256, False, CLUSTER, multicast_a=True),
+    TilePlan(256, False, CLUSTER, n_band=1), TilePlan(128, False, 1, n_band=3),
+    TilePlan(128, False, CLUSTER, multicast_a=True, n_band=2),
+    TilePlan(192, True, 1, n_band=2),
 ]
 VARLEN_K_PLANS = [TilePlan(128, False, 1, tile_m=256), TilePlan(128, False, CLUSTER, tile_m=256),
                   TilePlan(256, False, CLUSTER, multicast_a=True), TilePlan(128, True, 1)]
@@ -288,6 +292,55 @@ def test_up_proj_swiglu_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up
     assert torch.equal(a, swiglu(h, gate_up))
     expected_a = ref.swiglu(expected_h, gate_up)
     assert _rel_err(a, expected_a) < 2e-2
+
+
+@pytest.fixture
+def banded(monkeypatch):
+    """Make the bf16 varlen-M plans walk N in bands of ``width`` n-groups."""
+    def force(width):
+        original = heuristic.plan
+
+        def plan(is_varlen_k, *args, **kwargs):
+            tiles = original(is_varlen_k, *args, **kwargs)
+            if is_varlen_k or kwargs.get("ab_dtype", "bf16") != "bf16":
+                return tiles
+            return tiles._replace(n_band=width)
+        monkeypatch.setattr(heuristic, "plan", plan)
+    return force
+
+
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("num_pairs,num_experts,n,dim_k,mode", [
+    (1, 1, 128, 64, "ragged"),
+    (3001, 16, 640, 576, "empty"),      # five 256-wide n-tiles of 2n: an odd pair count
+    (2000, 4, 1024, 512, "one"),
+    (4097, 128, 192, 256, "ragged"),
+])
+def test_banded_tile_order_fused_epilogues(banded, width, num_pairs, num_experts, n, dim_k,
+                                           mode):
+    """The up-proj's SwiGLU epilogue (both layouts) and the dH kernel under banded tile
+    orders, against the fp32 references: every tile computed once, whatever the order."""
+    from sonic.kernels.grouped_gemm import grouped_gemm_dswiglu, grouped_gemm_swiglu
+    from sonic.reference import ops as ref
+
+    banded(width)
+    seed = num_pairs + n + dim_k + width
+    offsets, w1, x, idx, expected_h = up_proj_problem(num_pairs, num_experts, n, dim_k, mode,
+                                                      seed)
+    for gate_up in ("concat", "interleaved"):
+        poison_allocator(512 << 20)
+        h, a = grouped_gemm_swiglu(x, w1, offsets, idx, gate_up)
+        assert not h.isnan().any() and not a.isnan().any()
+        torch.testing.assert_close(h.float(), expected_h, rtol=2e-2,
+                                   atol=2e-2 * expected_h.abs().max().item())
+        assert _rel_err(a, ref.swiglu(expected_h, gate_up)) < 2e-2
+    offsets, w2, dout, idx, h, scores = dh_problem(num_pairs, num_experts, n, dim_k, mode, seed)
+    da_prime = _ref_varlen_m(dout[idx.long()], w2.transpose(1, 2), offsets)
+    expected = ref.dswiglu_epilogue(da_prime, h.float(), scores, "concat")
+    poison_allocator(512 << 20)
+    for out, want in zip(grouped_gemm_dswiglu(dout, w2, offsets, idx, h, scores), expected):
+        assert not out.isnan().any()
+        assert _rel_err(out, want.float()) < 2e-2
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,n,dim_k,mode", [

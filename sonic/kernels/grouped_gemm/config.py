@@ -109,6 +109,12 @@ class GroupedGemmConfig:
             of its 64-column blocks) for both (CUTLASS cluster shape 1 x 2); bf16, sm_90a;
             cooperative tiles with gathered A; varlen-K on 128-row tiles and an even n-tile
             count.
+        n_band: varlen-M tile order. 0: each m-group (an m-tile, or a cluster's pair of
+            them) walks all of N's :attr:`n_groups` before the next, expert after expert.
+            ``w > 0``: N is cut into bands of ``w`` n-groups, and every m-group of every
+            expert walks one band before any walks the next, so the m-tiles reading one
+            band's B panels run together and share them through L2
+            (:func:`.heuristic.band_width`); bf16 sm_90a varlen-M only.
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -135,6 +141,7 @@ class GroupedGemmConfig:
     tile_m: int = TILE_M
     multicast_a: bool = False
     activation: str = "swiglu"
+    n_band: int = 0
 
     def __post_init__(self):
         if self.arch not in MAINLOOPS:
@@ -166,6 +173,10 @@ class GroupedGemmConfig:
                              f"{CLUSTER}-CTA cluster (cooperative tiles with gathered A)")
         if self.pingpong and self.cluster > 1 and self.varlen_k:
             raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")
+        if self.n_band < 0 or (self.n_band and (self.varlen_k or self.fp8
+                                                 or self.arch != "sm_90a")):
+            raise ValueError(f"n_band orders the bf16 sm_90a varlen-M tiles: 0 or a positive "
+                             f"count of n-groups, got {self.n_band}")
         if self.varlen_k and self.multicast_a:
             if self.tile_m != TILE_M or self.n_tiles % self.cluster:
                 raise ValueError(f"varlen-K sharing A pairs the n-tiles of N on {TILE_M}-row "

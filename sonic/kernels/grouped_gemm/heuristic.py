@@ -42,6 +42,7 @@ class TilePlan(NamedTuple):
     cluster: int
     tile_m: int = TILE_M
     multicast_a: bool = False
+    n_band: int = 0
 
 
 def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
@@ -96,6 +97,10 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       from DRAM once for two m-tiles instead of once per m-tile.
       ``--share both --config DeepSeek-V3`` (also GLM-4.5, Qwen3-235B; on an H200 sharing A
       stays faster).
+    * bf16 varlen-M tile order (``n_band``, :func:`band_width`): where an expert's B outgrows
+      L2 and one wave of CTAs holds fewer of its m-tiles than it has (few experts with
+      thousands of rows each: Mixtral-8x7B's up-proj and dH kernel), N is walked in bands
+      whose B panels the expert's m-tiles read together. ``--config Mixtral-8x7B``.
     """
     paired = CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
     if ab_dtype == "e4m3":
@@ -114,7 +119,40 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
         return TilePlan(192 if masked * 20 <= dim_n else 128, True, 1)
     share_a = (gathered and -(-dim_n // tile_n) % CLUSTER == 0
                and not b_outgrows_l2(dim_k, tile_n, rows_per_expert, memory))
-    return TilePlan(tile_n, False, CLUSTER, multicast_a=share_a)
+    return TilePlan(tile_n, False, CLUSTER, multicast_a=share_a,
+                    n_band=band_width(dim_n, dim_k, tile_n, CLUSTER, share_a, rows_per_expert,
+                                      memory))
+
+
+def band_width(dim_n: int, dim_k: int, tile_n: int, cluster: int, multicast_a: bool,
+               rows_per_expert: int, memory: DeviceMemory | None) -> int:
+    """n-groups per band of a bf16 varlen-M GEMM's tile order
+    (:attr:`GroupedGemmConfig.n_band`), 0 for none.
+
+    A model of each expert's DRAM bytes. In the unbanded order one wave of persistent CTAs
+    holds ``max(1, wave / n_groups)`` of an expert's m-groups, so where the expert's B
+    (``N x K``) outgrows the L2, B is read once per wave's worth of m-groups while A is read
+    once. Banded, the band's B panels (``w`` n-groups, at most a third of the L2) stay in L2
+    while every m-group reads them: B is read once and A once per band. Bands are chosen
+    where they at least halve the bytes. 0 where the rows per expert or the GPU are
+    unknown.
+    """
+    if memory is None or rows_per_expert <= 0 or dim_n * dim_k * 2 <= memory.l2_bytes:
+        return 0
+    n_tiles = -(-dim_n // tile_n)
+    n_groups = -(-n_tiles // cluster) if multicast_a else n_tiles
+    m_tiles = -(-rows_per_expert // TILE_M)
+    m_groups = m_tiles if multicast_a or cluster == 1 else -(-m_tiles // cluster)
+    wave = max(1, memory.sms // cluster)
+    b_reads = -(-m_groups // max(1, wave // n_groups))
+    panel = tile_n * dim_k * 2 * (cluster if multicast_a else 1)
+    width = max(1, memory.l2_bytes // 3 // panel)
+    if width >= n_groups:
+        return 0
+    a_bytes, b_bytes = rows_per_expert * dim_k * 2, dim_n * dim_k * 2
+    unbanded = a_bytes + b_bytes * b_reads
+    banded = a_bytes * -(-n_groups // width) + b_bytes
+    return width if 2 * banded <= unbanded else 0
 
 
 def b_outgrows_l2(dim_k: int, tile_n: int, rows_per_expert: int,
@@ -149,15 +187,18 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
     """
     tiles = plan(False, dim_n, gathered, dim_k, arch=arch, ab_dtype=ab_dtype,
                  rows_per_expert=rows_per_expert, memory=memory)
-    tile_n = tiles.tile_n
+    tile_n, n_band = tiles.tile_n, tiles.n_band
     if epilogue == "swiglu" and gate_up == "concat" and (dim_n // 2) % (tile_n // 2):
         tile_n = 128
+        if n_band:
+            n_band = band_width(dim_n, dim_k, tile_n, tiles.cluster, tiles.multicast_a,
+                                rows_per_expert, memory)
     return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=tiles.pingpong,
                              cluster=tiles.cluster, dim_m=0, dim_n=dim_n, dim_k=dim_k,
                              gather_a=gathered, b_n_major=b_n_major, epilogue=epilogue,
                              gate_up=gate_up, arch=arch, ab_dtype=ab_dtype,
                              tile_m=tiles.tile_m, multicast_a=tiles.multicast_a,
-                             activation=activation)
+                             activation=activation, n_band=n_band)
 
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,

@@ -811,6 +811,18 @@ _register("varlen_k_m1024_n2048_gather_b_ct",
           archs=("sm_90a",))
 _register("varlen_k_m512_n1536_gather_b",
           lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch))
+# Banded tile orders (n_band): Mixtral-8x7B's up-proj and dH kernel on an H100, whose experts
+# hold 4096 rows each against more B than the L2.
+_MIXTRAL_H100 = dict(rows_per_expert=4096, memory=heuristic.DeviceMemory(132, 50 << 20, 3.35e12))
+_register("varlen_m_n28672_k4096_gather_swiglu_interleaved_banded",
+          lambda arch: heuristic.varlen_m_config(28672, 4096, True, epilogue="swiglu",
+                                                 gate_up="interleaved", arch=arch,
+                                                 **_MIXTRAL_H100),
+          archs=("sm_90a",))
+_register("varlen_m_n14336_k4096_gather_bn_dswiglu_banded",
+          lambda arch: heuristic.varlen_m_config(14336, 4096, True, True, epilogue="dswiglu",
+                                                 arch=arch, **_MIXTRAL_H100),
+          archs=("sm_90a",))
 # Plans heuristic.plan does not pick today (bench_grouped_gemm.py --plans times them): a
 # 256-row contiguous-A varlen-M tile on a cluster sharing A.
 _register("varlen_m_n640_k576_contig_m256_share_a",

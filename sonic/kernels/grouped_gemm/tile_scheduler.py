@@ -96,9 +96,7 @@ class VarlenMScheduler:
         """
         mOffsets, table, num_experts = sched
         shared = False
-        n_groups = self.cfg.n_groups
-        mg = t // n_groups
-        nt = t - mg * n_groups
+        mg, nt = self.m_group_and_n_group(t, sched)
         phantom = False
         e_peer = Int32(0)
         if cutlass.const_expr(self.cfg.multicast_a):
@@ -128,6 +126,28 @@ class VarlenMScheduler:
             if phantom:
                 rows = Int32(0)
         return TileCoord(e, row0, rows, nt, mt, shared)
+
+    @cute.jit
+    def m_group_and_n_group(self, t: Int32, sched: SchedulerArgs):
+        """Work item ``t`` → (linear m-group, n-group) in the configuration's tile order
+        (:attr:`GroupedGemmConfig.n_band`)."""
+        n_groups = self.cfg.n_groups
+        mg = t // n_groups
+        nt = t - mg * n_groups
+        if cutlass.const_expr(self.cfg.n_band > 0):
+            band = self.cfg.n_band
+            m_tiles = sched.table[sched.num_experts]
+            m_groups = m_tiles
+            if cutlass.const_expr(self.cluster > 1 and not self.cfg.multicast_a):
+                m_groups = (m_tiles + self.cluster - 1) // self.cluster
+            first = t // (m_groups * band) * band
+            width = n_groups - first
+            if width > band:  # every band but the last, which holds what is left of N
+                width = Int32(band)
+            rest = t - first * m_groups
+            mg = rest // width
+            nt = first + rest - mg * width
+        return mg, nt
 
     @cute.jit
     def expert_of(self, mg: Int32, table: cute.Tensor, num_experts: Int32) -> Int32:
