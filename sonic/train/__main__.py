@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import replace
 
@@ -259,5 +260,20 @@ def _check_compare(config: TrainConfig, options: dict) -> None:
     replace(config, experts_impl="torch-gmm")   # raises what torch-gmm cannot run
 
 
+def _leave(code: int) -> None:
+    """End the process with ``code``. A torchrun rank leaves without the interpreter's
+    shutdown: with its run finished and its process group destroyed, a gloo rank sometimes
+    aborted during that shutdown ("terminate called without an active exception" from a
+    C++ thread torn down after Python), failing torchrun after a complete run. Nothing is
+    left that the exit would not release, so the streams and log handlers are flushed and
+    the process exits directly."""
+    if world_from_env()[0] == 1:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())
