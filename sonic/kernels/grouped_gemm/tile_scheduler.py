@@ -132,9 +132,10 @@ class VarlenMScheduler:
         """Work item ``t`` → (linear m-group, n-group) in the configuration's tile order
         (:attr:`GroupedGemmConfig.n_band`)."""
         n_groups = self.cfg.n_groups
-        mg = t // n_groups
-        nt = t - mg * n_groups
-        if cutlass.const_expr(self.cfg.n_band > 0):
+        if cutlass.const_expr(self.cfg.n_band == 0):
+            mg = t // n_groups
+            nt = t - mg * n_groups
+        else:
             band = self.cfg.n_band
             m_tiles = sched.table[sched.num_experts]
             m_groups = m_tiles
