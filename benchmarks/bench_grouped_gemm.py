@@ -266,12 +266,14 @@ def _torch_fp8_row(shape, gemm, flops, rows, w, ends):
         return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
     a_q, a_s = rowwise(rows)
-    b_q, b_s = rowwise(w)
+    # Its B must be column-major (E, K, N): the transpose of a contiguous (E, N, K), which a
+    # transposed view such as dX's W1 is not until copied.
+    b_q, b_s = rowwise(w.contiguous())
     try:
         _ceiling_row(shape, gemm + "/torch-fp8", flops,
                      lambda: torch._scaled_grouped_mm(a_q, b_q.transpose(1, 2), a_s, b_s,
                                                       offs=ends, out_dtype=torch.bfloat16))
-    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError) as exc:
         print(f"  {gemm}/torch-fp8: torch._scaled_grouped_mm failed: {exc}".splitlines()[0])
     del a_q, a_s, b_q, b_s
     torch.cuda.empty_cache()

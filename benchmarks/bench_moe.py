@@ -46,9 +46,10 @@ ratios.
   launch time, which a step can hide under earlier GPU work).
   DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize
   --routed-scaling-factor 2.5 --n-group 8 --topk-group 4 --expert-bias --shared-experts 1``.
-* ``--profile`` adds sonic's per-kernel CUDA time of one step (``torch.profiler``), each of
-  its grouped GEMMs by role (up-proj, down-proj, dH, dW2, dX, dW1, in launch order) and the
-  per-kernel table of each routing phase; ``--trace
+* ``--profile`` adds sonic's per-kernel CUDA time per step (``torch.profiler``, the mean of
+  three back-to-back steps after three unrecorded ones, so the clocks are those of the timed
+  step under a power cap), each of its grouped GEMMs by role (up-proj, down-proj, dH, dW2,
+  dX, dW1, in launch order) and the per-kernel table of each routing phase; ``--trace
   DIR`` writes a Chrome trace (CPU and CUDA) of six consecutive steps per implementation and
   prints each step's GPU span, kernel time and idle time — time the GPU waited on the host.
 * ``--fp8-epilogues store quantizing fused``: the first choice of
@@ -166,24 +167,43 @@ def _peak_mib(fn, grad):
     return (torch.cuda.max_memory_allocated() - base) / MiB
 
 
-def _profiled(fn):
-    """torch.profiler's record of the CUDA kernels of one ``fn()``."""
+# Calls run before and inside a profile: a GPU under its power cap runs a lone call after an
+# idle gap at higher clocks than the back-to-back calls of a timed step, so the per-kernel
+# table is taken in the same steady state as the step time (and as SonicMoE's is).
+PROFILE_WARMUP, PROFILE_CALLS = 3, 3
+
+
+def _profiled(fn, grad_to_none=()):
+    """torch.profiler's record of the CUDA kernels of :data:`PROFILE_CALLS` back-to-back
+    ``fn()`` after :data:`PROFILE_WARMUP` unrecorded ones, the gradients of ``grad_to_none``
+    dropped before each."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def call():
+        for t in grad_to_none:
+            t.grad = None
         fn()
+
+    for _ in range(PROFILE_WARMUP):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_CALLS):
+            call()
         torch.cuda.synchronize()
     return prof
 
 
 def _cuda_averages(prof) -> list:
-    """The CUDA kernels of a record, per name (device time in µs)."""
+    """The CUDA kernels of a record, per name (device time in µs summed over its
+    :data:`PROFILE_CALLS` calls)."""
     return [e for e in prof.key_averages() if e.device_type.name == "CUDA"
             and e.self_device_time_total > 0]
 
 
 def _kernel_events(fn) -> list:
-    """The CUDA kernels of one ``fn()`` per name (torch.profiler's averages, device µs)."""
+    """The CUDA kernels of ``fn()`` per name (torch.profiler's averages, device µs summed over
+    :data:`PROFILE_CALLS` calls)."""
     return _cuda_averages(_profiled(fn))
 
 
@@ -201,23 +221,30 @@ def label_gemm_launches(launches: list[tuple[float, float]]) -> list[tuple[str, 
     return list(zip(names, ordered))
 
 
-def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward"):
-    """Print the CUDA time of each kernel of one ``fn()`` (torch.profiler), largest first, then
-    each grouped-GEMM launch in launch order (the kernels share a name, so the table above
-    sums them)."""
-    prof = _profiled(fn)
+def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward",
+                      grad_to_none=()):
+    """Print the CUDA time of each kernel of ``fn()`` per call (torch.profiler, the mean of
+    :data:`PROFILE_CALLS` back-to-back calls after a warm-up), largest first, then each
+    grouped-GEMM launch in launch order, the mean of each launch over the calls (the kernels
+    share a name, so the table above sums them)."""
+    prof = _profiled(fn, grad_to_none)
     events = _cuda_averages(prof)
-    total = sum(e.self_device_time_total for e in events)
-    print(f"  per-kernel CUDA time of one {what}: {total / 1e3:.3f} ms")
+    total = sum(e.self_device_time_total for e in events) / PROFILE_CALLS
+    print(f"  per-kernel CUDA time of one {what} (mean of {PROFILE_CALLS} back-to-back calls "
+          f"after {PROFILE_WARMUP}): {total / 1e3:.3f} ms")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
         label = e.key.replace("kernel_cutlass_kernel_sonickernels", "sonic:")
         label = label if len(label) <= 72 else f"{label[:34]}...{label[-35:]}"
-        print(f"    {e.self_device_time_total / 1e3:7.3f} ms {100 * e.self_device_time_total / total:5.1f}%"
-              f"  x{e.count:<3d} {label}")
-    launches = [(e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
-                if e.device_type.name == "CUDA" and "grouped_gemm" in e.name]
-    for name, us in label_gemm_launches(launches):
-        print(f"    {us / 1e3:7.3f} ms  {name}")
+        us = e.self_device_time_total / PROFILE_CALLS
+        print(f"    {us / 1e3:7.3f} ms {100 * us / total:5.1f}%"
+              f"  x{e.count // PROFILE_CALLS:<3d} {label}")
+    launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+                      if e.device_type.name == "CUDA" and "grouped_gemm" in e.name)
+    per_call = len(launches) // PROFILE_CALLS
+    calls = [label_gemm_launches(launches[i * per_call:(i + 1) * per_call])
+             for i in range(PROFILE_CALLS)]
+    for i, (name, _) in enumerate(calls[0]):
+        print(f"    {sum(c[i][1] for c in calls) / PROFILE_CALLS / 1e3:7.3f} ms  {name}")
 
 
 def _steps(layer, x, params, k, grad):
@@ -405,7 +432,7 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         result.update(_routing_share(r, impl, tile, logits, K, scoring, rows[impl],
                                      profile_kernels))
     if profile_kernels:
-        _kernel_breakdown(steps[first])
+        _kernel_breakdown(steps[first], grad_to_none=leaves)
     return result
 
 
