@@ -77,7 +77,7 @@ class SonicOp:
         self._impl = impl
         self._custom_op = torch.library.custom_op(f"sonic::{name}", impl, mutates_args=())
         self._overload = getattr(torch.ops.sonic, name).default
-        self._function = None
+        self._function: type[torch.autograd.Function] | None = None
 
     def register_fake(self, fn: Callable) -> Callable:
         """As :meth:`torch.library.CustomOpDef.register_fake` (usable as a decorator)."""

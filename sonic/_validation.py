@@ -67,7 +67,7 @@ def check_non_negative(name: str, value) -> None:
     """Raise unless ``value`` is a finite real number ``>= 0`` (not a bool, NaN or inf)."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value >= 0):
+    if not (math.isfinite(value) and float(value) >= 0):
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
 
 

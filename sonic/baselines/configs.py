@@ -39,12 +39,13 @@ def parse_config(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
             return name, sizes
     parts = text.split(",")
     try:
-        sizes = tuple(int(p) for p in parts)
+        values = tuple(int(p) for p in parts)
     except ValueError:
-        sizes = ()
-    if len(sizes) != 5 or min(sizes) < 1:
+        values = ()
+    if len(values) != 5 or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected {ACCEPTED}, got {text!r}")
-    T, d, n, E, K = sizes
+    T, d, n, E, K = values
+    sizes = (T, d, n, E, K)
     if max(sizes) > MAX_SIZE or T * K > MAX_SIZE:
         raise argparse.ArgumentTypeError(
             f"each of T,d,n,E,K and T*K must be at most 2**31-1 = {MAX_SIZE} (int32 indices), "

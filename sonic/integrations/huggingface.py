@@ -29,7 +29,7 @@ Source: transformers 5.x ``integrations/moe.py`` (the registry and its call sign
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from sonic.experts.moe_experts import (PRECISIONS, Fp8WeightCache, autocast_expe
                                         check_fp8_sizes)
 from sonic.backend import BACKENDS
 from sonic.nn.config import MoEConfig
-from sonic.types import ActivationCache, Backend, Precision
+from sonic.types import Activation, ActivationCache, Backend, GateUp, Precision
 
 try:
     import transformers.integrations.moe as _hf_moe
@@ -56,21 +56,25 @@ except ImportError as err:  # transformers missing, or older than the experts re
 #: The name sonic is registered under in transformers' experts-implementation registry.
 IMPLEMENTATION = "sonic"
 
+# A transformers module read for its model-specific attributes (``experts``, ``gate``,
+# ``down_proj``, ``act_fn``, ``is_transposed``, ...), which its class defines, not nn.Module.
+_HFModule = Any
+
 # transformers' activation modules by the function they compute (exact classes: a subclass or
 # a clipped variant computes something else).
 _ACT_FUNCTIONS = {nn.SiLU: "silu", SiLUActivation: "silu", nn.ReLU: "relu",
                   _hf_act.GELUTanh: "gelu_tanh", _hf_act.NewGELUActivation: "gelu_tanh",
                   _hf_act.ReLUSquaredActivation: "relu2"}
 # sonic's activation of (gated, function).
-_SONIC_ACTIVATIONS = {(True, "silu"): "swiglu", (True, "gelu"): "geglu",
-                      (True, "gelu_tanh"): "geglu_tanh", (True, "relu"): "reglu",
-                      (False, "relu2"): "relu2", (False, "gelu"): "gelu"}
+_SONIC_ACTIVATIONS: dict[tuple[bool, str], Activation] = {
+    (True, "silu"): "swiglu", (True, "gelu"): "geglu", (True, "gelu_tanh"): "geglu_tanh",
+    (True, "relu"): "reglu", (False, "relu2"): "relu2", (False, "gelu"): "gelu"}
 
 
 # What an activation of another form is compared with (:func:`_probe_function`).
-_REFERENCE_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu,
-                        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
-                        "relu2": lambda x: F.relu(x).square()}
+_REFERENCE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu, "relu2": lambda x: F.relu(x).square()}
 
 
 # What a probed act_fn computes, kept while it lives: it has no parameters, so its values
@@ -98,7 +102,7 @@ def _act_function(act_fn, what: str) -> str:
     return name
 
 
-def expert_activation(module: nn.Module) -> str:
+def expert_activation(module: nn.Module) -> Activation:
     """sonic's ``activation`` for a transformers experts module: its ``act_fn`` (made from
     ``config.hidden_act``) on the gate of gated experts (``"swiglu"``, ``"geglu"``,
     ``"geglu_tanh"``, ``"reglu"``) or on the whole up-projection of ungated ones
@@ -153,7 +157,7 @@ def _checking(method, at_build: bool):
         if chosen == IMPLEMENTATION:
             check_model(self)
         return result
-    checked._sonic_checks_experts = True
+    setattr(checked, "_sonic_checks_experts", True)
     return checked
 
 
@@ -180,7 +184,7 @@ def is_experts_module(module: nn.Module) -> bool:
                 "has_post_expert_norm"))
 
 
-def check_experts(module: nn.Module) -> str:
+def check_experts(module: nn.Module) -> GateUp:
     """Check that sonic computes exactly what ``module``'s own forward computes.
 
     Args:
@@ -211,7 +215,7 @@ def check_experts(module: nn.Module) -> str:
     if module.has_post_expert_norm:
         raise ValueError(f"{name} applies a post-expert norm (has_post_expert_norm=True); "
                          f"sonic's experts have none")
-    if type(module)._apply_gate is not _hf_moe._default_apply_gate:
+    if getattr(type(module), "_apply_gate", None) is not _hf_moe._default_apply_gate:
         raise ValueError(f"{name} overrides _apply_gate (a custom gating function); sonic "
                          f"computes silu(gate) * up only")
     expert_activation(module)
@@ -223,7 +227,7 @@ def check_experts(module: nn.Module) -> str:
     return "concat"
 
 
-def _probe_function(act_fn, what: str) -> str:
+def _probe_function(act_fn: Any, what: str) -> str:
     """The activation a parameter-free callable ``act_fn`` computes (a name of
     :data:`_REFERENCE_FUNCTIONS`), found by comparing it in fp64 with each on probe points
     spanning its range (``F.silu``, as LFM2-MoE passes it, or any other form).
@@ -269,12 +273,12 @@ def _describe(act_fn) -> str:
     return getattr(act_fn, "__qualname__", type(act_fn).__name__)
 
 
-def _up_name(module: nn.Module) -> str:
+def _up_name(module: _HFModule) -> str:
     """The up-projection parameter: ``gate_up_proj`` of gated experts, ``up_proj`` otherwise."""
     return "gate_up_proj" if module.has_gate else "up_proj"
 
 
-def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
+def sonic_experts_forward(self: _HFModule, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"sonic"`` experts implementation: HF routed experts by :func:`sonic.moe_experts`.
@@ -307,9 +311,9 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     """
     gate_up = check_experts(self)
     activation = expert_activation(self)
-    backend = getattr(self, "_sonic_backend", "auto")
-    precision = getattr(self, "_sonic_precision", "bf16")
-    activation_cache = getattr(self, "_sonic_activation_cache", "bf16")
+    backend = cast(Backend, getattr(self, "_sonic_backend", "auto"))
+    precision = cast(Precision, getattr(self, "_sonic_precision", "bf16"))
+    activation_cache = cast(ActivationCache, getattr(self, "_sonic_activation_cache", "bf16"))
     params = (getattr(self, _up_name(self)), self.down_proj)
     w1, w2 = params
     if self.is_transposed:
@@ -342,7 +346,7 @@ def sonic_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     return out.to(hidden_states.dtype)
 
 
-def _fp8_cache(module: nn.Module) -> Fp8WeightCache:
+def _fp8_cache(module: _HFModule) -> Fp8WeightCache:
     """The experts module's FP8 weight copies (``module._sonic_fp8_cache``), made on first
     use. A plain attribute, not a buffer: not in the ``state_dict``; ``copy.deepcopy`` and
     pickling of the module give the copy an empty cache."""
@@ -352,7 +356,7 @@ def _fp8_cache(module: nn.Module) -> Fp8WeightCache:
     return cache
 
 
-def _check_fp8_options(module: nn.Module, precision: str, activation_cache: str) -> None:
+def _check_fp8_options(module: _HFModule, precision: str, activation_cache: str) -> None:
     """The size conditions of the FP8 options for ``module``'s weights (dtypes are checked
     per call: autocast may supply bf16)."""
     w2 = module.down_proj.transpose(1, 2) if module.is_transposed else module.down_proj
@@ -404,7 +408,8 @@ def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision:
     check_choice("backend", backend, BACKENDS)
     check_choice("precision", precision, PRECISIONS)
     check_choice("activation_cache", activation_cache, ACTIVATION_CACHES)
-    if not callable(getattr(model, "set_experts_implementation", None)):
+    switch = getattr(model, "set_experts_implementation", None)
+    if not callable(switch):
         raise TypeError(f"model must be a transformers PreTrainedModel (>= 5, with "
                         f"set_experts_implementation), got {type(model).__name__}")
     experts = {name: m for name, m in model.named_modules() if is_experts_module(m)}
@@ -422,7 +427,7 @@ def use_sonic_experts(model: nn.Module, backend: Backend = "auto", *, precision:
         module._sonic_backend = backend
         module._sonic_precision = precision
         module._sonic_activation_cache = activation_cache
-    model.set_experts_implementation(IMPLEMENTATION)
+    switch(IMPLEMENTATION)
     left = [name for name, m in experts.items()
             if m.config._experts_implementation != IMPLEMENTATION]
     if left:
@@ -450,7 +455,7 @@ _BLOCKS = {"Qwen3MoeSparseMoeBlock": ("Qwen3MoeTopKRouter", None, None),
            "Glm4MoeMoE": ("Glm4MoeTopkRouter", "shared_experts", None)}
 
 
-def _check_block(block: nn.Module) -> tuple[str, str | None, str | None]:
+def _check_block(block: _HFModule) -> tuple[str, str | None, str | None]:
     """``(routing kind, shared-expert attribute, shared-gate attribute)`` of a supported HF MoE
     block, or ``ValueError`` naming what differs."""
     name = type(block).__name__
@@ -479,7 +484,7 @@ def _check_block(block: nn.Module) -> tuple[str, str | None, str | None]:
     return _ROUTERS[router_cls], shared, shared_gate
 
 
-def _weight_pairs(layer: "sonic.MoE", block: nn.Module, shared: str | None,
+def _weight_pairs(layer: "sonic.MoE", block: _HFModule, shared: str | None,
                   shared_gate: str | None) -> list[tuple[str, Callable, torch.Tensor]]:
     """``(sonic parameter name, view, HF tensor)``: ``view(getattr(layer, name))`` (or of its
     gradient) is the tensor laid out as the HF one. Used to copy either way and to compare."""
@@ -505,7 +510,7 @@ def _weight_pairs(layer: "sonic.MoE", block: nn.Module, shared: str | None,
     return pairs
 
 
-def moe_from_hf(block: nn.Module, *, backend: str = "auto") -> "sonic.MoE":
+def moe_from_hf(block: nn.Module, *, backend: Backend = "auto") -> "sonic.MoE":
     """A :class:`sonic.MoE` computing what a Hugging Face MoE block computes, with its weights.
 
     Supported blocks (transformers ≥ 5): Qwen3-MoE, OLMoE and Mixtral (softmax top-K, renormalised
@@ -537,7 +542,8 @@ def moe_from_hf(block: nn.Module, *, backend: str = "auto") -> "sonic.MoE":
     """
     kind, shared, shared_gate = _check_block(block)
     config = _layer_config(block, kind, shared, shared_gate, backend)
-    w2 = block.experts.down_proj
+    experts: _HFModule = block.experts
+    w2 = experts.down_proj
     layer = sonic.MoE.from_config(config, device=w2.device, dtype=w2.dtype)
     with torch.no_grad():
         for name, view, hf_tensor in _weight_pairs(layer, block, shared, shared_gate):
@@ -553,13 +559,13 @@ _BLOCK_FIELDS = ("d_model", "d_expert", "num_experts", "top_k", "activation", "s
                  "resolved_shared_expert_d", "shared_expert_gate")
 
 
-def _layer_config(block: nn.Module, kind: str, shared: str | None, shared_gate: str | None,
+def _layer_config(block: _HFModule, kind: str, shared: str | None, shared_gate: str | None,
                   backend: Backend = "auto") -> MoEConfig:
     """The configuration of the :class:`sonic.MoE` that mirrors ``block``."""
     router, experts = block.gate, block.experts
     w2 = experts.down_proj.transpose(1, 2) if experts.is_transposed else experts.down_proj
     num_experts, d_model, d_expert = w2.shape
-    options = dict(activation=expert_activation(experts), backend=backend)
+    options: dict[str, Any] = dict(activation=expert_activation(experts), backend=backend)
     if kind == "softmax":
         options.update(score="topk_softmax",
                        renormalize=bool(getattr(router, "norm_topk_prob", True)))

@@ -156,8 +156,8 @@ def profile_activation_memory(fn_or_module: Callable[..., Any], *inputs: Any,
         # Copies a module derives from its weights and keeps across calls (sonic.MoE's FP8
         # weight copies, made once per weight update) are its state, like its parameters;
         # read after the call, which may have made them.
-        input_keys |= {_storage_key(t) for m in fn_or_module.modules()
-                       if callable(getattr(m, "weight_copies", None)) for t in m.weight_copies()}
+        copies = (getattr(m, "weight_copies", None) for m in fn_or_module.modules())
+        input_keys |= {_storage_key(t) for get in copies if callable(get) for t in get()}
     alive = [t for t in (ref() for ref in packed) if t is not None]
     savers = _saving_nodes(output)
     by_key: dict[int, SavedTensor] = {}
@@ -220,7 +220,7 @@ def _storage_nbytes(t: torch.Tensor) -> int:
 def _saving_nodes(output: Any) -> dict[int, set[str]]:
     """Storage key -> names of the autograd nodes (reachable from ``output``) that saved it."""
     savers: dict[int, set[str]] = {}
-    stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
     seen = set()
     while stack:
         node = stack.pop()
