@@ -1,7 +1,7 @@
 """The public modules type-check: mypy over the package's user-facing API (the layer, the
 routers, the experts op, the custom ops of ``torch.ops.sonic``, the shared types, expert
 parallelism, the training job, the backend switches, the activation-memory profiler, the
-Hugging Face integration and the PyTorch baselines), as a user's checker would read them."""
+Hugging Face integration, the PyTorch baselines and reference), as a user's checker would read them."""
 
 import pathlib
 import subprocess
@@ -13,7 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ["sonic/__init__.py", "sonic/nn", "sonic/routing", "sonic/experts", "sonic/ops.py",
           "sonic/types.py", "sonic/distributed", "sonic/train", "sonic/backend.py",
           "sonic/activation_cache.py", "sonic/memory", "sonic/integrations", "sonic/baselines",
-          "sonic/_output.py", "sonic/_validation.py", "sonic/_custom_op.py"]
+          "sonic/_output.py", "sonic/_validation.py", "sonic/_custom_op.py", "sonic/reference"]
 
 
 def test_public_modules_type_check():
