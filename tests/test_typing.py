@@ -1,7 +1,8 @@
 """The public modules type-check: mypy over the package's user-facing API (the layer, the
 routers, the experts op, the custom ops of ``torch.ops.sonic``, the shared types, expert
 parallelism, the training job, the backend switches, the activation-memory profiler, the
-Hugging Face integration, the PyTorch baselines and reference), as a user's checker would read them."""
+Hugging Face integration, the PyTorch baselines and the reference), as a user's checker would
+read them."""
 
 import pathlib
 import subprocess
