@@ -126,8 +126,8 @@ def grouped_mm_varlen_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
 def split_gate_up(h: torch.Tensor, gate_up: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Views ``(gate, up)`` of ``h (P, 2n)``: halves (``"concat"``) or alternate columns."""
     if gate_up == "concat":
-        n = h.shape[-1] // 2
-        return h[:, :n], h[:, n:]
+        gate, up = h.chunk(2, dim=-1)
+        return gate, up
     return h[:, 0::2], h[:, 1::2]
 
 
