@@ -22,7 +22,7 @@ ratios.
   FP8 copies made once, outside the timing, as ``sonic.MoE`` makes them once per optimizer
   step; their time is printed apart); ``--precision both`` runs bf16 and FP8 in the same
   process and prints fp8/bf16 ratios of forward and forward+backward time, saved and peak MiB.
-* ``--vs-sonicmoe FILE`` reads the JSON lines of a SonicMoE benchmark run (SonicMoE
+* ``--vs-sonicmoe FILE`` reads the JSON lines of ``bench_sonicmoe.py`` (SonicMoE
   and its own torch-gmm, timed the same way in another process, e.g. on the second GPU of the
   same machine) and prints sonic / torch-gmm beside SonicMoE / torch-gmm, and the two step
   times themselves. Both torch-gmm programs take equal steps (sonic's split H with two
@@ -222,11 +222,11 @@ def label_gemm_launches(launches: list[tuple[float, float]]) -> list[tuple[str, 
 
 
 def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward",
-                      grad_to_none=()):
+                      grad_to_none=(), gemm_marker: str = "grouped_gemm"):
     """Print the CUDA time of each kernel of ``fn()`` per call (torch.profiler, the mean of
     :data:`PROFILE_CALLS` back-to-back calls after a warm-up), largest first, then each
-    grouped-GEMM launch in launch order, the mean of each launch over the calls (the kernels
-    share a name, so the table above sums them)."""
+    grouped-GEMM launch (a kernel whose name holds ``gemm_marker``) in launch order, the mean
+    of each launch over the calls (the kernels share a name, so the table above sums them)."""
     prof = _profiled(fn, grad_to_none)
     events = _cuda_averages(prof)
     total = sum(e.self_device_time_total for e in events) / PROFILE_CALLS
@@ -239,7 +239,7 @@ def _kernel_breakdown(fn, rows: int = 14, what: str = "sonic forward+backward",
         print(f"    {us / 1e3:7.3f} ms {100 * us / total:5.1f}%"
               f"  x{e.count // PROFILE_CALLS:<3d} {label}")
     launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
-                      if e.device_type.name == "CUDA" and "grouped_gemm" in e.name)
+                      if e.device_type.name == "CUDA" and gemm_marker in e.name)
     per_call = len(launches) // PROFILE_CALLS
     calls = [label_gemm_launches(launches[i * per_call:(i + 1) * per_call])
              for i in range(PROFILE_CALLS)]
@@ -469,7 +469,7 @@ def _fmt(value, width: int, digits: int) -> str:
 
 
 def read_sonicmoe(path: str) -> dict:
-    """The JSON lines of ``sonicmoe_bench.py`` in ``path`` by (config, implementation), read
+    """The JSON lines of ``bench_sonicmoe.py`` in ``path`` by (config, implementation), read
     before anything is measured so that a wrong path fails at once.
 
     Raises:
@@ -483,7 +483,7 @@ def read_sonicmoe(path: str) -> dict:
                 row = json.loads(line)
                 anchor[(row["config"], row["impl"])] = row
     if not any(impl == "sonicmoe" for _, impl in anchor):
-        raise ValueError(f"--vs-sonicmoe {path}: no JSON line of sonicmoe_bench.py with "
+        raise ValueError(f"--vs-sonicmoe {path}: no JSON line of bench_sonicmoe.py with "
                          f"impl 'sonicmoe'")
     return anchor
 

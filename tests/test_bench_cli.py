@@ -10,12 +10,17 @@ import sonic
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS
 
 
-def _bench_moe():
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_moe.py"
-    spec = importlib.util.spec_from_file_location("bench_moe", path)
+def _benchmark(name: str):
+    """The module ``benchmarks/<name>.py``."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_moe():
+    return _benchmark("bench_moe")
 
 
 def test_named_shapes_are_the_published_layers():
@@ -77,3 +82,33 @@ def test_bench_moe_deepseek_layers_equal_sonic_moe(renormalize):
     assert bench._describe(scoring, shared) == dict(
         score="sigmoid", renormalize=renormalize, n_group=4, topk_group=2, scaling_factor=2.5,
         expert_bias=True, shared_expert_cols=n)
+
+
+def test_sonicmoe_rows_are_what_bench_moe_compares_with(tmp_path, capsys):
+    """bench_sonicmoe.py's JSON lines, mixed with its other output, are the anchor that
+    bench_moe.py --vs-sonicmoe reads and sets beside sonic's ratios."""
+    import json
+
+    anchor_bench, bench = _benchmark("bench_sonicmoe"), _bench_moe()
+    sizes = CONFIGS["30B"]
+    rows = [anchor_bench.json_row("30B", sizes, "torch-gmm", 56000.0, 56000.0, 8000.0, 12000.0),
+            anchor_bench.json_row("30B", sizes, "sonicmoe", 12000.0, 35000.0, 1000.0, 6000.0)]
+    path = tmp_path / "sonicmoe.jsonl"
+    path.write_text("device: test GPU\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    anchor = bench.read_sonicmoe(str(path))
+    assert anchor[("30B", "sonicmoe")]["fwdbwd_ms"] == 35.0
+    assert anchor[("30B", "torch-gmm")]["fwd_ms"] == 56.0
+    sonic_row = {"config": "30B", "fwd_bwd_speedup": 1.75, "fwd_speedup": 5.0,
+                 "sonic": {"fwd_bwd_us": 32000.0, "peak_MiB": 4600.0, "saved_MiB": 1000.0}}
+    bench.compare_with_sonicmoe([sonic_row], anchor, str(path))
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith("30B"))
+    # sonic 1.75x its torch-gmm, SonicMoE 56 / 35 = 1.6x its own: 1.094 relative.
+    assert "1.750x" in line and "1.600x" in line and "1.094" in line
+
+
+def test_sonicmoe_bench_says_what_is_missing():
+    bench = _benchmark("bench_sonicmoe")
+    if importlib.util.find_spec("sonicmoe") is not None:
+        pytest.skip("SonicMoE is installed here")
+    with pytest.raises(SystemExit, match="needs SonicMoE importable as 'sonicmoe'"):
+        bench.main(["--config", "7B"])
