@@ -259,6 +259,41 @@ def _steps(layer, x, params, k, grad):
     return fwd, fwd_bwd
 
 
+def time_row(impl: str, layer, x, params, k, grad, leaves, trace_path: str | None = None):
+    """One implementation's row, the same for every layer compared (sonic's, torch-gmm's, and
+    SonicMoE's in ``bench_sonicmoe.py``): a first step (compiles kernels, warms the
+    allocator), the forward and the step timed (:func:`_timing.bench`, the gradients of
+    ``leaves`` dropped before each call), the clock, power and energy of a second of steps,
+    with ``trace_path`` a Chrome trace of six steps and their GPU idle time (printed), then
+    the MiB kept for backward (:func:`sonic.profile_activation_memory`; FP8 weight copies
+    passed in count as the caller's) and the peak MiB of a step. ``layer(x, *params, k)`` is
+    the forward. Returns ``(row, step)``: the row's dict (``fwd_us``, ``fwd_bwd_us``,
+    ``saved_MiB``, ``peak_MiB``, ``sm_mhz``, ``watts``, ``J_per_step``, ``throttle``) and the
+    step callable."""
+    fwd, fwd_bwd = _steps(layer, x, params, k, grad)
+    fwd_bwd()
+    fwd_us = bench(fwd, grad_to_none=leaves)
+    total_us = bench(fwd_bwd, grad_to_none=leaves)
+    power = energy_per_call(fwd_bwd, grad_to_none=leaves)
+    if trace_path:
+        idle = trace_idle(fwd_bwd, trace_path, grad_to_none=leaves)
+        print(f"  {impl} trace, per step: " + "; ".join(
+            f"span {r['span_us'] / 1e3:.2f} ms busy {r['busy_us'] / 1e3:.2f} ms idle "
+            f"{r['idle_us']:.0f} us" for r in idle))
+    extra = {"fp8_weights": layer.fp8_weights} if getattr(layer, "fp8_weights", None) else {}
+    saved = sonic.profile_activation_memory(layer, x, *params, k,
+                                            **extra).activation_bytes / MiB
+    for t in leaves:
+        t.grad = None
+    row = {"fwd_us": fwd_us, "fwd_bwd_us": total_us, "saved_MiB": saved,
+           "peak_MiB": _peak_mib(fwd, grad), "sm_mhz": power["sm_mhz"],
+           "watts": power["watts"], "J_per_step": power["J_per_call"],
+           "throttle": power["throttle"]}
+    for t in leaves:
+        t.grad = None
+    return row, fwd_bwd
+
+
 def problem(sizes):
     """The timed layer's bf16 CUDA tensors for ``(T, d, n, E, K)``, seed 0: ``x (T, d)``,
     router weight ``(E, d)``, ``w1 (E, 2n, d)``, ``w2 (E, d, n)`` (all requiring grad) and the
@@ -345,38 +380,15 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         mode = modes.get(impl, default_mode)
         set_fp8_epilogues(mode[0])
         set_fp8_weight_grads(mode[1])
-        fwd, fwd_bwd = _steps(layer, x, params, K, grad)
-        fwd_bwd()  # compile kernels, warm the allocator
-        steps[impl] = fwd_bwd
-        fwd_us = bench(fwd, grad_to_none=leaves)
-        total_us = bench(fwd_bwd, grad_to_none=leaves)
-        power = energy_per_call(fwd_bwd, grad_to_none=leaves)
-        if trace_dir:
-            idle = trace_idle(fwd_bwd, os.path.join(trace_dir, f"trace_{name}_{impl}.json"),
-                              grad_to_none=leaves)
-            print(f"  {impl} trace, per step: " + "; ".join(
-                f"span {r['span_us'] / 1e3:.2f} ms busy {r['busy_us'] / 1e3:.2f} ms idle "
-                f"{r['idle_us']:.0f} us" for r in idle))
+        trace = os.path.join(trace_dir, f"trace_{name}_{impl}.json") if trace_dir else None
+        row, steps[impl] = time_row(impl, layer, x, params, K, grad, leaves, trace)
         pairs = T * K if impl == "torch-gmm" else int(layer.pairs)
         # A shared expert of m columns: T more pairs of m/n expert-widths each.
         flops = 6 * d * (pairs * n + T * shared_cols)
-        # The FP8 weight copies are passed in, so they count as the caller's, not as saved.
-        extra = {"fp8_weights": layer.fp8_weights} if getattr(layer, "fp8_weights", None) else {}
-        saved = sonic.profile_activation_memory(layer, x, *params, K,
-                                                **extra).activation_bytes / MiB
-        for t in leaves:
-            t.grad = None
-        rows[impl] = {
-            "fwd_us": fwd_us, "fwd_bwd_us": total_us,
-            "fwd_TFLOPS": flops / fwd_us / 1e6,
-            "bwd_TFLOPS": 2 * flops / max(total_us - fwd_us, 1e-9) / 1e6,
-            "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6,
-            "saved_MiB": saved, "peak_MiB": _peak_mib(fwd, grad), "P": pairs,
-            "sm_mhz": power["sm_mhz"], "watts": power["watts"], "J_per_step": power["J_per_call"],
-            "throttle": power["throttle"],
-        }
-        for t in leaves:
-            t.grad = None
+        fwd_us, total_us = row["fwd_us"], row["fwd_bwd_us"]
+        rows[impl] = {**row, "P": pairs, "fwd_TFLOPS": flops / fwd_us / 1e6,
+                      "bwd_TFLOPS": 2 * flops / max(total_us - fwd_us, 1e-9) / 1e6,
+                      "fwd_bwd_TFLOPS": 3 * flops / total_us / 1e6}
     set_fp8_epilogues(defaults[0])
     set_fp8_weight_grads(defaults[1])
     s, t = rows[first], rows["torch-gmm"]

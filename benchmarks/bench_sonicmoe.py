@@ -13,9 +13,9 @@ Per shape, in this order (``bench_moe.py``'s: under a power cap a GPU heated by 
 runs slower, so both programs time torch-gmm first): torch-gmm
 (:func:`sonic.baselines.torch_gmm_moe`), then SonicMoE's ``moe_TC_softmax_topk_layer`` on the
 same inputs (``problem``: seed 0, bf16; SonicMoE takes ``(2n, d, E)`` / ``(d, n, E)`` views of
-the same weights). Each row: the first call (SonicMoE compiles and autotunes its kernels
-there), then forward and forward + backward medians (``_timing.bench``: ``do_bench``, L2
-flushed, gradients set to None), the MiB kept for backward
+the same weights). Each row is ``bench_moe.time_row``, the procedure of every row of
+``bench_moe.py``: forward and forward + backward medians of ``do_bench`` (L2 flushed,
+gradients set to None), clock, power and energy per step, the MiB kept for backward
 (:func:`sonic.profile_activation_memory`, which sees any autograd function's saved tensors)
 and the peak MiB of a step. One JSON line per (shape, implementation) on stdout, with the keys
 ``bench_moe.read_sonicmoe`` reads.
@@ -35,10 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import bench, device_name  # noqa: E402
-from bench_moe import MiB, _kernel_breakdown, _peak_mib, _steps, problem  # noqa: E402
+from _timing import device_name  # noqa: E402
+from bench_moe import _kernel_breakdown, problem, time_row  # noqa: E402
 
-import sonic  # noqa: E402
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 
@@ -75,22 +74,19 @@ def json_row(name: str, sizes, impl: str, fwd_us: float, step_us: float, saved_m
 
 
 def row(name: str, sizes, impl: str, layer, profile: bool = False) -> dict:
-    """Time ``layer`` at ``sizes`` (see the module notes), print and return its JSON row."""
-    K = sizes[4]
+    """Time ``layer`` at ``sizes`` as ``bench_moe.py`` times each of its rows
+    (:func:`bench_moe.time_row`; SonicMoE compiles and autotunes in its first step), print and
+    return its JSON row."""
     x, router_weight, w1, w2, grad = problem(sizes)
     params = (router_weight, w1, w2)
     leaves = (x, *params)
-    fwd, fwd_bwd = _steps(layer, x, params, K, grad)
-    fwd_bwd()  # SonicMoE compiles and autotunes here
-    fwd_us = bench(fwd, grad_to_none=leaves)
-    step_us = bench(fwd_bwd, grad_to_none=leaves)
-    saved = sonic.profile_activation_memory(layer, x, *params, K).activation_bytes / MiB
-    for t in leaves:
-        t.grad = None
-    result = json_row(name, sizes, impl, fwd_us, step_us, saved, _peak_mib(fwd, grad))
+    timed, step = time_row(impl, layer, x, params, sizes[4], grad, leaves)
+    result = json_row(name, sizes, impl, timed["fwd_us"], timed["fwd_bwd_us"],
+                      timed["saved_MiB"], timed["peak_MiB"])
+    result.update(sm_mhz=timed["sm_mhz"], watts=timed["watts"], J_per_step=timed["J_per_step"])
     print(json.dumps(result), flush=True)
     if profile:
-        _kernel_breakdown(fwd_bwd, what=f"{impl} forward+backward", grad_to_none=leaves,
+        _kernel_breakdown(step, what=f"{impl} forward+backward", grad_to_none=leaves,
                           gemm_marker="gemm")
     return result
 

@@ -112,3 +112,44 @@ def test_sonicmoe_bench_says_what_is_missing():
         pytest.skip("SonicMoE is installed here")
     with pytest.raises(SystemExit, match="needs SonicMoE importable as 'sonicmoe'"):
         bench.main(["--config", "7B"])
+
+
+def test_time_row_runs_each_pass_and_leaves_no_gradient(monkeypatch):
+    """bench_moe.time_row (every row of bench_moe.py and bench_sonicmoe.py) on the CPU, its
+    GPU timers replaced by counters: forward and step timed, a second of steps sampled, the
+    saved bytes of the layer's forward, no gradient left on the inputs."""
+    bench = _bench_moe()
+    calls = []
+
+    def timed(fn, grad_to_none=None):
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+        calls.append("bench")
+        return 1000.0 * calls.count("bench")
+
+    def energy(fn, grad_to_none=None):
+        calls.append("energy")
+        return {"sm_mhz": 1500.0, "watts": 700.0, "J_per_call": 1.0, "throttle": 4}
+
+    def peak(fn, grad):
+        calls.append("peak")
+        return 7.0
+
+    monkeypatch.setattr(bench, "bench", timed)
+    monkeypatch.setattr(bench, "energy_per_call", energy)
+    monkeypatch.setattr(bench, "_peak_mib", peak)
+    T, d, n, E, K = 32, 16, 8, 4, 2
+    torch.manual_seed(0)
+    x = torch.randn(T, d, requires_grad=True)
+    params = tuple(t.requires_grad_() for t in (torch.randn(E, d), torch.randn(E, 2 * n, d),
+                                                 torch.randn(E, d, n)))
+    grad = torch.randn(T, d)
+    row, step = bench.time_row("torch-gmm", bench.torch_gmm_moe, x, params, K, grad,
+                               (x, *params))
+    assert calls == ["bench", "bench", "energy", "peak"]
+    assert (row["fwd_us"], row["fwd_bwd_us"], row["peak_MiB"]) == (1000.0, 2000.0, 7.0)
+    assert row["saved_MiB"] > 0 and row["J_per_step"] == 1.0 and row["throttle"] == 4
+    assert all(t.grad is None for t in (x, *params))
+    step()
+    assert x.grad is not None and x.grad.shape == x.shape
