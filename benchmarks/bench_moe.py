@@ -201,10 +201,10 @@ def _cuda_averages(prof) -> list:
             and e.self_device_time_total > 0]
 
 
-def _kernel_events(fn) -> list:
-    """The CUDA kernels of ``fn()`` per name (torch.profiler's averages, device µs summed over
-    :data:`PROFILE_CALLS` calls)."""
-    return _cuda_averages(_profiled(fn))
+def _kernel_us(fn) -> float:
+    """Device µs of the CUDA kernels of one ``fn()``: the mean of :data:`PROFILE_CALLS`
+    back-to-back calls (:func:`_profiled`)."""
+    return sum(e.self_device_time_total for e in _cuda_averages(_profiled(fn))) / PROFILE_CALLS
 
 
 # The grouped GEMMs of one bf16 step without shared experts, in launch order (sonic.ops: the
@@ -458,7 +458,7 @@ def _routing_share(router: str, impl: str, tile: int, logits, k, scoring, row: d
     share = route_us / row["fwd_bwd_us"]
     # Timed alone, the phase also shows the host's launch time, which inside a step can run
     # ahead under the previous GPU work; its kernels' own time is the lower bound.
-    kernel_us = sum(e.self_device_time_total for e in _kernel_events(route))
+    kernel_us = _kernel_us(route)
     print(f"  {impl} routing phase (selection + metadata): {route_us:.1f} us, "
           f"{100 * share:.2f}% of its step; its kernels {kernel_us:.1f} us, "
           f"{100 * kernel_us / row['fwd_bwd_us']:.2f}%")

@@ -153,3 +153,18 @@ def test_time_row_runs_each_pass_and_leaves_no_gradient(monkeypatch):
     assert all(t.grad is None for t in (x, *params))
     step()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_kernel_time_is_per_call(monkeypatch):
+    """The profile records PROFILE_CALLS calls; the routing phase's kernel time is one call's."""
+    from types import SimpleNamespace
+
+    bench = _bench_moe()
+    cuda = SimpleNamespace(name="CUDA")
+    # Two kernels per call, 10 + 20 µs each call.
+    events = [SimpleNamespace(device_type=cuda, self_device_time_total=10.0 * bench.PROFILE_CALLS),
+              SimpleNamespace(device_type=cuda, self_device_time_total=20.0 * bench.PROFILE_CALLS),
+              SimpleNamespace(device_type=SimpleNamespace(name="CPU"), self_device_time_total=99.0)]
+    monkeypatch.setattr(bench, "_profiled", lambda fn, grad_to_none=(): SimpleNamespace(
+        key_averages=lambda: events))
+    assert bench._kernel_us(lambda: None) == 30.0
