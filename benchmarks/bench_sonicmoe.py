@@ -13,7 +13,8 @@ Per shape, in this order (``bench_moe.py``'s: under a power cap a GPU heated by 
 runs slower, so both programs time torch-gmm first): torch-gmm
 (:func:`sonic.baselines.torch_gmm_moe`), then SonicMoE's ``moe_TC_softmax_topk_layer`` on the
 same inputs (``problem``: seed 0, bf16; SonicMoE takes ``(2n, d, E)`` / ``(d, n, E)`` views of
-the same weights). Each row is ``bench_moe.time_row``, the procedure of every row of
+the same weights and reads W1's rows as interleaved gate/up pairs, which changes what it
+computes, not the work). Each row is ``bench_moe.time_row``, the procedure of every row of
 ``bench_moe.py``: forward and forward + backward medians of ``do_bench`` (L2 flushed,
 gradients set to None), clock, power and energy per step, the MiB kept for backward
 (:func:`sonic.profile_activation_memory`, which sees any autograd function's saved tensors)
