@@ -480,6 +480,15 @@ def _fmt(value, width: int, digits: int) -> str:
     return f"{'-':>{width}s}" if value is None else f"{value:{width}.{digits}f}"
 
 
+def chosen_configs(given, sweep: bool) -> list:
+    """The ``(name, sizes)`` shapes to time: those of ``--config`` (``given``, parsed), then with
+    ``sweep`` every named shape not among them; the paper's shapes when neither is given."""
+    configs = list(given or [])
+    if sweep:
+        configs += [(name, sizes) for name, sizes in CONFIGS.items() if (name, sizes) not in configs]
+    return configs or [(name, CONFIGS[name]) for name in PAPER_CONFIGS]
+
+
 def read_sonicmoe(path: str) -> dict:
     """The JSON lines of ``bench_sonicmoe.py`` in ``path`` by (config, implementation), read
     before anything is measured so that a wrong path fails at once.
@@ -614,10 +623,7 @@ def main(argv=None):
     scoring = {"score": args.score, "renormalize": args.renormalize,
                "n_group": args.n_group, "topk_group": args.topk_group,
                "scaling_factor": args.routed_scaling_factor}
-    configs = list(args.config or [])
-    if args.sweep:
-        configs += [(name, sizes) for name, sizes in CONFIGS.items() if (name, sizes) not in configs]
-    configs = configs or [(name, CONFIGS[name]) for name in PAPER_CONFIGS]
+    configs = chosen_configs(args.config, args.sweep)
     anchor = read_sonicmoe(args.vs_sonicmoe) if args.vs_sonicmoe else None
     print(f"device: {device_name()}  torch {torch.__version__}  backend: "
           f"{sonic.explain_backend('auto', 'cuda')}")

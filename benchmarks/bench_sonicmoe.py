@@ -1,7 +1,8 @@
 """SonicMoE's MoE layer beside torch-gmm, timed the way ``bench_moe.py`` times sonic's: the run
 that ``bench_moe.py --vs-sonicmoe FILE`` compares against.
 
-    python benchmarks/bench_sonicmoe.py [--config NAME|T,d,n,E,K ...] [--profile] > sonicmoe.jsonl
+    python benchmarks/bench_sonicmoe.py [--config NAME|T,d,n,E,K ...] [--sweep] [--profile] \
+        > sonicmoe.jsonl
 
 Needs SonicMoE (the ``sonic-moe`` package, Guo et al., arXiv 2512.14080) importable as
 ``sonicmoe``. It pins its own CuTe DSL, so run it in SonicMoE's environment (sonic's package
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import device_name  # noqa: E402
-from bench_moe import _kernel_breakdown, problem, time_row  # noqa: E402
+from bench_moe import _kernel_breakdown, chosen_configs, problem, time_row  # noqa: E402
 
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
@@ -97,11 +98,13 @@ def main(argv=None) -> None:
     parser.add_argument("--config", type=parse_config, action="append",
                         help=f"a named shape ({', '.join(CONFIGS)}) or T,d,n,E,K; repeatable "
                              f"(default: {', '.join(PAPER_CONFIGS)})")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every named shape, after those given with --config")
     parser.add_argument("--profile", action="store_true",
                         help="SonicMoE's per-kernel CUDA time per step")
     args = parser.parse_args(argv)
     layer = sonicmoe_layer()
-    configs = args.config or [(name, CONFIGS[name]) for name in PAPER_CONFIGS]
+    configs = chosen_configs(args.config, args.sweep)
     print(f"device: {device_name()}  torch {torch.__version__}", file=sys.stderr)
     for name, sizes in configs:
         row(name, sizes, "torch-gmm", torch_gmm_moe)

@@ -168,3 +168,13 @@ def test_kernel_time_is_per_call(monkeypatch):
     monkeypatch.setattr(bench, "_profiled", lambda fn, grad_to_none=(): SimpleNamespace(
         key_averages=lambda: events))
     assert bench._kernel_us(lambda: None) == 30.0
+
+
+def test_sweep_adds_every_named_shape_after_the_given_ones():
+    bench = _bench_moe()
+    given = [("7B", CONFIGS["7B"]), ("64,32,16,8,2", (64, 32, 16, 8, 2))]
+    swept = bench.chosen_configs(given, sweep=True)
+    assert swept[:2] == given and [name for name, _ in swept[2:]] == [
+        name for name in CONFIGS if name != "7B"]
+    assert bench.chosen_configs(given, sweep=False) == given
+    assert bench.chosen_configs(None, sweep=False) == [(n, CONFIGS[n]) for n in PAPER_CONFIGS]
