@@ -12,31 +12,54 @@ import time
 import torch
 
 
+# Timed repetitions a median takes at least: a 27 ms training step gets 7 in a 200 ms window,
+# and the median of 7 moved by 10% between repeated timings of one step in one process
+# (H200; benchmarks/RESULTS.md, "Timing").
+MIN_REPS = 25
+
+
+def rep_window_ms(estimate_ms: float, rep_ms: float, min_reps: int = MIN_REPS) -> float:
+    """The timing window for a callable of ``estimate_ms``: ``rep_ms``, widened so that it
+    holds at least ``min_reps`` calls (``do_bench`` times as many calls as fit its window).
+
+    Raises:
+        ValueError: ``estimate_ms`` is negative, or ``rep_ms`` or ``min_reps`` not positive.
+    """
+    if estimate_ms < 0 or rep_ms <= 0 or min_reps <= 0:
+        raise ValueError(f"need estimate_ms >= 0, rep_ms > 0 and min_reps > 0, got "
+                         f"{estimate_ms}, {rep_ms}, {min_reps}")
+    return max(rep_ms, min_reps * estimate_ms)
+
+
 def bench(fn, *, warmup: int = 10, rep_ms: int = 200, grad_to_none=None) -> float:
     """Median time of ``fn()`` in microseconds on the current CUDA device.
 
-    Runs ``fn`` ``warmup`` times first (compilation, allocator), then times it for about
-    ``rep_ms`` milliseconds; the L2 cache is flushed between runs by ``do_bench``, and the
-    ``.grad`` of every tensor in ``grad_to_none`` is set to None before each run, outside the
-    timed region (a training step as docs/design.md §5 times it).
+    Runs ``fn`` ``warmup`` times first (compilation, allocator), then times it over at least
+    ``rep_ms`` milliseconds and :data:`MIN_REPS` calls (:func:`rep_window_ms`); the L2 cache is
+    flushed between runs by ``do_bench``, and the ``.grad`` of every tensor in
+    ``grad_to_none`` is set to None before each run, outside the timed region (a training step
+    as docs/design.md §5 times it).
     """
     for _ in range(warmup):
         _drop_grads(grad_to_none)
         fn()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _drop_grads(grad_to_none)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end)
+    window_ms = rep_window_ms(estimate_ms, rep_ms)
     try:
         from triton.testing import do_bench
     except ImportError:
         do_bench = None
     if do_bench is not None:
-        return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median",
+        return do_bench(fn, warmup=25, rep=window_ms, return_mode="median",
                         grad_to_none=grad_to_none) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(5, int(rep_ms / max(start.elapsed_time(end), 1e-3)))
+    reps = max(5, int(window_ms / max(estimate_ms, 1e-3)))
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     times = []
     for _ in range(reps):
