@@ -14,6 +14,8 @@ are shared through L1. The kernel is bandwidth-bound: the bytes read are ``P·d�
 indices, the bytes written ``T·d·size``.
 """
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -95,7 +97,7 @@ def aggregate(y: torch.Tensor, token_rows: torch.Tensor, token_offsets: torch.Te
     offsets_address = a(token_offsets, 4)
     # Unscored launches never read the score address; token_offsets' stands in for it.
     fn(a(y, 16), a(token_rows, 4), offsets_address,
-       a(row_scores, 4) if scored else offsets_address, a(out, 16), num_tokens)
+       offsets_address if row_scores is None else a(row_scores, 4), a(out, 16), num_tokens)
     return out
 
 
@@ -104,7 +106,7 @@ for _dtype, _d, _scored in ((torch.bfloat16, 4096, True), (torch.float32, 1536, 
     register(KernelVariant(
         kernel="aggregation",
         variant=f"{_SHORT[_dtype]}_d{_d}_{'scored' if _scored else 'unscored'}",
-        compile_fake=lambda dt=_dtype, d=_d, s=_scored: _compile(dt, d, s, keep_ptx=True),
+        compile_fake=functools.partial(_compile, _dtype, _d, _scored, keep_ptx=True),
         # 16-byte accesses: for sm_100a the back end emits the fp32 ones as .v2.b64 instead
         # of .v4.b32 (same width, one instruction), so either form counts.
         ptx_markers=(("ld.global.v4", "ld.global.v2.b64"),

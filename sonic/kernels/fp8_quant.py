@@ -49,6 +49,8 @@ come from it (``quotient``); bandwidth at the paper's configurations: benchmarks
 ``ValueError`` names the argument otherwise.
 """
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -199,7 +201,7 @@ def quantize_blocks(w: torch.Tensor, *, transposed: bool = False) -> tuple[torch
         _check_k("w (N, rows per expert, with transposed=True)", n)
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty(e, -(-n // FP8_BLOCK), k // FP8_BLOCK, dtype=torch.float32, device=w.device)
-    out = (q, scales)
+    out: tuple[torch.Tensor, ...] = (q, scales)
     if transposed:
         out += (torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device),
                 torch.empty(e, k // FP8_BLOCK, n // FP8_BLOCK, dtype=torch.float32, device=w.device))
@@ -208,7 +210,7 @@ def quantize_blocks(w: torch.Tensor, *, transposed: bool = False) -> tuple[torch
     kind = "blocks_transposed" if transposed else "blocks"
     fn = runtime.compiled(("fp8_quantize_" + kind, k), lambda: _compile(kind, k))
     # Without ``transposed`` the kernel never touches its transposed outputs' addresses.
-    q_t, scales_t = out[2:] if transposed else out
+    q_t, scales_t = out[-2:]
     fn(runtime.address(w, 16), runtime.address(q, 16), runtime.address(scales, 4),
        runtime.address(q_t, 16), runtime.address(scales_t, 4), e, n)
     return out
@@ -290,7 +292,7 @@ for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 71
     register(KernelVariant(
         kernel="fp8_quant",
         variant=f"quantize_{_kind}_k{_k}",
-        compile_fake=lambda kind=_kind, k=_k: _compile(kind, k, keep_ptx=True),
+        compile_fake=functools.partial(_compile, _kind, _k, keep_ptx=True),
         ptx_markers=_MARKERS + _KIND_MARKERS[_kind]))
 # Dequantization: an 8-byte fp8 load, e4m3 -> fp32 conversion, fp32 multiply, a rounding to
 # bf16, a 16-byte store.
@@ -298,6 +300,6 @@ for _k in (256, 2048):
     register(KernelVariant(
         kernel="fp8_quant",
         variant=f"dequantize_rows_k{_k}",
-        compile_fake=lambda k=_k: _compile("dequant_rows", k, keep_ptx=True),
+        compile_fake=functools.partial(_compile, "dequant_rows", _k, keep_ptx=True),
         ptx_markers=(("ld.global.v2.b32", "ld.global.v2.u32", "ld.global.b64",
                       "ld.global.u64"), "cvt.rn.bf16x2.f32", "st.global.v4")))

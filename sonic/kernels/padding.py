@@ -17,6 +17,8 @@ one unit of the fill word: 16 bytes where every row is a multiple of 16 bytes an
 16-byte aligned, 4 bytes otherwise.
 """
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -141,5 +143,5 @@ for _vec in (1, 4):
     register(KernelVariant(
         kernel="padding",
         variant=f"vec{_vec}",
-        compile_fake=lambda v=_vec: _compile(v, keep_ptx=True),
+        compile_fake=functools.partial(_compile, _vec, keep_ptx=True),
         ptx_markers=("st.global.v4" if _vec == 4 else ("st.global.b32", "st.global.u32"),)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 # Kernel modules that register variants, in listing order.
 KERNEL_MODULES = ("topk", "routing_metadata", "aggregation", "grouped_gemm", "swiglu",
@@ -44,7 +44,7 @@ class KernelVariant:
 
     kernel: str
     variant: str
-    compile_fake: Callable[[], object]
+    compile_fake: Callable[[], Any]
     ptx_markers: tuple[str | tuple[str, ...], ...]
     archs: tuple[str, ...] = ARCHS
 

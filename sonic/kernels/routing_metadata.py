@@ -36,6 +36,9 @@ one pair per thread, since each pair's work is a chain of dependent loads.
 """
 
 
+import functools
+from typing import Any
+
 import torch
 
 from sonic.kernels import runtime
@@ -81,7 +84,7 @@ def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens
     num_pairs = expert_idx.numel()
     if num_pairs >= 2**31 - CHUNK:
         raise ValueError(f"at most 2**31 - {CHUNK} pairs are supported, got {num_pairs}")
-    i32 = dict(dtype=torch.int32, device=device)
+    i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
     if num_pairs == 0:
         empty = torch.empty(0, **i32)
         return RoutingMetadata(
@@ -101,7 +104,7 @@ def _launch(expert_idx: torch.Tensor, token_idx: torch.Tensor | None, num_tokens
              num_pairs, chunks * bins, 0 if topk else num_pairs)
     *fields, hist, token_slots = torch.empty(sum(sizes), **i32).split(sizes)
     out = RoutingMetadata.from_tensors(fields, num_tokens=num_tokens, num_experts=num_experts)
-    if topk:
+    if token_idx is None:
         # Unused by the top-K launches (tokens follow from pair order); any int32 buffer will do.
         token_idx = token_work = token_slots = expert_idx
     else:
@@ -187,5 +190,5 @@ _PTX_MARKERS = ("match.any.sync.b32", "popc.b32", "atom.shared.add", "bar.sync")
 for _experts, _topk in ((128, True), (512, False)):
     register(KernelVariant(
         kernel="routing_metadata", variant=f"E{_experts}_{'topk' if _topk else 'pairs'}",
-        compile_fake=lambda e=_experts, t=_topk: _compile(e, t, keep_ptx=True),
+        compile_fake=functools.partial(_compile, _experts, _topk, keep_ptx=True),
         ptx_markers=_PTX_MARKERS))

@@ -25,11 +25,13 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from typing import Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
 import torch
 
-_CACHE: dict[Hashable, object] = {}
+_CACHE: dict[Hashable, Any] = {}
+# What a cached build returns (a Launcher, or a kernel's own compiled entry).
+_Built = TypeVar("_Built")
 _CACHE_LOCK = threading.Lock()
 
 # Placeholder address used when compiling: any 256-byte-aligned value; the kernel never sees it.
@@ -119,7 +121,7 @@ def kernels_available(device: torch.device | str | int | None = None) -> tuple[b
     return True, ""
 
 
-def compiled(key: Hashable, build: Callable[[], object]) -> object:
+def compiled(key: Hashable, build: Callable[[], _Built]) -> _Built:
     """The compiled kernel for static configuration ``key``, built by ``build()`` on first use.
 
     ``key`` must hold every compile-time choice (kernel name, dtypes, static sizes) and nothing

@@ -18,6 +18,8 @@ across the warp by a butterfly shuffle with fixed offsets: the order is fixed, n
 row is read and written in full coalesced lines.
 """
 
+import functools
+
 import torch
 
 from sonic.kernels import runtime
@@ -137,7 +139,7 @@ def _swiglu_quantized(h: torch.Tensor, gate_up: str, n: int, quantize_h: bool):
         raise ValueError(f"swiglu(quantize=True) needs n a multiple of {FP8_BLOCK} (whole 1x"
                          f"{FP8_BLOCK} scale slices), got n = {n}")
     num_rows = h.shape[0]
-    out = _quantized_like(num_rows, n, h.device)
+    out: tuple[torch.Tensor, ...] = _quantized_like(num_rows, n, h.device)
     if quantize_h:
         out += _quantized_like(num_rows, 2 * n, h.device)
     if num_rows == 0 or n == 0:
@@ -235,7 +237,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
         dh = _output("dh_out", dh_out, h, (da_prime,) + ((h,) if h_scales is not None else ()))
     a_scaled = _output("a_out", a_out, da_prime, (h,))
     ds = torch.empty(num_rows, dtype=torch.float32, device=h.device)
-    quantized = ()
+    quantized: tuple[torch.Tensor, ...] = ()
     if quantize_dh:
         quantized = _quantized_like(num_rows, 2 * n, h.device)
     if num_rows == 0:
@@ -252,7 +254,7 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
     q_addresses = ((adr(quantized[0], 16), adr(quantized[1], 4)) if quantize_dh
                    else (ha,) * 2)
     fn(ha, adr(da_prime, 16), adr(row_scores, 4), adr(a_scaled, 16), adr(dh, 16),
-       adr(ds, 4), *q_addresses, adr(h_scales, 4) if h_fp8 else ha, num_rows)
+       adr(ds, 4), *q_addresses, ha if h_scales is None else adr(h_scales, 4), num_rows)
     return dh, a_scaled, ds, *quantized
 
 
@@ -262,7 +264,7 @@ for _n, _gate_up, _backward in ((256, "concat", False), (1024, "interleaved", Fa
     register(KernelVariant(
         kernel="swiglu",
         variant=f"{'dswiglu' if _backward else 'swiglu'}_n{_n}_{_gate_up}",
-        compile_fake=lambda n=_n, g=_gate_up, b=_backward: _compile(n, g, b, keep_ptx=True),
+        compile_fake=functools.partial(_compile, _n, _gate_up, _backward, keep_ptx=True),
         ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _backward else ())))
 # With quantize (A, or dH as well): the saturating e4m3 conversion, the block amax shuffles and
 # 8-byte fp8 stores beside each kernel's own markers. n = 384: a partial last pass (lanes past
@@ -274,8 +276,8 @@ for _backward, _h in ((False, False), (True, False), (False, True)):
             kernel="swiglu",
             variant=f"{'dswiglu' if _backward else 'swiglu'}_quantized{'_h' if _h else ''}"
                     f"_n{_n}_{_gate_up}",
-            compile_fake=lambda n=_n, g=_gate_up, b=_backward, qh=_h: _compile(
-                n, g, b, keep_ptx=True, quantize=True, quantize_h=qh),
+            compile_fake=functools.partial(_compile, _n, _gate_up, _backward, keep_ptx=True,
+                                           quantize=True, quantize_h=_h),
             ptx_markers=(_MARKERS if _backward else _MARKERS[:1])
             + ("cvt.rn.satfinite.e4m3x2.f32", "shfl.sync.bfly", _FP8_STORES)))
 # The backward reading H in e4m3 (the FP8 activation cache): the e4m3 upcast beside the
@@ -284,6 +286,6 @@ for _n, _gate_up, _q in ((384, "concat", True), (1024, "interleaved", False)):
     register(KernelVariant(
         kernel="swiglu",
         variant=f"dswiglu_h_fp8{'_quantized' if _q else ''}_n{_n}_{_gate_up}",
-        compile_fake=lambda n=_n, g=_gate_up, q=_q: _compile(
-            n, g, True, keep_ptx=True, quantize=q, h_fp8=True),
+        compile_fake=functools.partial(_compile, _n, _gate_up, True, keep_ptx=True,
+                                       quantize=_q, h_fp8=True),
         ptx_markers=_MARKERS + ("shfl.sync.bfly", "e4m3x2")))

@@ -57,6 +57,7 @@ Compiled once per ``(dtype, E, K, score, renormalize, aligned, keys per lane, bi
 topk_group)``; ``T`` is a runtime ``Int32``.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -402,7 +403,7 @@ for _name, (_dtype, _E, _K, _score, _renorm, _bias, _ng, _tg, _markers) in _VARI
     register(KernelVariant(
         kernel="topk",
         variant=_name,
-        compile_fake=lambda plan=_p: _compile(plan, keep_ptx=True),
+        compile_fake=functools.partial(_compile, _p, keep_ptx=True),
         # Butterfly shuffles across the lanes of a row and integer max/min on the packed keys.
         ptx_markers=("shfl.sync.bfly.b32",) + _markers,
     ))

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+from typing import Callable
 
 import torch
 
@@ -661,8 +662,8 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
     addr = runtime.address
     operands = Operands(a=addr(a, 16), b=addr(b, 16), c=addr(out, 16),
-                        gather_a=addr(gather_idx_a, 4) if ga else None,
-                        gather_b=addr(gather_idx_b, 4) if gb else None,
+                        gather_a=None if gather_idx_a is None else addr(gather_idx_a, 4),
+                        gather_b=None if gather_idx_b is None else addr(gather_idx_b, 4),
                         offsets=addr(expert_offsets, 4))
     _launch(cfg, device, operands, a.shape[0], b.shape[0], num_experts,
             num_experts * cfg.varlen_k_items_per_expert)
@@ -750,13 +751,20 @@ _FP8_MARKERS = ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
                 "cp.async.bulk.tensor")
 
 
-def _register(variant: str, make_config, archs=tuple(MAINLOOPS), markers=None) -> None:
+def _compile_planned(make_config: Callable[..., GroupedGemmConfig], arch: str):
+    """Compile the configuration ``make_config`` plans for ``arch``, keeping its PTX."""
+    return compile_config(make_config(arch), keep_ptx=True)
+
+
+def _register(variant: str, make_config: Callable[..., GroupedGemmConfig],
+              archs: tuple[str, ...] = tuple(MAINLOOPS),
+              markers: tuple[str, ...] | None = None) -> None:
     """Register a compile-check variant per architecture; ``make_config(arch)`` plans its
     configuration for that architecture; ``markers``: its PTX markers if not the arch's."""
     for arch in archs:
         register(KernelVariant(
             kernel="grouped_gemm", variant=variant,
-            compile_fake=lambda arch=arch: compile_config(make_config(arch), keep_ptx=True),
+            compile_fake=functools.partial(_compile_planned, make_config, arch),
             ptx_markers=markers or _MARKERS[arch], archs=(arch,)))
 
 
@@ -813,15 +821,17 @@ _register("varlen_k_m512_n1536_gather_b",
           lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch))
 # Banded tile orders (n_band): Mixtral-8x7B's up-proj and dH kernel on an H100, whose experts
 # hold 4096 rows each against more B than the L2.
-_MIXTRAL_H100 = dict(rows_per_expert=4096, memory=heuristic.DeviceMemory(132, 50 << 20, 3.35e12))
+_MIXTRAL_ROWS, _H100_MEMORY = 4096, heuristic.DeviceMemory(132, 50 << 20, 3.35e12)
 _register("varlen_m_n28672_k4096_gather_swiglu_interleaved_banded",
           lambda arch: heuristic.varlen_m_config(28672, 4096, True, epilogue="swiglu",
                                                  gate_up="interleaved", arch=arch,
-                                                 **_MIXTRAL_H100),
+                                                 rows_per_expert=_MIXTRAL_ROWS,
+                                                 memory=_H100_MEMORY),
           archs=("sm_90a",))
 _register("varlen_m_n14336_k4096_gather_bn_dswiglu_banded",
           lambda arch: heuristic.varlen_m_config(14336, 4096, True, True, epilogue="dswiglu",
-                                                 arch=arch, **_MIXTRAL_H100),
+                                                 arch=arch, rows_per_expert=_MIXTRAL_ROWS,
+                                                 memory=_H100_MEMORY),
           archs=("sm_90a",))
 # Plans heuristic.plan does not pick today (bench_grouped_gemm.py --plans times them): a
 # 256-row contiguous-A varlen-M tile on a cluster sharing A.

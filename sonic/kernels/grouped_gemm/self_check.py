@@ -195,8 +195,8 @@ def _run(variant: str, device: torch.device) -> tuple[bool, str]:
         return False, f"{arch} {variant}: {type(err).__name__}: {err}"
     report = []
     for name, got, ref in outputs:
-        err = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-        report.append(f"{name} rel err {err:.1e}")
-        if not err < TOLERANCE:  # NaN (an unwritten element) fails too
+        rel = ((got.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        report.append(f"{name} rel err {rel:.1e}")
+        if not rel < TOLERANCE:  # NaN (an unwritten element) fails too
             return False, f"{arch} {variant}: {name} mismatch ({', '.join(report)})"
     return True, f"{arch} {variant}: " + ", ".join(report)
