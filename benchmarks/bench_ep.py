@@ -76,6 +76,13 @@ soon as the expert kernels free them.
    balanced routing, each placement's max/mean rank load of routed pairs, and EPLB's output
    and dX against one process on the whole batch.
 
+7. ``--profile``: on every rank, one step of the one-GPU layer and one EP step (the first
+   ``--chunks`` value and transport) under torch.profiler, timed as above (L2 flushed, ranks
+   at a barrier, ``--host-ahead-ms`` honoured): each step's device time per kernel family
+   (grouped GEMMs, all-to-alls, per-token sums, row gathers, the rest) and the GPU's idle time
+   between its first and last kernel. An all-to-all's time includes its wait for the slowest
+   peer. The profiler adds host time to every launch, so the idle time is an upper bound.
+
 ``--host-ahead-ms MS`` queues each timed step behind a device sleep of ``MS`` ms and times from
 the sleep's end: the host then enters the step ahead of the device, as in a model whose
 earlier layers keep the device busy, so what the step costs the host before its one host read
@@ -155,9 +162,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "its end), so the host is ahead of the device when the step "
                              "starts, as inside a model; 0 (default): the host starts with the "
                              "device idle")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break one one-GPU step and one EP step down by kernel "
+                             "family and GPU idle time, per rank (torch.profiler; module "
+                             "docstring, item 7)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
+    if args.smoke and args.profile:
+        parser.error("--profile breaks down CUDA kernels: not with --smoke")
     if args.smoke and "fp8" in (args.precision, args.activation_cache):
         parser.error("--smoke runs fp32 on CPU ranks: --precision / --activation-cache fp8 "
                      "need bf16")
@@ -391,6 +404,59 @@ def _phase_timeline(layer, x, dout, params, device) -> list:
                    ("backward", "compute", since(middle), since(end) - since(middle))]
 
 
+# Kernel families of --profile's breakdown: the first whose name fragment is in a kernel's
+# name takes it; the others are "other kernels" (routing, the plan, casts, adds).
+KERNEL_FAMILIES = (("grouped GEMMs", ("grouped_gemm",)),
+                   ("all-to-alls", ("nccl", "PtoP")),
+                   ("per-token sums", ("aggregation",)),
+                   ("row gathers", ("gather", "index_elementwise")))
+
+
+def kernel_breakdown(kernels: list[tuple[float, float, str]]) -> dict:
+    """``kernels``: ``(start µs, end µs, name)`` of one step's device work (any streams).
+    Returns ms: the span from the first start to the last end, the idle time in it (no
+    kernel running on any stream) and the summed time of each of :data:`KERNEL_FAMILIES`
+    and of ``"other kernels"``."""
+    families = {name: 0.0 for name, _ in KERNEL_FAMILIES}
+    families["other kernels"] = 0.0
+    if not kernels:
+        return {"span": 0.0, "idle": 0.0, **families}
+    busy, run_start, run_end = 0.0, None, None
+    for start, end, name in sorted(kernels):
+        family = next((f for f, parts in KERNEL_FAMILIES if any(p in name for p in parts)),
+                      "other kernels")
+        families[family] += (end - start) / 1e3
+        if run_end is None or start > run_end:
+            busy += 0.0 if run_end is None else run_end - run_start
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    busy += run_end - run_start
+    span = max(end for _, end, _ in kernels) - min(start for start, _, _ in kernels)
+    return {"span": span / 1e3, "idle": (span - busy) / 1e3, **families}
+
+
+def _profile_step(step, params, timer: "_Timer") -> dict:
+    """:func:`kernel_breakdown` of one ``step()`` on the GPU, set up as :class:`_Timer` times
+    it (gradients dropped, L2 flushed, ranks at a barrier, the host ahead when asked); the
+    device sleep that puts the host ahead is left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _drop_grads(params)
+    timer.flush.zero_()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if timer.ahead_cycles:
+            torch.cuda._sleep(timer.ahead_cycles)
+        step()
+        torch.cuda.synchronize()
+    return kernel_breakdown([(e.time_range.start, e.time_range.end, e.name)
+                             for e in prof.events() if e.device_type.name == "CUDA"
+                             and "spin" not in e.name])
+
+
 def _peak_mib(step, params, device) -> float:
     """Peak CUDA memory of one ``step`` above what was allocated before it, MiB (the slowest
     rank's is printed); 0 on the CPU."""
@@ -535,8 +601,16 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             phases[_run_name(c, 0, transport=t)] = _phase_timeline(layer, x, dout, ep_params,
                                                                    device)
 
+    breakdown = {}
+    if args.profile:
+        layer.num_chunks, layer.comm_sm_margin = args.chunks[0], 0
+        layer.transport = args.transports[0]
+        breakdown = {"1gpu": _profile_step(lambda: full(x).backward(dout), single_params, timer),
+                     _run_name(args.chunks[0], 0, transport=args.transports[0]):
+                         _profile_step(lambda: layer(x).backward(dout), ep_params, timer)}
+
     mine_result = {"ms": ms, "peak_MiB": peak, "sent_bytes": sent, "errors": errors,
-                   "phases": phases}
+                   "phases": phases, "breakdown": breakdown}
     gathered = [None] * world
     dist.all_gather_object(gathered, mine_result)
     summary = _summarise(gathered, args, world)
@@ -677,6 +751,7 @@ def _summarise(per_rank: list[dict], args, world: int) -> dict:
             result["exposed_ms"][key] = exposed
             result["hidden"][key] = 1 - exposed / ms[a2a][p]
     result["phases_rank0"] = per_rank[0]["phases"]
+    result["breakdown_per_rank"] = [r["breakdown"] for r in per_rank]
     return result
 
 
@@ -714,6 +789,13 @@ def _print(s: dict, args, device, world: int, worst: float) -> None:
             totals[(phase, stream)] = totals.get((phase, stream), 0.0) + dur
         print("  summed: " + "; ".join(f"{phase} [{stream}] {t:.3f}"
                                        for (phase, stream), t in totals.items()))
+    for rank, steps in enumerate(s["breakdown_per_rank"]):
+        if steps:
+            print(f"one step by kernel family, rank {rank} (ms; torch.profiler):")
+            columns = list(next(iter(steps.values())))
+            print(f"  {'':12s}" + "".join(f"{c:>15s}" for c in columns))
+            for run_name, row in steps.items():
+                print(f"  {run_name:12s}" + "".join(f"{row[c]:15.3f}" for c in columns))
     print(json.dumps(s))
 
 

@@ -375,3 +375,24 @@ def test_benchmark_smoke(tmp_path):
               "dX/ds a2a (dispatch bwd)", "forward", "backward"}
     assert phases["C=1"] == common, phases["C=1"]
     assert phases["C=2"] == common | {"activation grads (dH, dX, ds)", "weight grads (dW1, dW2)"}
+
+
+def test_benchmark_kernel_breakdown():
+    """``bench_ep.py --profile``'s breakdown: families by name fragment (the first that
+    matches), idle time only where no stream runs a kernel, empty steps give zeros; and
+    ``--profile`` is refused with ``--smoke`` (it breaks down CUDA kernels)."""
+    bench = _bench()
+    kernels = [(0.0, 1000.0, "kernel_cutlass_kernel_sonickernelsgrouped_gemm_x"),
+               (500.0, 1500.0, "ncclDevKernel_SendRecv"),          # overlaps the GEMM
+               (2000.0, 2250.0, "sonic aggregation_kernel"),
+               (2250.0, 2500.0, "at::native::vectorized_gather_kernel"),
+               (3000.0, 3100.0, "at::native::elementwise_kernel")]
+    row = bench.kernel_breakdown(kernels)
+    assert row == pytest.approx({"span": 3.1, "idle": 0.5 + 0.5, "grouped GEMMs": 1.0,
+                                 "all-to-alls": 1.0, "per-token sums": 0.25,
+                                 "row gathers": 0.25, "other kernels": 0.1})
+    assert bench.kernel_breakdown([]) == {"span": 0.0, "idle": 0.0, "grouped GEMMs": 0.0,
+                                          "all-to-alls": 0.0, "per-token sums": 0.0,
+                                          "row gathers": 0.0, "other kernels": 0.0}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--smoke", "--profile"])
