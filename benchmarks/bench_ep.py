@@ -409,7 +409,7 @@ def _phase_timeline(layer, x, dout, params, device) -> list:
 KERNEL_FAMILIES = (("grouped GEMMs", ("grouped_gemm",)),
                    ("all-to-alls", ("nccl", "PtoP")),
                    ("per-token sums", ("aggregation",)),
-                   ("row gathers", ("gather", "index_elementwise")))
+                   ("row gathers", ("vectorized_gather", "index_elementwise")))
 
 
 def kernel_breakdown(kernels: list[tuple[float, float, str]]) -> dict:
