@@ -82,6 +82,7 @@ soon as the expert kernels free them.
    (grouped GEMMs, all-to-alls, per-token sums, row gathers, the rest) and the GPU's idle time
    between its first and last kernel. An all-to-all's time includes its wait for the slowest
    peer. The profiler adds host time to every launch, so the idle time is an upper bound.
+   Not with ``--zipf`` or ``--smoke``.
 
 ``--host-ahead-ms MS`` queues each timed step behind a device sleep of ``MS`` ms and times from
 the sleep's end: the host then enters the step ahead of the device, as in a model whose
@@ -169,8 +170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU ranks over gloo, tiny sizes, fp32: checks that it runs")
     args = parser.parse_args(argv)
-    if args.smoke and args.profile:
-        parser.error("--profile breaks down CUDA kernels: not with --smoke")
+    if args.profile and (args.smoke or args.zipf):
+        parser.error("--profile breaks down the CUDA kernels of the balanced runs: not with "
+                     "--smoke or --zipf")
     if args.smoke and "fp8" in (args.precision, args.activation_cache):
         parser.error("--smoke runs fp32 on CPU ranks: --precision / --activation-cache fp8 "
                      "need bf16")
@@ -204,22 +206,32 @@ class _Timer:
         self.ahead_cycles = int(host_ahead_ms * 2e6) if self.cuda else 0
         self.flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if self.cuda else None
 
+    def ready(self, params) -> None:
+        """Before a timed call: gradients dropped, L2 flushed, the device idle, the ranks at a
+        barrier."""
+        _drop_grads(params)
+        if self.cuda:
+            self.flush.zero_()
+            torch.cuda.synchronize()
+        dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ahead(self) -> None:
+        """Queue the device sleep that puts the host ahead (``--host-ahead-ms``), if any."""
+        if self.ahead_cycles:
+            torch.cuda._sleep(self.ahead_cycles)
+
     def __call__(self, fn, params) -> float:
         for _ in range(self.warmup):
             _drop_grads(params)
             fn()
         times = []
         for _ in range(self.reps):
-            _drop_grads(params)
+            self.ready(params)
             if self.cuda:
-                self.flush.zero_()
-                torch.cuda.synchronize()
-            dist.barrier()
-            if self.cuda:
-                torch.cuda.synchronize()
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                if self.ahead_cycles:
-                    torch.cuda._sleep(self.ahead_cycles)
+                self.ahead()
                 start.record()
                 fn()
                 end.record()
@@ -442,14 +454,9 @@ def _profile_step(step, params, timer: "_Timer") -> dict:
     device sleep that puts the host ahead is left out."""
     from torch.profiler import ProfilerActivity, profile
 
-    _drop_grads(params)
-    timer.flush.zero_()
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
+    timer.ready(params)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if timer.ahead_cycles:
-            torch.cuda._sleep(timer.ahead_cycles)
+        timer.ahead()
         step()
         torch.cuda.synchronize()
     return kernel_breakdown([(e.time_range.start, e.time_range.end, e.name)

@@ -380,7 +380,8 @@ def test_benchmark_smoke(tmp_path):
 def test_benchmark_kernel_breakdown():
     """``bench_ep.py --profile``'s breakdown: families by name fragment (the first that
     matches), idle time only where no stream runs a kernel, empty steps give zeros; and
-    ``--profile`` is refused with ``--smoke`` (it breaks down CUDA kernels)."""
+    ``--profile`` is refused with ``--smoke`` (it breaks down CUDA kernels) and with
+    ``--zipf`` (whose runs it does not profile)."""
     bench = _bench()
     kernels = [(0.0, 1000.0, "kernel_cutlass_kernel_sonickernelsgrouped_gemm_x"),
                (500.0, 1500.0, "ncclDevKernel_SendRecv"),          # overlaps the GEMM
@@ -398,3 +399,5 @@ def test_benchmark_kernel_breakdown():
                                           "row gathers": 0.0, "other kernels": 0.0}
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--profile"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--zipf", "1.2", "--profile"])
