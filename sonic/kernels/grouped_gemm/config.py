@@ -397,6 +397,22 @@ class GroupedGemmConfig:
         return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
 
     @property
+    def tma_stored(self) -> tuple[str, ...]:
+        """The outputs (:class:`~sonic.kernels.grouped_gemm.args.Operands` fields) written by
+        TMA box stores (``cp.async.bulk.tensor``) instead of thread stores, on bf16 sm_90: C of
+        the plain store on cooperative varlen-M tiles (deferred, :meth:`.epilogue.base.
+        Epilogue.defers`), and dH and A' of the dSwiGLU epilogue (:attr:`.epilogue.dswiglu.
+        DswigluEpilogue.tma_store`). Tools that track writes per thread do not see them:
+        compute-sanitizer's initcheck reports later reads of these rows as uninitialised."""
+        if self.arch != "sm_90a" or self.fp8:
+            return ()
+        if self.epilogue == "dswiglu":
+            return ("c", "act")
+        if self.epilogue == "store" and not self.pingpong and not self.varlen_k:
+            return ("c",)
+        return ()
+
+    @property
     def consumer_heavy(self) -> bool:
         """Row-copy kernels whose consumers take 232 registers (producers 40) instead of 224
         (56), where a same-run A/B showed it faster (benchmarks/RESULTS.md): FP8 on 256-wide

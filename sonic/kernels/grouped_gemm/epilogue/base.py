@@ -88,9 +88,7 @@ class Epilogue:
         swizzled, then TMA-stored), so a tile's stores drain while the tensor cores run
         instead of between tiles. varlen-K is left out: its long reductions leave little to
         hide, and with a per-expert k-tile count ptxas serialized the WGMMAs (C7514)."""
-        cfg = self.cfg
-        return (cfg.arch == "sm_90a" and not cfg.pingpong and not cfg.varlen_k
-                and not cfg.fp8)
+        return "c" in self.cfg.tma_stored
 
     def tma_atom(self, op, ptr, rows, width: int, pitch: int, a_smem,
                  box: tuple = (WARP_ROWS, SLAB)) -> Tma:

@@ -68,7 +68,7 @@ class DswigluEpilogue(Epilogue):
         H in its ring stage) and TMA stores them. The FP8 mainloop (it spills with this
         epilogue and measured slower) and sm_100 (one thread per row, one release per stage)
         stage and store them with their threads."""
-        return self.cfg.arch == "sm_90a" and not self.cfg.fp8
+        return bool(self.cfg.tma_stored)
 
     def make_tma(self, h, c, act, rows, a_smem) -> DswigluTmas:
         """H ``(P, 2n)`` (``P`` = ``rows``): loads of ``TILE_M x SLAB`` boxes, 128-byte
