@@ -83,6 +83,7 @@ while sys.argv[i] == "--kernel-name-exclude":
     i += 2
 command = sys.argv[i:]
 print("skipped kernels:", ",".join(skips))
+print("command:", " ".join(command[1:]))
 subprocess.run(command + ["--device", "cpu"], check=False)
 if tool == "initcheck":
     print("========= Uninitialized __global__ memory read of size 4 bytes")
@@ -114,6 +115,47 @@ def test_sharded_driver_merges_its_runs(tmp_path, capsys):
     assert summary.split()[-2:] == ["0", "2"]           # memcheck 0, initcheck 1 + 1
     assert "initcheck.0: 1 records in fake_kernel" in out
     assert "sanitizers: ERRORS" in out
-    # PyTorch's grouped GEMM (the reference side's) is skipped by every tool
-    log = (tmp_path / "logs" / "memcheck.0.log").read_text()
-    assert "skipped kernels: kns=enable_3x_kernel_for_sm9x" in log
+    # PyTorch's grouped GEMM (the reference side's) is skipped by initcheck only, which also
+    # has the TMA-stored outputs filled before their launches
+    memcheck = (tmp_path / "logs" / "memcheck.0.log").read_text()
+    initcheck = (tmp_path / "logs" / "initcheck.0.log").read_text()
+    assert "skipped kernels: \n" in memcheck and "--fill-tma-stores" not in memcheck
+    assert "skipped kernels: kns=enable_3x_kernel_for_sm9x" in initcheck
+    assert "--fill-tma-stores" in initcheck
+
+
+def _launch_args(operands, rows_b):
+    from sonic.kernels.grouped_gemm.args import Operands, Sizes
+    return (*Operands(**operands).addresses(), *Sizes(rows_a=7, rows_b=rows_b, num_experts=4,
+                                                      num_ctas=132))
+
+
+def test_tma_output_ranges_follow_the_configuration():
+    """The outputs a launch writes by TMA, as the initcheck run fills them: C of the deferred
+    store, dH and A' of the dSwiGLU epilogue (dH left out where it is written over H), nothing
+    for ping-pong, varlen-K, FP8 or the SwiGLU up-proj."""
+    from sonic.kernels.grouped_gemm.config import GroupedGemmConfig
+    stress = _stress()
+    base = dict(dim_m=0, dim_n=256, dim_k=512, tile_n=256, cluster=1)
+    store = GroupedGemmConfig(varlen_k=False, pingpong=False, gather_a=False, **base)
+    assert store.tma_stored == ("c",)
+    args = _launch_args(dict(a=0x1000, b=0x2000, c=0x3000, offsets=0x4000), rows_b=100)
+    assert stress.tma_output_ranges(store, args) == [(0x3000, 100 * 256 * 2)]
+    dswiglu = GroupedGemmConfig(varlen_k=False, pingpong=False, epilogue="dswiglu",
+                                gather_a=True, b_n_major=True, **base)
+    assert dswiglu.tma_stored == ("c", "act")
+    ops = dict(a=0x1000, b=0x2000, c=0x3000, act=0x5000, h=0x6000, scores=0x7000, ds=0x8000,
+               gather_a=0x9000, offsets=0x4000)
+    assert stress.tma_output_ranges(dswiglu, _launch_args(ops, rows_b=64)) == [
+        (0x3000, 64 * 512 * 2), (0x5000, 64 * 256 * 2)]
+    ops["c"] = ops["h"]                                  # dH over H
+    assert stress.tma_output_ranges(dswiglu, _launch_args(ops, rows_b=64)) == [
+        (0x5000, 64 * 256 * 2)]
+    for cfg in (GroupedGemmConfig(varlen_k=False, pingpong=True, gather_a=False,
+                                  **dict(base, tile_n=128)),
+                GroupedGemmConfig(varlen_k=True, pingpong=False, gather_a=True, **base),
+                GroupedGemmConfig(varlen_k=False, pingpong=False, epilogue="swiglu",
+                                  gate_up="concat", gather_a=True, **base),
+                GroupedGemmConfig(varlen_k=False, pingpong=False, gather_a=False,
+                                  ab_dtype="e4m3", **dict(base, tile_n=128))):
+        assert cfg.tma_stored == (), cfg
