@@ -34,10 +34,11 @@ in the output; the summaries are the totals::
     python benchmarks/stress_gpu.py --compute-sanitizer [--tools memcheck,initcheck]
 
 It also prints, per tool, the kernels its records were reported in. Under initcheck the
-cases run with ``--fill-tma-stores``: initcheck does not count TMA stores as writes, so each
-output a grouped GEMM writes by TMA is filled with NaN bytes by a memset before its launch
-(:func:`fill_tma_outputs`); initcheck reads those rows as written, and the comparison with the
-reference catches a row left unwritten. ``--cases REGEX`` keeps
+cases run with ``--initcheck``: initcheck does not count TMA stores as writes, so each output
+a grouped GEMM writes by TMA is filled with NaN bytes by a memset before its launch
+(:func:`fill_tma_outputs`; initcheck reads those rows as written, and the comparison with the
+reference catches a row left unwritten), and the reference side avoids PyTorch's grouped GEMM
+(:func:`prepare_initcheck`). ``--cases REGEX`` keeps
 the cases whose line matches (both modes); ``--log-dir DIR`` keeps each tool's whole output
 as ``DIR/<tool>.log``; ``--shards N`` splits each tool's cases over N processes (initcheck
 takes minutes per case).
@@ -352,12 +353,6 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
 
 # compute-sanitizer's tools the --compute-sanitizer driver runs, and its marker lines.
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-# Kernels a tool skips (a substring of the mangled name). initcheck: PyTorch's own CUTLASS
-# grouped GEMM, which only the reference side runs (``torch._grouped_mm``), and whose reads of
-# the problem-shape workspace PyTorch fills are not sonic's to fix. Only there: racecheck with
-# that kernel excluded stops in its first case with "Internal Sanitizer Error: The Sanitizer
-# failed to handle a hardware exception", and runs clean with it included.
-SANITIZER_SKIPS = {"initcheck": ("enable_3x_kernel_for_sm9x",)}
 CASE_BEGIN, CASE_END, GEMM_CONFIG = "@@ case begin", "@@ case end", "@@ gemm config"
 _PLAN_FIELDS = ("varlen_k", "ab_dtype", "epilogue", "gate_up", "gather_a", "gather_b",
                 "b_n_major", "transpose_c", "tile_m", "tile_n", "pingpong", "cluster",
@@ -394,6 +389,19 @@ def announce_gemm_plans(fill_tma_stores: bool = False) -> None:
         return filled_launch
 
     interface._launcher = announcing
+
+
+def prepare_initcheck() -> None:
+    """What a ``--sanitize`` run under initcheck needs besides :func:`fill_tma_outputs`: the
+    reference side multiplies expert by expert (``torch.matmul``) instead of calling PyTorch's
+    CUTLASS grouped GEMM (``torch._grouped_mm``), which initcheck flags for its reads of the
+    problem-shape workspace PyTorch fills. Excluding that kernel from the tool instead
+    (``--kernel-name-exclude``) hides its stores too, so every later read of its output was
+    reported; under racecheck the exclusion stopped the run in the sanitizer's own error
+    ("failed to handle a hardware exception")."""
+    import sonic.reference.ops
+
+    sonic.reference.ops._use_grouped_mm = lambda *args: False
 
 
 def tma_output_ranges(cfg, args: tuple) -> list[tuple[int, int]]:
@@ -521,8 +529,8 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str 
     grouped-GEMM variants covered; 0 when every tool reports no error and every case passes.
     ``cases``: the ``--cases`` filter handed to each run; ``log_dir``: keep each run's whole
     output there as ``<tool>.log`` (``<tool>.<shard>.log`` with shards); ``shards``: split
-    each tool's cases over that many processes (``--shard i/N``), for the slow tools. The
-    tools skip the kernels of :data:`SANITIZER_SKIPS`."""
+    each tool's cases over that many processes (``--shard i/N``), for the slow tools.
+    initcheck's runs get ``--initcheck`` (:func:`prepare_initcheck`)."""
     import subprocess
     import tempfile
 
@@ -533,10 +541,8 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str 
             log = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen(
                 [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "200",
-                 *(arg for skip in SANITIZER_SKIPS.get(tool, ())
-                   for arg in ("--kernel-name-exclude", f"kns={skip}")),
                  sys.executable, os.path.abspath(__file__), "--sanitize",
-                 *(("--fill-tma-stores",) if tool == "initcheck" else ()),
+                 *(("--initcheck",) if tool == "initcheck" else ()),
                  *(("--cases", cases) if cases else ()),
                  *(("--shard", f"{shard}/{shards}") if shards > 1 else ())],
                 stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
@@ -638,9 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--compute-sanitizer: split each tool's cases over N processes")
     parser.add_argument("--shard", metavar="I/N",
                         help="--sanitize: run only the cases i, i+N, i+2N, ... (0-based)")
-    parser.add_argument("--fill-tma-stores", action="store_true",
-                        help="--sanitize: fill the outputs grouped GEMMs write by TMA before "
-                             "each launch (what --compute-sanitizer passes under initcheck)")
+    parser.add_argument("--initcheck", action="store_true",
+                        help="--sanitize: prepare the run for compute-sanitizer's initcheck "
+                             "(what --compute-sanitizer passes it; see prepare_initcheck)")
     parser.add_argument("--log-dir", metavar="DIR",
                         help="--compute-sanitizer: keep each tool's whole output in DIR/<tool>.log")
     parser.add_argument("--seconds", type=float, default=600.0,
@@ -679,7 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     if cases is not None and args.shard is not None:
         cases = cases[shard_of(parser, args.shard)]
     if args.sanitize and device.type == "cuda":
-        announce_gemm_plans(fill_tma_stores=args.fill_tma_stores)
+        announce_gemm_plans(fill_tma_stores=args.initcheck)
+        if args.initcheck:
+            prepare_initcheck()
     start, count, failures = time.monotonic(), 0, 0
     while True:
         if cases is not None:
