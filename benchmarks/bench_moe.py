@@ -43,7 +43,10 @@ ratios.
   router's routing phase (selection + metadata, the router GEMM excluded) and prints its share
   of that router's step (``routing_us_<router>``, ``routing_share_<router>`` in the JSON),
   beside the time of its kernels alone (``routing_kernel_us_<router>``: without the host's
-  launch time, which a step can hide under earlier GPU work).
+  launch time, which a step can hide under earlier GPU work) and its cost inside the step:
+  the step less the same step with the routing made beforehand, the two alternated
+  (``routing_in_step_us_<router>``, ``routing_in_step_share_<router>``; an upper bound, since
+  that step also skips the router GEMM's backward).
   DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize
   --routed-scaling-factor 2.5 --n-group 8 --topk-group 4 --expert-bias --shared-experts 1``.
 * ``--profile`` adds sonic's per-kernel CUDA time per step (``torch.profiler``, the mean of
@@ -67,6 +70,7 @@ ratios.
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -86,21 +90,24 @@ MiB = float(1 << 20)
 
 
 def _sonic_layer(router: str, tile: int, precision: str = "bf16", fp8_weights=None,
-                 activation_cache: str = "bf16", scoring=None, shared=None):
+                 activation_cache: str = "bf16", scoring=None, shared=None, routed=None):
     """sonic's layer; with ``precision="fp8"``, ``fp8_weights`` are the weights' FP8 copies,
     made once outside the timing, as :class:`sonic.MoE` makes them once per optimizer step.
     ``scoring``: the routing options (:func:`sonic.topk_routing`'s keywords); ``shared``:
-    ``(shared_w1 (1, 2m, d), shared_w2 (1, d, m))`` of a shared expert, or None."""
+    ``(shared_w1 (1, 2m, d), shared_w2 (1, d, m))`` of a shared expert, or None; ``routed``:
+    a ``(Routing, RoutingMetadata)`` made beforehand that every call uses instead of routing
+    its logits (the router GEMM still runs), or None."""
     def layer(x, router_weight, w1, w2, k, fp8_weights=fp8_weights):
         layer_input = x
         # As sonic.MoE: the experts read x through the gate's autograd node (one dX GEMM).
         logits, x = router_logits(x, router_weight)
-        r = _route(router, tile, logits, k, scoring)
+        r, metadata = routed or (_route(router, tile, logits, k, scoring), None)
         # Token rounding's P stays on the device (a 0-d tensor), read after the timing.
         layer.pairs = r.num_pairs if r.num_valid is None else r.num_valid
         out = sonic.moe_experts(x, w1, w2, r.scores, r.token_idx, r.expert_idx,
-                                metadata=sonic.routing_metadata(r), precision=precision,
-                                fp8_weights=fp8_weights, activation_cache=activation_cache)
+                                metadata=metadata or sonic.routing_metadata(r),
+                                precision=precision, fp8_weights=fp8_weights,
+                                activation_cache=activation_cache)
         if shared is not None:
             # The layer input, not the gate's fused alias (only the routed experts may read it).
             out = out + _shared_expert(layer_input, *shared)
@@ -443,6 +450,12 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         impl = _impl_name(r, router, precisions[0])
         result.update(_routing_share(r, impl, tile, logits, K, scoring, rows[impl],
                                      profile_kernels))
+        routed = _route(r, tile, logits, K, scoring)
+        without = _sonic_layer(r, tile, precisions[0], fp8_weights if precisions[0] == "fp8"
+                               else None, routed=(routed, sonic.routing_metadata(routed)),
+                               **opts)
+        result.update(_routing_in_step(r, impl, steps[impl],
+                                       _steps(without, x, params, K, grad)[1], leaves))
     if profile_kernels:
         _kernel_breakdown(steps[first], grad_to_none=leaves)
     return result
@@ -466,6 +479,37 @@ def _routing_share(router: str, impl: str, tile: int, logits, k, scoring, row: d
         _kernel_breakdown(route, rows=40, what=f"{impl} routing phase")
     return {f"routing_us_{router}": route_us, f"routing_share_{router}": share,
             f"routing_kernel_us_{router}": kernel_us}
+
+
+# Rounds of the in-step routing cost: the step and the step without its routing, alternated
+# (under a power cap one round's medians can differ by several per cent; a median over
+# rounds drops such a round).
+IN_STEP_ROUNDS = 5
+
+
+def _routing_in_step(router: str, impl: str, step, step_without, leaves) -> dict:
+    """The routing phase's cost inside a step: row ``impl``'s step less the same step with
+    its routing made beforehand (``step_without``), the two timed alternately
+    :data:`IN_STEP_ROUNDS` times and the medians of each side's timings compared. Timed alone the phase
+    shows the host's launches, which in a step run under the previous GPU work; this is what
+    the step pays. The routing made beforehand has constant scores, so the router GEMM's
+    backward drops out too: the difference is an upper bound. Prints it; returns the JSON
+    keys."""
+    step_without()
+    with_us, without_us = [], []
+    for _ in range(IN_STEP_ROUNDS):
+        with_us.append(bench(step, grad_to_none=leaves))
+        without_us.append(bench(step_without, grad_to_none=leaves))
+    for t in leaves:
+        t.grad = None
+    step_us = statistics.median(with_us)
+    cost = step_us - statistics.median(without_us)
+    print(f"  {impl} routing phase in the step (the step less the step with its routing made "
+          f"beforehand): {cost:.1f} us, {100 * cost / step_us:.2f}% "
+          f"(steps {' / '.join(f'{t / 1e3:.3f}' for t in with_us)} ms against "
+          f"{' / '.join(f'{t / 1e3:.3f}' for t in without_us)} ms)")
+    return {f"routing_in_step_us_{router}": cost,
+            f"routing_in_step_share_{router}": cost / step_us}
 
 
 def _describe(scoring, shared) -> dict:
