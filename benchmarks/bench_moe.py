@@ -62,8 +62,8 @@ ratios.
 * ``--fp8-weight-grads fp8 bf16``: likewise for :func:`sonic.backend.set_fp8_weight_grads`
   (rows ``sonic-fp8-wgrad-<choice>``): the FP8 weight gradients against the bf16 ones.
 * ``--activation-cache fp8`` adds, per precision, a sonic row whose layer keeps H for backward
-  in e4m3 with 1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``, issue
-  18) and prints its saved MiB, peak MiB and step time relative to the same precision's bf16
+  in e4m3 with 1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``) and
+  prints its saved MiB, peak MiB and step time relative to the same precision's bf16
   cache and to bf16 sonic (the FP8 cache's target: saved ≤ 55%).
 """
 
