@@ -37,8 +37,9 @@ It also prints, per tool, the kernels its records were reported in. Under initch
 cases run with ``--initcheck``: initcheck does not count TMA stores as writes, so each output
 a grouped GEMM writes by TMA is filled with NaN bytes by a memset before its launch
 (:func:`fill_tma_outputs`; initcheck reads those rows as written, and the comparison with the
-reference catches a row left unwritten), and the reference side avoids PyTorch's grouped GEMM
-(:func:`prepare_initcheck`). ``--cases REGEX`` keeps
+reference catches a row left unwritten), the reference side runs on the CPU (its GPU GEMMs,
+cuBLAS's and CUTLASS's, store by TMA too) and the ``sonic.MoE`` layer case is left out (its
+router GEMM is cuBLAS's). ``--cases REGEX`` keeps
 the cases whose line matches (both modes); ``--log-dir DIR`` keeps each tool's whole output
 as ``DIR/<tool>.log``; ``--shards N`` splits each tool's cases over N processes (initcheck
 takes minutes per case).
@@ -250,8 +251,11 @@ def _check_token_rounding(case: Case, logits: torch.Tensor) -> str | None:
     return None
 
 
-def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str]:
-    """``(passed, one-line summary)`` of one case; exceptions are failures, not crashes."""
+def run_case(case: Case, seed: int, device: torch.device,
+             reference_device: torch.device | None = None) -> tuple[bool, str]:
+    """``(passed, one-line summary)`` of one case; exceptions are failures, not crashes. The
+    reference side runs on ``reference_device`` (default: ``device``) on copies of the same
+    inputs."""
     try:
         inputs = _inputs(case, seed, device)
         _poison_allocator(case, device)
@@ -263,7 +267,8 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str]:
                     sonic.backend.set_fp8_weight_grads(case.fp8_weight_grads))
         try:
             pairs_auto, auto = _run(case, inputs, "auto")
-            pairs_ref, ref = _run(case, inputs, "torch")
+            pairs_ref, ref = _run(case, {k: v.to(reference_device or device)
+                                         for k, v in inputs.items()}, "torch")
         finally:
             sonic.backend.set_fp8_epilogues(previous[0])
             sonic.backend.set_fp8_weight_grads(previous[1])
@@ -271,7 +276,8 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str]:
             torch.cuda.synchronize(device)
     except Exception as err:  # noqa: BLE001 - report and go on with the next case
         return False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    if not all(torch.equal(a.long(), b.long()) for a, b in zip(pairs_auto, pairs_ref)):
+    if not all(torch.equal(a.long().to(b.device), b.long())
+               for a, b in zip(pairs_auto, pairs_ref)):
         return False, "routings differ between backends"
     threshold = THRESHOLDS[case.dtype]
     errors = {}
@@ -280,7 +286,7 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str]:
         if (a is None) != (r is None):
             return False, f"{name}: gradient missing on one backend"
         if r is not None and r.numel():
-            errors[name] = _rel(a, r)
+            errors[name] = _rel(a.to(r.device), r)
     worst = max(errors, key=lambda k: errors[k] if errors[k] == errors[k] else float("inf"),
                 default=None)
     passed = all(e <= threshold for e in errors.values())  # NaN compares False: a failure
@@ -391,17 +397,19 @@ def announce_gemm_plans(fill_tma_stores: bool = False) -> None:
     interface._launcher = announcing
 
 
-def prepare_initcheck() -> None:
-    """What a ``--sanitize`` run under initcheck needs besides :func:`fill_tma_outputs`: the
-    reference side multiplies expert by expert (``torch.matmul``) instead of calling PyTorch's
-    CUTLASS grouped GEMM (``torch._grouped_mm``), which initcheck flags for its reads of the
-    problem-shape workspace PyTorch fills. Excluding that kernel from the tool instead
-    (``--kernel-name-exclude``) hides its stores too, so every later read of its output was
-    reported; under racecheck the exclusion stopped the run in the sanitizer's own error
-    ("failed to handle a hardware exception")."""
-    import sonic.reference.ops
+# Under initcheck (``--initcheck``): the reference side runs on the CPU. On the GPU it runs
+# cuBLAS and CUTLASS GEMMs (torch.matmul, torch._grouped_mm), whose Hopper kernels store their
+# output by TMA too, so initcheck reports every later read of the reference's own results
+# (excluding those kernels from the tool hides their stores as well; under racecheck an
+# exclusion stopped the run in the sanitizer's own "failed to handle a hardware exception").
+INITCHECK_REFERENCE = torch.device("cpu")
 
-    sonic.reference.ops._use_grouped_mm = lambda *args: False
+
+def initcheck_cases(cases: list[Case]) -> list[Case]:
+    """The cases an initcheck run keeps: not the ``sonic.MoE`` layer, whose router GEMM (the
+    gate's ``nn.Linear``, cuBLAS) writes the logits by TMA before sonic's top-K kernel reads
+    them."""
+    return [c for c in cases if not c.layer]
 
 
 def tma_output_ranges(cfg, args: tuple) -> list[tuple[int, int]]:
@@ -530,7 +538,8 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str 
     ``cases``: the ``--cases`` filter handed to each run; ``log_dir``: keep each run's whole
     output there as ``<tool>.log`` (``<tool>.<shard>.log`` with shards); ``shards``: split
     each tool's cases over that many processes (``--shard i/N``), for the slow tools.
-    initcheck's runs get ``--initcheck`` (:func:`prepare_initcheck`)."""
+    initcheck's runs get ``--initcheck`` (:func:`fill_tma_outputs`, the reference on the CPU,
+    :func:`initcheck_cases`)."""
     import subprocess
     import tempfile
 
@@ -574,9 +583,15 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str 
     names = [str(c) for c in sanitize_cases(cases)] + ["(outside cases)"]
     width = max(len(c) for c in names)
     print(f"{'case':<{width}} " + " ".join(f"{t:>10}" for t in tools))
+    # "n/a": a case initcheck's runs leave out (initcheck_cases); "-": a case not reached.
+    kept = {str(c) for c in initcheck_cases(sanitize_cases(cases))} | {"(outside cases)"}
+
+    def cell(tool: str, case: str) -> str:
+        return "n/a" if tool == "initcheck" and case not in kept else str(
+            results[tool][1].get(case, "-"))
+
     for case in names:
-        print(f"{case:<{width}} " + " ".join(
-            f"{results[t][1].get(case, '-')!s:>10}" for t in tools))
+        print(f"{case:<{width}} " + " ".join(f"{cell(t, case):>10}" for t in tools))
     print(f"{'ERROR SUMMARY':<{width}} " + " ".join(
         f"{results[t][2] if results[t][2] is not None else 'none'!s:>10}" for t in tools))
     for tool in tools:
@@ -686,8 +701,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = cases[shard_of(parser, args.shard)]
     if args.sanitize and device.type == "cuda":
         announce_gemm_plans(fill_tma_stores=args.initcheck)
-        if args.initcheck:
-            prepare_initcheck()
+    reference_device = None
+    if args.initcheck and cases is not None:
+        cases, reference_device = initcheck_cases(cases), INITCHECK_REFERENCE
     start, count, failures = time.monotonic(), 0, 0
     while True:
         if cases is not None:
@@ -700,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
             case = random_case(rng)
         if cases is not None:
             print(f"{CASE_BEGIN} {case}", flush=True)
-        passed, summary = run_case(case, seed=args.seed * 100003 + count, device=device)
+        passed, summary = run_case(case, seed=args.seed * 100003 + count, device=device,
+                                   reference_device=reference_device)
         if cases is not None:
             print(f"{CASE_END}", flush=True)
         count += 1

@@ -157,3 +157,24 @@ def test_tma_output_ranges_follow_the_configuration():
                 GroupedGemmConfig(varlen_k=False, pingpong=False, gather_a=False,
                                   ab_dtype="e4m3", **dict(base, tile_n=128))):
         assert cfg.tma_stored == (), cfg
+
+
+def test_initcheck_runs_leave_out_the_layer_case_and_say_so(tmp_path, capsys):
+    """Under ``--initcheck`` the ``sonic.MoE`` layer case (its router GEMM is cuBLAS's, stored by
+    TMA) is left out of the run, and the driver's table marks it n/a rather than unreached."""
+    stress = _stress()
+    cases = stress.sanitize_cases("MoE layer|^T=1 ")
+    assert [c.layer for c in cases] == [False, True]
+    assert stress.initcheck_cases(cases) == cases[:1]
+    assert stress.main(["--sanitize", "--initcheck", "--device", "cpu",
+                        "--cases", "MoE layer|^T=1 "]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "1 cases, 0 failures"
+    fake = tmp_path / "fake_sanitizer.py"
+    fake.write_text(FAKE_SANITIZER)
+    launcher = tmp_path / "sanitizer"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    launcher.chmod(0o755)
+    stress.main(["--compute-sanitizer", "--sanitizer", str(launcher), "--tools",
+                 "memcheck,initcheck", "--cases", "MoE layer|^T=1 ", "--seconds", "300"])
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if "MoE layer" in ln)
+    assert row.split()[-2:] == ["0", "n/a"]
