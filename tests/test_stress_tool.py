@@ -94,16 +94,22 @@ else:
 """
 
 
-def test_sharded_driver_merges_its_runs(tmp_path, capsys):
-    """``--compute-sanitizer --shards 2`` runs each tool's cases over two processes and adds
-    their records up; a stand-in for compute-sanitizer runs the cases on the CPU and reports
-    one initcheck record per run."""
-    stress = _stress()
+def _fake_sanitizer(tmp_path):
+    """An executable standing in for compute-sanitizer (:data:`FAKE_SANITIZER`)."""
     fake = tmp_path / "fake_sanitizer.py"
     fake.write_text(FAKE_SANITIZER)
     launcher = tmp_path / "sanitizer"
     launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
     launcher.chmod(0o755)
+    return launcher
+
+
+def test_sharded_driver_merges_its_runs(tmp_path, capsys):
+    """``--compute-sanitizer --shards 2`` runs each tool's cases over two processes and adds
+    their records up; a stand-in for compute-sanitizer runs the cases on the CPU and reports
+    one initcheck record per run."""
+    stress = _stress()
+    launcher = _fake_sanitizer(tmp_path)
     rc = stress.main(["--compute-sanitizer", "--sanitizer", str(launcher), "--shards", "2",
                       "--tools", "memcheck,initcheck", "--cases", "^T=[01] ",
                       "--log-dir", str(tmp_path / "logs"), "--seconds", "300"])
@@ -169,12 +175,7 @@ def test_initcheck_runs_leave_out_the_layer_case_and_say_so(tmp_path, capsys):
     assert stress.main(["--sanitize", "--initcheck", "--device", "cpu",
                         "--cases", "MoE layer|^T=1 "]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "1 cases, 0 failures"
-    fake = tmp_path / "fake_sanitizer.py"
-    fake.write_text(FAKE_SANITIZER)
-    launcher = tmp_path / "sanitizer"
-    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
-    launcher.chmod(0o755)
-    stress.main(["--compute-sanitizer", "--sanitizer", str(launcher), "--tools",
+    stress.main(["--compute-sanitizer", "--sanitizer", str(_fake_sanitizer(tmp_path)), "--tools",
                  "memcheck,initcheck", "--cases", "MoE layer|^T=1 ", "--seconds", "300"])
     row = next(ln for ln in capsys.readouterr().out.splitlines() if "MoE layer" in ln)
     assert row.split()[-2:] == ["0", "n/a"]
