@@ -661,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--sanitize: run only the cases i, i+N, i+2N, ... (0-based)")
     parser.add_argument("--initcheck", action="store_true",
                         help="--sanitize: prepare the run for compute-sanitizer's initcheck "
-                             "(what --compute-sanitizer passes it; see prepare_initcheck)")
+                             "(TMA-stored outputs filled, reference on the CPU, no layer case; "
+                             "what --compute-sanitizer passes it)")
     parser.add_argument("--log-dir", metavar="DIR",
                         help="--compute-sanitizer: keep each tool's whole output in DIR/<tool>.log")
     parser.add_argument("--seconds", type=float, default=600.0,

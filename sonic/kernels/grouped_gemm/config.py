@@ -400,10 +400,11 @@ class GroupedGemmConfig:
     def tma_stored(self) -> tuple[str, ...]:
         """The outputs (:class:`~sonic.kernels.grouped_gemm.args.Operands` fields) written by
         TMA box stores (``cp.async.bulk.tensor``) instead of thread stores, on bf16 sm_90: C of
-        the plain store on cooperative varlen-M tiles (deferred, :meth:`.epilogue.base.
-        Epilogue.defers`), and dH and A' of the dSwiGLU epilogue (:attr:`.epilogue.dswiglu.
-        DswigluEpilogue.tma_store`). Tools that track writes per thread do not see them:
-        compute-sanitizer's initcheck reports later reads of these rows as uninitialised."""
+        the plain store on cooperative varlen-M tiles (deferred,
+        :meth:`~.epilogue.base.Epilogue.defers`), and dH and A' of the dSwiGLU epilogue
+        (:attr:`~.epilogue.dswiglu.DswigluEpilogue.tma_store`). Tools that track writes per
+        thread do not see them: compute-sanitizer's initcheck reports later reads of these rows
+        as uninitialised."""
         if self.arch != "sm_90a" or self.fp8:
             return ()
         if self.epilogue == "dswiglu":
