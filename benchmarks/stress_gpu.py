@@ -357,8 +357,10 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
     return [c for c in cases if pattern is None or re.search(pattern, str(c))]
 
 
-# compute-sanitizer's tools the --compute-sanitizer driver runs, and its marker lines.
+# compute-sanitizer's tools the --compute-sanitizer driver runs, the records each of its runs
+# prints at most (``--print-limit``), and its marker lines.
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+PRINT_LIMIT = 200
 CASE_BEGIN, CASE_END, GEMM_CONFIG = "@@ case begin", "@@ case end", "@@ gemm config"
 _PLAN_FIELDS = ("varlen_k", "ab_dtype", "epilogue", "gate_up", "gather_a", "gather_b",
                 "b_n_major", "transpose_c", "tile_m", "tile_n", "pingpong", "cluster",
@@ -474,18 +476,27 @@ def _sanitizer_errors(lines: list[str]) -> int:
                and not ln[10:].startswith(quiet))
 
 
-def parse_sanitizer_log(text: str) -> tuple[dict[str, int], int | None, set[str], list[str]]:
+def parse_sanitizer_log(text: str) -> tuple[dict[str, int | None], int | None, set[str],
+                                             list[str]]:
     """``({case: error records}, ERROR SUMMARY total or None, GEMM plans, failing case lines)``
     of one ``--compute-sanitizer`` child's output; records outside any case count under
-    ``"(outside cases)"``."""
-    per_case: dict[str, int] = {}
+    ``"(outside cases)"``. Once :data:`PRINT_LIMIT` records are printed the tool prints no more,
+    so a case begun after that, and the stretch outside cases, have None records (unknown),
+    not 0."""
+    per_case: dict[str, int | None] = {}
     plans: set[str] = set()
     current, block, failed = "(outside cases)", [], []
     total = None
+    printed, cut = 0, "were not printed" in text
     for ln in text.splitlines():
         if ln.startswith(CASE_BEGIN) or ln.startswith(CASE_END):
-            per_case[current] = per_case.get(current, 0) + _sanitizer_errors(block)
+            records = _sanitizer_errors(block)
+            printed += records
+            if current not in per_case or per_case[current] is not None:
+                per_case[current] = (per_case.get(current) or 0) + records
             current = ln.split(" ", 3)[3] if ln.startswith(CASE_BEGIN) else "(outside cases)"
+            if cut and printed >= PRINT_LIMIT:
+                per_case[current] = None
             block = []
         elif ln.startswith(GEMM_CONFIG):
             plans.add(ln[len(GEMM_CONFIG):].strip())
@@ -497,7 +508,8 @@ def parse_sanitizer_log(text: str) -> tuple[dict[str, int], int | None, set[str]
                 total = int(summary.group(1) or summary.group(2))
             if re.match(r"\s*\d+ FAIL ", ln):
                 failed.append(ln.strip())
-    per_case[current] = per_case.get(current, 0) + _sanitizer_errors(block)
+    if current not in per_case or per_case[current] is not None:
+        per_case[current] = (per_case.get(current) or 0) + _sanitizer_errors(block)
     return per_case, total, plans, failed
 
 
@@ -520,10 +532,11 @@ def merge_sanitizer_logs(parsed: list[tuple]) -> tuple:
     """One tool's :func:`parse_sanitizer_log` results over its shards, as one: records per
     case and summary totals added (None if a shard printed no summary), plans and failures
     joined."""
-    per_case: dict[str, int] = {}
+    per_case: dict[str, int | None] = {}
     for counts, *_ in parsed:
         for case, n in counts.items():
-            per_case[case] = per_case.get(case, 0) + n
+            known = n is not None and (case not in per_case or per_case[case] is not None)
+            per_case[case] = (per_case.get(case) or 0) + n if known else None
     totals = [p[1] for p in parsed]
     total = None if any(t is None for t in totals) else sum(totals)
     return (per_case, total, set().union(*(p[2] for p in parsed)),
@@ -549,7 +562,8 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str 
         for shard in range(shards):
             log = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen(
-                [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit", "200",
+                [sanitizer, "--tool", tool, "--report-api-errors", "no",
+                 "--print-limit", str(PRINT_LIMIT),
                  sys.executable, os.path.abspath(__file__), "--sanitize",
                  *(("--initcheck",) if tool == "initcheck" else ()),
                  *(("--cases", cases) if cases else ()),
@@ -583,12 +597,15 @@ def run_sanitizers(tools: list[str], timeout: float, sanitizer: str, cases: str 
     names = [str(c) for c in sanitize_cases(cases)] + ["(outside cases)"]
     width = max(len(c) for c in names)
     print(f"{'case':<{width}} " + " ".join(f"{t:>10}" for t in tools))
-    # "n/a": a case initcheck's runs leave out (initcheck_cases); "-": a case not reached.
+    # "n/a": a case initcheck's runs leave out (initcheck_cases); "-": a case not reached;
+    # "?": a case run after its process had printed PRINT_LIMIT records.
     kept = {str(c) for c in initcheck_cases(sanitize_cases(cases))} | {"(outside cases)"}
 
     def cell(tool: str, case: str) -> str:
-        return "n/a" if tool == "initcheck" and case not in kept else str(
-            results[tool][1].get(case, "-"))
+        if tool == "initcheck" and case not in kept:
+            return "n/a"
+        count = results[tool][1].get(case, "-")
+        return "?" if count is None else str(count)
 
     for case in names:
         print(f"{case:<{width}} " + " ".join(f"{cell(t, case):>10}" for t in tools))

@@ -43,6 +43,25 @@ def test_records_are_counted_per_case_and_per_kernel():
                                           "void at::native::reduce_kernel<512, 1>(T1)": 1}
 
 
+def test_cases_past_the_print_limit_are_unknown(monkeypatch):
+    """Once a run has printed its limit of records, the cases after it show unknown (None),
+    not 0; the case that reached the limit keeps its count, and merging keeps unknown."""
+    stress = _stress()
+    monkeypatch.setattr(stress, "PRINT_LIMIT", 2)
+    cut = LOG + "@@ case begin T=1 d=128 n=128 E=8 K=2 topk bfloat16 concat\n@@ case end\n" + (
+        "========= ERROR SUMMARY: 9 errors were not printed. Use --print-limit option\n")
+    per_case = stress.parse_sanitizer_log(cut)[0]
+    assert per_case["T=256 d=128 n=128 E=8 K=2 topk bfloat16 concat"] == 3
+    assert per_case["T=1 d=128 n=128 E=8 K=2 topk bfloat16 concat"] is None
+    merged = stress.merge_sanitizer_logs([stress.parse_sanitizer_log(cut),
+                                          stress.parse_sanitizer_log(LOG)])[0]
+    assert merged["T=1 d=128 n=128 E=8 K=2 topk bfloat16 concat"] is None
+    assert merged["T=256 d=128 n=128 E=8 K=2 topk bfloat16 concat"] == 6
+    # without the limit reached, a case with no records has 0
+    assert stress.parse_sanitizer_log(LOG.replace("@@ case end", "@@ case end\n@@ case begin "
+                                                  "T=1 x\n@@ case end"))[0]["T=1 x"] == 0
+
+
 def test_case_filter():
     stress = _stress()
     every = stress.sanitize_cases()
