@@ -39,7 +39,14 @@ a grouped GEMM writes by TMA is filled with NaN bytes by a memset before its lau
 (:func:`fill_tma_outputs`; initcheck reads those rows as written, and the comparison with the
 reference catches a row left unwritten), the reference side runs on the CPU (its GPU GEMMs,
 cuBLAS's and CUTLASS's, store by TMA too) and the ``sonic.MoE`` layer case is left out (its
-router GEMM is cuBLAS's). ``--cases REGEX`` keeps
+router GEMM is cuBLAS's). ``--tma-store-control`` is the control for the first point: torch
+reads an output a grouped GEMM wrote with thread stores, then one it wrote by TMA, each between
+case markers; records in the second and none in the first mean initcheck does not count TMA
+stores as writes::
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --report-api-errors no python benchmarks/stress_gpu.py --tma-store-control
+
+``--cases REGEX`` keeps
 the cases whose line matches (both modes); ``--log-dir DIR`` keeps each tool's whole output
 as ``DIR/<tool>.log``; ``--shards N`` splits each tool's cases over N processes (initcheck
 takes minutes per case).
@@ -646,6 +653,52 @@ def random_case(rng: random.Random) -> Case:
                 tile=rng.choice([16, 64, 128]), layer=layer)
 
 
+def tma_store_control(device: torch.device) -> list[str]:
+    """The control behind :func:`fill_tma_outputs`, to run under initcheck
+    (``--tma-store-control``): between one pair of case markers torch reads in full an output
+    a grouped GEMM wrote with thread stores (the SwiGLU up-proj's H), between the next pair one
+    written by TMA (the deferred plain store's C). Records between the second pair and none
+    between the first say that initcheck does not count TMA stores as writes. Beforehand the
+    same GEMMs write into NaN-filled outputs, which must come back finite: every row is
+    written, so a record is not a real uninitialised read. Returns the problems found (a
+    non-finite output, or a plain store that is not TMA-stored on this device)."""
+    from sonic.kernels import runtime
+    from sonic.kernels.grouped_gemm import heuristic, interface
+
+    g = torch.Generator(device=device).manual_seed(0)
+    E, P, K, N = 8, 1024, 1024, 256
+    a = torch.randn(P, K, device=device, dtype=torch.bfloat16, generator=g)
+    w1 = torch.randn(E, 2 * N, K, device=device, dtype=torch.bfloat16, generator=g) / 32
+    b = torch.randn(E, N, K, device=device, dtype=torch.bfloat16, generator=g) / 32
+    offsets = torch.arange(0, P + 1, P // E, device=device, dtype=torch.int32)
+    rows = torch.arange(P, device=device, dtype=torch.int32)
+    problems = []
+    cfg = heuristic.varlen_m_config(N, K, False, epilogue="store",
+                                    arch=runtime.device_arch(device),
+                                    rows_per_expert=P // E)
+    if cfg.tma_stored != ("c",):
+        problems.append(f"the plain store here is not TMA-stored: {plan_key(cfg)}")
+    nan = float("nan")
+    h = interface.grouped_gemm_swiglu(a, w1, offsets, rows, "concat",
+                                      h_out=torch.full((P, 2 * N), nan, device=device,
+                                                       dtype=torch.bfloat16))[0]
+    c = interface.grouped_gemm(a, b, offsets, out=torch.full((P, N), nan, device=device,
+                                                             dtype=torch.bfloat16))
+    if not (torch.isfinite(h).all() and torch.isfinite(c).all()):
+        problems.append("a GEMM left a row of its NaN-filled output unwritten")
+    for what, output in (("thread-stored H (SwiGLU up-proj)",
+                          lambda: interface.grouped_gemm_swiglu(a, w1, offsets, rows,
+                                                                "concat")[0]),
+                         ("TMA-stored C (deferred plain store)",
+                          lambda: interface.grouped_gemm(a, b, offsets))):
+        fresh = output()
+        torch.cuda.synchronize(device)
+        print(f"{CASE_BEGIN} {what}", flush=True)
+        fresh.float().sum().item()
+        print(f"{CASE_END}", flush=True)
+    return problems
+
+
 def shard_of(parser: argparse.ArgumentParser, text: str) -> slice:
     """The cases of ``--shard i/N``: every N-th from the i-th."""
     try:
@@ -663,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--sanitize", action="store_true",
                       help="small cases of every kernel path (for compute-sanitizer)")
     mode.add_argument("--random", type=int, metavar="N", help="run up to N random cases")
+    mode.add_argument("--tma-store-control", action="store_true",
+                      help="the initcheck control of TMA-stored outputs (run it under "
+                           "compute-sanitizer --tool initcheck)")
     mode.add_argument("--compute-sanitizer", action="store_true",
                       help="run --sanitize under compute-sanitizer's tools and tabulate")
     parser.add_argument("--tools", default=",".join(SANITIZER_TOOLS),
@@ -711,6 +767,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available (use --device cpu to check "
                      "the script itself)")
+    if args.tma_store_control:
+        if device.type != "cuda":
+            parser.error("--tma-store-control runs sonic's grouped GEMMs: it needs --device cuda")
+        problems = tma_store_control(device)
+        for problem in problems:
+            print(f"FAIL {problem}", flush=True)
+        return 1 if problems else 0
     print(f"device {device}: {sonic.explain_backend('auto', device)}", flush=True)
 
     rng = random.Random(args.seed)

@@ -198,3 +198,9 @@ def test_initcheck_runs_leave_out_the_layer_case_and_say_so(tmp_path, capsys):
                  "memcheck,initcheck", "--cases", "MoE layer|^T=1 ", "--seconds", "300"])
     row = next(ln for ln in capsys.readouterr().out.splitlines() if "MoE layer" in ln)
     assert row.split()[-2:] == ["0", "n/a"]
+
+
+def test_tma_store_control_needs_a_gpu():
+    stress = _stress()
+    with pytest.raises(SystemExit):
+        stress.main(["--tma-store-control", "--device", "cpu"])
