@@ -327,9 +327,11 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
     varlen-K tiles; ``d = 256, n = 256`` interleaved: the 256-wide interleaved up-proj, the
     dA' GEMM sharing B, dW2 on 128 x 256 tiles untransposed; ``d = 256, n = 768``: the
     down-proj with K > 512 on 256-wide tiles; ``n = 192``: the dH kernel on 128-wide tiles;
-    ``d = 2304``: dW2 untransposed with its cluster sharing A. Two registered variants are
-    ``bench_grouped_gemm.py --plans`` candidates the heuristic never picks (256-row varlen-M
-    tiles, ping-pong varlen-K): no case covers them."""
+    ``d = 2304``: dW2 untransposed with its cluster sharing A; FP8 fused with ``n = 256``
+    interleaved: the 256-wide FP8 interleaved up-proj and dH kernel. Three registered variants
+    no layer plans, so no case covers them: two ``bench_grouped_gemm.py --plans`` candidates
+    (256-row varlen-M tiles, ping-pong varlen-K) and the FP8 SwiGLU "concat" up-proj on
+    128-wide tiles (planned only where ``n`` is not a multiple of 128, which FP8 refuses)."""
     base = dict(T=256, d=128, n=128, E=8, K=2)
     fp8 = dict(T=256, d=256, n=128, E=8, K=2, precision="fp8")
     cases = [
@@ -352,6 +354,8 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
              fp8_weight_grads="fp8"),
         Case(T=256, d=384, n=384, E=8, K=2, router="topk", precision="fp8",
              fp8_epilogues="fused", fp8_weight_grads="fp8"),
+        Case(T=256, d=256, n=256, E=8, K=2, router="topk", gate_up="interleaved",
+             precision="fp8", fp8_epilogues="fused", fp8_weight_grads="fp8"),
         Case(T=256, d=256, n=256, E=8, K=2, router="topk", gate_up="interleaved"),
         Case(T=256, d=256, n=768, E=8, K=2, router="topk"),
         Case(T=256, d=128, n=192, E=8, K=2, router="topk"),

@@ -87,6 +87,24 @@ def test_sanitizer_cases_run_every_activation_and_plans_tell_them_apart():
             != plans["varlen_m_n512_k1536_gather_geglu_concat"])
 
 
+def test_an_fp8_case_plans_the_256_wide_interleaved_up_proj_and_dh_kernel():
+    """The FP8 fused interleaved case with n = 256 makes the heuristic plan the registered
+    256-wide FP8 interleaved up-proj and FP8 dH kernel (no other case reaches them)."""
+    pytest.importorskip("cutlass")
+    from sonic.kernels.grouped_gemm import heuristic
+    stress = _stress()
+    case = next(c for c in stress.sanitize_cases("fp8") if c.n == 256 and c.gate_up ==
+                "interleaved")
+    rows = case.T * case.K // case.E
+    up = heuristic.varlen_m_config(2 * case.n, case.d, True, epilogue="swiglu",
+                                   gate_up="interleaved", ab_dtype="e4m3", rows_per_expert=rows)
+    dh = heuristic.varlen_m_config(case.n, case.d, True, epilogue="dswiglu", ab_dtype="e4m3",
+                                   rows_per_expert=rows)
+    plans = stress.registered_gemm_plans()
+    assert stress.plan_key(up) == plans["varlen_m_fp8_n1024_k1536_gather_swiglu_interleaved"]
+    assert stress.plan_key(dh) == plans["varlen_m_fp8_n1024_k2048_gather_dswiglu"]
+
+
 def test_racecheck_summary_counts_its_errors():
     stress = _stress()
     log = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warnings)\n"
