@@ -490,9 +490,9 @@ IN_STEP_ROUNDS = 5
 def _routing_in_step(router: str, impl: str, step, step_without, leaves) -> dict:
     """The routing phase's cost inside a step: row ``impl``'s step less the same step with
     its routing made beforehand (``step_without``), the two timed alternately
-    :data:`IN_STEP_ROUNDS` times and the medians of each side's timings compared. Timed alone the phase
-    shows the host's launches, which in a step run under the previous GPU work; this is what
-    the step pays. The routing made beforehand has constant scores, so the router GEMM's
+    :data:`IN_STEP_ROUNDS` times and the medians of each side's timings compared. Timed alone
+    the phase shows the host's launches, which in a step run under the previous GPU work;
+    this is what the step pays. The routing made beforehand has constant scores, so the router GEMM's
     backward drops out too: the difference is an upper bound. Prints it; returns the JSON
     keys."""
     step_without()

@@ -503,8 +503,7 @@ def parse_sanitizer_log(text: str) -> tuple[dict[str, int | None], int | None, s
         if ln.startswith(CASE_BEGIN) or ln.startswith(CASE_END):
             records = _sanitizer_errors(block)
             printed += records
-            if current not in per_case or per_case[current] is not None:
-                per_case[current] = (per_case.get(current) or 0) + records
+            _add_records(per_case, current, records)
             current = ln.split(" ", 3)[3] if ln.startswith(CASE_BEGIN) else "(outside cases)"
             if cut and printed >= PRINT_LIMIT:
                 per_case[current] = None
@@ -519,9 +518,14 @@ def parse_sanitizer_log(text: str) -> tuple[dict[str, int | None], int | None, s
                 total = int(summary.group(1) or summary.group(2))
             if re.match(r"\s*\d+ FAIL ", ln):
                 failed.append(ln.strip())
-    if current not in per_case or per_case[current] is not None:
-        per_case[current] = (per_case.get(current) or 0) + _sanitizer_errors(block)
+    _add_records(per_case, current, _sanitizer_errors(block))
     return per_case, total, plans, failed
+
+
+def _add_records(per_case: dict[str, int | None], case: str, records: int | None) -> None:
+    """Add ``records`` to ``per_case[case]``; None (unknown) on either side stays None."""
+    known = per_case.get(case, 0)
+    per_case[case] = None if known is None or records is None else known + records
 
 
 def record_kernels(text: str) -> dict[str, int]:
@@ -546,8 +550,7 @@ def merge_sanitizer_logs(parsed: list[tuple]) -> tuple:
     per_case: dict[str, int | None] = {}
     for counts, *_ in parsed:
         for case, n in counts.items():
-            known = n is not None and (case not in per_case or per_case[case] is not None)
-            per_case[case] = (per_case.get(case) or 0) + n if known else None
+            _add_records(per_case, case, n)
     totals = [p[1] for p in parsed]
     total = None if any(t is None for t in totals) else sum(totals)
     return (per_case, total, set().union(*(p[2] for p in parsed)),
@@ -751,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--random must be >= 1, got {args.random}")
     if not args.seconds > 0:
         parser.error(f"--seconds must be > 0, got {args.seconds}")
+    if args.initcheck and not args.sanitize:
+        parser.error("--initcheck prepares a --sanitize run; give it with --sanitize")
     if args.cases is not None:
         try:
             matched = sanitize_cases(args.cases)

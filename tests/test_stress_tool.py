@@ -218,7 +218,9 @@ def test_initcheck_runs_leave_out_the_layer_case_and_say_so(tmp_path, capsys):
     assert row.split()[-2:] == ["0", "n/a"]
 
 
-def test_tma_store_control_needs_a_gpu():
+def test_tma_store_control_needs_a_gpu_and_initcheck_a_sanitize_run():
     stress = _stress()
     with pytest.raises(SystemExit):
         stress.main(["--tma-store-control", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        stress.main(["--random", "3", "--initcheck", "--device", "cpu"])
