@@ -319,7 +319,7 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
     which registered variants they covered) and every other kernel path: top-K and token
     rounding (exact and padded), both gate/up layouts, an expert with no tokens, one expert
     taking every token, T = 1, T = 0, fp32, the ``sonic.MoE`` layer, and FP8 under each
-    ``set_fp8_epilogues`` choice, and each other activation in its fused epilogues (or, not
+    ``set_fp8_epilogues`` choice (top-K, and padded token rounding), and each other activation in its fused epilogues (or, not
     gated, the plain gathered up-proj). The shapes pick the plans: ``n = 128``: one n-tile (the
     cluster shares B), ping-pong 128-wide down-proj and dX; ``d = 384, n = 256``: the
     up-proj's cluster shares A, ping-pong 192-wide tiles; ``n = 384``: dX with K > 512
@@ -350,6 +350,8 @@ def sanitize_cases(pattern: str | None = None) -> list[Case]:
         Case(T=256, d=256, n=512, E=8, K=2, router="topk"),
         Case(**fp8, router="topk", fp8_epilogues="store"),
         Case(**fp8, router="topk", gate_up="interleaved"),
+        *(Case(**fp8, router="token_rounding", tile=128, padded=True, fp8_epilogues=epilogues)
+          for epilogues in ("store", "quantizing")),
         Case(**fp8, router="token_rounding", tile=128, padded=True, fp8_epilogues="fused",
              fp8_weight_grads="fp8"),
         Case(T=256, d=384, n=384, E=8, K=2, router="topk", precision="fp8",

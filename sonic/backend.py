@@ -542,8 +542,14 @@ def _cute_up_proj_swiglu_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx
             and (h_out is None or (h_out.is_contiguous() and h_out.data_ptr() % 16 == 0))):
         h, act = gemm.grouped_gemm_fp8_swiglu(x_q, x_scales, w1_q, w1_scales, offsets,
                                               gather_idx, gate_up=gate_up, h_out=h_out)
+        # The row quantizations read every row: a padded routing's padding rows, which no
+        # GEMM tile writes, get the reference's zeros first (the same below for the one-pass
+        # SwiGLU kernel).
+        for t in (h, act) if quantize_h else (act,):
+            _cute_fill_padding_rows(t, offsets)
         return with_h_q(h, *_cute_quantize_rows(act))
     h = _cute_grouped_mm_fp8(x_q, x_scales, w1_q, w1_scales, offsets, gather_idx, out=h_out)
+    _cute_fill_padding_rows(h, offsets)
     if not _epilogue_kernel_fits(h):
         return with_h_q(h, *_cute_quantize_rows(reference.swiglu(h, gate_up)))
     if _fp8_epilogues.value == "quantizing" and (h.shape[1] // 2) % kernels.FP8_BLOCK == 0:
@@ -570,10 +576,17 @@ def _cute_dh_dswiglu_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx
             and _fp8_gemm_fits(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
             and h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0
             and (a_out is None or (a_out.is_contiguous() and a_out.data_ptr() % 16 == 0))):
-        return with_dh_q(gemm.grouped_gemm_fp8_dswiglu(
+        step = gemm.grouped_gemm_fp8_dswiglu(
             do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx, h,
-            row_scores.float().contiguous(), dh_out=h if overwrite_h else None, a_out=a_out))
+            row_scores.float().contiguous(), dh_out=h if overwrite_h else None, a_out=a_out)
+        # dH's row quantization reads every row; the kernel writes expert rows only.
+        if quantize_dh:
+            _cute_fill_padding_rows(step[0], offsets)
+        return with_dh_q(step)
     da_prime = _cute_grouped_mm_fp8(do_q, do_scales, w2t_q, w2t_scales, offsets, gather_idx)
+    # As in the bf16 dH step: the epilogue reads every row of dA', a padded routing's padding
+    # rows included.
+    _cute_fill_padding_rows(da_prime, offsets)
     if h_scales is None and not _epilogue_kernel_fits(h):
         dh, a_scaled, ds = reference.dswiglu_epilogue(da_prime, h, row_scores, gate_up)
         return with_dh_q((dh, reference.copy_into(a_out, a_scaled), ds))
