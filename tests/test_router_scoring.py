@@ -415,3 +415,24 @@ def test_update_expert_biases_reaches_every_layer():
     counts = model[0].tokens_per_expert.clone()
     sonic.nn.update_expert_biases(model)
     torch.testing.assert_close(model[0].expert_bias, 0.1 * torch.sign(counts.mean() - counts))
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_unit_scaling_factor_adds_no_multiply_and_others_scale(router):
+    """Eagerly a factor of 1 leaves the scores as the selection made them (no kernel, no
+    autograd node: host time in host-bound steps); any other factor multiplies them,
+    gradients included."""
+    logits = _logits(64, 8, seed=4, dtype=torch.float32).requires_grad_()
+
+    def route(scaling):
+        if router == "topk":
+            return sonic.topk_routing(logits, 2, scaling_factor=scaling)
+        return sonic.token_rounding_routing(logits, 2, tile=8, padded=True,
+                                            scaling_factor=scaling)
+
+    one, scaled = route(1.0), route(2.5)
+    assert "Mul" not in type(one.scores.grad_fn).__name__
+    torch.testing.assert_close(scaled.scores, 2.5 * one.scores, rtol=0, atol=0)
+    w = torch.randn(one.scores.shape[0], generator=torch.Generator().manual_seed(5))
+    grads = [torch.autograd.grad((r.scores * w).sum(), logits)[0] for r in (one, scaled)]
+    torch.testing.assert_close(grads[1], 2.5 * grads[0], rtol=1e-5, atol=1e-6)

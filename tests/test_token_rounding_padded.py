@@ -197,7 +197,13 @@ def test_kept_scores_differentiate_as_the_gathers(padded, dtype):
                           capacity=size if padded else None)
     assert int(ref.num_pairs) > T * k                     # rounding up added pairs
     values = ref.scores.detach().clone()
-    mine = tr.kept_scores(values, ref.token_idx, ref.expert_idx, order[:size], tc.scores, probs)
+    # The selection kernel's sources: a pick's top-K pair, an added pair's T·k + t·E + e,
+    # padding's T·k + T·E.
+    order, num_picks = order[:size], T * k
+    added = num_picks + ref.token_idx.long() * E + ref.expert_idx.long()
+    source = torch.where(ref.expert_idx < E, torch.where(order < num_picks, order, added),
+                         num_picks + T * E)
+    mine = tr.kept_scores(values, source, tc.scores, probs)
     torch.testing.assert_close(mine, ref.scores, rtol=0, atol=0)
     w = torch.randn(size, generator=g, dtype=dtype)
     first = [torch.autograd.grad((s * w).sum(), logits, create_graph=True, retain_graph=True)[0]
@@ -207,5 +213,4 @@ def test_kept_scores_differentiate_as_the_gathers(padded, dtype):
     second = [torch.autograd.grad((f ** 2).sum(), logits, retain_graph=True)[0] for f in first]
     torch.testing.assert_close(second[0], second[1], rtol=0, atol=1e-12)
     with torch.no_grad():
-        assert tr.kept_scores(values, ref.token_idx, ref.expert_idx, order[:size], tc.scores,
-                              probs) is values
+        assert tr.kept_scores(values, source, tc.scores, probs) is values

@@ -34,8 +34,10 @@ One launch runs three kernels:
 3. *write* — tiles of ``THREADS·ITEMS`` tokens in order, each thread ``ITEMS`` consecutive
    ones: a token is kept when its key exceeds ``v``, or equals it and fewer than ``need`` equal
    keys come before it (a block scan), and its slot is a block scan of the kept flags, so each
-   expert's tokens come out ascending. A kept pick's source is its top-K pair ``t·K + j``
-   (found among the token's ``K`` choices), an added pair's is ``T·K``; its score is its key
+   expert's tokens come out ascending. A kept pair's source is where its score's gradient
+   goes in ``[tc_scores (T·K) | S (T·E) | one unused slot]``: a kept pick's is its top-K pair
+   ``t·K + j`` (found among the token's ``K`` choices), an added pair's ``T·K + t·E + e``,
+   padding's the last slot; its score is its key
    with a pick's ``2**30`` taken off (the token-choice score of a pick, ``S[t, e]`` of an
    added pair), so the routing's scores need no gathers.
 """
@@ -72,8 +74,9 @@ def _compile(rounding: str, top_k: int, keep_ptx: bool = False):
 
 
 def kernel_fits(num_tokens: int, num_experts: int) -> bool:
-    """Whether the kernel serves ``(T, E)`` logits: int32 indices into ``E·T`` keys."""
-    return num_tokens * num_experts < 2**31
+    """Whether the kernel serves ``(T, E)`` logits: int32 indices into ``E·T`` keys and into
+    the ``T·K + T·E + 1`` gradient slots of ``source``, for any ``K <= MAX_TOP_K``."""
+    return num_tokens * (num_experts + MAX_TOP_K) < 2**31
 
 
 def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_experts: torch.Tensor,
@@ -95,11 +98,14 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     Returns:
         ``(token_idx, expert_idx, source, scores, num_kept)``: ``(capacity,)`` int32, int32,
         int32 and fp32, and a 0-d int32. The first ``num_kept`` pairs are the kept ones,
-        grouped by expert (ascending), tokens ascending within an expert; ``source`` is the
-        top-K pair ``t·K + j`` of a kept pick and ``T·K`` for an added pair; ``scores`` are
+        grouped by expert (ascending), tokens ascending within an expert; ``source`` is each
+        score's slot in ``[tc_scores | probs.flatten() | one unused slot]`` (length
+        ``T·K + T·E + 1``): the top-K pair ``t·K + j`` of a kept pick, ``T·K + t·E + e`` of
+        an added pair, ``T·K + T·E`` of padding; ``scores`` are
         the pick's ``tc_scores[source]`` or the added pair's ``probs[t, e]``, bit for bit (not
         differentiable: :func:`sonic.routing.token_rounding.kept_scores` attaches their
-        gradient). The rest is padding: expert ``E``, token 0, source 0, score 0. Ties as
+        gradient through ``source``). The rest is padding: expert ``E``, token 0, score 0.
+        Ties as
         :func:`sonic.routing.token_rounding.weakest_pick_ranks` and
         :func:`~sonic.routing.token_rounding.strongest_non_pick_tokens` define them: among
         equal scores the lower token is kept.
@@ -107,7 +113,7 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     Raises:
         TypeError: a tensor of the wrong dtype.
         ValueError: shapes or devices that disagree, ``K > 16``, ``tile < 1``, an unknown
-            ``rounding``, ``capacity`` out of ``[0, 2**31)``, or ``E·T >= 2**31``.
+            ``rounding``, ``capacity`` out of ``[0, 2**31)``, or ``T·(E + 16) >= 2**31``.
     """
     runtime.check_tensor("probs", probs, dtypes=(torch.float32,), ndim=2)
     runtime.check_tensor("tc_scores", tc_scores, dtypes=(torch.float32,), ndim=1,
@@ -122,7 +128,8 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"K must be in [1, {MAX_TOP_K}], got {top_k}")
     if not kernel_fits(num_tokens, num_experts):
-        raise ValueError(f"E·T must be below 2**31, got E={num_experts}, T={num_tokens}")
+        raise ValueError(f"T·(E + {MAX_TOP_K}) must be below 2**31, got E={num_experts}, "
+                         f"T={num_tokens}")
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile must be an int >= 1, got {tile!r}")
     if rounding not in ROUNDINGS:

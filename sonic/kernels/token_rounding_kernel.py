@@ -183,7 +183,7 @@ class TokenRoundingSelect:
         for p in cutlass.range(total + e * THREADS + tidx, capacity, num_experts * THREADS):
             mTokens[p] = 0
             mExperts[p] = num_experts
-            mSources[p] = 0
+            mSources[p] = T * self.K + T * num_experts
             mScoresOut[p] = 0
         kept = self.rounded(mCounts[e], tile, T)
 
@@ -259,7 +259,7 @@ class TokenRoundingSelect:
                 for i in cutlass.range_constexpr(ITEMS):
                     if keep[i] == 1:
                         t = first_token + i
-                        src = T * self.K
+                        src = T * self.K + t * num_experts + e
                         # A key is its score's bits, a pick's raised by PICK_KEY.
                         score = got[i]
                         if got[i] >= PICK_KEY:

@@ -9,7 +9,8 @@ import torch
 
 from sonic._validation import check_bool, check_choice, check_int
 from sonic.reference.ops import accumulate_dtype
-from sonic.routing.topk import affinity_scores, check_positive, check_router_args, topk_routing
+from sonic.routing.topk import (affinity_scores, check_positive, check_router_args, scaled,
+                                token_choice, token_major_pairs)
 from sonic.routing.types import Routing
 from sonic.types import Backend, Rounding, Score
 
@@ -107,45 +108,46 @@ def token_rounding_routing(logits: torch.Tensor, k: int, *, tile: int = 128,
         return Routing(empty, empty, logits.new_zeros(0, dtype=acc), 0, num_experts,
                        validated=True, num_valid=num_valid)
     # Token choice (the bitonic top-K kernel where it serves the scoring): the TC scores of
-    # step 2, unscaled so that they stay within S's range; its pairs are token-major.
-    tc = topk_routing(logits, k, backend=backend, score=score, renormalize=renormalize,
-                      expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
-    routing = _round(tc, affinity_scores(logits, score), tile, rounding, backend, padded)
-    # Unconditionally, as in topk_routing (a comparison would specialise a traced float).
-    return dataclasses.replace(routing, scores=routing.scores * scaling_factor)
+    # step 2, unscaled so that they stay within S's range; row t is token t's choices.
+    tc_scores, tc_experts = token_choice(
+        logits, k, score=score, renormalize=renormalize, backend=backend,
+        expert_bias=expert_bias, n_group=n_group, topk_group=topk_group, scaling_factor=1.0)
+    return _round(tc_scores, tc_experts, affinity_scores(logits, score), tile, rounding,
+                  backend, padded, scaling_factor)
 
 
-def _round(tc: Routing, probs: torch.Tensor, tile: int, rounding: str, backend: str,
-           padded: bool) -> Routing:
-    """Steps 2–5 of :func:`token_rounding_routing` on the token choice ``tc`` (token-major
-    top-K pairs) and the affinities ``probs (T, E)``."""
+def _round(tc_scores: torch.Tensor, tc_experts: torch.Tensor, probs: torch.Tensor, tile: int,
+           rounding: str, backend: str, padded: bool, scaling_factor: float) -> Routing:
+    """Steps 2–5 of :func:`token_rounding_routing` on the token choice (``(T, K)`` scores and
+    experts) and the affinities ``probs (T, E)``."""
     num_tokens, num_experts = probs.shape
-    k = tc.top_k
-    if k is None:       # topk_routing always sets it
-        raise ValueError("token rounding needs a token choice with top_k set")
-    tc_scores = tc.scores.to(probs.dtype)
+    k = tc_experts.shape[1]
+    tc_scores = tc_scores.flatten().to(probs.dtype)
     size = capacity(num_tokens, num_experts, k, tile, rounding)
     if _use_kernel(backend, probs):
         from sonic.kernels.token_rounding import token_rounding_select
         tokens, experts, source, values, num_kept = token_rounding_select(
-            probs.detach(), tc_scores.detach(), tc.expert_idx.view(num_tokens, k), tile,
-            rounding, size)
+            probs.detach(), tc_scores.detach(), tc_experts, tile, rounding, size)
         if not padded:
             count = int(num_kept)                              # the one host read: P
             tokens, experts, source, values = (tokens[:count], experts[:count],
                                                source[:count], values[:count])
         return Routing(token_idx=tokens, expert_idx=experts,
-                       scores=kept_scores(values, tokens, experts, source, tc_scores, probs),
+                       scores=scaled(kept_scores(values, source, tc_scores, probs),
+                                     scaling_factor),
                        num_tokens=num_tokens, num_experts=num_experts, validated=True,
                        num_valid=num_kept if padded else None)
     # Keys e·T + t, and the sorts over them, in int32 where they fit: half the radix passes.
     key_dtype = torch.int32 if num_experts * num_tokens < 2**31 else torch.int64
-    inputs = (tc_scores.detach(), tc.token_idx.to(key_dtype), tc.expert_idx.to(key_dtype),
-              probs.detach())
+    inputs = (tc_scores.detach(), token_major_pairs(num_tokens, k, probs.device).to(key_dtype),
+              tc_experts.flatten().to(key_dtype), probs.detach())
     keys, order, num_kept = _selection(*inputs, tile, rounding)
     if padded:
-        return kept_routing(keys, order, num_kept, tc_scores, probs, capacity=size)
-    return kept_routing(keys, order, int(num_kept), tc_scores, probs)   # the one host read: P
+        routing = kept_routing(keys, order, num_kept, tc_scores, probs, capacity=size)
+    else:
+        routing = kept_routing(keys, order, int(num_kept), tc_scores, probs)  # the host read: P
+    scores = scaled(routing.scores, scaling_factor)
+    return routing if scores is routing.scores else dataclasses.replace(routing, scores=scores)
 
 
 def _use_kernel(backend: str, probs: torch.Tensor) -> bool:
@@ -205,44 +207,41 @@ def scored_routing(tokens: torch.Tensor, experts: torch.Tensor, source: torch.Te
 
 class _KeptScores(torch.autograd.Function):
     """The kept pairs' scores as the selection kernel wrote them, with the gradient of the
-    gathers :func:`scored_routing` runs: a pick's flows to ``tc_scores[source]``, an added
-    pair's to ``probs[t, e]``, padding's nowhere. The backward is made of differentiable ops,
-    so higher-order gradients pass through."""
+    gathers :func:`scored_routing` runs: each pair's goes to its slot ``source`` in
+    ``[tc_scores | probs.flatten() | one unused slot]`` (a pick's to ``tc_scores[source]``, an
+    added pair's to ``probs[t, e]``, padding's to the unused slot). The backward is one
+    ``index_add`` (a differentiable op), so higher-order gradients pass through."""
 
     @staticmethod
-    def forward(ctx, values, tokens, experts, source, tc_scores, probs):
-        ctx.save_for_backward(tokens, experts, source)
+    def forward(ctx, values, source, tc_scores, probs):
+        ctx.save_for_backward(source)
         ctx.sizes = tc_scores.numel(), probs.shape
         return values
 
     @staticmethod
     def backward(ctx, grad):
-        tokens, experts, source = ctx.saved_tensors
+        (source,) = ctx.saved_tensors
         num_picks, (num_tokens, num_experts) = ctx.sizes
-        real = experts < num_experts
-        pick = real & (source < num_picks)
-        grad_picks = grad_probs = None
-        if ctx.needs_input_grad[4]:
-            grad_picks = grad.new_zeros(num_picks).index_add(
-                0, source.clamp(max=num_picks - 1).long(), torch.where(pick, grad, 0))
-        if ctx.needs_input_grad[5]:
-            added = real & (source >= num_picks)
-            grad_probs = grad.new_zeros(num_tokens * num_experts).index_add(
-                0, tokens.long() * num_experts + experts.clamp(max=num_experts - 1),
-                torch.where(added, grad, 0)).view(num_tokens, num_experts)
-        return None, None, None, None, grad_picks, grad_probs
+        # Kept pairs have distinct slots; padding shares the last one, which is dropped.
+        slots = grad.new_zeros(num_picks + num_tokens * num_experts + 1).index_add(
+            0, source, grad)
+        grad_picks = slots[:num_picks] if ctx.needs_input_grad[2] else None
+        grad_probs = (slots[num_picks:-1].view(num_tokens, num_experts)
+                      if ctx.needs_input_grad[3] else None)
+        return None, None, grad_picks, grad_probs
 
 
-def kept_scores(values: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-                source: torch.Tensor, tc_scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def kept_scores(values: torch.Tensor, source: torch.Tensor, tc_scores: torch.Tensor,
+                probs: torch.Tensor) -> torch.Tensor:
     """``(P,)`` scores of kept pairs whose values are known (``values``, as
     :func:`sonic.kernels.token_rounding.token_rounding_select` writes them: the pick's
     ``tc_scores[source]``, the added pair's ``probs[t, e]``, 0 for padding), differentiable
     with respect to ``tc_scores (T·K,)`` and ``probs (T, E)`` as :func:`scored_routing`'s
-    gathers are. Index tensors are int32, padding's expert is ``E``."""
+    gathers are. ``source`` (int32 or int64): each pair's slot in ``[tc_scores |
+    probs.flatten() | one unused slot]``, ``T·K + T·E`` for padding."""
     if not (tc_scores.requires_grad or probs.requires_grad) or not torch.is_grad_enabled():
         return values
-    return _KeptScores.apply(values, tokens, experts, source, tc_scores, probs)
+    return _KeptScores.apply(values, source, tc_scores, probs)
 
 
 def _selection(tc_scores: torch.Tensor, tc_tokens: torch.Tensor, tc_experts: torch.Tensor,

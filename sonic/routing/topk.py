@@ -129,6 +129,29 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
             that is not an ``(E,)`` float tensor on the logits' device, bad group arguments
             (:func:`check_group_args`), ``scaling_factor`` not finite and positive.
     """
+    scores, idx = token_choice(logits, k, score=score, renormalize=renormalize,
+                               backend=backend, expert_bias=expert_bias, n_group=n_group,
+                               topk_group=topk_group, scaling_factor=scaling_factor)
+    num_tokens, num_experts = logits.shape
+    return Routing(
+        token_idx=token_major_pairs(num_tokens, k, logits.device),
+        expert_idx=idx.flatten(),
+        scores=scores.flatten(),
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        top_k=k,
+        validated=True,
+    )
+
+
+def token_choice(logits: torch.Tensor, k: int, *, score: Score, renormalize: bool,
+                 backend: Backend, expert_bias: torch.Tensor | None, n_group: int,
+                 topk_group: int | None, scaling_factor: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_routing`'s selection without the :class:`Routing` around it: ``(scores,
+    experts)``, both ``(T, k)`` (row ``t`` is token ``t``'s choices, experts by descending
+    logit), scores fp32 (fp64 for fp64 logits) and differentiable, experts int32. Checks and
+    raises as :func:`topk_routing` does; token rounding starts from it."""
     import sonic.ops
     from sonic.backend import BACKENDS, resolve_backend
 
@@ -137,7 +160,6 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
     check_choice("backend", backend, BACKENDS)
     if not torch.compiler.is_compiling():
         resolve_backend(backend, logits.device)   # backend="cute" that cannot run fails here
-    num_tokens, num_experts = logits.shape
     if score in _KERNEL_SCORES and expert_bias is None and n_group == 1:
         # The op topk_routing: the bitonic kernel where it serves the call, a stable sort
         # otherwise; backward (twice differentiable) registered with the op.
@@ -150,15 +172,14 @@ def topk_routing(logits: torch.Tensor, k: int, *, score: Score = "softmax_topk",
     else:
         scores, idx = scored_topk(logits, k, score, renormalize, expert_bias, n_group,
                                   topk_group)
-    # Unconditionally (x·1.0 is x): a layer's factor may be a symbolic float under
-    # torch.compile, which a comparison would specialise at the cost of a second trace.
-    scores = scores * scaling_factor
-    return Routing(
-        token_idx=token_major_pairs(num_tokens, k, logits.device),
-        expert_idx=idx.flatten(),
-        scores=scores.flatten(),
-        num_tokens=num_tokens,
-        num_experts=num_experts,
-        top_k=k,
-        validated=True,
-    )
+    return scaled(scores, scaling_factor), idx
+
+
+def scaled(scores: torch.Tensor, scaling_factor: float) -> torch.Tensor:
+    """``scores · scaling_factor``; eagerly ``scores`` itself for a factor of 1 (no kernel,
+    no autograd node: host time in a host-bound step). Traced, always the product: a layer's
+    factor may be a symbolic float under torch.compile, which a comparison would specialise
+    at the cost of a second trace."""
+    if torch.compiler.is_compiling() or scaling_factor != 1.0:
+        return scores * scaling_factor
+    return scores

@@ -75,8 +75,16 @@ def test_selection_kernel_matches_torch_selection(rounding, ties, T, E, k, tile)
             # The kernel's scores are the gathers' bit for bit, padding 0.
             gathered = tr.scored_routing(tokens, experts, source, tc.scores, probs, num_kept)
             assert torch.equal(values, gathered.scores.detach())
-            r = sonic.Routing(tokens, experts, tr.kept_scores(values, tokens, experts, source,
-                                                              tc.scores, probs),
+            # Each score's gradient slot: a pick's top-K pair (its token's choice of this
+            # expert), an added pair's T·k + t·E + e, padding's T·k + T·E.
+            pick, real = source < T * k, experts < E
+            src = source.long().clamp(max=T * k - 1)
+            assert torch.equal(tc.expert_idx[src][pick], experts[pick])
+            assert torch.equal((src // k)[pick], tokens.long()[pick])
+            assert torch.equal(source[~pick & real].long(),
+                               (T * k + tokens.long() * E + experts.long())[~pick & real])
+            assert (source[~real] == T * k + T * E).all()
+            r = sonic.Routing(tokens, experts, tr.kept_scores(values, source, tc.scores, probs),
                               T, E, validated=True, num_valid=num_kept)
         else:
             keys, order, num_kept = tr._selection(tc.scores.detach(), tc.token_idx,
