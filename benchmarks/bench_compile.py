@@ -3,10 +3,13 @@
     python benchmarks/bench_compile.py                          # OLMoE-like layer, T=8192, bf16
     python benchmarks/bench_compile.py --config 16384,1536,256,128,8 --modes default reduce-overhead
     python benchmarks/bench_compile.py --device cpu --config 512,64,32,8,2 --steps 3   # smoke run
+    python benchmarks/bench_compile.py --config 24576,1536,256,128,8 --router token_rounding \
+        --modes cuda-graph                  # a host-bound layer, its eager step graph-captured
 
 A step is forward + backward (``layer(x, return_aux_loss=True)``, loss ``⟨out, dO⟩ + aux``)
 with gradients set to None before it. For each mode it prints the wall time of the first call
-(dynamo + inductor compilation, and CUDA-graph recording for ``reduce-overhead``), then the
+(dynamo + inductor compilation, and CUDA-graph recording for ``reduce-overhead``; for
+``cuda-graph`` the eager step's warm-up, capture and first replay), then the
 median step time over ``--steps`` further steps (CUDA-synchronised), against eager. Importable
 without a GPU; ``--device cpu`` runs the same measurements on the CPU.
 """
@@ -39,13 +42,34 @@ def _timed_steps(step, device, steps: int) -> list[float]:
     return times
 
 
+def _cuda_graph(step, device: torch.device):
+    """``step`` captured in a CUDA graph, warmed up first on a side stream (kernels compiled,
+    allocator warmed) as capture requires; returns the graph's replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def measure(config: tuple[int, int, int, int, int], *, device: str, dtype: torch.dtype,
-            modes: list[str], steps: int, backend: str = "auto") -> dict:
-    """``{"eager": {...}, mode: {...}}`` with ``first_call_s`` and ``step_ms`` per variant."""
+            modes: list[str], steps: int, backend: str = "auto",
+            router: str = "topk") -> dict:
+    """``{"eager": {...}, mode: {...}}`` with ``first_call_s`` and ``step_ms`` per variant.
+    ``modes``: torch.compile modes, and ``"cuda-graph"``: the eager step captured in a CUDA
+    graph and replayed (``router="token_rounding"`` routes padded, with no host read)."""
     T, d, n, E, K = config
     dev = torch.device(device)
+    if "cuda-graph" in modes and dev.type != "cuda":
+        raise ValueError(f"mode 'cuda-graph' needs a CUDA device, got {device}")
     torch.manual_seed(0)
-    layer = sonic.MoE(d, n, E, K, aux_loss_coef=0.01, backend=backend, device=dev, dtype=dtype)
+    layer = sonic.MoE(d, n, E, K, router=router, aux_loss_coef=0.01, backend=backend,
+                      device=dev, dtype=dtype)
     x = torch.randn(T, d, device=dev, dtype=dtype)
     dout = torch.randn(T, d, device=dev, dtype=dtype)
 
@@ -60,12 +84,23 @@ def measure(config: tuple[int, int, int, int, int], *, device: str, dtype: torch
         return step
 
     results = {}
-    variants = [("eager", layer)] + [
-        (mode, torch.compile(layer, mode=None if mode == "default" else mode, fullgraph=True))
-        for mode in modes]
-    for name, fn in variants:
-        step = make_step(fn)
-        first = _timed_steps(step, dev, 1)[0]
+    variants = [("eager", make_step(layer))]
+    for mode in modes:
+        if mode == "cuda-graph":
+            variants.append((mode, None))
+        else:
+            compiled = torch.compile(layer, mode=None if mode == "default" else mode,
+                                     fullgraph=True)
+            variants.append((mode, make_step(compiled)))
+    for name, step in variants:
+        if step is None:
+            start = time.perf_counter()
+            step = _cuda_graph(variants[0][1], dev)
+            step()
+            _sync(dev)
+            first = time.perf_counter() - start
+        else:
+            first = _timed_steps(step, dev, 1)[0]
         _timed_steps(step, dev, 2)                      # CUDA-graph recording, allocator warm-up
         times = _timed_steps(step, dev, steps)
         results[name] = {"first_call_s": first, "step_ms": 1e3 * statistics.median(times)}
@@ -82,7 +117,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--backend", choices=("auto", "torch", "cute"), default="auto")
     p.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"],
-                   choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"))
+                   choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs",
+                            "cuda-graph"),
+                   help="torch.compile modes, and cuda-graph: the eager step captured in a "
+                        "CUDA graph (CUDA only)")
+    p.add_argument("--router", choices=("topk", "token_rounding"), default="topk")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
@@ -91,14 +130,18 @@ def main(argv=None) -> int:
         p.error("--config must be T,d,n,E,K")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available (use --device cpu for a smoke run)")
+    if "cuda-graph" in args.modes and not args.device.startswith("cuda"):
+        p.error("--modes cuda-graph needs --device cuda")
     results = measure(config, device=args.device, dtype=getattr(torch, args.dtype),
-                      modes=args.modes, steps=args.steps, backend=args.backend)
+                      modes=args.modes, steps=args.steps, backend=args.backend,
+                      router=args.router)
     if args.json:
         print(json.dumps({"config": args.config, "device": args.device, "dtype": args.dtype,
+                          "router": args.router,
                           "backend": sonic.explain_backend(args.backend, args.device),
                           "results": results}))
         return 0
-    print(f"sonic.MoE T,d,n,E,K={args.config} {args.dtype} on {args.device} "
+    print(f"sonic.MoE T,d,n,E,K={args.config} {args.router} {args.dtype} on {args.device} "
           f"({sonic.explain_backend(args.backend, args.device)})")
     print(f"  {'variant':<28} {'first call s':>12} {'step ms':>10} {'vs eager':>9}")
     for name, r in results.items():
