@@ -33,15 +33,9 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
 
 
-
-
 def token_major_pairs(num_tokens: int, k: int, device) -> torch.Tensor:
     """``(T·k,)`` int32 token index of each pair when pair ``t·k + j`` is token t's j-th choice."""
     return torch.arange(num_tokens, dtype=torch.int32, device=device).repeat_interleave(k)
-
-
-
-
 
 
 def check_group_args(num_experts: int, k: int, n_group: int, topk_group: int | None) -> int:
