@@ -199,3 +199,19 @@ def test_routing_in_step_compares_with_the_same_layer_routed_beforehand(monkeypa
     out = bench._routing_in_step("topk", "sonic-topK", lambda: None, lambda: None, ())
     # alternated, with first: medians 1000 us with the routing, 905 us without (2000 us dropped)
     assert out == {"routing_in_step_us_topk": 95.0, "routing_in_step_share_topk": 0.095}
+
+
+def test_bench_compile_routes_by_token_rounding_and_refuses_cuda_graphs_off_cuda(capsys):
+    """``bench_compile.py --router token_rounding`` times a token-rounding layer (eager and
+    compiled on the CPU); ``--modes cuda-graph`` needs a CUDA device and says so."""
+    bench = _benchmark("bench_compile")
+    results = bench.measure((32, 16, 8, 4, 2), device="cpu", dtype=torch.float32,
+                            modes=["default"], steps=1, router="token_rounding")
+    assert set(results) == {"eager", "default"}
+    assert all(r["step_ms"] > 0 for r in results.values())
+    with pytest.raises(ValueError, match="cuda-graph"):
+        bench.measure((32, 16, 8, 4, 2), device="cpu", dtype=torch.float32,
+                      modes=["cuda-graph"], steps=1)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--modes", "cuda-graph"])
+    assert "--modes cuda-graph needs --device cuda" in capsys.readouterr().err
