@@ -104,21 +104,28 @@ def device_name() -> str:
     return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
-def graph_us(fn) -> float:
-    """Median µs of ``fn`` captured in a CUDA graph and replayed: device time without host overhead.
-
-    Also checks that ``fn`` is graph-capturable (no host synchronisation).
-    """
+def captured(fn, warmups: int = 3):
+    """``fn`` captured in a CUDA graph: the graph's replay, after ``warmups`` calls on a side
+    stream (kernels compiled, allocator warm), as capture requires. Capture fails if ``fn``
+    synchronises with the host."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench(graph.replay)
+    return graph.replay
+
+
+def graph_us(fn) -> float:
+    """Median µs of ``fn`` captured in a CUDA graph and replayed: device time without host overhead.
+
+    Also checks that ``fn`` is graph-capturable (no host synchronisation).
+    """
+    return bench(captured(fn))
 
 
 def nvml_handle(nvml, props):

@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import sonic
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import captured  # noqa: E402
+
+import sonic  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -40,21 +46,6 @@ def _timed_steps(step, device, steps: int) -> list[float]:
         _sync(device)
         times.append(time.perf_counter() - start)
     return times
-
-
-def _cuda_graph(step, device: torch.device):
-    """``step`` captured in a CUDA graph, warmed up first on a side stream (kernels compiled,
-    allocator warmed) as capture requires; returns the graph's replay."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def measure(config: tuple[int, int, int, int, int], *, device: str, dtype: torch.dtype,
@@ -95,7 +86,8 @@ def measure(config: tuple[int, int, int, int, int], *, device: str, dtype: torch
     for name, step in variants:
         if step is None:
             start = time.perf_counter()
-            step = _cuda_graph(variants[0][1], dev)
+            with torch.cuda.device(dev):
+                step = captured(variants[0][1])
             step()
             _sync(dev)
             first = time.perf_counter() - start
