@@ -46,7 +46,10 @@ ratios.
   launch time, which a step can hide under earlier GPU work) and its cost inside the step:
   the step less the same step with the routing made beforehand, the two alternated
   (``routing_in_step_us_<router>``, ``routing_in_step_share_<router>``; an upper bound, since
-  that step also skips the router GEMM's backward).
+  that step also skips the router GEMM's backward). ``--routing-in-graph`` adds the same
+  difference with both steps captured in CUDA graphs (``routing_in_graph_us_<router>``,
+  ``routing_in_graph_share_<router>``): the routing's cost without the host's, which on a
+  host-bound layer the eager difference mixes with host jitter.
   DeepSeek-V3's layer: ``--config DeepSeek-V3 --score sigmoid --renormalize
   --routed-scaling-factor 2.5 --n-group 8 --topk-group 4 --expert-bias --shared-experts 1``.
 * ``--profile`` adds sonic's per-kernel CUDA time per step (``torch.profiler``, the mean of
@@ -77,7 +80,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import bench, device_name, energy_per_call, trace_idle  # noqa: E402
+from _timing import bench, captured, device_name, energy_per_call, trace_idle  # noqa: E402
 
 import sonic  # noqa: E402
 from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads  # noqa: E402
@@ -341,9 +344,10 @@ _SCORING_DEFAULTS = {"score": "softmax_topk", "renormalize": False, "n_group": 1
 
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
             precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
-            fp8_weight_grads=("bf16",), scoring=None, shared=None):
+            fp8_weight_grads=("bf16",), scoring=None, shared=None, routing_in_graph=False):
     """Time one layer shape (see the module notes); ``scoring`` and ``shared`` are
-    :func:`layer_options`'. Returns the JSON result of the shape."""
+    :func:`layer_options`'; ``routing_in_graph``: also :func:`_routing_in_graph`. Returns the
+    JSON result of the shape."""
     T, d, n, E, K = sizes
     x, router_weight, w1, w2, grad = problem(sizes)
     params = (router_weight, w1, w2)
@@ -454,8 +458,10 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         without = _sonic_layer(r, tile, precisions[0], fp8_weights if precisions[0] == "fp8"
                                else None, routed=(routed, sonic.routing_metadata(routed)),
                                **opts)
-        result.update(_routing_in_step(r, impl, steps[impl],
-                                       _steps(without, x, params, K, grad)[1], leaves))
+        step_without = _steps(without, x, params, K, grad)[1]
+        result.update(_routing_in_step(r, impl, steps[impl], step_without, leaves))
+        if routing_in_graph:
+            result.update(_routing_in_graph(r, impl, steps[impl], step_without, leaves))
     if profile_kernels:
         _kernel_breakdown(steps[first], grad_to_none=leaves)
     return result
@@ -510,6 +516,36 @@ def _routing_in_step(router: str, impl: str, step, step_without, leaves) -> dict
           f"{' / '.join(f'{t / 1e3:.3f}' for t in without_us)} ms)")
     return {f"routing_in_step_us_{router}": cost,
             f"routing_in_step_share_{router}": cost / step_us}
+
+
+def _routing_in_graph(router: str, impl: str, step, step_without, leaves) -> dict:
+    """The routing phase's cost inside a step with no host time in it: row ``impl``'s step
+    and the same step with its routing made beforehand, each captured in a CUDA graph
+    (gradients dropped before each, as in the timed steps) and their replays timed alternately
+    :data:`IN_STEP_ROUNDS` times, medians compared. Where the eager step is host-bound this
+    is what a faster host, or a step in a CUDA graph, pays for the routing; an upper bound as
+    :func:`_routing_in_step` is. The two graphs hold their own memory at once. Prints it;
+    returns the JSON keys."""
+    def fresh(fn):
+        def call():
+            for t in leaves:
+                t.grad = None
+            fn()
+        return call
+
+    replays = captured(fresh(step)), captured(fresh(step_without))
+    with_us, without_us = [], []
+    for _ in range(IN_STEP_ROUNDS):
+        with_us.append(bench(replays[0]))
+        without_us.append(bench(replays[1]))
+    step_us = statistics.median(with_us)
+    cost = step_us - statistics.median(without_us)
+    print(f"  {impl} routing phase in the step, both captured in CUDA graphs: {cost:.1f} us, "
+          f"{100 * cost / step_us:.2f}% (graphed steps "
+          f"{' / '.join(f'{t / 1e3:.3f}' for t in with_us)} ms against "
+          f"{' / '.join(f'{t / 1e3:.3f}' for t in without_us)} ms)")
+    return {f"routing_in_graph_us_{router}": cost,
+            f"routing_in_graph_share_{router}": cost / step_us}
 
 
 def _describe(scoring, shared) -> dict:
@@ -663,6 +699,9 @@ def main(argv=None):
                         help="a fixed random (E,) selection bias (aux-loss-free balancing)")
     parser.add_argument("--shared-experts", type=int, default=0, metavar="M",
                         help="add one dense SwiGLU expert of size M*n")
+    parser.add_argument("--routing-in-graph", action="store_true",
+                        help="also the routing phase's cost inside the step with both steps "
+                             "captured in CUDA graphs (no host time; two graphs' memory)")
     args = parser.parse_args(argv)
     scoring = {"score": args.score, "renormalize": args.renormalize,
                "n_group": args.n_group, "topk_group": args.topk_group,
@@ -676,7 +715,8 @@ def main(argv=None):
     results = [measure(name, sizes, args.router, args.tile, args.profile, args.trace,
                        args.precision, args.activation_cache, args.fp8_epilogues,
                        args.fp8_weight_grads,
-                       *layer_options(sizes, scoring, args.shared_experts, args.expert_bias))
+                       *layer_options(sizes, scoring, args.shared_experts, args.expert_bias),
+                       routing_in_graph=args.routing_in_graph)
                for name, sizes in configs]
     if args.vs_sonicmoe:
         compare_with_sonicmoe(results, anchor, args.vs_sonicmoe)

@@ -201,6 +201,36 @@ def test_routing_in_step_compares_with_the_same_layer_routed_beforehand(monkeypa
     assert out == {"routing_in_step_us_topk": 95.0, "routing_in_step_share_topk": 0.095}
 
 
+def test_routing_in_graph_times_both_captured_steps_alternately(monkeypatch):
+    """``--routing-in-graph``: each step is captured once with the gradients dropped before
+    it, the two replays are timed alternately, and the cost is the difference of medians."""
+    bench = _bench_moe()
+    leaf = torch.zeros(2, requires_grad=True)
+    calls = []
+
+    def step(name):
+        def run():
+            calls.append((name, leaf.grad))
+            leaf.grad = torch.ones(2)
+        return run
+
+    def captured(fn):
+        fn()                                       # what a capture records
+        return fn
+
+    monkeypatch.setattr(bench, "captured", captured)
+    times = iter([3000.0, 2800.0, 3010.0, 2790.0, 2990.0, 2810.0, 5000.0, 2800.0, 3000.0,
+                  2805.0])
+    monkeypatch.setattr(bench, "bench", lambda fn: (fn(), next(times))[1])
+    leaf.grad = torch.ones(2)
+    out = bench._routing_in_graph("token_rounding", "sonic-TR", step("with"), step("without"),
+                                  (leaf,))
+    assert out == {"routing_in_graph_us_token_rounding": 200.0,
+                   "routing_in_graph_share_token_rounding": 200.0 / 3000.0}
+    assert [name for name, _ in calls] == ["with", "without"] + ["with", "without"] * 5
+    assert all(grad is None for _, grad in calls)
+
+
 def test_bench_compile_routes_by_token_rounding_and_refuses_cuda_graphs_off_cuda(capsys):
     """``bench_compile.py --router token_rounding`` times a token-rounding layer (eager and
     compiled on the CPU); ``--modes cuda-graph`` needs a CUDA device and says so."""
