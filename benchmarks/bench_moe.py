@@ -498,32 +498,24 @@ def _routing_in_step(router: str, impl: str, step, step_without, leaves) -> dict
     its routing made beforehand (``step_without``), the two timed alternately
     :data:`IN_STEP_ROUNDS` times and the medians of each side's timings compared. Timed alone
     the phase shows the host's launches, which in a step run under the previous GPU work;
-    this is what the step pays. The routing made beforehand has constant scores, so the router GEMM's
-    backward drops out too: the difference is an upper bound. Prints it; returns the JSON
-    keys."""
+    this is what the step pays. The routing made beforehand has constant scores, so the router
+    GEMM's backward drops out too: the difference is an upper bound. Prints it; returns the
+    JSON keys."""
     step_without()
-    with_us, without_us = [], []
-    for _ in range(IN_STEP_ROUNDS):
-        with_us.append(bench(step, grad_to_none=leaves))
-        without_us.append(bench(step_without, grad_to_none=leaves))
+    out = _alternated(router, impl, "in_step", "(the step less the step with its routing "
+                      "made beforehand)", "steps", lambda: bench(step, grad_to_none=leaves),
+                      lambda: bench(step_without, grad_to_none=leaves))
     for t in leaves:
         t.grad = None
-    step_us = statistics.median(with_us)
-    cost = step_us - statistics.median(without_us)
-    print(f"  {impl} routing phase in the step (the step less the step with its routing made "
-          f"beforehand): {cost:.1f} us, {100 * cost / step_us:.2f}% "
-          f"(steps {' / '.join(f'{t / 1e3:.3f}' for t in with_us)} ms against "
-          f"{' / '.join(f'{t / 1e3:.3f}' for t in without_us)} ms)")
-    return {f"routing_in_step_us_{router}": cost,
-            f"routing_in_step_share_{router}": cost / step_us}
+    return out
 
 
 def _routing_in_graph(router: str, impl: str, step, step_without, leaves) -> dict:
     """The routing phase's cost inside a step with no host time in it: row ``impl``'s step
     and the same step with its routing made beforehand, each captured in a CUDA graph
-    (gradients dropped before each, as in the timed steps) and their replays timed alternately
-    :data:`IN_STEP_ROUNDS` times, medians compared. Where the eager step is host-bound this
-    is what a faster host, or a step in a CUDA graph, pays for the routing; an upper bound as
+    (gradients dropped before each, as in the timed steps) and their replays timed as
+    :func:`_routing_in_step` times the steps. Where the eager step is host-bound this is what
+    a faster host, or a step in a CUDA graph, pays for the routing; an upper bound as
     :func:`_routing_in_step` is. The two graphs hold their own memory at once. Prints it;
     returns the JSON keys."""
     def fresh(fn):
@@ -533,19 +525,27 @@ def _routing_in_graph(router: str, impl: str, step, step_without, leaves) -> dic
             fn()
         return call
 
-    replays = captured(fresh(step)), captured(fresh(step_without))
+    replay, replay_without = captured(fresh(step)), captured(fresh(step_without))
+    return _alternated(router, impl, "in_graph", ", both captured in CUDA graphs",
+                       "graphed steps", lambda: bench(replay), lambda: bench(replay_without))
+
+
+def _alternated(router: str, impl: str, key: str, what: str, label: str, time_with,
+                time_without) -> dict:
+    """``time_with()`` and ``time_without()`` (µs) called alternately :data:`IN_STEP_ROUNDS`
+    times; prints the difference of their medians as the routing phase's cost ``what`` and
+    returns it as ``routing_<key>_us_<router>`` and ``routing_<key>_share_<router>``."""
     with_us, without_us = [], []
     for _ in range(IN_STEP_ROUNDS):
-        with_us.append(bench(replays[0]))
-        without_us.append(bench(replays[1]))
+        with_us.append(time_with())
+        without_us.append(time_without())
     step_us = statistics.median(with_us)
     cost = step_us - statistics.median(without_us)
-    print(f"  {impl} routing phase in the step, both captured in CUDA graphs: {cost:.1f} us, "
-          f"{100 * cost / step_us:.2f}% (graphed steps "
+    print(f"  {impl} routing phase in the step {what}: {cost:.1f} us, "
+          f"{100 * cost / step_us:.2f}% ({label} "
           f"{' / '.join(f'{t / 1e3:.3f}' for t in with_us)} ms against "
           f"{' / '.join(f'{t / 1e3:.3f}' for t in without_us)} ms)")
-    return {f"routing_in_graph_us_{router}": cost,
-            f"routing_in_graph_share_{router}": cost / step_us}
+    return {f"routing_{key}_us_{router}": cost, f"routing_{key}_share_{router}": cost / step_us}
 
 
 def _describe(scoring, shared) -> dict:
