@@ -46,9 +46,14 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
   in an op schema, and the bf16 op's callers stay unchanged.
 
-Token rounding's routing is not an op. Its exact form reads the data-dependent ``P`` back to
-the host (a graph break under ``torch.compile``, or fullgraph with
-``torch._dynamo.config.capture_scalar_outputs = True``); its padded form
+* ``sonic::token_rounding_select(probs, tc_scores, tc_experts, tile, rounding, capacity) ->
+  (token_idx, expert_idx, source, scores, num_kept)`` — token rounding's selection kernel
+  (:func:`sonic.kernels.token_rounding.token_rounding_select`, CUDA only), not differentiable:
+  its callers attach the scores' gradient through ``source``.
+
+Token rounding's routing is that op and torch ops around it. Its exact form reads the
+data-dependent ``P`` back to the host (a graph break under ``torch.compile``, or fullgraph
+with ``torch._dynamo.config.capture_scalar_outputs = True``); its padded form
 (``padded=True``, what :class:`sonic.MoE` uses) has shapes fixed by ``(T, E, K, tile)`` and
 keeps ``P`` on the device, so it makes no host read and can be captured in a CUDA graph.
 """
@@ -285,6 +290,22 @@ def _sigmoid_topk_grad(g: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor,
 
 
 _topk_op.register_autograd(_topk_backward, setup_context=_topk_setup)
+
+
+@_op("token_rounding_select")
+def _token_rounding_select_op(probs: torch.Tensor, tc_scores: torch.Tensor,
+                              tc_experts: torch.Tensor, tile: int, rounding: str, capacity: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor]:
+    from sonic.kernels import token_rounding
+    return token_rounding.token_rounding_select(probs, tc_scores, tc_experts, tile, rounding,
+                                                capacity)
+
+
+@_token_rounding_select_op.register_fake
+def _(probs, tc_scores, tc_experts, tile, rounding, capacity):
+    return (*(probs.new_empty(capacity, dtype=_INT32) for _ in range(3)),
+            probs.new_empty(capacity), probs.new_empty((), dtype=_INT32))
 
 
 # ------------------------------------------------------------------------------ expert kernels

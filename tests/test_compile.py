@@ -9,7 +9,7 @@ import sonic
 from sonic import ops  # noqa: F401
 
 OPS = ("topk_routing", "routing_metadata", "grouped_mm", "grouped_mm_varlen_k",
-       "up_proj_swiglu", "dh_dswiglu", "aggregate", "moe_experts")
+       "up_proj_swiglu", "dh_dswiglu", "aggregate", "moe_experts", "token_rounding_select")
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +96,65 @@ def test_token_rounding_layer_compiles_without_a_graph_break():
     torch._dynamo.reset()
     got = torch.compile(layer, fullgraph=True)(x)
     torch.testing.assert_close(got, layer(x))
+
+
+def _selection_in_torch(probs, tc_scores, tc_experts, tile, rounding, capacity):
+    """What the selection kernel returns (sonic.kernels.token_rounding.token_rounding_select),
+    from the torch selection: a stand-in for the kernel on the CPU. It reads its inputs'
+    addresses as the kernel's launch does, which nothing traced can."""
+    from sonic.kernels import runtime
+    from sonic.routing import token_rounding as tr
+    from sonic.routing.topk import token_major_pairs
+
+    for t in (probs, tc_scores, tc_experts):
+        runtime.address(t.contiguous(), 4)
+
+    T, E = probs.shape
+    k = tc_experts.shape[1]
+    keys, order, num_kept = tr._selection(tc_scores, token_major_pairs(T, k, "cpu").long(),
+                                          tc_experts.flatten().long(), probs, tile, rounding)
+    keys, order = keys[:capacity], order[:capacity]
+    tokens, experts = keys % T, keys // T
+    real, picks = experts < E, T * k
+    source = torch.where(real, torch.where(order < picks, order, picks + tokens * E + experts),
+                         picks + T * E)
+    values = tr.scored_routing(tokens, experts, order, tc_scores, probs, num_kept).scores
+    return (tokens.int(), experts.int(), source.int(), values.float(),
+            num_kept.int().reshape(()))
+
+
+@pytest.fixture
+def selection_kernel_stand_in(monkeypatch):
+    """Token rounding takes the selection kernel's path (the op sonic::token_rounding_select),
+    with the kernel replaced by :func:`_selection_in_torch`."""
+    from sonic.kernels import token_rounding as kernel
+    from sonic.routing import token_rounding as tr
+
+    monkeypatch.setattr(kernel, "token_rounding_select", _selection_in_torch)
+    monkeypatch.setattr(tr, "_use_kernel", lambda backend, probs: True)
+
+
+def test_token_rounding_through_the_selection_op_compiles_fullgraph(selection_kernel_stand_in):
+    """On a GPU token rounding selects in a CuTe kernel; as the op sonic::token_rounding_select
+    it traces (its fake gives the shapes), so a token-rounding layer still compiles into one
+    graph, forward and backward, and computes what it computes eagerly."""
+    layer = _layer(torch.float32, router="token_rounding", tile=4)
+    x = torch.randn(20, 16, requires_grad=True)
+    expect = _step(layer, x)
+    counter = CompileCounterWithBackend("aot_eager")
+    got = _step(torch.compile(layer, fullgraph=True, backend=counter), x)
+    assert counter.frame_count == 1
+    for a, b in zip(_flat(got), _flat(expect)):
+        torch.testing.assert_close(a, b)
+    probs = torch.randn(20, 4).softmax(-1)
+    tc = sonic.topk_routing(probs.log(), 2, backend="torch")
+    torch.library.opcheck(torch.ops.sonic.token_rounding_select.default,
+                          (probs, tc.scores, tc.expert_idx.view(20, 2), 4, "nearest", 32))
+
+
+def _flat(step):
+    out, loss, grads = step
+    return [out, loss, *grads]
 
 
 def test_exact_token_rounding_compiles_with_a_graph_break_at_its_host_read():

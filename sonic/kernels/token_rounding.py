@@ -137,9 +137,11 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity < 2**31:
         raise ValueError(f"capacity must be an int in [0, 2**31), got {capacity!r}")
     device = probs.device
-    out = torch.empty(4 * capacity + 1, dtype=torch.int32, device=device)
-    tokens, experts, source, scores, num_kept = out.split((capacity,) * 4 + (1,))
-    scores, num_kept = scores.view(torch.float32), num_kept.view(())
+    # Separate buffers: the outputs of the op sonic::token_rounding_select may not alias.
+    tokens, experts, source = (torch.empty(capacity, dtype=torch.int32, device=device)
+                               for _ in range(3))
+    scores = torch.empty(capacity, dtype=torch.float32, device=device)
+    num_kept = torch.empty((), dtype=torch.int32, device=device)
     if num_tokens == 0:
         num_kept.zero_()
         return tokens, experts, source, scores, num_kept

@@ -125,8 +125,8 @@ def _round(tc_scores: torch.Tensor, tc_experts: torch.Tensor, probs: torch.Tenso
     tc_scores = tc_scores.flatten().to(probs.dtype)
     size = capacity(num_tokens, num_experts, k, tile, rounding)
     if _use_kernel(backend, probs):
-        from sonic.kernels.token_rounding import token_rounding_select
-        tokens, experts, source, values, num_kept = token_rounding_select(
+        import sonic.ops
+        tokens, experts, source, values, num_kept = sonic.ops.call.token_rounding_select(
             probs.detach(), tc_scores.detach(), tc_experts, tile, rounding, size)
         if not padded:
             count = int(num_kept)                              # the one host read: P
