@@ -52,6 +52,21 @@ def test_fullgraph_training_step_matches_eager(backend):
     assert counter.frame_count == 1
 
 
+def test_token_rounding_fullgraph_training_step_matches_eager():
+    """A token-rounding layer (padded, selection in the CuTe kernel through the op
+    sonic::token_rounding_select) compiles into one graph and computes what it computes
+    eagerly."""
+    layer = _layer(router="token_rounding", tile=64)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    x = torch.randn(1024, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(1024, D, device="cuda")
+    got, expect = _step(compiled, x, dout), _step(layer, x, dout)
+    for a, b in zip(got, expect):
+        assert _rel(a, b) < 2e-2
+    assert counter.frame_count == 1
+
+
 def test_reduce_overhead_cuda_graph_training_step():
     """mode="reduce-overhead": the compiled forward and backward replay as CUDA graphs (top-K,
     bf16: no host synchronisation anywhere in the step)."""
