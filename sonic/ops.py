@@ -292,6 +292,9 @@ def _sigmoid_topk_grad(g: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor,
 _topk_op.register_autograd(_topk_backward, setup_context=_topk_setup)
 
 
+# ------------------------------------------------------------------------------ token rounding
+
+
 @_op("token_rounding_select")
 def _token_rounding_select_op(probs: torch.Tensor, tc_scores: torch.Tensor,
                               tc_experts: torch.Tensor, tile: int, rounding: str, capacity: int
