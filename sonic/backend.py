@@ -22,6 +22,7 @@ import torch
 
 from sonic._validation import check_choice
 # sonic.backend.sm_margin is public; the grouped GEMMs own the setting.
+from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm.interface import sm_margin  # noqa: F401
 from sonic.reference import activations
 from sonic.reference import fp8 as fp8_reference
@@ -95,8 +96,7 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
     """Whether sonic's CuTe kernels can run on ``device``, and if not, why."""
     if device.type != "cuda":
         return False, f"device {device} is not a CUDA GPU"
-    from sonic.kernels.runtime import kernels_available
-    return kernels_available(device)
+    return runtime.kernels_available(device)
 
 
 def explain_backend(backend: str = "auto", device: torch.device | str | None = None) -> str:
@@ -136,7 +136,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _self_check_summary(backend: str, device: torch.device) -> str:
-    from sonic.kernels import runtime
     from sonic.kernels.grouped_gemm import self_check
 
     arch = runtime.device_arch(device)
@@ -465,8 +464,7 @@ def check_fp8_backend(backend: str, device: torch.device) -> None:
         return
     arch = None
     if device.type == "cuda":
-        from sonic.kernels.runtime import device_arch
-        arch = device_arch(device)
+        arch = runtime.device_arch(device)
     if arch != FP8_ARCH:
         where = f"a {arch} GPU" if arch else f"device {device}"
         raise RuntimeError(

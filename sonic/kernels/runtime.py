@@ -22,6 +22,7 @@ Conventions every kernel module follows:
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import threading
@@ -101,10 +102,13 @@ def kernels_available(device: torch.device | str | int | None = None) -> tuple[b
         if not torch.cuda.is_available():
             return False, "no CUDA device is available (torch.cuda.is_available() is False)"
         device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    elif not isinstance(device, torch.device):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type != "cuda":
         return False, f"tensors are on {device}, the CuTe-DSL kernels need a CUDA device"
-    if not torch.cuda.is_available():
+    # Asked before every kernel call: a device whose capability was read needs no second
+    # torch.cuda.is_available() (an environment lookup and a driver call).
+    if (device.index is None or device.index not in _CAPABILITY) and not torch.cuda.is_available():
         return False, "no CUDA device is available (torch.cuda.is_available() is False)"
     major, minor = device_capability(device)
     if major not in SUPPORTED_ARCHS:
@@ -112,13 +116,22 @@ def kernels_available(device: torch.device | str | int | None = None) -> tuple[b
         return False, (f"{name} has compute capability {major}.{minor}; the CuTe-DSL kernels are "
                        "built for Hopper (sm_90a, compute capability 9.x) and Blackwell "
                        "(sm_100a, 10.x)")
+    missing = _dsl_import_error()
+    if missing:
+        return False, (f"the CuTe DSL is not importable ({missing}); install the 'gpu' extra: "
+                       "pip install 'sonic-cute-moe[gpu]'")
+    return True, ""
+
+
+@functools.cache
+def _dsl_import_error() -> str:
+    """Why the CuTe DSL cannot be imported, or ``""`` when it can (asked once per process)."""
     try:
         import cutlass  # noqa: F401
         import cutlass.cute  # noqa: F401
     except ImportError as err:
-        return False, (f"the CuTe DSL is not importable ({err}); install the 'gpu' extra: "
-                       "pip install 'sonic-cute-moe[gpu]'")
-    return True, ""
+        return str(err)
+    return ""
 
 
 def compiled(key: Hashable, build: Callable[[], _Built]) -> _Built:

@@ -16,6 +16,8 @@ sonic's (:func:`sonic.moe_experts` returns a fresh dX); hence the contract of
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -50,6 +52,12 @@ class _GateAndInput(torch.autograd.Function):
         if need_b and ctx.has_bias:
             grad_b = d_logits.sum(0)
         return grad_x, grad_w, grad_b
+
+
+# With setup_context declared (which torch.func transforms need), Function.apply binds the
+# arguments through inspect.signature(forward) on every call; a stored signature is read back
+# instead of rebuilt.
+_GateAndInput.forward.__signature__ = inspect.signature(_GateAndInput.forward)
 
 
 # torch.nn.modules.module's registries of hooks on every module (nn.modules.module.register_*).
