@@ -33,10 +33,12 @@ One launch runs three kernels:
    rank still sought. ``O(T)`` per pass, coalesced.
 3. *write* — tiles of ``THREADS·ITEMS`` tokens in order, each thread ``ITEMS`` consecutive
    ones: a token is kept when its key exceeds ``v``, or equals it and fewer than ``need`` equal
-   keys come before it (a block scan), and its slot is a block scan of the kept flags, so each
-   expert's tokens come out ascending. A kept pair's source is where its score's gradient
+   keys come before it; one block scan of both counts (packed in one int) gives each thread
+   the equal keys and the kept tokens before it, so each expert's tokens come out ascending.
+   A kept pair's source is where its score's gradient
    goes in ``[tc_scores (T·K) | S (T·E) | one unused slot]``: a kept pick's is its top-K pair
-   ``t·K + j`` (found among the token's ``K`` choices), an added pair's ``T·K + t·E + e``,
+   ``t·K + j`` (the keys kernel records each pick's ``j`` in an ``(E, T)`` int8 array, read
+   back only for kept picks), an added pair's ``T·K + t·E + e``,
    padding's the last slot; its score is its key
    with a pick's ``2**30`` taken off (the token-choice score of a pick, ``S[t, e]`` of an
    added pair), so the routing's scores need no gathers.
@@ -68,7 +70,7 @@ def _compile(rounding: str, top_k: int, keep_ptx: bool = False):
 
     from sonic.kernels.token_rounding_kernel import TokenRoundingSelect
 
-    addresses = [runtime.fake_address() for _ in range(10)]
+    addresses = [runtime.fake_address() for _ in range(11)]
     return runtime.compile_launcher(TokenRoundingSelect(rounding, top_k), *addresses,
                                     *(cutlass.Int32(1) for _ in range(4)), keep_ptx=keep_ptx)
 
@@ -145,12 +147,15 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     if num_tokens == 0:
         num_kept.zero_()
         return tokens, experts, source, scores, num_kept
-    # The kernels' workspace: the (E, T) keys and the E top-K counts.
-    work = torch.empty(num_experts * (num_tokens + 1), dtype=torch.int32, device=device)
+    # The kernels' workspace: the (E, T) int32 keys, the E top-K counts and the (E, T) int8
+    # choice indices of the picks.
+    cells = num_experts * num_tokens
+    work = torch.empty(cells + num_experts + (cells + 3) // 4, dtype=torch.int32, device=device)
     fn = runtime.compiled(("token_rounding", rounding, top_k), lambda: _compile(rounding, top_k))
     a = runtime.address
     fn(a(probs.contiguous(), 4), a(tc_scores.contiguous(), 4), a(tc_experts.contiguous(), 4),
-       a(work, 4), a(work[num_experts * num_tokens:], 4), a(tokens, 4), a(experts, 4),
+       a(work, 4), a(work[cells:], 4), a(work[cells + num_experts:], 4), a(tokens, 4),
+       a(experts, 4),
        a(source, 4), a(scores, 4), a(num_kept, 4), num_tokens, num_experts, tile, capacity)
     return tokens, experts, source, scores, num_kept
 

@@ -18,6 +18,9 @@ WARPS = THREADS // 32
 # Row pitch of the keys kernel's staged tile: one word of padding keeps both the row-wise
 # writes and the column-wise reads free of shared-memory bank conflicts.
 KEY_PITCH = KEY_EXPERTS + 1
+# The write pass scans two counts at once: above v in the high bits, equal to v in the low.
+PACK_BITS = 16
+PACK = 1 << PACK_BITS
 
 
 @cute.jit
@@ -53,7 +56,8 @@ class TokenRoundingSelect:
 
     @cute.jit
     def __call__(self, probs: cutlass.Int64, tc_scores: cutlass.Int64, tc_experts: cutlass.Int64,
-                 keys: cutlass.Int64, counts: cutlass.Int64, tokens_out: cutlass.Int64,
+                 keys: cutlass.Int64, counts: cutlass.Int64, slots: cutlass.Int64,
+                 tokens_out: cutlass.Int64,
                  experts_out: cutlass.Int64, source_out: cutlass.Int64,
                  scores_out: cutlass.Int64, num_valid: cutlass.Int64, num_tokens: Int32,
                  num_experts: Int32, tile: Int32, capacity: Int32, stream: cuda.CUstream):
@@ -62,14 +66,15 @@ class TokenRoundingSelect:
          scores_out, num_valid) = [runtime.gmem_ptr(Int32, a, 4) for a in (
              probs, tc_scores, tc_experts, keys, counts, tokens_out, experts_out, source_out,
              scores_out, num_valid)]
+        slots = runtime.gmem_ptr(cutlass.Int8, slots, 4)
         self.zero_counts(counts, num_experts).launch(
             grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
-        self.build_keys(probs, tc_scores, tc_experts, keys, counts, num_tokens,
+        self.build_keys(probs, tc_scores, tc_experts, keys, counts, slots, num_tokens,
                         num_experts).launch(
             grid=[(num_tokens + KEY_TOKENS - 1) // KEY_TOKENS,
                   (num_experts + KEY_EXPERTS - 1) // KEY_EXPERTS, 1],
             block=[KEY_THREADS, 1, 1], stream=stream)
-        self.kernel(keys, counts, tc_experts, tokens_out, experts_out, source_out, scores_out,
+        self.kernel(keys, counts, slots, tokens_out, experts_out, source_out, scores_out,
                     num_valid, num_tokens, num_experts, tile, capacity).launch(
             grid=[num_experts, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
@@ -82,11 +87,12 @@ class TokenRoundingSelect:
 
     @cute.kernel
     def build_keys(self, probs: cute.Pointer, tc_scores: cute.Pointer, tc_experts: cute.Pointer,
-                   keys: cute.Pointer, counts: cute.Pointer, num_tokens: Int32,
-                   num_experts: Int32):
-        """The expert-major keys of a ``KEY_TOKENS × KEY_EXPERTS`` tile, and its picks added
-        to ``counts``: the tile is staged in shared memory so that the ``(T, E)`` reads and
-        the ``(E, T)`` writes are both coalesced."""
+                   keys: cute.Pointer, counts: cute.Pointer, slots: cute.Pointer,
+                   num_tokens: Int32, num_experts: Int32):
+        """The expert-major keys of a ``KEY_TOKENS × KEY_EXPERTS`` tile, its picks added to
+        ``counts`` and their choice index ``j`` recorded in ``slots`` (expert-major; other
+        cells are never read): the tile is staged in shared memory so that the ``(T, E)``
+        reads and the ``(E, T)`` writes are both coalesced."""
         tidx, _, _ = cute.arch.thread_idx()
         bt, be, _ = cute.arch.block_idx()
         T = num_tokens
@@ -102,6 +108,7 @@ class TokenRoundingSelect:
         mScores = cute.make_tensor(tc_scores, cute.make_layout(T * self.K))
         mChoices = cute.make_tensor(tc_experts, cute.make_layout(T * self.K))
         mCounts = cute.make_tensor(counts, cute.make_layout(E))
+        mSlots = cute.make_tensor(slots, cute.make_layout(T * E))
         per_thread = KEY_TOKENS * KEY_EXPERTS // KEY_THREADS
         if tidx < KEY_EXPERTS:
             sCount[tidx] = 0
@@ -126,6 +133,7 @@ class TokenRoundingSelect:
                 if e >= 0 and e < KEY_EXPERTS:
                     sTile[j // self.K * KEY_PITCH + e] = mScores[first_pair + j] + PICK_KEY
                     cute.arch.atomic_add(sCount.iterator + e, Int32(1))
+                    mSlots[(e0 + e) * T + t0 + j // self.K] = cutlass.Int8(j % self.K)
         cute.arch.sync_threads()
         if tidx < KEY_EXPERTS and e0 + tidx < E:
             if sCount[tidx] > 0:
@@ -148,7 +156,7 @@ class TokenRoundingSelect:
         return cutlass.min((count + bias) // tile * tile, num_tokens)
 
     @cute.kernel
-    def kernel(self, keys: cute.Pointer, counts: cute.Pointer, tc_experts: cute.Pointer,
+    def kernel(self, keys: cute.Pointer, counts: cute.Pointer, slots: cute.Pointer,
                tokens_out: cute.Pointer, experts_out: cute.Pointer, source_out: cute.Pointer,
                scores_out: cute.Pointer, num_valid: cute.Pointer, num_tokens: Int32,
                num_experts: Int32, tile: Int32, capacity: Int32):
@@ -166,8 +174,9 @@ class TokenRoundingSelect:
         mExperts = cute.make_tensor(experts_out, cute.make_layout(capacity))
         mSources = cute.make_tensor(source_out, cute.make_layout(capacity))
         mScoresOut = cute.make_tensor(scores_out, cute.make_layout(capacity))
-        mChoices = cute.make_tensor(tc_experts, cute.make_layout(T * self.K))
-        gKeys = cute.make_tensor(keys + cutlass.Int64(e) * cutlass.Int64(T), cute.make_layout(T))
+        row = cutlass.Int64(e) * cutlass.Int64(T)
+        gKeys = cute.make_tensor(keys + row, cute.make_layout(T))
+        gSlots = cute.make_tensor(slots + row, cute.make_layout(T))
 
         # 1. This expert's first slot and the total P, from every expert's rounded count.
         before = Int32(0)
@@ -238,40 +247,40 @@ class TokenRoundingSelect:
                 # sFound is rewritten by the next step.
                 cute.arch.sync_threads()
 
-            # 3. Write the kept tokens in ascending order.
+            # 3. Write the kept tokens in ascending order. Keys above v are all kept; keys
+            # equal to v are kept in token order until `need` are. One block scan of both
+            # counts, packed in one int (each at most THREADS·ITEMS), gives every slot.
             equal_seen = Int32(0)
             written = Int32(0)
             for base in cutlass.range(0, T, THREADS * ITEMS):
                 first_token = base + tidx * ITEMS
                 got = [gKeys[cutlass.min(first_token + i, T - 1)] for i in range(ITEMS)]
+                above = [Int32(cutlass.select_((first_token + i < T) & (got[i] > prefix), 1, 0))
+                         for i in range(ITEMS)]
                 equal = [Int32(cutlass.select_((first_token + i < T) & (got[i] == prefix), 1, 0))
                          for i in range(ITEMS)]
-                equal_before, equal_total = block_scan(sum(equal), sScratch)
-                run = equal_seen + equal_before
-                keep = []
+                packed_before, packed_total = block_scan(
+                    sum(above) * PACK + sum(equal), sScratch)
+                run = equal_seen + (packed_before & (PACK - 1))
+                kept_equal_before = cutlass.min(equal_seen, need)
+                slot = (written + (packed_before >> PACK_BITS) + cutlass.min(run, need)
+                        - kept_equal_before)
                 for i in cutlass.range_constexpr(ITEMS):
-                    above_v = (first_token + i < T) & (got[i] > prefix)
-                    keep.append(Int32(cutlass.select_(above_v | ((equal[i] == 1) & (run < need)),
-                                                      1, 0)))
-                    run += equal[i]
-                slot_before, slot_total = block_scan(sum(keep), sScratch)
-                slot = written + slot_before
-                for i in cutlass.range_constexpr(ITEMS):
-                    if keep[i] == 1:
+                    if (above[i] == 1) | ((equal[i] == 1) & (run < need)):
                         t = first_token + i
                         src = T * self.K + t * num_experts + e
                         # A key is its score's bits, a pick's raised by PICK_KEY.
                         score = got[i]
                         if got[i] >= PICK_KEY:
                             score = got[i] - PICK_KEY
-                            for c in cutlass.range_constexpr(self.K):
-                                if mChoices[t * self.K + c] == e:
-                                    src = t * self.K + c
+                            src = t * self.K + Int32(gSlots[t])
                         out = before + slot
                         mTokens[out] = t
                         mExperts[out] = e
                         mSources[out] = src
                         mScoresOut[out] = score
                         slot += 1
-                equal_seen += equal_total
-                written += slot_total
+                    run += equal[i]
+                equal_seen += packed_total & (PACK - 1)
+                written += ((packed_total >> PACK_BITS) + cutlass.min(equal_seen, need)
+                            - kept_equal_before)
