@@ -154,9 +154,9 @@ def token_rounding_select(probs: torch.Tensor, tc_scores: torch.Tensor, tc_exper
     fn = runtime.compiled(("token_rounding", rounding, top_k), lambda: _compile(rounding, top_k))
     a = runtime.address
     fn(a(probs.contiguous(), 4), a(tc_scores.contiguous(), 4), a(tc_experts.contiguous(), 4),
-       a(work, 4), a(work[cells:], 4), a(work[cells + num_experts:], 4), a(tokens, 4),
-       a(experts, 4),
-       a(source, 4), a(scores, 4), a(num_kept, 4), num_tokens, num_experts, tile, capacity)
+       a(work, 4), a(work[cells:], 4), a(work[cells + num_experts:], 4),
+       a(tokens, 4), a(experts, 4), a(source, 4), a(scores, 4), a(num_kept, 4),
+       num_tokens, num_experts, tile, capacity)
     return tokens, experts, source, scores, num_kept
 
 

@@ -57,9 +57,9 @@ class TokenRoundingSelect:
     @cute.jit
     def __call__(self, probs: cutlass.Int64, tc_scores: cutlass.Int64, tc_experts: cutlass.Int64,
                  keys: cutlass.Int64, counts: cutlass.Int64, slots: cutlass.Int64,
-                 tokens_out: cutlass.Int64,
-                 experts_out: cutlass.Int64, source_out: cutlass.Int64,
-                 scores_out: cutlass.Int64, num_valid: cutlass.Int64, num_tokens: Int32,
+                 tokens_out: cutlass.Int64, experts_out: cutlass.Int64,
+                 source_out: cutlass.Int64, scores_out: cutlass.Int64,
+                 num_valid: cutlass.Int64, num_tokens: Int32,
                  num_experts: Int32, tile: Int32, capacity: Int32, stream: cuda.CUstream):
         # fp32 probabilities and scores travel as their bits: they become sort keys.
         (probs, tc_scores, tc_experts, keys, counts, tokens_out, experts_out, source_out,
