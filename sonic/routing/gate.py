@@ -57,7 +57,7 @@ class _GateAndInput(torch.autograd.Function):
 # With setup_context declared (which torch.func transforms need), Function.apply binds the
 # arguments through inspect.signature(forward) on every call; a stored signature is read back
 # instead of rebuilt.
-_GateAndInput.forward.__signature__ = inspect.signature(_GateAndInput.forward)
+setattr(_GateAndInput.forward, "__signature__", inspect.signature(_GateAndInput.forward))
 
 
 # torch.nn.modules.module's registries of hooks on every module (nn.modules.module.register_*).
