@@ -650,7 +650,28 @@ def test_train_seeds_benchmark_smoke(capsys):
         for seed in ("0", "1"):
             gap = variants[name]["val_loss"][seed] / variants["bf16"]["val_loss"][seed] - 1
             assert variants[name]["gap_to_bf16"][seed] == pytest.approx(gap)
+        b, v = variants["bf16"], variants[name]
+        assert v["gap_of_means"] == pytest.approx(v["mean"] / b["mean"] - 1)
+        se = ((v["std"] ** 2 + b["std"] ** 2) / 2) ** 0.5 / b["mean"]
+        assert v["gap_of_means_se"] == pytest.approx(se)
+    assert "gap_of_means" not in variants["bf16"]
     assert backend.fp8_epilogues() == "quantizing" and backend.fp8_weight_grads() == "bf16"
+
+
+def test_train_seeds_gap_of_means_standard_error():
+    """The unpaired gap and its Welch standard error, on three seeds' losses worked by
+    hand: means 2.0 and 1.9, sample standard deviations 0.1 and 0.2."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "train_seeds.py"
+    spec = importlib.util.spec_from_file_location("train_seeds", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bf16 = {"mean": 2.0, "std": 0.1}
+    gap, se = bench._gap_of_means({"mean": 1.9, "std": 0.2}, bf16, 3)
+    assert gap == pytest.approx(-0.05)
+    assert se == pytest.approx((0.05 / 3) ** 0.5 / 2.0)
 
 
 def _compile_problem():
