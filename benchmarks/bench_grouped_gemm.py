@@ -27,7 +27,12 @@ the speedup and the kernel's relative error against torch:
   ``_grouped_mm``.
 
 ``--ceiling`` adds, per GEMM, what its work costs without what sonic's design adds to it:
-``/pre-gathered`` is sonic's kernel on rows gathered beforehand (the gather's cost), ``/bmm``
+``/pre-gathered`` is sonic's kernel on rows gathered beforehand (the gather's cost; planned
+for contiguous operands, so a weight gradient may get another plan than its gathered call),
+and for a weight gradient whose gathered call is stored transposed
+(``heuristic.transpose_varlen_k``) ``/pre-gathered-same-plan``, the pre-gathered call on the
+gathered call's plan (:func:`forced_transpose`; its output checked bitwise against the
+gathered call's): the gathered row copies' own cost, nothing else changed; ``/bmm``
 is cuBLAS ``torch.bmm`` on perfectly balanced experts (``P / E`` rows each: no varlen, no
 gather, no epilogue), the same work as a dense library runs it — a reference, not a bound
 (sonic's clustered kernels beat it at times); ``up`` vs ``up+act`` and
@@ -84,6 +89,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, device_name, energy_per_call  # noqa: E402
 
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
+from sonic.kernels import runtime  # noqa: E402
 from sonic.kernels.fp8_quant import quantize_cols_grouped  # noqa: E402
 from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_dswiglu,  # noqa: E402
                                         grouped_gemm_fp8, grouped_gemm_fp8_dswiglu,
@@ -365,6 +371,25 @@ def forced_share(share_a):
         heuristic.plan = original
 
 
+@contextlib.contextmanager
+def forced_transpose(gather_a, gather_b):
+    """Within the block, a bf16 varlen-K GEMM with no gathered operand is stored transposed
+    when the same GEMM gathering A (``gather_a``) or B (``gather_b``) would be
+    (``heuristic.transpose_varlen_k``), and so runs that call's plan on contiguous rows."""
+    original = heuristic.transpose_varlen_k
+
+    def transpose(ga, gb, arch, dim_m, dim_n):
+        if not (ga or gb):
+            ga, gb = gather_a, gather_b
+        return original(ga, gb, arch, dim_m, dim_n)
+
+    heuristic.transpose_varlen_k = transpose
+    try:
+        yield
+    finally:
+        heuristic.transpose_varlen_k = original
+
+
 def share_rows(name, t, d, n, e, k, only, rounds=2):
     """``--share both`` rows of one shape: the gathered GEMMs (``up``, ``up+act``, ``dA'``,
     ``dA'+dH`` in ``only``) with the cluster sharing A, then B, in ``rounds`` alternating
@@ -502,12 +527,31 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
         "dW2": (2 * p * d * n, lambda: grouped_gemm_varlen_k(dog, act, offsets),
                 (d, rows, n, True)),
     }
+    # Weight gradients: (the gathered call, which operand it gathers, its M and N).
+    gathered = {
+        "dW1": (lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
+                (False, True), (2 * n, d)),
+        "dW2": (lambda: grouped_gemm_varlen_k(do, act, offsets, gather_idx_a=gather_idx),
+                (True, False), (d, n)),
+    }
+    arch = runtime.device_arch(x.device)
     bmm = {}
     for gemm, (flops, pre_gathered, bmm_shape) in cases.items():
         if gemm not in only:
             continue
         if pre_gathered is not None:
             _ceiling_row(name, gemm + "/pre-gathered", flops, pre_gathered)
+        if gemm in gathered:
+            call, gathers, (dim_m, dim_n) = gathered[gemm]
+            if (heuristic.transpose_varlen_k(*gathers, arch, dim_m, dim_n)
+                    != heuristic.transpose_varlen_k(False, False, arch, dim_m, dim_n)):
+                def same_plan(fn=pre_gathered, gathers=gathers):
+                    with forced_transpose(*gathers):
+                        return fn()
+                if not torch.equal(same_plan(), call()):
+                    raise AssertionError(f"{name} {gemm}: the pre-gathered call on the "
+                                         "gathered call's plan differs from it")
+                _ceiling_row(name, gemm + "/pre-gathered-same-plan", flops, same_plan)
         bmm[gemm] = _ceiling_row(name, gemm + "/bmm", flops, balanced(*bmm_shape))
         torch.cuda.empty_cache()
     return bmm

@@ -245,3 +245,25 @@ def test_bench_compile_routes_by_token_rounding_and_refuses_cuda_graphs_off_cuda
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--modes", "cuda-graph"])
     assert "--modes cuda-graph needs --device cuda" in capsys.readouterr().err
+
+
+def test_forced_transpose_gives_pre_gathered_weight_gradients_the_gathered_plan():
+    """``bench_grouped_gemm.forced_transpose``: inside it an ungathered varlen-K GEMM is
+    stored transposed exactly where the same GEMM gathering the named operand would be, calls
+    with a gathered operand are unchanged, and the heuristic is restored after."""
+    from sonic.kernels.grouped_gemm import heuristic
+
+    bench = _benchmark("bench_grouped_gemm")
+    original = heuristic.transpose_varlen_k
+    shapes = ((4096, 7168), (512, 1024), (7168, 2048), (2048, 4096))
+    for gathers in ((False, True), (True, False)):
+        want = {s: original(*gathers, "sm_90a", *s) for s in shapes}
+        plain = {s: original(False, False, "sm_90a", *s) for s in shapes}
+        with bench.forced_transpose(*gathers):
+            for s in shapes:
+                assert heuristic.transpose_varlen_k(False, False, "sm_90a", *s) == want[s]
+                assert heuristic.transpose_varlen_k(*gathers, "sm_90a", *s) == want[s]
+        assert heuristic.transpose_varlen_k is original
+        assert not any(plain.values())
+    # The DeepSeek-V3 weight gradient the control row exists for is stored transposed.
+    assert original(False, True, "sm_90a", 4096, 7168)
