@@ -311,7 +311,9 @@ PLAN_CANDIDATES = {
             T(192, True, CLUSTER, multicast_a=True), T(256, False, CLUSTER),
             T(128, False, 1, tile_m=256), T(128, False, CLUSTER, tile_m=256),
             T(128, False, CLUSTER, tile_m=256, multicast_a=True)),
-    True: (None, T(256, False, CLUSTER), T(128, False, 1, tile_m=256),
+    # 128 x 128 on a cluster: six ring stages instead of four, more loads in flight for the
+    # few k-tiles per tile of many-expert weight gradients (DeepSeek-V3: ~8).
+    True: (None, T(256, False, CLUSTER), T(128, False, CLUSTER), T(128, False, 1, tile_m=256),
            T(128, False, CLUSTER, tile_m=256), T(128, True, 1)),
 }
 
