@@ -545,8 +545,8 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
             _ceiling_row(name, gemm + "/pre-gathered", flops, pre_gathered)
         if gemm in gathered:
             call, gathers, (dim_m, dim_n) = gathered[gemm]
-            if (heuristic.transpose_varlen_k(*gathers, arch, dim_m, dim_n)
-                    != heuristic.transpose_varlen_k(False, False, arch, dim_m, dim_n)):
+            # Ungathered calls are never stored transposed.
+            if heuristic.transpose_varlen_k(*gathers, arch, dim_m, dim_n):
                 def same_plan(fn=pre_gathered, gathers=gathers):
                     with forced_transpose(*gathers):
                         return fn()
