@@ -136,8 +136,8 @@ class RowSources(NamedTuple):
 
 class SchedulerArgs(NamedTuple):
     """What the tile scheduler reads: ``offsets`` (the ``(E+1,)`` expert offsets as a
-    tensor), ``table`` (varlen-M's per-expert first m-tile in shared memory) and
-    ``num_experts``."""
+    tensor), ``table`` (in shared memory: varlen-M's per-expert first m-tile, varlen-K's
+    copy of the offsets) and ``num_experts``."""
 
     offsets: Any
     table: Any

@@ -227,8 +227,7 @@ class GroupedGemmKernel(TmaProducers):
                     cute.arch.mbarrier_init(full + s, self.contract.full)
                     cute.arch.mbarrier_init(empty + s, self.contract.empty)
             cute.arch.mbarrier_init_fence()
-            if cutlass.const_expr(not cfg.varlen_k):
-                self.scheduler.prepare(sched)
+            self.scheduler.prepare(sched)
             self.setup_warp0(storage)
         self.ring.sync_cluster()
 

@@ -183,8 +183,12 @@ class VarlenKScheduler:
 
     @cute.jit
     def prepare(self, sched: SchedulerArgs):
-        """Nothing to build: work items map to experts arithmetically."""
-        pass
+        """``table`` = ``expert_offsets`` (one warp): work items map to experts
+        arithmetically, but every tile reads its expert's rows, and from shared memory that
+        read does not hold up the start of the tile's mainloop as a global load would."""
+        mOffsets, table, num_experts = sched
+        for e in cutlass.range(cute.arch.lane_idx(), num_experts + 1, 32, unroll=1):
+            table[e] = mOffsets[e]
 
     def total(self, sched: SchedulerArgs):
         """Work items: experts × (m-tiles / cluster) × n-tiles."""
@@ -194,14 +198,14 @@ class VarlenKScheduler:
     def decode(self, t: Int32, sched: SchedulerArgs) -> TileCoord:
         """Work item ``t`` → its :class:`~.args.TileCoord` (the expert's first row of ``P``
         and its row count, the n-tile, the m-tile of ``M``)."""
-        mOffsets = sched.offsets
+        table = sched.table
         shared = False
         e = t // self.per_expert
         rest = t - e * self.per_expert
         mt = rest // self.n_groups
         nt = rest - mt * self.n_groups
-        row0 = mOffsets[e]
-        rows = mOffsets[e + 1] - row0
+        row0 = table[e]
+        rows = table[e + 1] - row0
         if cutlass.const_expr(self.cluster > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             if cutlass.const_expr(self.multicast_a):
@@ -214,9 +218,9 @@ class VarlenKScheduler:
     @cute.jit
     def tile_k_tiles(self, t: Int32, sched: SchedulerArgs) -> Int32:
         """k-tiles of tile ``t``: its expert's rows over the k-tile."""
-        mOffsets = sched.offsets
+        table = sched.table
         e = t // self.per_expert
-        return (mOffsets[e + 1] - mOffsets[e] + self.tile_k - 1) // self.tile_k
+        return (table[e + 1] - table[e] + self.tile_k - 1) // self.tile_k
 
 
 def make_scheduler(cfg: GroupedGemmConfig) -> TileScheduler:
