@@ -1,26 +1,17 @@
 """The layer benchmark's command line and plot, on the CPU (the timing itself needs a GPU)."""
 
 import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 import sonic
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS
-
-
-def _benchmark(name: str):
-    """The module ``benchmarks/<name>.py``."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _benchmarks import load_benchmark
 
 
 def _bench_moe():
-    return _benchmark("bench_moe")
+    return load_benchmark("bench_moe")
 
 
 def test_named_shapes_are_the_published_layers():
@@ -89,7 +80,7 @@ def test_sonicmoe_rows_are_what_bench_moe_compares_with(tmp_path, capsys):
     bench_moe.py --vs-sonicmoe reads and sets beside sonic's ratios."""
     import json
 
-    anchor_bench, bench = _benchmark("bench_sonicmoe"), _bench_moe()
+    anchor_bench, bench = load_benchmark("bench_sonicmoe"), _bench_moe()
     sizes = CONFIGS["30B"]
     rows = [anchor_bench.json_row("30B", sizes, "torch-gmm", 56000.0, 56000.0, 8000.0, 12000.0),
             anchor_bench.json_row("30B", sizes, "sonicmoe", 12000.0, 35000.0, 1000.0, 6000.0)]
@@ -107,7 +98,7 @@ def test_sonicmoe_rows_are_what_bench_moe_compares_with(tmp_path, capsys):
 
 
 def test_sonicmoe_bench_says_what_is_missing():
-    bench = _benchmark("bench_sonicmoe")
+    bench = load_benchmark("bench_sonicmoe")
     if importlib.util.find_spec("sonicmoe") is not None:
         pytest.skip("SonicMoE is installed here")
     with pytest.raises(SystemExit, match="needs SonicMoE importable as 'sonicmoe'"):
@@ -234,7 +225,7 @@ def test_routing_in_graph_times_both_captured_steps_alternately(monkeypatch):
 def test_bench_compile_routes_by_token_rounding_and_refuses_cuda_graphs_off_cuda(capsys):
     """``bench_compile.py --router token_rounding`` times a token-rounding layer (eager and
     compiled on the CPU); ``--modes cuda-graph`` needs a CUDA device and says so."""
-    bench = _benchmark("bench_compile")
+    bench = load_benchmark("bench_compile")
     results = bench.measure((32, 16, 8, 4, 2), device="cpu", dtype=torch.float32,
                             modes=["default"], steps=1, router="token_rounding")
     assert set(results) == {"eager", "default"}
@@ -253,7 +244,7 @@ def test_forced_transpose_gives_pre_gathered_weight_gradients_the_gathered_plan(
     with a gathered operand are unchanged, and the heuristic is restored after."""
     from sonic.kernels.grouped_gemm import heuristic
 
-    bench = _benchmark("bench_grouped_gemm")
+    bench = load_benchmark("bench_grouped_gemm")
     original = heuristic.transpose_varlen_k
     shapes = ((4096, 7168), (512, 1024), (7168, 2048), (2048, 4096))
     for gathers in ((False, True), (True, False)):

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import sonic
 from sonic.distributed import (ExpertLoad, ExpertParallelMoE, Placement, ep_moe_experts,
                                plan_placement, reduce_replica_grads)
+from _benchmarks import load_benchmark
 
 D, N = 8, 4
 TOL = 1e-10
@@ -438,12 +439,7 @@ def test_errors_are_raised_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("name", ["bench_ep", "bench_ep_transport"])
 def test_nccl_benchmarks_import_without_a_gpu(name):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    load_benchmark(name)
 
 
 def test_uninitialised_process_group():

@@ -16,6 +16,7 @@ import sonic
 from sonic.distributed import (MAX_CHUNKS, ExpertParallelMoE, Placement, ep_moe_experts,
                                plan_placement, reduce_replica_grads)
 from test_distributed import D, N, _catch, _pairs, _pairs_problem, _rel, _spawn
+from _benchmarks import load_benchmark
 
 TOL = 1e-12
 CHUNKS = (2, 3, 4)
@@ -318,14 +319,7 @@ def test_chunk_count_errors(chunked):
 # --- the weak-scaling benchmark, smoke-tested on CPU ranks --------------------------------------
 
 def _bench():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_ep.py"
-    spec = importlib.util.spec_from_file_location("bench_ep", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("bench_ep")
 
 
 def _bench_smoke(rank, world):

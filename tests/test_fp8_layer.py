@@ -22,6 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import sonic
 from sonic.ops import routing_metadata_op
 from sonic.reference import fp8 as R
+from _benchmarks import load_benchmark
 
 BF16 = torch.bfloat16
 
@@ -624,18 +625,6 @@ def test_reference_emulates_the_chosen_fp8_epilogues(gate_up):
     assert same != fused_math
 
 
-def _train_seeds():
-    """The module ``benchmarks/train_seeds.py``."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "train_seeds.py"
-    spec = importlib.util.spec_from_file_location("train_seeds", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_train_seeds_benchmark_smoke(capsys):
     """``benchmarks/train_seeds.py`` on the CPU emulation, tiny: every (variant, seed) trains,
     the paired gaps are to bf16 of the same seed, and the fused choice is restored after."""
@@ -643,7 +632,7 @@ def test_train_seeds_benchmark_smoke(capsys):
 
     from sonic import backend
 
-    bench = _train_seeds()
+    bench = load_benchmark("train_seeds")
     tiny = '{"eval_every": 0, "eval_batches": 1, "batch_size": 2, "seq_len": 16, "layers": 1}'
     assert bench.main(["--device", "cpu", "--backend", "torch", "--steps", "2", "--seeds", "0",
                        "1", "--variants", "bf16", "fp8", "fp8-fused", "fp8-wgrad", "--config",
@@ -667,7 +656,7 @@ def test_train_seeds_benchmark_smoke(capsys):
 def test_train_seeds_gap_of_means_standard_error():
     """The unpaired gap and its Welch standard error, on three seeds' losses worked by
     hand: means 2.0 and 1.9, sample standard deviations 0.1 and 0.2."""
-    bench = _train_seeds()
+    bench = load_benchmark("train_seeds")
     bf16 = {"mean": 2.0, "std": 0.1}
     gap, se = bench._gap_of_means({"mean": 1.9, "std": 0.2}, bf16, 3)
     assert gap == pytest.approx(-0.05)

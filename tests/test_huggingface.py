@@ -5,7 +5,6 @@ transformers' own implementations — logits, the router aux loss and every para
 """
 
 import copy
-import json
 import subprocess
 import sys
 

@@ -1,20 +1,14 @@
 """The compute-sanitizer driver of ``benchmarks/stress_gpu.py``: its case filter and log parsing,
 on the CPU (the sanitizer itself needs a GPU)."""
 
-import importlib.util
-import pathlib
 import sys
 
 import pytest
+from _benchmarks import load_benchmark
 
 
 def _stress():
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "stress_gpu.py"
-    spec = importlib.util.spec_from_file_location("stress_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module         # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("stress_gpu")
 
 
 LOG = """\
