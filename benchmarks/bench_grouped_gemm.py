@@ -2,10 +2,12 @@
 
     python benchmarks/bench_grouped_gemm.py [--config NAME|T,d,n,E,K ...] [--gemm NAME ...]
                                             [--ceiling] [--plans] [--fp8] [--power SECONDS]
+                                            [--routing topk|balanced]
 
 At the paper's shapes (docs/design.md §5: T, d, n, E, K; ``--config`` for others, as
-``bench_moe.py``) with random top-K routing (P = T·K rows sorted by
-expert) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
+``bench_moe.py``) with random top-K routing (P = T·K rows sorted by expert; ``--routing
+balanced`` gives every expert P / E rows instead, ±1, so that where that is a multiple of 64
+no weight gradient has a partial k-tile: what ragged experts cost) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
 the speedup and the kernel's relative error against torch:
 
 * ``up``: varlen-M, ``gather(X)·W1ᵀ`` (N = 2n, K = d) — torch: ``index_select`` +
@@ -107,12 +109,18 @@ from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 SHAPES = [(name, *CONFIGS[name]) for name in PAPER_CONFIGS]
 
 
-def _routing(t, e, k):
-    experts = torch.randn(t, e, device="cuda").topk(k, dim=1).indices.reshape(-1)
+def _routing(t, e, k, device="cuda"):
+    """``(gather_idx, offsets)`` of T tokens routed to K of E experts each, by
+    :data:`ROUTING`: "topk" takes each token's top K of random scores, "balanced" sends slot
+    ``i`` of the ``T·K`` to expert ``i mod E`` (a token's K experts stay distinct)."""
+    if ROUTING == "balanced":
+        experts = torch.arange(t * k, device=device) % e
+    else:
+        experts = torch.randn(t, e, device=device).topk(k, dim=1).indices.reshape(-1)
     order = torch.argsort(experts, stable=True)
     gather_idx = (order // k).to(torch.int32)
     counts = torch.bincount(experts, minlength=e)
-    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device=device)
     offsets[1:] = counts.cumsum(0)
     return gather_idx, offsets
 
@@ -137,6 +145,8 @@ class Timing(NamedTuple):
 
 # Seconds each kernel runs under the power sampler (--power); 0: no power columns.
 POWER_SECONDS = 0.0
+# How tokens pick their experts (--routing): "topk" or "balanced" (see _routing).
+ROUTING = "topk"
 
 
 def _power(fn) -> tuple[str, float | None]:
@@ -582,11 +592,15 @@ def main(argv=None):
     parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                         help="also run each kernel back to back for SECONDS and print its SM "
                              "clock, board power and energy per call (needs pynvml)")
+    parser.add_argument("--routing", choices=("topk", "balanced"), default="topk",
+                        help="topk: random top-K routing (default); balanced: every expert "
+                             "gets T*K/E rows")
     args = parser.parse_args(argv)
     if args.power < 0:
         parser.error(f"--power must be a non-negative number of seconds, got {args.power}")
-    global POWER_SECONDS
+    global POWER_SECONDS, ROUTING
     POWER_SECONDS = args.power
+    ROUTING = args.routing
     only = set(args.gemm or GEMMS)
     shapes = [(name, *sizes) for name, sizes in args.config] if args.config else SHAPES
     print(f"device: {device_name()}  {device_memory(torch.cuda.current_device())}")

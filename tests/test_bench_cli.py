@@ -258,3 +258,24 @@ def test_forced_transpose_gives_pre_gathered_weight_gradients_the_gathered_plan(
         assert not any(plain.values())
     # The DeepSeek-V3 weight gradient the control row exists for is stored transposed.
     assert original(False, True, "sm_90a", 4096, 7168)
+
+
+@pytest.mark.parametrize("routing", ["topk", "balanced"])
+def test_grouped_gemm_routing_sorts_every_slot_by_expert(monkeypatch, routing):
+    """``bench_grouped_gemm._routing``: each token appears K times with K distinct experts,
+    rows sorted by expert; "balanced" gives every expert T·K/E rows (here whole 64-row
+    k-tiles), while "topk" leaves the counts ragged."""
+    bench = load_benchmark("bench_grouped_gemm")
+    monkeypatch.setattr(bench, "ROUTING", routing)
+    t, e, k = 2048, 64, 2
+    gather_idx, offsets = bench._routing(t, e, k, device="cpu")
+    counts = offsets.diff()
+    assert offsets[0] == 0 and offsets[-1] == t * k
+    assert torch.equal(torch.bincount(gather_idx.long(), minlength=t), torch.full((t,), k))
+    for ex in range(e):
+        tokens = gather_idx[offsets[ex]:offsets[ex + 1]]
+        assert tokens.unique().numel() == tokens.numel()
+    if routing == "balanced":
+        assert torch.equal(counts, torch.full((e,), t * k // e, dtype=counts.dtype))
+    else:
+        assert (counts % 64 != 0).any()
