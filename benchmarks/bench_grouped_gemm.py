@@ -7,8 +7,9 @@
 At the paper's shapes (docs/design.md §5: T, d, n, E, K; ``--config`` for others, as
 ``bench_moe.py``) with random top-K routing (P = T·K rows sorted by expert; ``--routing
 balanced`` gives every expert P / E rows instead, ±1, so that where that is a multiple of 64
-no weight gradient has a partial k-tile: what ragged experts cost) prints, per GEMM, median µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch,
-the speedup and the kernel's relative error against torch:
+no weight gradient has a partial k-tile: what ragged experts cost) prints, per GEMM, median
+µs and TFLOPS (``2·P·N·K`` flops) of the kernel and of torch, the speedup and the kernel's
+relative error against torch:
 
 * ``up``: varlen-M, ``gather(X)·W1ᵀ`` (N = 2n, K = d) — torch: ``index_select`` +
   ``_grouped_mm``;
@@ -61,7 +62,8 @@ kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major e4m3 ``W2ᵀ``, rel err on dH)
 quantized once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the
 same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
 ≈4%). Beside ``up``, ``down`` and ``dX``, ``/torch-fp8`` times PyTorch's own FP8 grouped GEMM
-(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand. Then ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients
+(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand.
+Then ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients
 ``dW1``, ``dW2`` (``grouped_gemm_varlen_k_fp8`` on the K-major ``128 x 1``-scaled copies of
 ``quantize_cols_grouped``, made before the timing; their cost is in
 ``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM shape also runs as
