@@ -237,6 +237,43 @@ def test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b
     assert torch.equal(out, grouped_gemm_varlen_k(args[0], args[1], offsets, **kwargs))
 
 
+@pytest.mark.parametrize("gather_a,gather_b", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dim_m,dim_n", [(512, 1024), (256, 2560)])
+def test_varlen_k_partial_k_tiles_after_nan_rows(dim_m, dim_n, gather_a, gather_b):
+    """Expert 0's rows hold NaN, so NaN passes through the operand ring's stages; every other
+    expert ends on a partial k-tile (one operand gathered: the expert's last 64 rows, the rows
+    already reduced zeroed in the gathered operand) and must come out exact and finite."""
+    from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k
+
+    gen = torch.Generator().manual_seed(dim_m + dim_n)
+    num_experts, nan_rows = 40, 640
+    # Expert 0: whole k-tiles only; the others: never a multiple of 64 rows.
+    counts = [nan_rows] + [int(c) + (int(c) % 64 == 0)
+                           for c in torch.randint(1, 300, (num_experts - 1,), generator=gen)]
+    offsets = _offsets(torch.tensor(counts))
+    num_pairs = sum(counts)
+    kwargs, rows, args = {}, [], []
+    for name, width, gathered in (("a", dim_m, gather_a), ("b", dim_n, gather_b)):
+        src = _rand(num_pairs, width, gen=gen)
+        src[:nan_rows] = float("nan")
+        if gathered:
+            # Expert 0's pairs read the NaN rows only, the others' any other row.
+            idx = torch.cat([torch.randperm(nan_rows, generator=gen),
+                             torch.randint(nan_rows, num_pairs, (num_pairs - nan_rows,),
+                                           generator=gen)]).to(torch.int32).cuda()
+            kwargs[f"gather_idx_{name}"] = idx
+            rows.append(src[idx.long()])
+        else:
+            rows.append(src)
+        args.append(src)
+    ref = _ref_varlen_k(rows[0], rows[1], offsets)
+    out = grouped_gemm_varlen_k(args[0], args[1], offsets, **kwargs)
+    assert out[0].isnan().any()
+    assert not out[1:].isnan().any()
+    torch.testing.assert_close(out[1:].float(), ref[1:], rtol=2e-2,
+                               atol=2e-2 * ref[1:].abs().max().clamp_min(1).item())
+
+
 def test_validation():
     from sonic.kernels.grouped_gemm import (grouped_gemm, grouped_gemm_swiglu,
                                             grouped_gemm_varlen_k)

@@ -10,10 +10,12 @@ all its bytes have landed (out-of-bounds boxes are zero-filled and counted).
   them. This replaced 16-byte ``cp.async`` gathers, which the SM's load/store path capped (ncu:
   both pipeline ends waiting, no memory-bound sign) well below it at the docs/design.md §5
   shapes.
-* varlen-K operands are MN-major: whole k-tiles of contiguous rows as ``64 x TILE_K`` boxes;
-  gathered rows and an expert's last partial k-tile as ``64 x 1`` row boxes, a row past the
-  expert's end pointing out of bounds so TMA writes zeros and no stale value (possibly NaN)
-  enters the reduction. A gathered operand's row indices are read one k-tile ahead.
+* varlen-K operands are MN-major: whole k-tiles of contiguous rows as ``64 x TILE_K`` boxes,
+  gathered rows as ``64 x 1`` row boxes, a row outside the k-tile pointing out of bounds so
+  TMA writes zeros and no stale value (possibly NaN) enters the reduction. An expert's partial
+  last k-tile is its last ``TILE_K`` rows (the contiguous operand still one box; the gathered
+  operand's rows already reduced are zeros), or row by row where it has fewer rows. A
+  gathered operand's row indices are read one k-tile ahead.
 * FP8 varlen-K: both operands are K-major copies (columns of the expert-sorted rows, each
   expert's rows padded to whole k-tiles), so a k-tile is one tile box of each, at the
   expert's padded first row plus ``kt`` k-tiles: the contiguous varlen-M loader, offset.
@@ -345,10 +347,15 @@ class TmaProducers:
         shared memory, loaded by TMA.
 
         A contiguous operand's whole k-tiles arrive as ``64 x TILE_K`` boxes issued by warp
-        0. Gathered rows, and the rows of an expert's last partial k-tile, arrive as one
-        ``64 x 1`` box per row and 64 columns, spread over the four producer warps (16 rows
-        each); a row past the expert's end reads row ``rows`` of the source — out of bounds,
-        so TMA writes zeros and no stale value enters the reduction. Lane ``l`` holds the
+        0. Gathered rows arrive as one ``64 x 1`` box per row and 64 columns, spread over the
+        four producer warps (16 rows each); a row that is not the k-tile's reads row ``rows``
+        of the source — out of bounds, so TMA writes zeros and no stale value enters the
+        reduction. An expert's last partial k-tile, where one operand is gathered and the
+        other contiguous, is the expert's last ``TILE_K`` rows: the contiguous operand's box
+        ends at the expert's end, and the gathered operand's rows that the k-tile before
+        already reduced are zeros (an expert of fewer than ``TILE_K`` rows, or two operands
+        alike, load that k-tile row by row, zeros past the end). Per-row copies, out of bounds
+        ones included, made that k-tile the ring's costliest (docs/performance.md). Lane ``l`` holds the
         source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are read right
         after the copies of ``kt`` are issued, overlapping the wait for the next free stage.
         On a cluster, B (the same rows of the same expert for both CTAs) is split by columns:
@@ -375,12 +382,15 @@ class TmaProducers:
                 if warp == 0:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cfg.tma_bytes)
-                whole = (kt + 1) * TILE_K <= rows
+                boxed = (kt + 1) * TILE_K <= rows
+                if cutlass.const_expr(self.shifted_tail):
+                    boxed = rows >= TILE_K
+                box_row = row0 + self.k_tile_start(kt, rows)
                 self.load_k_tile(warp, tmas_a, stages.a_swizzle, stages.a_base, self.cfg.tile_m,
-                                 mt * self.cfg.tile_m, self.cfg.gather_a, whole, src_a, row0,
-                                 kt, stage, full, self.cfg.multicast_a)
+                                 mt * self.cfg.tile_m, self.cfg.gather_a, boxed, src_a, box_row,
+                                 stage, full, self.cfg.multicast_a)
                 self.load_k_tile(warp, tmas_b, stages.b_swizzle, stages.b_base, self.cfg.tile_n,
-                                 nt * self.cfg.tile_n, self.cfg.gather_b, whole, src_b, row0, kt,
+                                 nt * self.cfg.tile_n, self.cfg.gather_b, boxed, src_b, box_row,
                                  stage, full, self.cfg.cluster > 1 and not self.cfg.multicast_a)
                 src_a = self.row_source(gidx_a, self.cfg.gather_a, row0, rows, row_in_tile,
                                         kt + 1, rows_a)
@@ -389,13 +399,32 @@ class TmaProducers:
                 stage, phase = self.ring.next_stage(stage, phase)
             t += work.step
 
+    @property
+    def shifted_tail(self) -> bool:
+        """Whether an expert's partial last k-tile is its last ``TILE_K`` rows (one operand
+        gathered, the other contiguous: the gathered one's zeros keep the contiguous one's
+        repeated rows out of the reduction)."""
+        return self.cfg.gather_a != self.cfg.gather_b
+
+    @cute.jit
+    def k_tile_start(self, kt: Int32, rows: Int32) -> Int32:
+        """The expert row of k-tile ``kt``'s first stage row: ``kt * TILE_K``, except a
+        partial last k-tile under :attr:`shifted_tail`, which starts ``TILE_K`` rows before
+        the expert's end."""
+        start = kt * TILE_K
+        if cutlass.const_expr(self.shifted_tail):
+            if start + TILE_K > rows and rows >= TILE_K:
+                start = rows - TILE_K
+        return start
+
     @cute.jit
     def row_source(self, gidx: cute.Pointer, gathered: cutlass.Constexpr, row0: Int32,
                    rows: Int32, row_in_tile: Int32, kt: Int32, oob: Int32) -> Int32:
-        """Source row of tile row ``row_in_tile`` of k-tile ``kt``; ``oob`` past the end."""
-        r = kt * TILE_K + row_in_tile
+        """Source row of tile row ``row_in_tile`` of k-tile ``kt``; ``oob`` past the
+        expert's end and, in a shifted partial k-tile, before the k-tile's own rows."""
+        r = self.k_tile_start(kt, rows) + row_in_tile
         src = oob
-        if r < rows:
+        if r >= kt * TILE_K and r < rows:
             src = row0 + r
             if cutlass.const_expr(gathered):
                 src = cute.make_tensor(gidx, cute.make_layout(row0 + rows))[row0 + r]
@@ -404,11 +433,12 @@ class TmaProducers:
     @cute.jit
     def load_k_tile(self, warp: Int32, tmas: tuple, swizzle, sX_ptr: cute.Pointer,
                     tile_mn: cutlass.Constexpr, col0: Int32, gathered: cutlass.Constexpr,
-                    whole, src: Int32, row0: Int32, kt: Int32, stage: Int32,
+                    boxed, src: Int32, box_row: Int32, stage: Int32,
                     full: cute.Pointer, split: cutlass.Constexpr):
         """Issue the TMA copies of one operand's k-tile into ``stage``; with ``split`` only
         this CTA's share of the 64-column blocks, multicast to the cluster. ``tmas``: the
-        operand's (box, row box) copies."""
+        operand's (box, row box) copies; a contiguous operand loads ``TILE_K`` rows from
+        ``box_row`` as boxes where ``boxed``, else row by row from ``src``."""
         box, row = tmas
         stage_base = sX_ptr + stage * (tile_mn * TILE_K)
         blocks = tile_mn // 64 // (self.cfg.cluster if split else 1)
@@ -419,11 +449,11 @@ class TmaProducers:
             self.copy_rows(warp, row, swizzle, stage_base, blocks, j0, col0, src,
                            full + stage, split)
         else:
-            if whole:
+            if boxed:
                 if warp == 0:
                     gX = cute.group_modes(cute.local_tile(
-                        cute.domain_offset((0, row0), box.tensor), (64, TILE_K), (None, None)),
-                        0, 2)
+                        cute.domain_offset((0, box_row), box.tensor), (64, TILE_K),
+                        (None, None)), 0, 2)
                     for jj in cutlass.range_constexpr(blocks):
                         j = j0 + jj
                         sX = cute.make_tensor(
@@ -432,7 +462,7 @@ class TmaProducers:
                         tXsX, tXgX = cpasync.tma_partition(
                             box.atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                             gX)
-                        self.tma_copy(box.atom, tXgX[None, col0 // 64 + j, kt], tXsX,
+                        self.tma_copy(box.atom, tXgX[None, col0 // 64 + j, 0], tXsX,
                                       full + stage, split)
             else:
                 self.copy_rows(warp, row, swizzle, stage_base, blocks, j0, col0, src,
