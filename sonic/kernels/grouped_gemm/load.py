@@ -355,9 +355,10 @@ class TmaProducers:
         ends at the expert's end, and the gathered operand's rows that the k-tile before
         already reduced are zeros (an expert of fewer than ``TILE_K`` rows, or two operands
         alike, load that k-tile row by row, zeros past the end). Per-row copies, out of bounds
-        ones included, made that k-tile the ring's costliest (docs/performance.md). Lane ``l`` holds the
-        source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are read right
-        after the copies of ``kt`` are issued, overlapping the wait for the next free stage.
+        ones included, made that k-tile the ring's costliest (docs/performance.md). Lane ``l``
+        holds the source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are
+        read right after the copies of ``kt`` are issued, overlapping the wait for the next
+        free stage.
         On a cluster, B (the same rows of the same expert for both CTAs) is split by columns:
         each CTA loads its half of the 64-column blocks and multicasts them; with
         ``multicast_a`` A is, so each CTA issues half of a gathered A's row copies.
