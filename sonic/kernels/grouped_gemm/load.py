@@ -354,8 +354,8 @@ class TmaProducers:
         other contiguous, is the expert's last ``TILE_K`` rows: the contiguous operand's box
         ends at the expert's end, and the gathered operand's rows that the k-tile before
         already reduced are zeros (an expert of fewer than ``TILE_K`` rows, or two operands
-        alike, load that k-tile row by row, zeros past the end). Per-row copies, out of bounds
-        ones included, made that k-tile the ring's costliest (docs/performance.md). Lane ``l``
+        alike, load that k-tile row by row, zeros past the end): copied row by row, out of
+        bounds rows included, it would cost several whole k-tiles (docs/performance.md). Lane ``l``
         holds the source row of the warp's row ``l mod 16``; those of k-tile ``kt + 1`` are
         read right after the copies of ``kt`` are issued, overlapping the wait for the next
         free stage.
