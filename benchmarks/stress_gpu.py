@@ -428,23 +428,30 @@ def initcheck_cases(cases: list[Case]) -> list[Case]:
 
 
 def tma_output_ranges(cfg, args: tuple) -> list[tuple[int, int]]:
-    """``[(address, bytes)]`` of the outputs a varlen-M launch of ``cfg`` writes by TMA
+    """``[(address, bytes)]`` of the outputs a launch of ``cfg`` writes by TMA
     (``cfg.tma_stored``), from the launcher's arguments (the addresses of
     :class:`~sonic.kernels.grouped_gemm.args.Operands`, then
-    :class:`~sonic.kernels.grouped_gemm.args.Sizes`): C ``(P, N)`` of the plain store, dH
-    ``(P, 2n)`` and A' ``(P, n)`` of the dSwiGLU epilogue, all bf16. An output at the address
-    of one of the launch's inputs (the dH kernel writing dH over H) is left out: its rows hold
-    the input's values, written before."""
+    :class:`~sonic.kernels.grouped_gemm.args.Sizes`): C ``(P, N)`` of the varlen-M plain
+    store, dH ``(P, 2n)`` and A' ``(P, n)`` of the dSwiGLU epilogue, C ``(E, M, N)`` of a
+    varlen-K launch (``store_in_stage``), all bf16. An output at the address of one of the
+    launch's inputs (the dH kernel writing dH over H) is left out: its rows hold the input's
+    values, written before."""
     from sonic.kernels.grouped_gemm.args import Operands, Sizes
 
     fields = len(Operands._fields)
     operands, sizes = Operands(*args[:fields]), Sizes(*args[fields:])
-    widths = {"c": 2 * cfg.dim_n if cfg.epilogue == "dswiglu" else cfg.dim_n, "act": cfg.dim_n}
+    if cfg.varlen_k:
+        elems = {"c": int(sizes.num_experts) * cfg.dim_m * cfg.dim_n}
+    else:
+        widths = {"c": 2 * cfg.dim_n if cfg.epilogue == "dswiglu" else cfg.dim_n,
+                  "act": cfg.dim_n}
+        elems = {name: int(sizes.rows_b) * width for name, width in widths.items()}
     # The operands the launch reads (an operand it never reads carries C's address).
     reads = ("a", "b", "offsets") + (("gather_a",) if cfg.gather_a else ()) + (
+        ("gather_b",) if cfg.gather_b else ()) + (
         ("h", "scores") if cfg.epilogue == "dswiglu" else ())
     inputs = {getattr(operands, f) for f in reads}
-    return [(getattr(operands, name), int(sizes.rows_b) * widths[name] * 2)
+    return [(getattr(operands, name), elems[name] * 2)
             for name in cfg.tma_stored if getattr(operands, name) not in inputs]
 
 

@@ -262,6 +262,71 @@ def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
                                                                          True)
 
 
+# The weight gradients' configurations of the named layers: 128 x 256 tiles store C from the
+# ring stage, 256 x 128 tiles and C with rows per expert not a multiple of 64 by threads.
+@pytest.mark.parametrize("args,in_stage", [
+    ((7168, 4096, True, False, True), True),     # DeepSeek-V3 dW1ᵀ
+    ((2048, 7168, True, False), True),           # DeepSeek-V3 dW2
+    ((1024, 2048, False, True, True), False),    # OLMoE-like dW2, swapped, 256-row tiles
+    ((512, 1536, False, True), False),           # 7B dW1, 256 x 128 tiles
+    ((256, 1536, True, False), True),            # 7B dW2, 128 x 256 tiles
+    ((1000, 512, True, False), False),           # M = 1000
+    ((512, 1000, True, False, True), False),     # C[e]ᵀ with N = 1000 rows
+])
+def test_varlen_k_stores_c_from_the_ring_stage(args, in_stage):
+    """bf16 sm_90a varlen-K on 128 x 256 tiles stores C by TMA from the last k-tile's ring
+    stage where C's rows per expert are a multiple of 64; the ring keeps four stages beside the warpgroups' own
+    ``64 x 64`` boxes, and each warpgroup's boxes but one fit in a stage."""
+    cfg = heuristic.varlen_k_config(*args)
+    assert cfg.store_in_stage is in_stage
+    assert cfg.tma_stored == (("c",) if in_stage else ())
+    if in_stage:
+        assert cfg.staging_elems == 2 * 64 * config.SLAB
+        assert cfg.stages == 4
+        assert 2 * (cfg.tile_boxes - 1) * 64 <= cfg.tile_m + cfg.tile_n
+    for other in (heuristic.varlen_k_config(*args[:4], arch="sm_100a"),
+                  heuristic.varlen_k_config(1536, 2048, False, False, ab_dtype="e4m3")):
+        assert not other.store_in_stage
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(varlen_k=False, dim_k=1536), "store_in_stage serves the cooperative bf16"),
+    (dict(tile_n=128, pingpong=True, cluster=1), "store_in_stage serves"),
+    (dict(dim_m=1000), "rows per expert a multiple of 64"),
+    (dict(dim_n=1000, transpose_c=True), "rows per expert a multiple of 64"),
+])
+def test_store_in_stage_rejects_what_the_kernel_cannot_store(kw, match):
+    base = dict(varlen_k=True, tile_n=256, pingpong=False, cluster=CLUSTER, dim_m=1536,
+                dim_n=2048, dim_k=0, gather_a=True, store_in_stage=True)
+    with pytest.raises(ValueError, match=match):
+        GroupedGemmConfig(**{**base, **kw})
+
+
+@pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl) is not importable")
+@pytest.mark.parametrize("args", [(7168, 4096, True, False, True), (512, 1536, False, True),
+                                  (512, 512, True, False)])
+def test_c_boxes_in_the_ring_stage_are_disjoint(args):
+    """The boxes both warpgroups stage C in (all but each one's last) are distinct, 1024-byte
+    aligned ``64 x 64`` blocks inside the stage's A and B k-tiles."""
+    from sonic.kernels.grouped_gemm.args import StageMemory
+    from sonic.kernels.grouped_gemm.epilogue import make_epilogue
+
+    # 256 x 128 tiles (the second) are not planned with it, but the kernel takes them.
+    cfg = dataclasses.replace(heuristic.varlen_k_config(*args), store_in_stage=True)
+    epilogue = make_epilogue(cfg, ring=None)
+    a_base, b_base, stage = 0, 1 << 30, 2
+    a_elems, b_elems = cfg.tile_m * cfg.tile_k, cfg.tile_n * cfg.tile_k
+    stages = StageMemory(None, None, a_base, b_base, None, None, None, None, None)
+    box = 64 * config.SLAB
+    starts = [epilogue.stage_box(stages, stage, wg, i)
+              for wg in range(2) for i in range(cfg.tile_boxes - 1)]
+    assert len(set(starts)) == len(starts) == 2 * (cfg.tile_boxes - 1)
+    for start in starts:
+        region, size = (a_base, a_elems) if start < b_base else (b_base, b_elems)
+        assert region + stage * size <= start <= region + (stage + 1) * size - box
+        assert (start - region) % box == 0
+
+
 def test_ping_pong_varlen_k_is_never_transposed(monkeypatch):
     """A ping-pong varlen-K plan (``bench_grouped_gemm.py --plans`` forces one) keeps C
     untransposed, which the ping-pong kernel needs, where the cooperative plan would swap."""
@@ -394,7 +459,8 @@ def test_named_barriers_do_not_collide():
     from sonic.kernels.grouped_gemm.config import CONSUMER_WARPGROUPS, NamedBarrier
 
     bases = [NamedBarrier.MMA_TURN, NamedBarrier.EPILOGUE]
-    ids = [base + wg for base in bases for wg in range(CONSUMER_WARPGROUPS)]
+    ids = ([base + wg for base in bases for wg in range(CONSUMER_WARPGROUPS)]
+           + [NamedBarrier.CONSUMERS])
     assert len(set(ids)) == len(ids)
     assert all(0 < i < 16 for i in ids)
     assert all(type(base) is int for base in bases)

@@ -167,8 +167,9 @@ def _launch_args(operands, rows_b):
 
 def test_tma_output_ranges_follow_the_configuration():
     """The outputs a launch writes by TMA, as the initcheck run fills them: C of the deferred
-    store, dH and A' of the dSwiGLU epilogue (dH left out where it is written over H), nothing
-    for ping-pong, varlen-K, FP8 or the SwiGLU up-proj."""
+    store, dH and A' of the dSwiGLU epilogue (dH left out where it is written over H), the
+    whole ``(E, M, N)`` C of varlen-K staged in the ring stage, nothing for ping-pong, varlen-K
+    stored by threads, FP8 or the SwiGLU up-proj."""
     from sonic.kernels.grouped_gemm.config import GroupedGemmConfig
     stress = _stress()
     base = dict(dim_m=0, dim_n=256, dim_k=512, tile_n=256, cluster=1)
@@ -186,6 +187,12 @@ def test_tma_output_ranges_follow_the_configuration():
     ops["c"] = ops["h"]                                  # dH over H
     assert stress.tma_output_ranges(dswiglu, _launch_args(ops, rows_b=64)) == [
         (0x5000, 64 * 256 * 2)]
+    in_stage = GroupedGemmConfig(varlen_k=True, pingpong=False, gather_a=False, gather_b=True,
+                                 store_in_stage=True, **dict(base, dim_m=192, dim_k=0))
+    assert in_stage.tma_stored == ("c",)
+    ops = dict(a=0x1000, b=0x2000, c=0x3000, gather_b=0x9000, offsets=0x4000)
+    assert stress.tma_output_ranges(in_stage, _launch_args(ops, rows_b=100)) == [
+        (0x3000, 4 * 192 * 256 * 2)]
     for cfg in (GroupedGemmConfig(varlen_k=False, pingpong=True, gather_a=False,
                                   **dict(base, tile_n=128)),
                 GroupedGemmConfig(varlen_k=True, pingpong=False, gather_a=True, **base),

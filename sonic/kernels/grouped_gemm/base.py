@@ -20,11 +20,14 @@ Pipeline contract (checked while tracing by :meth:`GroupedGemmKernel.check_contr
 * ``empty[s]`` (consumers -> producers), count ``barrier_contract(cfg).empty`` = 4 warps per
   reading warpgroup (ping-pong: 1, cooperative: 2) × cluster CTAs: every MMA warp arrives once
   on the stage's barrier in every CTA of the cluster when done reading it (on a cluster both
-  CTAs' producers write into the stage of both).
+  CTAs' producers write into the stage of both); with ``store_in_stage`` the stage of a
+  tile's last k-tile is released by the epilogue, once TMA has read the C boxes staged in it.
 * Named barriers (:class:`~.config.NamedBarrier`): ``MMA_TURN + wg`` hand the tensor cores
   between the consumer warpgroups (256 threads); ``EPILOGUE + wg`` orders a warpgroup's
   epilogue staging (128 threads) where its warps share staged rows (transposed varlen-K
-  blocks, sm_100); otherwise each warp stages its own rows and synchronises with itself.
+  blocks, sm_100, C stored from the ring stage); otherwise each warp stages its own rows and
+  synchronises with itself; ``CONSUMERS`` (256 threads): both warpgroups are done with a
+  tile's last stage before C is staged in it.
 * Cluster sync after barrier init and tile-table build, and before exit (no CTA leaves while
   its peer can still arrive on its barriers).
 
@@ -175,7 +178,7 @@ class GroupedGemmKernel(TmaProducers):
         a_smem, b_smem = self.make_smem_layouts()
         tmas = self.make_operand_tmas(a, b, rows_a, rows_b, num_experts, a_smem, b_smem)
         # dSwiGLU reads H (P, 2n) and writes dH and A' (P rows), with P passed as rows_b.
-        epi_tmas = self.epilogue.make_tma(h, c, act, rows_b, a_smem)
+        epi_tmas = self.epilogue.make_tma(h, c, act, rows_b, num_experts, a_smem)
         self.storage_type = self.shared_storage(a_smem, b_smem)
         self.kernel(tiled_mma, tmas, epi_tmas, a_smem, b_smem, pointers, gather_a, gather_b,
                     offsets, rows_a, rows_b, num_experts).launch(

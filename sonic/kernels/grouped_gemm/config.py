@@ -46,10 +46,13 @@ class NamedBarrier:
         EPILOGUE: a warpgroup's epilogue staging (128 threads), ``EPILOGUE + wg``, where its
             warps share staged rows (transposed varlen-K blocks, sm_100's one epilogue
             warpgroup).
+        CONSUMERS: both consumer warpgroups (256 threads): with ``store_in_stage`` both have
+            read the tile's last ring stage before either stages C in it.
     """
 
     MMA_TURN = 1
     EPILOGUE = MMA_TURN + CONSUMER_WARPGROUPS
+    CONSUMERS = EPILOGUE + CONSUMER_WARPGROUPS
 # Epilogue: a warpgroup stages SLAB columns of its rows in shared memory, then stores them as
 # 16-byte row chunks; PAD elements per staged row keep the accumulator writes free of bank
 # conflicts.
@@ -118,6 +121,13 @@ class GroupedGemmConfig:
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
+        store_in_stage: bf16 sm_90a cooperative varlen-K: C is written by TMA from swizzled
+            ``64 x SLAB`` boxes (``C[e]ᵀ``'s with ``transpose_c``), all but the last of a
+            warpgroup's :attr:`tile_boxes` staged in the ring stage of the tile's last k-tile,
+            which the consumers release once TMA has read them, the last in the warpgroup's
+            own box; so a tile is staged without waiting for a store. False: the threads
+            store C. Needs C's rows per expert (N if ``transpose_c``, else M) a multiple of
+            64, so that no box reaches into the next expert's rows.
 
     Raises:
         ValueError: a combination no kernel implements (the message names it).
@@ -142,6 +152,7 @@ class GroupedGemmConfig:
     multicast_a: bool = False
     activation: str = "swiglu"
     n_band: int = 0
+    store_in_stage: bool = False
 
     def __post_init__(self):
         if self.arch not in MAINLOOPS:
@@ -187,6 +198,7 @@ class GroupedGemmConfig:
             raise ValueError("gather_b serves the varlen-K kernel (varlen-M B is a weight)")
         if self.transpose_c and (not self.varlen_k or self.pingpong):
             raise ValueError("a transposed C serves the cooperative varlen-K kernel")
+        self._check_store_in_stage()
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if (self.epilogue == "swiglu") != (self.gate_up is not None):
@@ -215,6 +227,25 @@ class GroupedGemmConfig:
         if self.activation != "swiglu" and (self.epilogue == "store" or self.fp8):
             raise ValueError(f"activation={self.activation!r} serves the bf16 SwiGLU and "
                              "dSwiGLU epilogues (a GLU variant's gate function)")
+
+    def _check_store_in_stage(self):
+        if not self.store_in_stage:
+            return
+        if (not self.varlen_k or self.pingpong or self.fp8 or self.arch != "sm_90a"
+                or self.epilogue != "store"):
+            raise ValueError("store_in_stage serves the cooperative bf16 sm_90a varlen-K "
+                             "kernel")
+        rows, width = ((self.dim_n, self.dim_m) if self.transpose_c
+                       else (self.dim_m, self.dim_n))
+        if rows % 64 or width % VEC:
+            raise ValueError(f"store_in_stage needs C's rows per expert a multiple of 64 and "
+                             f"its rows whole 16-byte lines, got M={self.dim_m}, "
+                             f"N={self.dim_n}, transpose_c={self.transpose_c}")
+        # Each warpgroup's boxes but one in the stage: 64 of its rows (of A's and B's k-tile)
+        # per box.
+        if 2 * (self.tile_boxes - 1) * 64 > self.tile_m + self.tile_n:
+            raise ValueError(f"store_in_stage: a {self.tile_m} x {self.tile_n} tile's boxes do "
+                             "not fit in its ring stage")
 
     def _check_tile_m(self):
         if self.tile_m not in TILE_MS:
@@ -338,8 +369,16 @@ class GroupedGemmConfig:
 
     @property
     def staged_block_elems(self) -> int:
-        """bf16 elements of one warpgroup's staging block: ``staged_rows x SLAB``, padded."""
+        """bf16 elements of one warpgroup's staging block: ``staged_rows x SLAB``, padded, or
+        with :attr:`store_in_stage` one swizzled ``64 x SLAB`` box."""
+        if self.store_in_stage:
+            return 64 * SLAB
         return self.staged_rows * (SLAB + PAD)
+
+    @property
+    def tile_boxes(self) -> int:
+        """``64 x SLAB`` boxes of C one consumer warpgroup holds per tile."""
+        return self.rows_wg // 64 * (self.tile_n // SLAB)
 
     @property
     def tma_bytes(self) -> int:
@@ -401,7 +440,8 @@ class GroupedGemmConfig:
         """The outputs (:class:`~sonic.kernels.grouped_gemm.args.Operands` fields) written by
         TMA box stores (``cp.async.bulk.tensor``) instead of thread stores, on bf16 sm_90: C of
         the plain store on cooperative varlen-M tiles (deferred,
-        :meth:`~.epilogue.base.Epilogue.defers`), and dH and A' of the dSwiGLU epilogue
+        :meth:`~.epilogue.base.Epilogue.defers`) and varlen-K tiles with
+        :attr:`store_in_stage`, and dH and A' of the dSwiGLU epilogue
         (:attr:`~.epilogue.dswiglu.DswigluEpilogue.tma_store`). Tools that track writes per
         thread do not see them: compute-sanitizer's initcheck reports later reads of these rows
         as uninitialised."""
@@ -409,7 +449,8 @@ class GroupedGemmConfig:
             return ()
         if self.epilogue == "dswiglu":
             return ("c", "act")
-        if self.epilogue == "store" and not self.pingpong and not self.varlen_k:
+        if self.epilogue == "store" and not self.pingpong and (not self.varlen_k
+                                                               or self.store_in_stage):
             return ("c",)
         return ()
 

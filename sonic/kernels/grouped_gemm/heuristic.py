@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, GroupedGemmConfig
+from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, VEC, GroupedGemmConfig
 
 
 class DeviceMemory(NamedTuple):
@@ -204,18 +204,26 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
                     transpose_c: bool = False, arch: str = "sm_90a",
                     ab_dtype: str = "bf16") -> GroupedGemmConfig:
-    """The planned varlen-K configuration (:func:`plan`).
+    """The planned varlen-K configuration (:func:`plan`), with C stored by TMA from the last
+    k-tile's ring stage (``store_in_stage``) on bf16 sm_90a cooperative ``128 x 256`` tiles
+    whose C has a multiple of 64 rows per expert (``bench_grouped_gemm.py --gemm dW1 --gemm
+    dW2`` at the named layers against thread stores: faster on ``128 x 256`` tiles, level to
+    slower on ``256 x 128`` ones; benchmarks/RESULTS.md).
 
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
     """
     tiles = plan(True, dim_n, gather_a, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype,
                  gather_b=gather_b, transpose_c=transpose_c)
+    # Not on 256 x 128 tiles: measured level to 0.5% slower there (7B's dW1, OLMoE's).
+    rows, width = (dim_n, dim_m) if transpose_c else (dim_m, dim_n)
+    in_stage = (arch == "sm_90a" and ab_dtype == "bf16" and not tiles.pingpong
+                and tiles.tile_m == TILE_M and rows % 64 == 0 and width % VEC == 0)
     return GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
                              cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
                              gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,
                              arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
-                             multicast_a=tiles.multicast_a)
+                             multicast_a=tiles.multicast_a, store_in_stage=in_stage)
 
 
 def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,

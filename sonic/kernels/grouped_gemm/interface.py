@@ -819,6 +819,10 @@ _register("varlen_k_m1024_n2048_gather_b_ct",
           archs=("sm_90a",))
 _register("varlen_k_m512_n1536_gather_b",
           lambda arch: heuristic.varlen_k_config(512, 1536, False, True, arch=arch))
+# C's rows per expert not a multiple of 64: the threads store C (on other 128 x 256 sm_90 tiles
+# TMA stores it from the last k-tile's ring stage).
+_register("varlen_k_m1000_n512_gather_a_thread_stores",
+          lambda arch: heuristic.varlen_k_config(1000, 512, True, False, arch=arch))
 # Banded tile orders (n_band): Mixtral-8x7B's up-proj and dH kernel on an H100, whose experts
 # hold 4096 rows each against more B than the L2.
 _MIXTRAL_ROWS, _H100_MEMORY = 4096, heuristic.DeviceMemory(132, 50 << 20, 3.35e12)

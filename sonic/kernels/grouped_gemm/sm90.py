@@ -235,8 +235,9 @@ class Sm90GroupedGemm(GroupedGemmKernel):
                 prev = stage
                 stage, phase = self.ring.next_stage(stage, phase)
             warpgroup.wait_group(0)
-            if k_tiles > 0:
-                self.ring.release(empty + prev, lane)
+            if cutlass.const_expr(not cfg.store_in_stage):
+                if k_tiles > 0:
+                    self.ring.release(empty + prev, lane)
             if cutlass.const_expr(cfg.pingpong):
                 # The other warpgroup's next tile is t + stride; it may start its mainloop.
                 if t + stride < total:

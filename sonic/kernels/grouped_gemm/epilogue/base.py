@@ -58,11 +58,11 @@ class Epilogue:
         """bf16 elements of shared memory the epilogue stages its stores in."""
         return self.cfg.staging_elems
 
-    def make_tma(self, h, c, act, rows, a_smem) -> tuple:
+    def make_tma(self, h, c, act, rows, experts, a_smem) -> tuple:
         """Host side: the epilogue's own TMA copies, a named tuple of :class:`~.args.Tma`
         (``None`` where a configuration has none), or ``()`` (``h``, ``c``, ``act``: H, C
-        and act; ``rows``: their rows; ``a_smem``: A's staged layout, whose 128-byte swizzle
-        the copies share)."""
+        and act; ``rows``: varlen-M's rows of them; ``experts``: E, varlen-K C's leading
+        extent; ``a_smem``: A's staged layout, whose 128-byte swizzle the copies share)."""
         return ()
 
     def prefetch(self, tmas: tuple):
@@ -73,10 +73,10 @@ class Epilogue:
 
     @cute.jit
     def finish(self):
-        """Each consumer warp after its last tile (sm_90): a deferring epilogue's TMA stores
-        complete before the kernel ends (waited for by the lane that issued them: election
-        is deterministic for a full warp)."""
-        if cutlass.const_expr(self.deferred):
+        """Each consumer warp after its last tile (sm_90): the TMA stores of C complete
+        before the kernel ends (waited for by the lane that issued them: election is
+        deterministic for a full warp)."""
+        if cutlass.const_expr("c" in self.cfg.tma_stored):
             with cute.arch.elect_one():
                 cute.arch.cp_async_bulk_wait_group(0)
 
@@ -86,9 +86,10 @@ class Epilogue:
         stores it during its next tile's mainloop, one ``WARP_ROWS x SLAB`` box per warp
         after each of the first k-tiles' WGMMAs (:meth:`store_part`: staged 128-byte
         swizzled, then TMA-stored), so a tile's stores drain while the tensor cores run
-        instead of between tiles. varlen-K is left out: its long reductions leave little to
-        hide, and with a per-expert k-tile count ptxas serialized the WGMMAs (C7514)."""
-        return "c" in self.cfg.tma_stored
+        instead of between tiles. varlen-K is left out (it stages C in its last k-tile's
+        ring stage, :attr:`~.config.GroupedGemmConfig.store_in_stage`): with a per-expert
+        k-tile count ptxas serialized the WGMMAs (C7514)."""
+        return "c" in self.cfg.tma_stored and not self.cfg.varlen_k
 
     def tma_atom(self, op, ptr, rows, width: int, pitch: int, a_smem,
                  box: tuple = (WARP_ROWS, SLAB)) -> Tma:
@@ -150,10 +151,10 @@ class Epilogue:
         return warp_row0, whole, thread_rows
 
     @cute.jit
-    def tma_box(self, tma: Tma, swizzle, src: cute.Pointer, row: Int32, col: Int32):
-        """TMA store of the swizzled ``WARP_ROWS x SLAB`` box at ``src`` to rows ``row ..``,
-        columns ``col ..`` of ``tma``'s tensor (one lane)."""
-        box = (WARP_ROWS, SLAB)
+    def tma_box(self, tma: Tma, swizzle, src: cute.Pointer, row: Int32, col: Int32,
+                box: cutlass.Constexpr = (WARP_ROWS, SLAB)):
+        """TMA store of the swizzled ``box`` (rows x SLAB columns) at ``src`` to rows
+        ``row ..``, columns ``col ..`` of ``tma``'s tensor (one lane)."""
         sD = cute.make_tensor(cute.recast_ptr(src, swizzle),
                               cute.make_layout(box, stride=(SLAB, 1)))
         gD = cute.local_tile(cute.domain_offset((row, col), tma.tensor), box, (0, 0))
@@ -181,11 +182,13 @@ class Epilogue:
 
     @cute.jit
     def stage_slab(self, acc, stage_c: cute.Pointer, wg_row0: Int32, sl: int,
-                   transposed: cutlass.Constexpr = False, row_block: int | None = None):
+                   transposed: cutlass.Constexpr = False, row_block: int | None = None,
+                   swizzled_rows: cutlass.Constexpr = False):
         """bf16 accumulator columns ``sl·SLAB ..`` of this warpgroup's rows (of its 64-row
         block ``row_block`` only, if given, whose first row ``wg_row0`` then is) → staging
         buffer (``transposed``: staged row = column, staged column = row;
-        staged_rows == SLAB)."""
+        staged_rows == SLAB). ``swizzled_rows``: the block is dense 128-byte lines swizzled
+        as :func:`swizzled` (a TMA store's source), else rows padded by PAD."""
         pair_f32 = cute.make_rmem_tensor((2,), F32)
         pair = cute.make_rmem_tensor((2,), BF16)
         for p in (acc.pairs(sl) if row_block is None else acc.pairs(sl, row_block)):
@@ -194,13 +197,17 @@ class Epilogue:
             pair_f32[1] = acc.value(p, 1)
             pair.store(pair_f32.load().to(BF16))
             if cutlass.const_expr(transposed):
-                # A quad's column pairs over 8 rows: 16 distinct banks.
+                # A quad's column pairs over 8 rows: 16 distinct banks (swizzled: the four
+                # staged rows' 16-byte chunks differ, 64 bytes in distinct banks).
                 for v0 in cutlass.range_constexpr(2):
-                    cute.make_tensor(
-                        stage_c + (n + v0 - sl * SLAB) * (SLAB + PAD) + (m - wg_row0),
-                        cute.make_layout(1))[0] = pair[v0]
+                    offset = (n + v0 - sl * SLAB) * (SLAB + PAD) + (m - wg_row0)
+                    if cutlass.const_expr(swizzled_rows):
+                        offset = swizzled(n + v0 - sl * SLAB, m - wg_row0)
+                    cute.make_tensor(stage_c + offset, cute.make_layout(1))[0] = pair[v0]
             else:
                 offset = (m - wg_row0) * (SLAB + PAD) + (n - sl * SLAB)
+                if cutlass.const_expr(swizzled_rows):
+                    offset = swizzled(m - wg_row0, n - sl * SLAB)
                 cute.autovec_copy(pair, cute.make_tensor(
                     stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
 
@@ -272,12 +279,21 @@ class StoreEpilogue(Epilogue):
         """Boxes a warp stores per deferred tile: its 64-row blocks × SLAB-column slabs."""
         return self.cfg.rows_wg // 64 * (self.cfg.tile_n // SLAB)
 
-    def make_tma(self, h, c, act, rows, a_smem) -> StoreTmas:
-        """Deferred: the box stores into C ``(P, N)`` (``rows`` = P)."""
+    def make_tma(self, h, c, act, rows, experts, a_smem) -> StoreTmas:
+        """Deferred: the ``WARP_ROWS x SLAB`` box stores into C ``(P, N)`` (``rows`` = P).
+        varlen-K with :attr:`~.config.GroupedGemmConfig.store_in_stage`: the ``64 x SLAB``
+        box stores into C ``(E·M, N)`` (``C[e]ᵀ``: ``(E·N, M)``); TMA clips a box at the last
+        column, and no box crosses an expert's last row (their count is a multiple of 64)."""
+        cfg = self.cfg
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        if cfg.store_in_stage:
+            rows_e, width = ((cfg.dim_n, cfg.dim_m) if cfg.transpose_c
+                             else (cfg.dim_m, cfg.dim_n))
+            return StoreTmas(self.tma_atom(store, c, experts * rows_e, width, width, a_smem,
+                                           (64, SLAB)))
         if not self.deferred:
             return StoreTmas(None)
-        return StoreTmas(self.tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c, rows,
-                                       self.cfg.dim_n, self.cfg.dim_n, a_smem))
+        return StoreTmas(self.tma_atom(store, c, rows, cfg.dim_n, cfg.dim_n, a_smem))
 
     @cute.jit
     def store_part(self, packed, part: int, wg: EpilogueThreads, outs: EpilogueOutputs,
@@ -312,6 +328,9 @@ class StoreEpilogue(Epilogue):
         ``C[e]ᵀ``, 8 threads covering a 128-byte line of it.
         """
         cfg = self.cfg
+        if cutlass.const_expr(cfg.store_in_stage):
+            self.store_by_tma(acc, wg, tmas, tile, stages, stage)
+            return stage, phase
         c = outs.c
         e, row0, rows, nt, mt, _ = tile
         stage_c, wg_tid, wg_row0 = wg.staging, wg.tid, wg.row0
@@ -344,3 +363,93 @@ class StoreEpilogue(Epilogue):
                 # The next slab (or row block) overwrites the staging buffer.
                 self.sync(wg, private)
         return stage, phase
+
+    @cute.jit
+    def store_by_tma(self, acc: AccumulatorView, wg: EpilogueThreads, tmas: StoreTmas,
+                     tile: TileCoord, stages: StageMemory, stage: Int32):
+        """varlen-K with :attr:`~.config.GroupedGemmConfig.store_in_stage`: this warpgroup's
+        part of the tile as ``64 x SLAB`` boxes (``C[e]ᵀ``'s with ``transpose_c``), each
+        staged swizzled and TMA-stored by one lane. All boxes but the last go to the ring
+        stage of the tile's last k-tile (``stage`` is the one after it), so none waits for a
+        store; the consumer warps release that stage once TMA has read them, and the last
+        box, staged in the warpgroup's own box, drains under the next tile's mainloop. A
+        tile without k-tiles (an expert without rows) has no such stage: its zeros go box
+        by box through the warpgroup's own box. A box whose rows lie past the expert's (the
+        last m- or n-tile of M or N) is not stored."""
+        cfg = self.cfg
+        boxes = [(sl, mm) for sl in range(cfg.tile_n // SLAB) for mm in range(cfg.rows_wg // 64)]
+        if tile.rows > 0:
+            last = stage - 1
+            if stage == 0:
+                last = Int32(cfg.stages - 1)
+            # The other warpgroup's WGMMAs have read the stage too.
+            cute.arch.barrier(barrier_id=NamedBarrier.CONSUMERS, number_of_threads=256)
+            for i, box in enumerate(boxes):
+                if cutlass.const_expr(i < len(boxes) - 1):
+                    self.store_box(acc, wg, tmas, tile, stages.a_swizzle, box,
+                                   self.stage_box(stages, last, wg.index, i), None)
+                else:
+                    # Its previous contents: the previous tile's last box, committed before
+                    # this tile's other boxes.
+                    self.store_box(acc, wg, tmas, tile, stages.a_swizzle, box, wg.staging,
+                                   len(boxes) - 1)
+            # TMA has read the stage's boxes (all but the last group): it may be refilled.
+            if cute.arch.make_warp_uniform(wg.tid // 32) == 0:
+                with cute.arch.elect_one():
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+            self.sync(wg, False)
+            self.ring.release(stages.empty + last, wg.lane)
+        else:
+            for box in boxes:
+                self.store_box(acc, wg, tmas, tile, stages.a_swizzle, box, wg.staging, 0)
+
+    def stage_box(self, stages: StageMemory, stage: Int32, wg_index: Int32, i: int):
+        """Box ``i`` of warpgroup ``wg_index``'s ``tile_boxes - 1`` boxes in ring stage
+        ``stage``, whose A and B k-tiles are ``64 x SLAB`` blocks (1024-byte aligned): each
+        warpgroup takes half of A's blocks first, then of B's."""
+        cfg = self.cfg
+        box = 64 * SLAB
+        a_per = min(cfg.tile_m // 128, cfg.tile_boxes - 1)
+        if i < a_per:
+            return stages.a_base + stage * (cfg.tile_m * cfg.tile_k) + (wg_index * a_per + i) * box
+        b_per = cfg.tile_boxes - 1 - a_per
+        return (stages.b_base + stage * (cfg.tile_n * cfg.tile_k)
+                + (wg_index * b_per + i - a_per) * box)
+
+    @cute.jit
+    def store_box(self, acc: AccumulatorView, wg: EpilogueThreads, tmas: StoreTmas,
+                  tile: TileCoord, swizzle, box: tuple, dst: cute.Pointer,
+                  allowance: cutlass.Constexpr):
+        """Stage box ``box`` = ``(slab, 64-row block)`` of this warpgroup's accumulator at
+        ``dst`` and TMA-store it (one lane, one committed group). ``allowance``: the lane
+        first waits until at most that many of its groups are still being read (``dst``'s
+        previous contents among the older ones); None: ``dst`` is free."""
+        cfg = self.cfg
+        sl, mm = box
+        e, _, _, nt, mt, _ = tile
+        leader = cute.arch.make_warp_uniform(wg.tid // 32) == 0
+        block_row0 = wg.row0 + mm * 64
+        if cutlass.const_expr(allowance is not None):
+            if leader:
+                with cute.arch.elect_one():
+                    cute.arch.cp_async_bulk_wait_group(allowance, read=True)
+            self.sync(wg, False)
+        self.stage_slab(acc, dst, block_row0, sl, cfg.transpose_c,
+                        None if cfg.rows_wg == 64 else mm, True)
+        # The threads' shared-memory writes, then the TMA unit's reads.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.sync(wg, False)
+        if cutlass.const_expr(cfg.transpose_c):
+            first = nt * cfg.tile_n + sl * SLAB
+            inside = first < cfg.dim_n
+            row, col = e * cfg.dim_n + first, mt * cfg.tile_m + block_row0
+        else:
+            first = mt * cfg.tile_m + block_row0
+            inside = first < cfg.dim_m
+            row, col = e * cfg.dim_m + first, nt * cfg.tile_n + sl * SLAB
+        if leader:
+            with cute.arch.elect_one():
+                if inside:
+                    self.tma_box(tmas.c, swizzle, dst, row, col, (64, SLAB))
+                # Committed even when empty: the waits count one group per box.
+                cute.arch.cp_async_bulk_commit_group()

@@ -70,7 +70,7 @@ class DswigluEpilogue(Epilogue):
         stage and store them with their threads."""
         return bool(self.cfg.tma_stored)
 
-    def make_tma(self, h, c, act, rows, a_smem) -> DswigluTmas:
+    def make_tma(self, h, c, act, rows, experts, a_smem) -> DswigluTmas:
         """H ``(P, 2n)`` (``P`` = ``rows``): loads of ``TILE_M x SLAB`` boxes, 128-byte
         swizzled like A (SLAB == TILE_K) so the reads of a thread quad's column pairs over 8
         rows hit distinct banks. With :attr:`tma_store` also the stores of ``WARP_ROWS x SLAB``
