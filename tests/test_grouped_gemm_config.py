@@ -270,6 +270,7 @@ def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
     ((1024, 2048, False, True, True), False),    # OLMoE-like dW2, swapped, 256-row tiles
     ((512, 1536, False, True), False),           # 7B dW1, 256 x 128 tiles
     ((256, 1536, True, False), True),            # 7B dW2, 128 x 256 tiles
+    ((64, 64, False, False), False),             # 128 x 128 tiles
     ((1000, 512, True, False), False),           # M = 1000
     ((512, 1000, True, False, True), False),     # C[e]ᵀ with N = 1000 rows
 ])
