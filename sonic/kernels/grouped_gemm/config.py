@@ -377,7 +377,8 @@ class GroupedGemmConfig:
 
     @property
     def tile_boxes(self) -> int:
-        """``64 x SLAB`` boxes of C one consumer warpgroup holds per tile."""
+        """``64 x SLAB`` boxes of C one consumer warpgroup holds per tile (its 64-row blocks ×
+        SLAB-column slabs)."""
         return self.rows_wg // 64 * (self.tile_n // SLAB)
 
     @property

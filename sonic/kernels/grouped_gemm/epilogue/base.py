@@ -277,7 +277,7 @@ class StoreEpilogue(Epilogue):
     @property
     def parts(self) -> int:
         """Boxes a warp stores per deferred tile: its 64-row blocks × SLAB-column slabs."""
-        return self.cfg.rows_wg // 64 * (self.cfg.tile_n // SLAB)
+        return self.cfg.tile_boxes
 
     def make_tma(self, h, c, act, rows, experts, a_smem) -> StoreTmas:
         """Deferred: the ``WARP_ROWS x SLAB`` box stores into C ``(P, N)`` (``rows`` = P).
