@@ -463,7 +463,13 @@ def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
         if routing_in_graph:
             result.update(_routing_in_graph(r, impl, steps[impl], step_without, leaves))
     if profile_kernels:
-        _kernel_breakdown(steps[first], grad_to_none=leaves)
+        # Under the first row's FP8 choices (the process defaults are back by now).
+        restore = (set_fp8_epilogues(default_mode[0]), set_fp8_weight_grads(default_mode[1]))
+        try:
+            _kernel_breakdown(steps[first], grad_to_none=leaves)
+        finally:
+            set_fp8_epilogues(restore[0])
+            set_fp8_weight_grads(restore[1])
     return result
 
 
