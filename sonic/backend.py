@@ -266,9 +266,9 @@ def set_fp8_weight_grads(kind: str) -> str:
       (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`, every expert's rows padded to
       whole 128-row blocks), then :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
       Same validation loss as bf16 weight gradients (CPU emulation, and three seeds on the
-      GPU), but no faster on the H200, with more peak memory: the FP8 varlen-K GEMMs gain
-      about what the four column-wise quantization passes add (benchmarks/RESULTS.md). An
-      opt-in for the DeepSeek-V3 recipe's numerics, not for speed.
+      GPU), with more peak memory. On the H200 they pay off only where the GEMMs are large
+      against the four column-wise quantization passes (DeepSeek-V3's layer); at the OLMoE
+      and 30B layers they are level or slower (benchmarks/RESULTS.md), hence opt-in.
 
     Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
     rather than a context: the backward runs on autograd's device threads. Read when the

@@ -2,7 +2,7 @@
 sequence from one reciprocal, emulated on the CPU, against IEEE fp32 division.
 
 The kernels compute ``x / scale`` as ``q = RN(x·y)`` with ``y = RN(1/scale)``, then two
-corrections ``q = fma(fma(-scale, q, x), y, q)``, and keep a zero ``x`` as it is. Here every
+corrections ``q = fma(-fma(scale, q, -x), y, q)``, which keep a zero ``x``'s sign. Here every
 fma is emulated in float64 (a product of two fp32 values is exact there) and rounded once to
 fp32; the GPU tests compare the kernels themselves with the reference bitwise.
 """
@@ -21,8 +21,8 @@ def _quotient(x, scale):
     y = (np.float32(1.0) / scale).astype(np.float32)
     q = (x * y).astype(np.float32)
     for _ in range(2):
-        q = _fma32(_fma32(-scale, q, x), y, q)
-    return np.where(x == 0, x, q)
+        q = _fma32(-_fma32(scale, q, -x), y, q)
+    return q
 
 
 def test_quotient_is_the_ieee_division_on_the_recipes_operands():

@@ -37,13 +37,17 @@ conflicts.
 
 ``quantize_cols_grouped`` (the FP8 weight gradients' operands): the same 8 × 8 thread tiles
 over 128 rows of one expert (padded with zeros past its end; gathered rows read through the
-index) × 64 columns per CTA of four warps, a scale per column from a butterfly over the 16
+index) × 64 columns per chunk of four warps, a scale per column from a butterfly over the 16
 row groups of a warp (a warp holds all 128 rows of its 16 columns: no shared memory), the
-transposed tile stored as above into the K-major copy. The tile stays bf16 in registers until
-each row is quantized: 96 registers per thread, five 128-thread CTAs per SM, where 128 columns
-per CTA of eight warps with fp32 copies of the tile (128 registers, two CTAs per SM) ran
-slower (bitwise the same copies). Each column's reciprocal is taken once and its 8 quotients
-come from it (``quotient``); bandwidth at the paper's configurations: benchmarks/RESULTS.md.
+transposed tile stored as above into the K-major copy. A CTA walks a strip of up to eight
+chunks of its row block (:func:`cols_chunks`): the expert search and the row indices are
+loaded once per strip, and each next chunk's rows are loaded into a second register tile
+while the current one is reduced and quantized, so the loads stay in flight (a CTA of one
+chunk waits for its loads with nothing else to issue). The column maxima are
+taken on the bf16 pairs (``bf16x2_max``: one instruction per two elements, exact). 162
+registers per thread, three 128-thread CTAs per SM; capped at 128 registers for a fourth CTA,
+ptxas spills and the kernel is slower (benchmarks/RESULTS.md). Each column's reciprocal is
+taken once and its 8 quotients come from it (``quotient``).
 
 ``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
 ``ValueError`` names the argument otherwise.
@@ -65,14 +69,24 @@ THREADS = 256
 # quantize_rows: rows per lane (issued together) and rows per CTA.
 ROWS_PER_LANE = 2
 ROWS_PER_CTA = THREADS // LANES_PER_SLICE * ROWS_PER_LANE
-# quantize_cols_grouped: columns per CTA (a warp holds 16, with all 128 rows of the block).
+# quantize_cols_grouped: columns per chunk of a CTA (a warp holds 16, with all 128 rows of the
+# block), and at most this many chunks per CTA.
 COLS_PER_CTA = 64
+MAX_COLS_CHUNKS = 8
 FP8_MAX = 448.0
 # Scales whose quotients x / scale come exactly from the reciprocal (see `quotient`): within
 # these bounds no residual underflows and no reciprocal is subnormal. Others (tiny blocks,
 # inf) take the division instruction.
 FAST_SCALE_MIN = 2.0 ** -80
 FAST_SCALE_MAX = 2.0 ** 100
+
+
+def cols_chunks(cols: int) -> int:
+    """``quantize_cols_grouped``'s 64-column chunks per CTA for ``cols`` columns (a multiple
+    of 128): the largest even divisor of ``cols / 64`` up to :data:`MAX_COLS_CHUNKS`, so
+    that a CTA's chunks pair up for its two tile buffers and the strips cover the columns."""
+    chunks = cols // COLS_PER_CTA
+    return max(c for c in range(2, MAX_COLS_CHUNKS + 1, 2) if chunks % c == 0)
 
 
 def _compile(kind: str, k: int, keep_ptx: bool = False):
@@ -225,9 +239,10 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
 
     Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped`, padding and tail
     included. One pass: a CTA reads one 128-row block of one expert (gathered rows
-    included) by 64 columns; a warp holds all 128 rows of its 16 columns, so a column's
-    ``amax`` is a butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves through a
-    byte transpose in registers as 8-byte pieces of rows of the copy.
+    included) in a strip of 64-column chunks, the next chunk's loads in flight while it
+    quantizes one; a warp holds all 128 rows of its 16 columns, so a column's ``amax`` is a
+    butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves through a byte transpose
+    in registers as 8-byte pieces of rows of the copy.
 
     Args:
         x: ``(P, C)`` bf16 rows sorted by expert, or with ``gather_idx`` the ``(T, C)`` source

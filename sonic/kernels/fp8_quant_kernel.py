@@ -17,21 +17,25 @@ from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm.tile_scheduler import last_at_most
 from sonic.types import FP8_BLOCK
 from sonic.kernels.fp8_quant import (COLS_PER_CTA, FAST_SCALE_MAX, FAST_SCALE_MIN, FP8_MAX,
-                                     LANES_PER_SLICE, ROWS_PER_CTA, ROWS_PER_LANE, THREADS, VEC)
+                                     LANES_PER_SLICE, ROWS_PER_CTA, ROWS_PER_LANE, THREADS, VEC,
+                                     cols_chunks)
 
 # Markstein's correctly rounded quotient (IA-64's division; Muller et al., Handbook of
-# Floating-Point Arithmetic, §4.7): $1 = x, $2 = y = RN(1/s), $3 = -s. q = RN(x·y) is within 2
-# ulps of x/s, one correction q + RN(x − s·q)·y makes it faithful, and from a faithful q (whose
-# residual x − s·q an fma gives exactly) and the correctly rounded y one more gives RN(x/s).
-# A zero x keeps its sign (the corrections would turn −0 into +0).
-_QUOTIENT_PTX = ("{ .reg .f32 q, r; .reg .pred z;\n"
+# Floating-Point Arithmetic, §4.7): $1 = x, $2 = y = RN(1/s), $3 = s. q = RN(x·y) is within 2
+# ulps of x/s, one correction q − RN(s·q − x)·y makes it faithful, and from a faithful q (whose
+# residual s·q − x an fma gives exactly) and the correctly rounded y one more gives RN(x/s).
+# The residual is s·q − x rather than x − s·q (exactly its negation: round to nearest is
+# symmetric) so that a zero x keeps its sign through both corrections without a select:
+# RN(s·(−0) + 0) = +0, then −(+0)·y + (−0) = −0. The negations are operand modifiers in SASS.
+_QUOTIENT_PTX = ("{ .reg .f32 q, r, nx;\n"
+                 "neg.f32 nx, $1;\n"
                  "mul.rn.f32 q, $1, $2;\n"
-                 "fma.rn.f32 r, $3, q, $1;\n"
+                 "fma.rn.f32 r, $3, q, nx;\n"
+                 "neg.f32 r, r;\n"
                  "fma.rn.f32 q, r, $2, q;\n"
-                 "fma.rn.f32 r, $3, q, $1;\n"
-                 "fma.rn.f32 q, r, $2, q;\n"
-                 "setp.eq.f32 z, $1, 0f00000000;\n"
-                 "selp.f32 $0, $1, q, z; }")
+                 "fma.rn.f32 r, $3, q, nx;\n"
+                 "neg.f32 r, r;\n"
+                 "fma.rn.f32 $0, r, $2, q; }")
 
 
 def slice_amax(frag):
@@ -51,6 +55,23 @@ def butterfly_max(amax, lanes: int):
     return amax
 
 
+# NaN-propagating max of two pairs of bf16 packed in 32-bit words, the second taken in
+# absolute value (its sign bits cleared): one instruction for two elements of a column amax,
+# exact, so the same maxima as fp32's.
+_ABS_MAX_BF16X2_PTX = ("{ .reg .b32 t;\n"
+                       "and.b32 t, $2, 0x7FFF7FFF;\n"
+                       "max.NaN.bf16x2 $0, $1, t; }")
+
+
+@dsl_user_op
+def bf16x2_max(acc, word, *, loc=None, ip=None):
+    """``max(acc, |word|)`` per bf16 half of two 32-bit words (``acc`` non-negative),
+    NaN-propagating (a canonical NaN)."""
+    ops = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (acc, word)]
+    return Uint32(llvm.inline_asm(Uint32.mlir_type, ops, _ABS_MAX_BF16X2_PTX, "=r,r,r",
+                                  loc=loc, ip=ip))
+
+
 def scale_of(amax):
     """``amax / 448``; 1.0 for an all-zero block (and, as in the reference, a NaN one)."""
     return Float32(cutlass.select_(amax > Float32(0.0), amax / Float32(FP8_MAX), Float32(1.0)))
@@ -64,11 +85,11 @@ def fast_scale(scale):
 @dsl_user_op
 def quotient(x, recip, scale, *, loc=None, ip=None):
     """IEEE ``x / scale`` (round to nearest, bitwise the division instruction's) from
-    ``recip = 1 / scale`` (IEEE) for a :func:`fast_scale` ``scale``: seven instructions
+    ``recip = 1 / scale`` (IEEE) for a :func:`fast_scale` ``scale``: five instructions
     without a branch, where each division instruction carries a range check and a slow
     path. Faster for column-wise quantization, the quantizing SwiGLU and ``quantize_rows``
     alike, outputs bitwise equal (benchmarks/RESULTS.md)."""
-    ops = [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, recip, -scale)]
+    ops = [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, recip, scale)]
     return Float32(llvm.inline_asm(Float32.mlir_type, ops, _QUOTIENT_PTX, "=f,f,f,f",
                                    loc=loc, ip=ip))
 
@@ -298,11 +319,14 @@ class QuantizeBlocksKernel:
 class QuantizeColsKernel:
     """Rows of ``(rows, C)`` bf16 grouped by expert (gathered or not) → ``q_t (C, R)`` e4m3
     and ``scales (R/128, C)`` fp32, one scale per 128-row block of each column within an
-    expert's rows padded to whole blocks; ``C`` static."""
+    expert's rows padded to whole blocks; ``C`` static. A CTA takes one 128-row block and a
+    strip of :func:`~sonic.kernels.fp8_quant.cols_chunks` 64-column chunks, loading each next
+    chunk while it quantizes the current one."""
 
     def __init__(self, cols: int, gathered: bool):
         self.cols = cols
         self.gathered = gathered
+        self.chunks = cols_chunks(cols)
 
     @cute.jit
     def __call__(self, x: Int64, q_t: Int64, scales: Int64, gidx: Int64, offsets: Int64,
@@ -312,7 +336,7 @@ class QuantizeColsKernel:
         self.kernel(gmem(BFloat16, x, 16), gmem(Uint32, q_t, 16), gmem(Float32, scales, 4),
                     gmem(Int32, gidx, 4), gmem(Int32, offsets, 4),
                     gmem(Int32, k_offsets, 4), num_experts, k_rows).launch(
-            grid=[self.cols // COLS_PER_CTA, k_rows // FP8_BLOCK, 1],
+            grid=[self.cols // (COLS_PER_CTA * self.chunks), k_rows // FP8_BLOCK, 1],
             block=[COLS_PER_CTA // 16 * 32, 1, 1],
             stream=stream)
 
@@ -321,7 +345,7 @@ class QuantizeColsKernel:
                gidx: cute.Pointer, offsets: cute.Pointer, k_offsets: cute.Pointer,
                num_experts: Int32, k_rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        cb, kb, _ = cute.arch.block_idx()
+        strip, kb, _ = cute.arch.block_idx()
         mOffsets = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
         mKOffsets = cute.make_tensor(k_offsets, cute.make_layout(num_experts + 1))
         row0 = kb * FP8_BLOCK
@@ -333,42 +357,67 @@ class QuantizeColsKernel:
         first = mOffsets[e] + (row0 - mKOffsets[e])
         last = mOffsets[e + 1]
         # Lane (rg, h): rows 8·rg .. 8·rg + 7 of the block; warp w: columns
-        # 8·(2w + h) .. + 7. A warp holds all 128 rows of its 16 columns, so a column's
-        # amax needs only shuffles, and each thread's 8 x 8 bytes leave by rows of q_t.
+        # 8·(2w + h) .. + 7 of each chunk. A warp holds all 128 rows of its 16 columns, so a
+        # column's amax needs only shuffles, and each thread's 8 x 8 bytes leave by rows of q_t.
         lane = tidx % 32
         r0 = (lane // 2) * VEC
-        c0 = ((tidx // 32) * 2 + lane % 2) * VEC
-        col = cb * COLS_PER_CTA + c0
-        frags = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)]
+        col = strip * (COLS_PER_CTA * self.chunks) + ((tidx // 32) * 2 + lane % 2) * VEC
+        # Source row of each of the thread's rows, once for the strip; -1: the block's zero
+        # padding past the expert's end.
+        src = cute.make_rmem_tensor((VEC,), Int32)
         for i in cutlass.range_constexpr(VEC):
-            # Rows past the expert's end are the block's zero padding.
-            frags[i].fill(0.0)
             p = first + r0 + i
+            src[i] = Int32(-1)
             if p < last:
-                src = Int64(p)
+                src[i] = p
                 if cutlass.const_expr(self.gathered):
-                    src = Int64(cute.make_tensor(gidx + p, cute.make_layout(1))[0])
-                cute.autovec_copy(cute.make_tensor(x + (src * self.cols + col),
-                                                   cute.make_layout(VEC)), frags[i])
-        # The rows stay bf16 until each is quantized (fp32 copies of all 64 values took
-        # a third of the registers).
-        col_scale = cute.make_rmem_tensor((VEC,), Float32)
-        col_scale.fill(0.0)
+                    src[i] = cute.make_tensor(gidx + p, cute.make_layout(1))[0]
+        # Two chunks' tiles, bf16 until each row is quantized: the next chunk's loads are in
+        # flight while the current one is reduced, quantized and stored.
+        tiles = [[cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)] for _ in range(2)]
+        self.load(x, src, tiles[0], col)
+        for c in cutlass.range(self.chunks // 2, unroll=1):
+            at = col + c * (2 * COLS_PER_CTA)
+            self.load(x, src, tiles[1], at + COLS_PER_CTA)
+            self.quantize_chunk(tiles[0], q_t, scales, at, row0 + r0, kb, k_rows, lane)
+            if c + 1 < self.chunks // 2:
+                self.load(x, src, tiles[0], at + 2 * COLS_PER_CTA)
+            self.quantize_chunk(tiles[1], q_t, scales, at + COLS_PER_CTA, row0 + r0, kb,
+                                k_rows, lane)
+
+    @cute.jit
+    def load(self, x: cute.Pointer, src: cute.Tensor, tile: list, col: Int32):
+        """The thread's 8 rows (``src``; zeros for -1) of columns ``col .. col + 7``."""
         for i in cutlass.range_constexpr(VEC):
-            for j in cutlass.range_constexpr(VEC):
-                col_scale[j] = cute.arch.fmax(col_scale[j],
-                                              cute.math.absf(frags[i][j].to(Float32)),
-                                              nan=True)
-        # Fold the 16 row groups (lanes of the same parity), then amax -> scale.
-        for j in cutlass.range_constexpr(VEC):
-            amax = col_scale[j]
+            tile[i].fill(0.0)
+            if src[i] >= 0:
+                cute.autovec_copy(cute.make_tensor(x + (Int64(src[i]) * self.cols + col),
+                                                   cute.make_layout(VEC)), tile[i])
+
+    @cute.jit
+    def quantize_chunk(self, tile: list, q_t: cute.Pointer, scales: cute.Pointer, col: Int32,
+                       row: Int32, kb: Int32, k_rows: Int32, lane: Int32):
+        """Scales of columns ``col .. col + 7`` over the block (``amax`` of the bf16 pairs,
+        folded over the warp's 16 row groups), then the thread's 8 x 8 tile quantized and
+        stored as 8-byte pieces of rows ``col .. col + 7`` of ``q_t`` from row ``row`` on."""
+        pairs = cute.make_rmem_tensor((VEC // 2,), Uint32)
+        pairs.fill(0)
+        for i in cutlass.range_constexpr(VEC):
+            words = cute.recast_tensor(tile[i], Uint32)
+            for w in cutlass.range_constexpr(VEC // 2):
+                pairs[w] = bf16x2_max(pairs[w], words[w])
+        # Fold the 16 row groups (lanes of the same parity).
+        for w in cutlass.range_constexpr(VEC // 2):
             for offset in (2, 4, 8, 16):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset),
-                                      nan=True)
-            col_scale[j] = scale_of(amax)
+                pairs[w] = bf16x2_max(pairs[w], cute.arch.shuffle_sync_bfly(pairs[w],
+                                                                            offset=offset))
+        col_scale = cute.make_rmem_tensor((VEC,), Float32)
+        col_scale.store(cute.recast_tensor(pairs, BFloat16).load().to(Float32))
+        for j in cutlass.range_constexpr(VEC):
+            col_scale[j] = scale_of(col_scale[j])
         if lane < 2:
             gScales = cute.make_tensor(scales + (Int64(kb) * self.cols + col),
-                                            cute.make_layout(VEC))
+                                       cute.make_layout(VEC))
             for j in cutlass.range_constexpr(VEC):
                 gScales[j] = col_scale[j]
         # Each column's reciprocal once; the thread's 64 quotients from them unless one of
@@ -381,7 +430,7 @@ class QuantizeColsKernel:
         words = cute.make_rmem_tensor((2 * VEC,), Uint32)
         for i in cutlass.range_constexpr(VEC):
             vals = cute.make_rmem_tensor((VEC,), Float32)
-            vals.store(frags[i].load().to(Float32))
+            vals.store(tile[i].load().to(Float32))
             if fast:
                 for j in cutlass.range_constexpr(VEC):
                     vals[j] = quotient(vals[j], recips[j], col_scale[j])
@@ -394,8 +443,8 @@ class QuantizeColsKernel:
             words[2 * i + 1] = packed[1]
         columns = transpose_8x8(words)
         for j in cutlass.range_constexpr(VEC):
-            # Column c0 + j's rows r0 .. r0 + 7: one 8-byte store into row col + j of q_t.
-            at = Int64(col + j) * k_rows.to(Int64) + row0 + r0
+            # Column col + j's rows row .. row + 7: one 8-byte store into row col + j of q_t.
+            at = Int64(col + j) * k_rows.to(Int64) + row
             pair = cute.make_rmem_tensor((2,), Uint32)
             pair[0] = columns[2 * j]
             pair[1] = columns[2 * j + 1]

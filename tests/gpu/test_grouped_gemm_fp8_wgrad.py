@@ -95,6 +95,27 @@ def test_quantize_cols_grouped_exact_multiples_and_padded_routing():
     assert torch.isfinite(got[1]).all()
 
 
+@pytest.mark.parametrize("gathered", [False, True])
+def test_quantize_cols_grouped_nonfinite_like_reference(gathered):
+    """A NaN inside an expert's rows gives its column block the reference's scale 1.0, an inf
+    the scale inf; every other block of the column and every other column is unaffected."""
+    from sonic.kernels.fp8_quant import quantize_cols_grouped
+
+    x, offsets, idx = _rows(1000, 8, 256, "ragged", gathered, 11)
+    rows = idx.long() if gathered else torch.arange(x.shape[0], device=x.device)
+    x[rows[5], 3] = float("nan")
+    x[rows[700], 130] = float("-inf")
+    k_offsets = R.padded_offsets(offsets)
+    got = quantize_cols_grouped(x, offsets, k_offsets, idx)
+    want = R.quantize_cols_grouped(x, offsets, k_offsets, idx)
+    assert torch.equal(got[1], want[1])
+    assert (want[1] == 1.0).any() and want[1].isinf().any()
+    nan = want[0].float().isnan()
+    assert torch.equal(got[0].float().isnan(), nan) and nan.any()
+    # NaN bytes may differ in the sign bit (0x7F against 0xFF); every other byte is equal
+    assert torch.equal(_bits(got[0])[~nan], _bits(want[0])[~nan])
+
+
 def test_quantize_cols_grouped_without_rows():
     """No rows at all: the copy is all padding, zeros with scale 1, as the reference's."""
     from sonic.kernels.fp8_quant import quantize_cols_grouped
