@@ -1,6 +1,6 @@
 """FP8 quantization kernels vs the PyTorch reference, same run, same inputs.
 
-    python benchmarks/bench_fp8_quant.py
+    python benchmarks/bench_fp8_quant.py [--config NAME | --config T,d,n,E,K ...]
 
 Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales),
 ``quantize_blocks`` (128×128 weight scales) and ``quantize_cols_grouped`` (the FP8 weight
@@ -8,13 +8,15 @@ gradients' K-major copies, 128×1 scales along each expert's rows) against the P
 implementation in ``sonic.reference.fp8`` (fp32 temporaries, several passes) at the docs/design.md §5
 shapes: ``X (T, d)`` and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for
 the blocks, ``X`` gathered by random top-K routing, ``dH (T·K, 2n)`` and ``A' (T·K, n)`` for
-the columns. Prints the median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on
+the columns; ``--config`` (repeatable) takes another shape of :mod:`sonic.baselines.configs`
+(DeepSeek-V3's, say) instead. Prints the median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on
 bytes read + written (``2·numel`` bf16 read, ``numel`` fp8 and ``numel / 32`` bytes of fp32
 scales written; ``numel`` of the copy for the columns), its percentage of the same-run device
 copy bandwidth, the speedup, and whether the outputs are bitwise equal (the tests hold that on
 harder inputs).
 """
 
+import argparse
 import os
 import sys
 
@@ -26,12 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, copy_bandwidth, device_name  # noqa: E402
 from bench_grouped_gemm import _routing  # noqa: E402
 
+from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 from sonic.kernels import fp8_quant  # noqa: E402
 from sonic.reference import fp8 as ref  # noqa: E402
-
-# (name, T, d, n, E, K) of the paper's configurations (docs/design.md §5).
-SHAPES = [("7B", 24576, 1536, 256, 128, 8), ("OLMoE", 32768, 2048, 1024, 64, 8),
-          ("30B", 32768, 4096, 1024, 128, 8)]
 
 
 def _equal(a, b) -> bool:
@@ -40,12 +39,18 @@ def _equal(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=parse_config, action="append",
+                        help="a named layer or T,d,n,E,K (repeatable; default: "
+                             f"{', '.join(PAPER_CONFIGS)})")
+    args = parser.parse_args(argv)
+    shapes = args.config or [(name, CONFIGS[name]) for name in PAPER_CONFIGS]
     copy = copy_bandwidth()
     print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
     print(f"{'shape':<6} {'kernel':<15} {'operand shape':<20} | {'torch us':>9} {'kernel us':>9} "
           f"{'GB/s':>6} {'% copy':>6} {'speedup':>7} {'bitwise':>7}")
-    for name, t, d, n, e, k in SHAPES:
+    for name, (t, d, n, e, k) in shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         gather_idx, offsets = _routing(t, e, k)
         k_offsets = ref.padded_offsets(offsets)
