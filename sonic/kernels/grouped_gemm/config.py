@@ -235,8 +235,7 @@ class GroupedGemmConfig:
                 or self.epilogue != "store"):
             raise ValueError("store_in_stage serves the cooperative bf16 sm_90a varlen-K "
                              "kernel")
-        rows, width = ((self.dim_n, self.dim_m) if self.transpose_c
-                       else (self.dim_m, self.dim_n))
+        rows, width = self.c_per_expert
         if rows % 64 or width % VEC:
             raise ValueError(f"store_in_stage needs C's rows per expert a multiple of 64 and "
                              f"its rows whole 16-byte lines, got M={self.dim_m}, "
@@ -374,6 +373,12 @@ class GroupedGemmConfig:
         if self.store_in_stage:
             return 64 * SLAB
         return self.staged_rows * (SLAB + PAD)
+
+    @property
+    def c_per_expert(self) -> tuple[int, int]:
+        """varlen-K: ``(rows, width)`` of one expert's C as stored, ``C[e]`` ``(M, N)`` or
+        with :attr:`transpose_c` ``C[e]ᵀ`` ``(N, M)``."""
+        return (self.dim_n, self.dim_m) if self.transpose_c else (self.dim_m, self.dim_n)
 
     @property
     def tile_boxes(self) -> int:

@@ -9,6 +9,7 @@ Python: no ``cutlass``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from sonic.kernels.grouped_gemm.config import CLUSTER, TILE_M, VEC, GroupedGemmConfig
@@ -215,17 +216,19 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
     """
     tiles = plan(True, dim_n, gather_a, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype,
                  gather_b=gather_b, transpose_c=transpose_c)
+    cfg = GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
+                            cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
+                            gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,
+                            arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
+                            multicast_a=tiles.multicast_a)
     # Only where it was measured faster: level to 0.5% slower on 256 x 128 tiles (7B's dW1,
     # OLMoE's); 128 x 128 tiles (small M or N) were not timed.
-    rows, width = (dim_n, dim_m) if transpose_c else (dim_m, dim_n)
-    in_stage = (arch == "sm_90a" and ab_dtype == "bf16" and not tiles.pingpong
-                and (tiles.tile_m, tiles.tile_n) == (TILE_M, 256) and rows % 64 == 0
-                and width % VEC == 0)
-    return GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
-                             cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
-                             gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,
-                             arch=arch, ab_dtype=ab_dtype, tile_m=tiles.tile_m,
-                             multicast_a=tiles.multicast_a, store_in_stage=in_stage)
+    rows, width = cfg.c_per_expert
+    if (arch == "sm_90a" and ab_dtype == "bf16" and not tiles.pingpong
+            and (tiles.tile_m, tiles.tile_n) == (TILE_M, 256) and rows % 64 == 0
+            and width % VEC == 0):
+        return dataclasses.replace(cfg, store_in_stage=True)
+    return cfg
 
 
 def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,

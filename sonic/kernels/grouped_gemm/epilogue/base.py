@@ -287,8 +287,7 @@ class StoreEpilogue(Epilogue):
         cfg = self.cfg
         store = cpasync.CopyBulkTensorTileS2GOp()
         if cfg.store_in_stage:
-            rows_e, width = ((cfg.dim_n, cfg.dim_m) if cfg.transpose_c
-                             else (cfg.dim_m, cfg.dim_n))
+            rows_e, width = cfg.c_per_expert
             return StoreTmas(self.tma_atom(store, c, experts * rows_e, width, width, a_smem,
                                            (64, SLAB)))
         if not self.deferred:
