@@ -273,11 +273,15 @@ def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
     ((64, 64, False, False), False),             # 128 x 128 tiles
     ((1000, 512, True, False), False),           # M = 1000
     ((512, 1000, True, False, True), False),     # C[e]ᵀ with N = 1000 rows
+    ((4096, 7168, False, False, False, "sm_90a", "e4m3"), True),   # FP8 DeepSeek-V3 dW1
+    ((1536, 2048, False, False, False, "sm_90a", "e4m3"), True),   # FP8, even m-tiles
+    ((384, 384, False, False, False, "sm_90a", "e4m3"), False),    # FP8 128 x 128 tiles
 ])
 def test_varlen_k_stores_c_from_the_ring_stage(args, in_stage):
-    """bf16 sm_90a varlen-K on 128 x 256 tiles stores C by TMA from the last k-tile's ring
-    stage where C's rows per expert are a multiple of 64; the ring keeps four stages beside the warpgroups' own
-    ``64 x 64`` boxes, and each warpgroup's boxes but one fit in a stage."""
+    """sm_90a varlen-K on 128 x 256 tiles (bf16, and e4m3 on K-major copies) stores C by TMA
+    from the last k-tile's ring stage where C's rows per expert are a multiple of 64; the ring
+    keeps four stages beside the warpgroups' own ``64 x 64`` boxes, and each warpgroup's
+    boxes but one fit in a stage."""
     cfg = heuristic.varlen_k_config(*args)
     assert cfg.store_in_stage is in_stage
     assert cfg.tma_stored == (("c",) if in_stage else ())
@@ -285,13 +289,11 @@ def test_varlen_k_stores_c_from_the_ring_stage(args, in_stage):
         assert cfg.staging_elems == 2 * 64 * config.SLAB
         assert cfg.stages == 4
         assert 2 * (cfg.tile_boxes - 1) * 64 <= cfg.tile_m + cfg.tile_n
-    for other in (heuristic.varlen_k_config(*args[:4], arch="sm_100a"),
-                  heuristic.varlen_k_config(1536, 2048, False, False, ab_dtype="e4m3")):
-        assert not other.store_in_stage
+    assert not heuristic.varlen_k_config(*args[:4], arch="sm_100a").store_in_stage
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(varlen_k=False, dim_k=1536), "store_in_stage serves the cooperative bf16"),
+    (dict(varlen_k=False, dim_k=1536), "store_in_stage serves the cooperative sm_90a"),
     (dict(tile_n=128, pingpong=True, cluster=1), "store_in_stage serves"),
     (dict(dim_m=1000), "rows per expert a multiple of 64"),
     (dict(dim_n=1000, transpose_c=True), "rows per expert a multiple of 64"),
@@ -305,21 +307,23 @@ def test_store_in_stage_rejects_what_the_kernel_cannot_store(kw, match):
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl) is not importable")
 @pytest.mark.parametrize("args", [(7168, 4096, True, False, True), (512, 1536, False, True),
-                                  (512, 512, True, False)])
+                                  (512, 512, True, False),
+                                  (4096, 7168, False, False, False, "sm_90a", "e4m3")])
 def test_c_boxes_in_the_ring_stage_are_disjoint(args):
     """The boxes both warpgroups stage C in (all but each one's last) are distinct, 1024-byte
-    aligned ``64 x 64`` blocks inside the stage's A and B k-tiles."""
-    from sonic.kernels.grouped_gemm.args import StageMemory
+    aligned ``64 x 64`` bf16 blocks inside the stage's A and B k-tiles (bf16, or e4m3 k-tiles
+    of twice the columns: the same bytes)."""
     from sonic.kernels.grouped_gemm.epilogue import make_epilogue
 
     # 256 x 128 tiles (the second) are not planned with it, but the kernel takes them.
     cfg = dataclasses.replace(heuristic.varlen_k_config(*args), store_in_stage=True)
     epilogue = make_epilogue(cfg, ring=None)
     a_base, b_base, stage = 0, 1 << 30, 2
-    a_elems, b_elems = cfg.tile_m * cfg.tile_k, cfg.tile_n * cfg.tile_k
-    stages = StageMemory(None, None, a_base, b_base, None, None, None, None, None)
+    # Stage sizes in bf16 elements.
+    a_elems, b_elems = (rows * cfg.tile_k * cfg.ab_bytes // 2 for rows in (cfg.tile_m,
+                                                                           cfg.tile_n))
     box = 64 * config.SLAB
-    starts = [epilogue.stage_box(stages, stage, wg, i)
+    starts = [epilogue.stage_box(a_base, b_base, stage, wg, i)
               for wg in range(2) for i in range(cfg.tile_boxes - 1)]
     assert len(set(starts)) == len(starts) == 2 * (cfg.tile_boxes - 1)
     for start in starts:

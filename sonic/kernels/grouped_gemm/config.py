@@ -121,7 +121,8 @@ class GroupedGemmConfig:
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
-        store_in_stage: bf16 sm_90a cooperative varlen-K: C is written by TMA from swizzled
+        store_in_stage: sm_90a cooperative varlen-K (bf16, or e4m3 on K-major copies, whose
+            ring stages have the same bytes per row): C is written by TMA from swizzled
             ``64 x SLAB`` boxes (``C[e]ᵀ``'s with ``transpose_c``), all but the last of a
             warpgroup's :attr:`tile_boxes` staged in the ring stage of the tile's last k-tile,
             which the consumers release once TMA has read them, the last in the warpgroup's
@@ -231,10 +232,9 @@ class GroupedGemmConfig:
     def _check_store_in_stage(self):
         if not self.store_in_stage:
             return
-        if (not self.varlen_k or self.pingpong or self.fp8 or self.arch != "sm_90a"
+        if (not self.varlen_k or self.pingpong or self.arch != "sm_90a"
                 or self.epilogue != "store"):
-            raise ValueError("store_in_stage serves the cooperative bf16 sm_90a varlen-K "
-                             "kernel")
+            raise ValueError("store_in_stage serves the cooperative sm_90a varlen-K kernel")
         rows, width = self.c_per_expert
         if rows % 64 or width % VEC:
             raise ValueError(f"store_in_stage needs C's rows per expert a multiple of 64 and "
@@ -444,13 +444,15 @@ class GroupedGemmConfig:
     @property
     def tma_stored(self) -> tuple[str, ...]:
         """The outputs (:class:`~sonic.kernels.grouped_gemm.args.Operands` fields) written by
-        TMA box stores (``cp.async.bulk.tensor``) instead of thread stores, on bf16 sm_90: C of
-        the plain store on cooperative varlen-M tiles (deferred,
-        :meth:`~.epilogue.base.Epilogue.defers`) and varlen-K tiles with
-        :attr:`store_in_stage`, and dH and A' of the dSwiGLU epilogue
+        TMA box stores (``cp.async.bulk.tensor``) instead of thread stores, on sm_90: C of
+        the bf16 plain store on cooperative varlen-M tiles (deferred,
+        :meth:`~.epilogue.base.Epilogue.defers`) and of varlen-K tiles with
+        :attr:`store_in_stage` (bf16 or e4m3 operands), and dH and A' of the dSwiGLU epilogue
         (:attr:`~.epilogue.dswiglu.DswigluEpilogue.tma_store`). Tools that track writes per
         thread do not see them: compute-sanitizer's initcheck reports later reads of these rows
         as uninitialised."""
+        if self.store_in_stage:
+            return ("c",)
         if self.arch != "sm_90a" or self.fp8:
             return ()
         if self.epilogue == "dswiglu":

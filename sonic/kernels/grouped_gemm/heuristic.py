@@ -206,10 +206,11 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
                     transpose_c: bool = False, arch: str = "sm_90a",
                     ab_dtype: str = "bf16") -> GroupedGemmConfig:
     """The planned varlen-K configuration (:func:`plan`), with C stored by TMA from the last
-    k-tile's ring stage (``store_in_stage``) on bf16 sm_90a cooperative ``128 x 256`` tiles
-    whose C has a multiple of 64 rows per expert (``bench_grouped_gemm.py --gemm dW1 --gemm
-    dW2`` at the named layers against thread stores: faster on ``128 x 256`` tiles, level to
-    slower on ``256 x 128`` ones; benchmarks/RESULTS.md).
+    k-tile's ring stage (``store_in_stage``) on sm_90a cooperative ``128 x 256`` tiles (bf16,
+    and e4m3 on K-major copies) whose C has a multiple of 64 rows per expert
+    (``bench_grouped_gemm.py [--fp8] --gemm dW1 --gemm dW2`` at the named layers against thread
+    stores: faster on ``128 x 256`` tiles, level to slower on ``256 x 128`` ones;
+    benchmarks/RESULTS.md).
 
     Raises:
         ValueError: as :class:`GroupedGemmConfig`.
@@ -224,7 +225,7 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
     # Only where it was measured faster: level to 0.5% slower on 256 x 128 tiles (7B's dW1,
     # OLMoE's); 128 x 128 tiles (small M or N) were not timed.
     rows, width = cfg.c_per_expert
-    if (arch == "sm_90a" and ab_dtype == "bf16" and not tiles.pingpong
+    if (arch == "sm_90a" and not tiles.pingpong
             and (tiles.tile_m, tiles.tile_n) == (TILE_M, 256) and rows % 64 == 0
             and width % VEC == 0):
         return dataclasses.replace(cfg, store_in_stage=True)

@@ -39,7 +39,9 @@ compile-time size): in a rolled loop ptxas cannot tell which group a wait retire
 serialises every WGMMA (its C7514 warning). Gathered A keeps one partial accumulator: its
 row-copy producers need registers the third accumulator would take.
 Epilogues: the store, SwiGLU and dSwiGLU epilogues run unchanged on the promoted accumulator
-(the scales reach the mainloop beside the epilogues' pointers, :class:`~.args.BlockScales`).
+(the scales reach the mainloop beside the epilogues' pointers, :class:`~.args.BlockScales`);
+with :attr:`~.config.GroupedGemmConfig.store_in_stage` (varlen-K) a tile's last k-tile keeps
+its ring stage, which the store epilogue stages C in and releases.
 With SwiGLU "concat" the B tile is two half boxes, gate rows ``nt·tile_n/2 ..`` and up rows
 ``n + nt·tile_n/2 ..`` (:attr:`~.config.GroupedGemmConfig.b_halves`): on a 256-wide tile each
 half is one sub-tile and one scale block; on a 128-wide one (n a multiple of 64 only) each
@@ -231,8 +233,14 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                         col_scales = None
                         if cutlass.const_expr(cfg.varlen_k):
                             col_scales = stages.col_scales + stage * cfg.tile_n + g * SUB_N
+                        # With store_in_stage the tile's last stage stays: the epilogue
+                        # stages C there and releases it.
+                        release = True
+                        if cutlass.const_expr(cfg.store_in_stage):
+                            release = kt + 1 < tile_k_tiles
                         self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, tCcPartial, g, 0,
-                                    empty + stage if g == subs - 1 else None, lane, col_scales)
+                                    empty + stage if g == subs - 1 else None, lane, col_scales,
+                                    release)
                     stage, phase = self.ring.next_stage(stage, phase)
             stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, tCcC), threads,
                                                pointers.epilogue, epi_tmas, tile, stages,
@@ -282,17 +290,19 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
     def retire(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
                b_sc: cute.Tensor, h: cutlass.Constexpr, row_scale: cute.Tensor,
                tCcPartial: cute.Tensor, sub: cutlass.Constexpr, pending: cutlass.Constexpr,
-               empty_stage, lane: Int32, col_scales=None):
+               empty_stage, lane: Int32, col_scales=None, release=True):
         """Wait until at most ``pending`` WGMMA groups remain (the oldest, ``partial``'s, is
         done), hand its operand stage back to the producers (unless ``empty_stage`` is None:
-        a later sub-tile still reads it) and promote ``partial`` into sub-tile ``sub`` with
-        the scales of slot ``h`` (varlen-K: A's row scales and the stage's column scales at
-        ``col_scales``, read during the promotion, so the stage is handed back after it)."""
+        a later sub-tile still reads it; or ``release`` is false: the epilogue will) and
+        promote ``partial`` into sub-tile ``sub`` with the scales of slot ``h`` (varlen-K:
+        A's row scales and the stage's column scales at ``col_scales``, read during the
+        promotion, so the stage is handed back after it)."""
         warpgroup.wait_group(pending)
         if cutlass.const_expr(col_scales is not None):
             self.promote_cols(acc, partial, a_sc, col_scales, tCcPartial, sub)
             if cutlass.const_expr(empty_stage is not None):
-                self.ring.release(empty_stage, lane)
+                if release:
+                    self.ring.release(empty_stage, lane)
         else:
             if cutlass.const_expr(empty_stage is not None):
                 self.ring.release(empty_stage, lane)

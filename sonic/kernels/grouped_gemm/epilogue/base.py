@@ -383,10 +383,12 @@ class StoreEpilogue(Epilogue):
                 last = Int32(cfg.stages - 1)
             # The other warpgroup's WGMMAs have read the stage too.
             cute.arch.barrier(barrier_id=NamedBarrier.CONSUMERS, number_of_threads=256)
+            a_base = cute.recast_ptr(stages.a_base, dtype=BF16)
+            b_base = cute.recast_ptr(stages.b_base, dtype=BF16)
             for i, box in enumerate(boxes):
                 if cutlass.const_expr(i < len(boxes) - 1):
                     self.store_box(acc, wg, tmas, tile, stages.a_swizzle, box,
-                                   self.stage_box(stages, last, wg.index, i), None)
+                                   self.stage_box(a_base, b_base, last, wg.index, i), None)
                 else:
                     # Its previous contents: the previous tile's last box, committed before
                     # this tile's other boxes.
@@ -402,18 +404,21 @@ class StoreEpilogue(Epilogue):
             for box in boxes:
                 self.store_box(acc, wg, tmas, tile, stages.a_swizzle, box, wg.staging, 0)
 
-    def stage_box(self, stages: StageMemory, stage: Int32, wg_index: Int32, i: int):
+    def stage_box(self, a_base, b_base, stage: Int32, wg_index: Int32, i: int):
         """Box ``i`` of warpgroup ``wg_index``'s ``tile_boxes - 1`` boxes in ring stage
-        ``stage``, whose A and B k-tiles are ``64 x SLAB`` blocks (1024-byte aligned): each
-        warpgroup takes half of A's blocks first, then of B's."""
+        ``stage`` of the A and B spaces at ``a_base``, ``b_base`` (bf16 views). A stage's
+        k-tiles have 128-byte rows (64 bf16 or 128 e4m3), so each 64 of their rows hold one
+        ``64 x SLAB`` bf16 box (1024-byte aligned); each warpgroup takes half of A's boxes
+        first, then of B's."""
         cfg = self.cfg
         box = 64 * SLAB
+        # bf16 elements of one row of a k-tile.
+        row = cfg.tile_k * cfg.ab_bytes // 2
         a_per = min(cfg.tile_m // 128, cfg.tile_boxes - 1)
         if i < a_per:
-            return stages.a_base + stage * (cfg.tile_m * cfg.tile_k) + (wg_index * a_per + i) * box
+            return a_base + stage * (cfg.tile_m * row) + (wg_index * a_per + i) * box
         b_per = cfg.tile_boxes - 1 - a_per
-        return (stages.b_base + stage * (cfg.tile_n * cfg.tile_k)
-                + (wg_index * b_per + i - a_per) * box)
+        return b_base + stage * (cfg.tile_n * row) + (wg_index * b_per + i - a_per) * box
 
     @cute.jit
     def store_box(self, acc: AccumulatorView, wg: EpilogueThreads, tmas: StoreTmas,
