@@ -41,13 +41,12 @@ index) × 64 columns per chunk of four warps, a scale per column from a butterfl
 row groups of a warp (a warp holds all 128 rows of its 16 columns: no shared memory), the
 transposed tile stored as above into the K-major copy. A CTA walks a strip of up to eight
 chunks of its row block (:func:`cols_chunks`): the expert search and the row indices are
-loaded once per strip, and each next chunk's rows are loaded into a second register tile
-while the current one is reduced and quantized, so the loads stay in flight (a CTA of one
-chunk waits for its loads with nothing else to issue). The column maxima are
-taken on the bf16 pairs (``bf16x2_max``: one instruction per two elements, exact). 162
-registers per thread, three 128-thread CTAs per SM; capped at 128 registers for a fourth CTA,
-ptxas spills and the kernel is slower (benchmarks/RESULTS.md). Each column's reciprocal is
-taken once and its 8 quotients come from it (``quotient``).
+loaded once per strip, and the chunks' rows arrive by 16-byte ``cp.async`` copies into three
+shared-memory stages, two chunks ahead of the one being quantized. Each thread copies and
+reads back only its own rows' bytes, so no barrier orders them, and the bytes in flight hold
+no registers: 112 per thread, four 128-thread CTAs per SM. The column maxima are taken on the
+bf16 pairs (``bf16x2_max``: one instruction per two elements, exact). Each column's
+reciprocal is taken once and its 8 quotients come from it (``quotient``).
 
 ``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
 ``ValueError`` names the argument otherwise.
@@ -83,10 +82,10 @@ FAST_SCALE_MAX = 2.0 ** 100
 
 def cols_chunks(cols: int) -> int:
     """``quantize_cols_grouped``'s 64-column chunks per CTA for ``cols`` columns (a multiple
-    of 128): the largest even divisor of ``cols / 64`` up to :data:`MAX_COLS_CHUNKS`, so
-    that a CTA's chunks pair up for its two tile buffers and the strips cover the columns."""
+    of 128): the largest divisor of ``cols / 64`` up to :data:`MAX_COLS_CHUNKS`, so that the
+    strips cover the columns."""
     chunks = cols // COLS_PER_CTA
-    return max(c for c in range(2, MAX_COLS_CHUNKS + 1, 2) if chunks % c == 0)
+    return max(c for c in range(1, MAX_COLS_CHUNKS + 1) if chunks % c == 0)
 
 
 def _compile(kind: str, k: int, keep_ptx: bool = False):
@@ -293,9 +292,12 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
     return q_t, scales
 
 
-# e4m3 conversion with saturation, IEEE division, 16-byte bf16 loads, 8-byte fp8 stores.
-_MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "ld.global.v4",
-            ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64"))
+# e4m3 conversion with saturation, IEEE division, 8-byte fp8 stores; 16-byte bf16 loads
+# (columns: 16-byte cp.async copies into shared memory, read back as 16-byte loads).
+_STORES = ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64")
+_MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "ld.global.v4", _STORES)
+_COLS_MARKERS = ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "cp.async.cg.shared.global",
+                 "ld.shared.v4", _STORES)
 # Beyond them: the row slice's butterfly (rows); the block amax across warps (blocks); the
 # column amax's butterfly and the register transpose (cols, and the transposed blocks).
 _KIND_MARKERS = {"rows": ("shfl.sync.bfly",), "blocks": ("shfl.sync.bfly", "bar.sync"),
@@ -308,7 +310,8 @@ for _kind, _k in (("rows", 128), ("rows", 4096), ("blocks", 1024), ("blocks", 71
         kernel="fp8_quant",
         variant=f"quantize_{_kind}_k{_k}",
         compile_fake=functools.partial(_compile, _kind, _k, keep_ptx=True),
-        ptx_markers=_MARKERS + _KIND_MARKERS[_kind]))
+        ptx_markers=(_COLS_MARKERS if _kind.startswith("cols") else _MARKERS)
+        + _KIND_MARKERS[_kind]))
 # Dequantization: an 8-byte fp8 load, e4m3 -> fp32 conversion, fp32 multiply, a rounding to
 # bf16, a 16-byte store.
 for _k in (256, 2048):

@@ -11,6 +11,7 @@ import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32, cute
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
 from sonic.kernels import runtime
@@ -19,6 +20,9 @@ from sonic.types import FP8_BLOCK
 from sonic.kernels.fp8_quant import (COLS_PER_CTA, FAST_SCALE_MAX, FAST_SCALE_MIN, FP8_MAX,
                                      LANES_PER_SLICE, ROWS_PER_CTA, ROWS_PER_LANE, THREADS, VEC,
                                      cols_chunks)
+
+# quantize_cols_grouped: shared-memory stages of a CTA's chunks in flight.
+STAGES = 3
 
 # Markstein's correctly rounded quotient (IA-64's division; Muller et al., Handbook of
 # Floating-Point Arithmetic, §4.7): $1 = x, $2 = y = RN(1/s), $3 = s. q = RN(x·y) is within 2
@@ -320,8 +324,8 @@ class QuantizeColsKernel:
     """Rows of ``(rows, C)`` bf16 grouped by expert (gathered or not) → ``q_t (C, R)`` e4m3
     and ``scales (R/128, C)`` fp32, one scale per 128-row block of each column within an
     expert's rows padded to whole blocks; ``C`` static. A CTA takes one 128-row block and a
-    strip of :func:`~sonic.kernels.fp8_quant.cols_chunks` 64-column chunks, loading each next
-    chunk while it quantizes the current one."""
+    strip of :func:`~sonic.kernels.fp8_quant.cols_chunks` 64-column chunks, copied into
+    shared memory :data:`STAGES` - 1 chunks ahead of the one it quantizes."""
 
     def __init__(self, cols: int, gathered: bool):
         self.cols = cols
@@ -372,27 +376,49 @@ class QuantizeColsKernel:
                 src[i] = p
                 if cutlass.const_expr(self.gathered):
                     src[i] = cute.make_tensor(gidx + p, cute.make_layout(1))[0]
-        # Two chunks' tiles, bf16 until each row is quantized: the next chunk's loads are in
-        # flight while the current one is reduced, quantized and stored.
-        tiles = [[cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)] for _ in range(2)]
-        self.load(x, src, tiles[0], col)
-        for c in cutlass.range(self.chunks // 2, unroll=1):
-            at = col + c * (2 * COLS_PER_CTA)
-            self.load(x, src, tiles[1], at + COLS_PER_CTA)
-            self.quantize_chunk(tiles[0], q_t, scales, at, row0 + r0, kb, k_rows, lane)
-            if c + 1 < self.chunks // 2:
-                self.load(x, src, tiles[0], at + 2 * COLS_PER_CTA)
-            self.quantize_chunk(tiles[1], q_t, scales, at + COLS_PER_CTA, row0 + r0, kb,
+        # The strip's chunks arrive by cp.async into STAGES shared-memory stages, STAGES - 1
+        # chunks ahead; each thread copies and later reads only its own 8 rows' 16 bytes
+        # (slot (stage, i, tid): a warp's reads are 512 contiguous bytes), so no barrier.
+        threads = COLS_PER_CTA // 16 * 32
+        smem = cutlass.utils.SmemAllocator()
+        sRows = smem.allocate_tensor(
+            BFloat16, cute.make_layout((VEC, threads, VEC, STAGES),
+                                       stride=(1, VEC, threads * VEC, VEC * threads * VEC)),
+            byte_alignment=16)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   BFloat16, num_bits_per_copy=128)
+        for c in cutlass.range_constexpr(STAGES - 1):
+            self.issue(atom, x, src, sRows, col + c * COLS_PER_CTA, c, tidx)
+        tile = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VEC)]
+        for c in cutlass.range(self.chunks, unroll=1):
+            # Chunk c's copies are done (committed groups: chunks 0 .. c + STAGES - 2).
+            cute.arch.cp_async_wait_group(STAGES - 2)
+            stage = c % STAGES
+            for i in cutlass.range_constexpr(VEC):
+                tile[i].fill(0.0)
+                if src[i] >= 0:
+                    cute.autovec_copy(sRows[None, tidx, i, stage], tile[i])
+            # Into the stage chunk c - 1 left (its reads are done); an empty group past the
+            # strip's end keeps the count.
+            if c + STAGES - 1 < self.chunks:
+                self.issue(atom, x, src, sRows, col + (c + STAGES - 1) * COLS_PER_CTA,
+                           (c + STAGES - 1) % STAGES, tidx)
+            else:
+                cute.arch.cp_async_commit_group()
+            self.quantize_chunk(tile, q_t, scales, col + c * COLS_PER_CTA, row0 + r0, kb,
                                 k_rows, lane)
 
     @cute.jit
-    def load(self, x: cute.Pointer, src: cute.Tensor, tile: list, col: Int32):
-        """The thread's 8 rows (``src``; zeros for -1) of columns ``col .. col + 7``."""
+    def issue(self, atom, x: cute.Pointer, src: cute.Tensor, sRows: cute.Tensor, col: Int32,
+              stage: Int32, tidx: Int32):
+        """cp.async of the thread's 8 rows (``src``; none for -1) of columns ``col .. col +
+        7`` into its slots of ``stage``, as one committed group."""
         for i in cutlass.range_constexpr(VEC):
-            tile[i].fill(0.0)
             if src[i] >= 0:
-                cute.autovec_copy(cute.make_tensor(x + (Int64(src[i]) * self.cols + col),
-                                                   cute.make_layout(VEC)), tile[i])
+                at = cute.assume(Int64(src[i]) * self.cols + col, divby=VEC)
+                cute.copy(atom, cute.make_tensor(x + at, cute.make_layout(VEC)),
+                          sRows[None, tidx, i, stage])
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def quantize_chunk(self, tile: list, q_t: cute.Pointer, scales: cute.Pointer, col: Int32,

@@ -59,6 +59,7 @@ def _rows(num_pairs, num_experts, cols, mode, gathered, seed):
     (777, 4, 384, "one"),             # one expert takes every row
     (4096, 32, 128, "ragged"),
     (20000, 256, 2048, "ragged"),     # many experts, 30B's d
+    (2500, 8, 640, "ragged"),         # an odd number of chunks per strip (5)
 ])
 def test_quantize_cols_grouped_bitwise(num_pairs, num_experts, cols, mode, gathered):
     from sonic.kernels.fp8_quant import quantize_cols_grouped
