@@ -69,8 +69,9 @@ THREADS = 256
 ROWS_PER_LANE = 2
 ROWS_PER_CTA = THREADS // LANES_PER_SLICE * ROWS_PER_LANE
 # quantize_cols_grouped: columns per chunk of a CTA (a warp holds 16, with all 128 rows of the
-# block), and at most this many chunks per CTA.
+# block), its threads, and at most this many chunks per CTA.
 COLS_PER_CTA = 64
+COLS_THREADS = COLS_PER_CTA // 16 * 32
 MAX_COLS_CHUNKS = 8
 FP8_MAX = 448.0
 # Scales whose quotients x / scale come exactly from the reciprocal (see `quotient`): within

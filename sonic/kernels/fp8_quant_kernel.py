@@ -17,9 +17,9 @@ from cutlass.cutlass_dsl import dsl_user_op
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm.tile_scheduler import last_at_most
 from sonic.types import FP8_BLOCK
-from sonic.kernels.fp8_quant import (COLS_PER_CTA, FAST_SCALE_MAX, FAST_SCALE_MIN, FP8_MAX,
-                                     LANES_PER_SLICE, ROWS_PER_CTA, ROWS_PER_LANE, THREADS, VEC,
-                                     cols_chunks)
+from sonic.kernels.fp8_quant import (COLS_PER_CTA, COLS_THREADS, FAST_SCALE_MAX, FAST_SCALE_MIN,
+                                     FP8_MAX, LANES_PER_SLICE, ROWS_PER_CTA, ROWS_PER_LANE,
+                                     THREADS, VEC, cols_chunks)
 
 # quantize_cols_grouped: shared-memory stages of a CTA's chunks in flight.
 STAGES = 3
@@ -341,7 +341,7 @@ class QuantizeColsKernel:
                     gmem(Int32, gidx, 4), gmem(Int32, offsets, 4),
                     gmem(Int32, k_offsets, 4), num_experts, k_rows).launch(
             grid=[self.cols // (COLS_PER_CTA * self.chunks), k_rows // FP8_BLOCK, 1],
-            block=[COLS_PER_CTA // 16 * 32, 1, 1],
+            block=[COLS_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
@@ -379,11 +379,11 @@ class QuantizeColsKernel:
         # The strip's chunks arrive by cp.async into STAGES shared-memory stages, STAGES - 1
         # chunks ahead; each thread copies and later reads only its own 8 rows' 16 bytes
         # (slot (stage, i, tid): a warp's reads are 512 contiguous bytes), so no barrier.
-        threads = COLS_PER_CTA // 16 * 32
         smem = cutlass.utils.SmemAllocator()
         sRows = smem.allocate_tensor(
-            BFloat16, cute.make_layout((VEC, threads, VEC, STAGES),
-                                       stride=(1, VEC, threads * VEC, VEC * threads * VEC)),
+            BFloat16, cute.make_layout((VEC, COLS_THREADS, VEC, STAGES),
+                                       stride=(1, VEC, COLS_THREADS * VEC,
+                                               VEC * COLS_THREADS * VEC)),
             byte_alignment=16)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    BFloat16, num_bits_per_copy=128)
