@@ -55,21 +55,22 @@ them — each candidate's relative error against torch beside its time. The cand
 alternating rounds — the same-run A/B behind ``heuristic.b_outgrows_l2`` — each output
 compared bitwise with the first choice's.
 
-``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the
-OLMoE and 30B shapes: ``up`` (gathered), ``up+act`` (gathered, SwiGLU epilogue:
-``grouped_gemm_fp8_swiglu``, rel err on A), ``down`` (contiguous) and ``dA'+dH`` (the dH
-kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major e4m3 ``W2ᵀ``, rel err on dH) on e4m3 operands
-quantized once beforehand, beside sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the
-same unquantized data; ``rel err`` is the FP8 output's against torch bf16 (the e4m3 rounding,
-≈4%). Beside ``up``, ``down`` and ``dX``, ``/torch-fp8`` times PyTorch's own FP8 grouped GEMM
-(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand.
-Then ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients
-``dW1``, ``dW2`` (``grouped_gemm_varlen_k_fp8`` on the K-major ``128 x 1``-scaled copies of
-``quantize_cols_grouped``, made before the timing; their cost is in
-``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM shape also runs as
-one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``, ``1 x 128`` A and
-``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of the same work reaches
-on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen, no epilogue).
+``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the OLMoE
+and 30B shapes (``--config`` for others; ``--gemm`` picks among these seven): ``up``
+(gathered), ``up+act`` (gathered, SwiGLU epilogue: ``grouped_gemm_fp8_swiglu``, rel err on A),
+``down`` (contiguous) and ``dA'+dH`` (the dH kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major
+e4m3 ``W2ᵀ``, rel err on dH) on e4m3 operands quantized once beforehand, beside sonic's bf16
+kernel and torch's bf16 ``_grouped_mm`` on the same unquantized data; ``rel err`` is the FP8
+output's against torch bf16 (the e4m3 rounding, ≈4%). Beside ``up``, ``down`` and ``dX``,
+``/torch-fp8`` times PyTorch's own FP8 grouped GEMM (``torch._scaled_grouped_mm``, rowwise
+scales) on the same work, rows gathered beforehand. Then ``dX`` (contiguous ``dH·W1`` on a
+K-major e4m3 ``W1ᵀ``) and the weight gradients ``dW1``, ``dW2`` (``grouped_gemm_varlen_k_fp8``
+on the K-major ``128 x 1``-scaled copies of ``quantize_cols_grouped``, made before the timing;
+their cost is in ``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM
+shape also runs as one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``,
+``1 x 128`` A and ``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of
+the same work reaches on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen,
+no epilogue); with ``--gemm``, only the shapes of the picked GEMMs' work.
 
 ``--power SECONDS`` also runs each kernel (each ``--ceiling`` row and ``--plans`` candidate
 too) back to back for that long and prints, beside its time, the median SM clock (MHz), the
@@ -187,12 +188,16 @@ GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "d
 STEP_GEMMS = {"up+act": "up", "down": "down", "dA'+dH": "dA'", "dX": "dX", "dW1": "dW1",
               "dW2": "dW2"}
 FP8_SHAPES = ("OLMoE", "30B")
+# The GEMMs --fp8 times, and the dense ceiling shape (``--ceiling``) each one's work has.
+FP8_GEMMS = {"up": "up", "up+act": "up", "down": "down", "dA'+dH": "dA'", "dX": "dX",
+             "dW1": "up", "dW2": "dA'"}
 
 
-def fp8_rows(name, t, d, n, e, k, ceiling=False):
+def fp8_rows(name, t, d, n, e, k, ceiling=False, only=tuple(FP8_GEMMS)):
     """FP8 ``up``, ``up+act`` (SwiGLU epilogue, "concat"), ``down``, ``dA'+dH`` (dSwiGLU
-    epilogue), ``dX``, ``dW1`` and ``dW2`` beside sonic bf16 and torch bf16 at one shape; with
-    ``ceiling``, the dense block-scaled cuBLAS GEMM of each distinct shape."""
+    epilogue), ``dX``, ``dW1`` and ``dW2`` beside sonic bf16 and torch bf16 at one shape (those
+    of them in ``only``); with ``ceiling``, the dense block-scaled cuBLAS GEMM of each
+    distinct shape of their work."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -201,6 +206,9 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
     w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
     for gemm, a, w, idx, flops in (("up", x, w1, gather_idx, 2 * p * 2 * n * d),
                                    ("down", act, w2, None, 2 * p * d * n)):
+        # up's operands serve up+act too.
+        if gemm not in only and not (gemm == "up" and "up+act" in only):
+            continue
         a_q, a_s = quantize_rows(a)        # the reference recipe, outside the timing
         b_q, b_s = quantize_blocks(w)
 
@@ -208,15 +216,16 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
             rows = a.index_select(0, gidx_long) if idx is not None else a
             return torch._grouped_mm(rows, w.transpose(1, 2), offs=ends)
 
-        _row(name, gemm, flops, lambda a=a, w=w, idx=idx: grouped_gemm(a, w, offsets,
-                                                                        gather_idx=idx),
-             torch_fn)
-        _row(name, gemm + "/fp8", flops,
-             lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, idx=idx: grouped_gemm_fp8(
-                 a_q, a_s, b_q, b_s, offsets, gather_idx=idx), torch_fn)
-        _torch_fp8_row(name, gemm, flops, a.index_select(0, gidx_long) if idx is not None else a,
-                       w, ends)
-        if gemm == "up":
+        if gemm in only:
+            _row(name, gemm, flops, lambda a=a, w=w, idx=idx: grouped_gemm(a, w, offsets,
+                                                                            gather_idx=idx),
+                 torch_fn)
+            _row(name, gemm + "/fp8", flops,
+                 lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, idx=idx: grouped_gemm_fp8(
+                     a_q, a_s, b_q, b_s, offsets, gather_idx=idx), torch_fn)
+            _torch_fp8_row(name, gemm, flops,
+                           a.index_select(0, gidx_long) if idx is not None else a, w, ends)
+        if gemm == "up" and "up+act" in only:
             torch_act = lambda fn=torch_fn: torch_swiglu(fn(), "concat")  # noqa: E731
             _row(name, "up+act", flops,
                  lambda: grouped_gemm_swiglu(x, w1, offsets, gather_idx, "concat")[1],
@@ -225,34 +234,40 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
                  lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s: grouped_gemm_fp8_swiglu(
                      a_q, a_s, b_q, b_s, offsets, gather_idx, gate_up="concat")[1], torch_act)
         del a_q, a_s, b_q, b_s
-    # The dH kernel: bf16 reads W2 N-major, FP8 a K-major e4m3 copy of W2ᵀ.
     do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
-    scores = torch.rand(p, device="cuda")
-    do_q, do_s = quantize_rows(do)
-    w2t_q, w2t_s = quantize_blocks(w2.transpose(1, 2).contiguous())
-    torch_dh = lambda: torch_dswiglu_epilogue(torch._grouped_mm(  # noqa: E731
-        do.index_select(0, gidx_long), w2, offs=ends), h, scores, "concat")[0]
-    _row(name, "dA'+dH", 2 * p * d * n,
-         lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0], torch_dh)
-    _row(name, "dA'+dH/fp8", 2 * p * d * n,
-         lambda: grouped_gemm_fp8_dswiglu(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx, h,
-                                          scores)[0], torch_dh)
-    del w2t_q, w2t_s
-    # dX on W1ᵀ's K-major copy (the layer's fp8_weights[4:6]); h stands in for dH.
-    dh_q, dh_s = quantize_rows(h)
-    w1t_q, w1t_s = quantize_blocks(w1.transpose(1, 2).contiguous())
-    _row(name, "dX", 2 * p * 2 * n * d, lambda: grouped_gemm(h, w1.transpose(1, 2), offsets),
-         lambda: torch._grouped_mm(h, w1, offs=ends))
-    _row(name, "dX/fp8", 2 * p * 2 * n * d,
-         lambda: grouped_gemm_fp8(dh_q, dh_s, w1t_q, w1t_s, offsets),
-         lambda: torch._grouped_mm(h, w1, offs=ends))
-    _torch_fp8_row(name, "dX", 2 * p * 2 * n * d, h, w1.transpose(1, 2), ends)
-    del dh_q, dh_s, w1t_q, w1t_s
+    if "dA'+dH" in only:
+        # The dH kernel: bf16 reads W2 N-major, FP8 a K-major e4m3 copy of W2ᵀ.
+        scores = torch.rand(p, device="cuda")
+        do_q, do_s = quantize_rows(do)
+        w2t_q, w2t_s = quantize_blocks(w2.transpose(1, 2).contiguous())
+        torch_dh = lambda: torch_dswiglu_epilogue(torch._grouped_mm(  # noqa: E731
+            do.index_select(0, gidx_long), w2, offs=ends), h, scores, "concat")[0]
+        _row(name, "dA'+dH", 2 * p * d * n,
+             lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0], torch_dh)
+        _row(name, "dA'+dH/fp8", 2 * p * d * n,
+             lambda: grouped_gemm_fp8_dswiglu(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx, h,
+                                              scores)[0], torch_dh)
+        del w2t_q, w2t_s, do_q, do_s, scores
+    if "dX" in only:
+        # dX on W1ᵀ's K-major copy (the layer's fp8_weights[4:6]); h stands in for dH.
+        dh_q, dh_s = quantize_rows(h)
+        w1t_q, w1t_s = quantize_blocks(w1.transpose(1, 2).contiguous())
+        _row(name, "dX", 2 * p * 2 * n * d,
+             lambda: grouped_gemm(h, w1.transpose(1, 2), offsets),
+             lambda: torch._grouped_mm(h, w1, offs=ends))
+        _row(name, "dX/fp8", 2 * p * 2 * n * d,
+             lambda: grouped_gemm_fp8(dh_q, dh_s, w1t_q, w1t_s, offsets),
+             lambda: torch._grouped_mm(h, w1, offs=ends))
+        _torch_fp8_row(name, "dX", 2 * p * 2 * n * d, h, w1.transpose(1, 2), ends)
+        del dh_q, dh_s, w1t_q, w1t_s
     # Weight gradients from the K-major 128 x 1-scaled copies.
     k_offsets = padded_offsets(offsets)
     for gemm, a, idx_a, b, idx_b, flops in (("dW1", h, None, x, gather_idx, 2 * p * 2 * n * d),
                                             ("dW2", do, gather_idx, act, None, 2 * p * d * n)):
+        if gemm not in only:
+            continue
+
         def torch_fn(a=a, idx_a=idx_a, b=b, idx_b=idx_b):
             rows_a = a.index_select(0, gidx_long) if idx_a is not None else a
             rows_b = b.index_select(0, gidx_long) if idx_b is not None else b
@@ -265,13 +280,15 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False):
         _row(name, gemm + "/fp8", flops,
              lambda copies=copies: grouped_gemm_varlen_k_fp8(*copies, k_offsets), torch_fn)
         del copies
-    del x, w1, act, w2, do, h, scores, do_q, do_s
+    del x, w1, act, w2, do, h
     torch.cuda.empty_cache()
     if ceiling:
         # (K, N) on P rows of up (dW1's work), down, dA' (dW2's work), dX.
+        dense = {FP8_GEMMS[gemm] for gemm in only}
         for gemm, (kk, nn) in (("up", (d, 2 * n)), ("down", (n, d)), ("dA'", (d, n)),
                                ("dX", (2 * n, d))):
-            _fp8_dense_ceiling(name, gemm, p, kk, nn)
+            if gemm in dense:
+                _fp8_dense_ceiling(name, gemm, p, kk, nn)
 
 
 def _torch_fp8_row(shape, gemm, flops, rows, w, ends):
@@ -598,6 +615,9 @@ def main(argv=None):
                         help="topk: random top-K routing (default); balanced: every expert "
                              "gets T*K/E rows")
     args = parser.parse_args(argv)
+    if args.fp8 and args.gemm and not set(args.gemm) <= set(FP8_GEMMS):
+        parser.error(f"--fp8 times only the GEMMs {', '.join(FP8_GEMMS)}; --gemm "
+                     f"{', '.join(sorted(set(args.gemm) - set(FP8_GEMMS)))} has no FP8 row")
     if args.power < 0:
         parser.error(f"--power must be a non-negative number of seconds, got {args.power}")
     global POWER_SECONDS, ROUTING
@@ -619,7 +639,8 @@ def main(argv=None):
     if args.fp8:
         for shape in shapes:
             if args.config or shape[0] in FP8_SHAPES:
-                fp8_rows(*shape, ceiling=args.ceiling)
+                fp8_rows(*shape, ceiling=args.ceiling,
+                         only=tuple(g for g in FP8_GEMMS if g in only))
         return
     for name, t, d, n, e, k in shapes:
         kernel = {}

@@ -279,3 +279,45 @@ def test_grouped_gemm_routing_sorts_every_slot_by_expert(monkeypatch, routing):
         assert torch.equal(counts, torch.full((e,), t * k // e, dtype=counts.dtype))
     else:
         assert (counts % 64 != 0).any()
+
+
+def test_grouped_gemm_fp8_refuses_a_gemm_it_has_no_row_for(capsys):
+    """``bench_grouped_gemm.py --fp8 --gemm`` filters the FP8 rows; a GEMM with no FP8 row
+    (the unfused ``up+act*``, ``dA'`` alone) is refused by name rather than timing nothing."""
+    bench = load_benchmark("bench_grouped_gemm")
+    for gemm in ("dA'", "up+act*"):
+        with pytest.raises(SystemExit):
+            bench.main(["--fp8", "--gemm", "dW1", "--gemm", gemm])
+        assert f"--gemm {gemm} has no FP8 row" in capsys.readouterr().err
+    # Every FP8 row's work has a dense ceiling shape.
+    assert set(bench.FP8_GEMMS) < set(bench.GEMMS)
+    assert set(bench.FP8_GEMMS.values()) == {"up", "down", "dA'", "dX"}
+
+
+@pytest.mark.parametrize("only,rows", [
+    (("dW1", "up+act"), ["up+act", "up+act/fp8", "dW1", "dW1/fp8", "ceiling up"]),
+    (("down",), ["down", "down/fp8", "down/torch-fp8", "ceiling down"]),
+    (("dA'+dH", "dX"), ["dA'+dH", "dA'+dH/fp8", "dX", "dX/fp8", "dX/torch-fp8", "ceiling dA'",
+                        "ceiling dX"]),
+])
+def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, rows):
+    """``fp8_rows`` with ``only``: the rows (and dense ceiling shapes) of those GEMMs alone,
+    in order; here on the CPU with the timing and the kernels stubbed out."""
+    bench = load_benchmark("bench_grouped_gemm")
+    randn, rand = torch.randn, torch.rand
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
+    monkeypatch.setattr(torch, "rand", lambda *a, device=None, **k: rand(*a, **k))
+    monkeypatch.setattr(bench, "_routing", lambda t, e, k: (
+        torch.arange(t * k, dtype=torch.int32) % t,
+        torch.linspace(0, t * k, e + 1).to(torch.int32)))
+    timed = []
+    monkeypatch.setattr(bench, "_row", lambda name, gemm, *args: timed.append(gemm))
+    monkeypatch.setattr(bench, "_torch_fp8_row",
+                        lambda name, gemm, *args: timed.append(gemm + "/torch-fp8"))
+    monkeypatch.setattr(bench, "_fp8_dense_ceiling",
+                        lambda name, gemm, *args: timed.append("ceiling " + gemm))
+    monkeypatch.setattr(bench, "quantize_rows", lambda a: (a, a))
+    monkeypatch.setattr(bench, "quantize_blocks", lambda w: (w, w))
+    monkeypatch.setattr(bench, "quantize_cols_grouped", lambda *args: (None, None))
+    bench.fp8_rows("test", 16, 8, 4, 2, 2, ceiling=True, only=only)
+    assert timed == rows
