@@ -1,8 +1,8 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
     python benchmarks/bench_grouped_gemm.py [--config NAME|T,d,n,E,K ...] [--gemm NAME ...]
-                                            [--ceiling] [--plans] [--fp8] [--power SECONDS]
-                                            [--routing topk|balanced]
+                                            [--ceiling] [--plans | --share both | --fp8]
+                                            [--power SECONDS] [--routing topk|balanced]
 
 At the paper's shapes (docs/design.md §5: T, d, n, E, K; ``--config`` for others, as
 ``bench_moe.py``) with random top-K routing (P = T·K rows sorted by expert; ``--routing
@@ -599,13 +599,14 @@ def main(argv=None):
                         help="also time each GEMM on pre-gathered rows and cuBLAS bmm on "
                              "balanced experts (with --fp8: cuBLAS's dense block-scaled FP8 "
                              "GEMM of each shape)")
-    parser.add_argument("--plans", action="store_true",
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--plans", action="store_true",
                         help="time the down, dX, dW1 and dW2 GEMMs under every candidate "
                              "tile plan instead")
-    parser.add_argument("--share", choices=("both",),
+    mode.add_argument("--share", choices=("both",),
                         help="time the gathered GEMMs (up, up+act, dA', dA'+dH) with the "
                              "cluster sharing A, then B, instead")
-    parser.add_argument("--fp8", action="store_true",
+    mode.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 GEMMs (up, up+act, down, dA'+dH, dX, "
                              "dW1, dW2) beside bf16 instead")
     parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
@@ -615,6 +616,9 @@ def main(argv=None):
                         help="topk: random top-K routing (default); balanced: every expert "
                              "gets T*K/E rows")
     args = parser.parse_args(argv)
+    if args.ceiling and (args.plans or args.share):
+        parser.error("--ceiling has no rows under --plans or --share: run it on its own or "
+                     "with --fp8")
     if args.fp8 and args.gemm and not set(args.gemm) <= set(FP8_GEMMS):
         parser.error(f"--fp8 times only the GEMMs {', '.join(FP8_GEMMS)}; --gemm "
                      f"{', '.join(sorted(set(args.gemm) - set(FP8_GEMMS)))} has no FP8 row")

@@ -281,14 +281,22 @@ def test_grouped_gemm_routing_sorts_every_slot_by_expert(monkeypatch, routing):
         assert (counts % 64 != 0).any()
 
 
-def test_grouped_gemm_fp8_refuses_a_gemm_it_has_no_row_for(capsys):
+def test_grouped_gemm_refuses_options_it_would_ignore(capsys):
     """``bench_grouped_gemm.py --fp8 --gemm`` filters the FP8 rows; a GEMM with no FP8 row
-    (the unfused ``up+act*``, ``dA'`` alone) is refused by name rather than timing nothing."""
+    (the unfused ``up+act*``, ``dA'`` alone) is refused by name rather than timing nothing,
+    and so are two modes at once and ``--ceiling`` where it has no rows."""
     bench = load_benchmark("bench_grouped_gemm")
     for gemm in ("dA'", "up+act*"):
         with pytest.raises(SystemExit):
             bench.main(["--fp8", "--gemm", "dW1", "--gemm", gemm])
         assert f"--gemm {gemm} has no FP8 row" in capsys.readouterr().err
+    # Modes that would ignore one another.
+    for argv, message in ((["--fp8", "--plans"], "not allowed with"),
+                          (["--share", "both", "--fp8"], "not allowed with"),
+                          (["--plans", "--ceiling"], "--ceiling has no rows under --plans")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err
     # Every FP8 row's work has a dense ceiling shape.
     assert set(bench.FP8_GEMMS) < set(bench.GEMMS)
     assert set(bench.FP8_GEMMS.values()) == {"up", "down", "dA'", "dX"}
