@@ -664,20 +664,24 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true",
                         help="every named configuration (after any --config)")
     parser.add_argument("--router", choices=("topk", "token_rounding", "both"), default="topk")
-    parser.add_argument("--tile", type=int, default=128, help="token-rounding tile")
+    parser.add_argument("--tile", type=int, default=None,
+                        help="token-rounding tile (default 128; needs --router token_rounding "
+                             "or both)")
     parser.add_argument("--precision", choices=("bf16", "fp8", "both"), default="bf16",
                         help="sonic's expert GEMMs: bf16, block-scaled FP8 (Hopper; weight "
                              "copies made once outside the timing), or both in this process "
                              "with their fp8/bf16 ratios")
-    parser.add_argument("--fp8-epilogues", nargs="+", default=["quantizing"],
+    parser.add_argument("--fp8-epilogues", nargs="+", default=None,
                         choices=("store", "quantizing", "fused"),
                         help="sonic.backend.set_fp8_epilogues choices for the FP8 rows: the "
                              "first for sonic-fp8, each further one a row sonic-fp8-<choice> "
-                             "(same-run A/B of the FP8 up-proj / dH kernels)")
-    parser.add_argument("--fp8-weight-grads", nargs="+", default=["bf16"], choices=("fp8", "bf16"),
+                             "(same-run A/B of the FP8 up-proj / dH kernels; default "
+                             "quantizing; needs --precision fp8 or both)")
+    parser.add_argument("--fp8-weight-grads", nargs="+", default=None, choices=("fp8", "bf16"),
                         help="sonic.backend.set_fp8_weight_grads choices for the FP8 rows: "
                              "the first for sonic-fp8, each further one a row "
-                             "sonic-fp8-wgrad-<choice>")
+                             "sonic-fp8-wgrad-<choice> (default bf16; needs --precision fp8 "
+                             "or both)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
                         help="also draw forward + backward TFLOPS per configuration (sonic, "
@@ -709,6 +713,16 @@ def main(argv=None):
                         help="also the routing phase's cost inside the step with both steps "
                              "captured in CUDA graphs (no host time; two graphs' memory)")
     args = parser.parse_args(argv)
+    # Options that only shape rows the run would not have are refused, not ignored.
+    if args.tile is not None and args.router == "topk":
+        parser.error("--tile sets the token-rounding tile: add --router token_rounding or both")
+    for option, value in (("--fp8-epilogues", args.fp8_epilogues),
+                          ("--fp8-weight-grads", args.fp8_weight_grads)):
+        if value is not None and args.precision == "bf16":
+            parser.error(f"{option} chooses among the FP8 rows: add --precision fp8 or both")
+    args.tile = 128 if args.tile is None else args.tile
+    args.fp8_epilogues = args.fp8_epilogues or ["quantizing"]
+    args.fp8_weight_grads = args.fp8_weight_grads or ["bf16"]
     scoring = {"score": args.score, "renormalize": args.renormalize,
                "n_group": args.n_group, "topk_group": args.topk_group,
                "scaling_factor": args.routed_scaling_factor}

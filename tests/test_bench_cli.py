@@ -329,3 +329,17 @@ def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, row
     monkeypatch.setattr(bench, "quantize_cols_grouped", lambda *args: (None, None))
     bench.fp8_rows("test", 16, 8, 4, 2, 2, ceiling=True, only=only)
     assert timed == rows
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tile", "64"], "--tile sets the token-rounding tile"),
+    (["--fp8-weight-grads", "fp8"], "--fp8-weight-grads chooses among the FP8 rows"),
+    (["--precision", "bf16", "--fp8-epilogues", "store"],
+     "--fp8-epilogues chooses among the FP8 rows"),
+])
+def test_bench_moe_refuses_options_for_rows_it_would_not_have(capsys, argv, message):
+    """A token-rounding tile without token rounding, or FP8 choices without FP8 rows, would
+    change nothing: ``bench_moe.py`` says so instead of running without them."""
+    with pytest.raises(SystemExit):
+        _bench_moe().main(argv)
+    assert message in capsys.readouterr().err
