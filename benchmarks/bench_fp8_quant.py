@@ -2,18 +2,18 @@
 
     python benchmarks/bench_fp8_quant.py [--config NAME | --config T,d,n,E,K ...]
 
-Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales),
-``quantize_blocks`` (128×128 weight scales) and ``quantize_cols_grouped`` (the FP8 weight
-gradients' K-major copies, 128×1 scales along each expert's rows) against the PyTorch
-implementation in ``sonic.reference.fp8`` (fp32 temporaries, several passes) at the docs/design.md §5
-shapes: ``X (T, d)`` and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for
-the blocks, ``X`` gathered by random top-K routing, ``dH (T·K, 2n)`` and ``A' (T·K, n)`` for
-the columns; ``--config`` (repeatable) takes another shape of :mod:`sonic.baselines.configs`
-(DeepSeek-V3's, say) instead. Prints the median µs of both (``_timing.bench``, L2 flushed), the kernel's GB/s on
-bytes read + written (``2·numel`` bf16 read, ``numel`` fp8 and ``numel / 32`` bytes of fp32
-scales written; ``numel`` of the copy for the columns), its percentage of the same-run device
-copy bandwidth, the speedup, and whether the outputs are bitwise equal (the tests hold that on
-harder inputs).
+Times ``sonic.kernels.fp8_quant.quantize_rows`` (1×128 activation scales), ``quantize_blocks``
+(128×128 weight scales) and ``quantize_cols_grouped`` (the FP8 weight gradients' K-major
+copies, 128×1 scales along each expert's rows) against the PyTorch implementation in
+``sonic.reference.fp8`` (fp32 temporaries, several passes) at the docs/design.md §5 shapes: ``X
+(T, d)`` and ``A (T·K, n)`` for the rows, ``W1 (E, 2n, d)`` and ``W2 (E, d, n)`` for the
+blocks, ``X`` gathered by random top-K routing, ``dH (T·K, 2n)`` and ``A' (T·K, n)`` for the
+columns; ``--config`` (repeatable) takes another shape of :mod:`sonic.baselines.configs`
+(DeepSeek-V3's, say) instead. Prints the median µs of both (``_timing.bench``, L2 flushed), the
+kernel's GB/s on bytes read + written (``2·numel`` bf16 read, ``numel`` fp8 and ``numel / 32``
+bytes of fp32 scales written; ``numel`` of the copy for the columns), its percentage of the
+same-run device copy bandwidth, the speedup, and whether the outputs are bitwise equal (the
+tests hold that on harder inputs).
 """
 
 import argparse

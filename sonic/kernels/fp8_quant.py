@@ -38,15 +38,15 @@ conflicts.
 ``quantize_cols_grouped`` (the FP8 weight gradients' operands): the same 8 × 8 thread tiles
 over 128 rows of one expert (padded with zeros past its end; gathered rows read through the
 index) × 64 columns per chunk of four warps, a scale per column from a butterfly over the 16
-row groups of a warp (a warp holds all 128 rows of its 16 columns: no shared memory), the
-transposed tile stored as above into the K-major copy. A CTA walks a strip of up to eight
-chunks of its row block (:func:`cols_chunks`): the expert search and the row indices are
-loaded once per strip, and the chunks' rows arrive by 16-byte ``cp.async`` copies into three
-shared-memory stages, two chunks ahead of the one being quantized. Each thread copies and
-reads back only its own rows' bytes, so no barrier orders them, and the bytes in flight hold
-no registers: 112 per thread, four 128-thread CTAs per SM. The column maxima are taken on the
-bf16 pairs (``bf16x2_max``: one instruction per two elements, exact). Each column's
-reciprocal is taken once and its 8 quotients come from it (``quotient``).
+row groups of a warp (a warp holds all 128 rows of its 16 columns: the amax needs no shared
+memory), the transposed tile stored as above into the K-major copy. A CTA walks a strip of up
+to eight chunks of its row block (:func:`cols_chunks`): the expert search and the row indices
+are loaded once per strip, and the chunks' rows arrive by 16-byte ``cp.async`` copies into
+three shared-memory stages, two chunks ahead of the one being quantized. Each thread copies and
+reads back only its own rows' bytes, so no barrier orders them, and the bytes in flight hold no
+registers: 112 per thread, four 128-thread CTAs per SM. The column maxima are taken on the bf16
+pairs (``bf16x2_max``: one instruction per two elements, exact). Each column's reciprocal is
+taken once and its 8 quotients come from it (``quotient``).
 
 ``K`` (the columns) must be a multiple of 128 for all of them (the FP8 GEMMs need it too): a
 ``ValueError`` names the argument otherwise.
@@ -239,8 +239,8 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
 
     Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped`, padding and tail
     included. One pass: a CTA reads one 128-row block of one expert (gathered rows
-    included) in a strip of 64-column chunks, the next chunk's loads in flight while it
-    quantizes one; a warp holds all 128 rows of its 16 columns, so a column's ``amax`` is a
+    included) in a strip of 64-column chunks, copied by ``cp.async`` into shared memory two
+    chunks ahead of the one it quantizes; a warp holds all 128 rows of its 16 columns, so a column's ``amax`` is a
     butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves through a byte transpose
     in registers as 8-byte pieces of rows of the copy.
 

@@ -457,8 +457,7 @@ class GroupedGemmConfig:
             return ()
         if self.epilogue == "dswiglu":
             return ("c", "act")
-        if self.epilogue == "store" and not self.pingpong and (not self.varlen_k
-                                                               or self.store_in_stage):
+        if self.epilogue == "store" and not self.pingpong and not self.varlen_k:
             return ("c",)
         return ()
 
