@@ -62,8 +62,9 @@ ratios.
   :func:`sonic.backend.set_fp8_epilogues` for the ``sonic-fp8`` row, and one more FP8 row per
   further choice (``sonic-fp8-quantizing``, ``sonic-fp8-fused``): a same-run A/B of the FP8
   up-proj and dH kernels in the layer.
-* ``--fp8-weight-grads fp8 bf16``: likewise for :func:`sonic.backend.set_fp8_weight_grads`
-  (rows ``sonic-fp8-wgrad-<choice>``): the FP8 weight gradients against the bf16 ones.
+* ``--fp8-weight-grads bf16 fp8``: likewise for :func:`sonic.backend.set_fp8_weight_grads`
+  (rows ``sonic-fp8-wgrad-<choice>``): the FP8 weight gradients against the bf16 ones (the
+  default, ``auto``, picks one of them by the layer's sizes).
 * ``--activation-cache fp8`` adds, per precision, a sonic row whose layer keeps H for backward
   in e4m3 with 1×128 fp32 scales (``sonic.moe_experts(..., activation_cache="fp8")``) and
   prints its saved MiB, peak MiB and step time relative to the same precision's bf16
@@ -83,7 +84,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, captured, device_name, energy_per_call, trace_idle  # noqa: E402
 
 import sonic  # noqa: E402
-from sonic.backend import set_fp8_epilogues, set_fp8_weight_grads  # noqa: E402
+from sonic.backend import (FP8_WEIGHT_GRADS, set_fp8_epilogues,  # noqa: E402
+                           set_fp8_weight_grads)
 from sonic.baselines import torch_gmm_experts, torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 from sonic.reference.ops import scored_topk  # noqa: E402
@@ -344,7 +346,7 @@ _SCORING_DEFAULTS = {"score": "softmax_topk", "renormalize": False, "n_group": 1
 
 def measure(name, sizes, router, tile, profile_kernels=False, trace_dir=None,
             precision="bf16", activation_cache="bf16", fp8_epilogues=("store",),
-            fp8_weight_grads=("bf16",), scoring=None, shared=None, routing_in_graph=False):
+            fp8_weight_grads=("auto",), scoring=None, shared=None, routing_in_graph=False):
     """Time one layer shape (see the module notes); ``scoring`` and ``shared`` are
     :func:`layer_options`'; ``routing_in_graph``: also :func:`_routing_in_graph`. Returns the
     JSON result of the shape."""
@@ -677,10 +679,11 @@ def main(argv=None):
                              "first for sonic-fp8, each further one a row sonic-fp8-<choice> "
                              "(same-run A/B of the FP8 up-proj / dH kernels; default "
                              "quantizing; needs --precision fp8 or both)")
-    parser.add_argument("--fp8-weight-grads", nargs="+", default=None, choices=("fp8", "bf16"),
+    parser.add_argument("--fp8-weight-grads", nargs="+", default=None,
+                        choices=FP8_WEIGHT_GRADS,
                         help="sonic.backend.set_fp8_weight_grads choices for the FP8 rows: "
                              "the first for sonic-fp8, each further one a row "
-                             "sonic-fp8-wgrad-<choice> (default bf16; needs --precision fp8 "
+                             "sonic-fp8-wgrad-<choice> (default auto; needs --precision fp8 "
                              "or both)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
@@ -722,7 +725,7 @@ def main(argv=None):
             parser.error(f"{option} chooses among the FP8 rows: add --precision fp8 or both")
     args.tile = 128 if args.tile is None else args.tile
     args.fp8_epilogues = args.fp8_epilogues or ["quantizing"]
-    args.fp8_weight_grads = args.fp8_weight_grads or ["bf16"]
+    args.fp8_weight_grads = args.fp8_weight_grads or ["auto"]
     scoring = {"score": args.score, "renormalize": args.renormalize,
                "n_group": args.n_group, "topk_group": args.topk_group,
                "scaling_factor": args.routed_scaling_factor}

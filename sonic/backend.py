@@ -250,31 +250,44 @@ def fp8_epilogues() -> str:
     return _fp8_epilogues.value
 
 
-# Precision of the FP8 path's weight gradients (set_fp8_weight_grads).
-FP8_WEIGHT_GRADS = ("fp8", "bf16")
-_fp8_weight_grads = _ProcessChoice(FP8_WEIGHT_GRADS, "bf16")
+# Precision of the FP8 path's weight gradients (set_fp8_weight_grads): "auto" picks one of
+# the two precisions by the layer's sizes (fp8_weight_grads_for).
+FP8_WEIGHT_GRAD_PRECISIONS = ("fp8", "bf16")
+FP8_WEIGHT_GRADS = ("auto", *FP8_WEIGHT_GRAD_PRECISIONS)
+_fp8_weight_grads = _ProcessChoice(FP8_WEIGHT_GRADS, "auto")
+# "auto" takes FP8 weight gradients where d·n / (2d + 3n) reaches this: the two GEMMs' FLOPs
+# (6·P·d·n) against the elements the four column-wise copies move (P·(2d + 3n)), up to
+# constant factors. H200 (benchmarks/RESULTS.md, "FP8 weight gradients by layer"): faster at
+# DeepSeek-V3 (717), Mixtral-8x7B (1147) and GLM-4.5 (530), level at Qwen3-235B (492),
+# slower at 30B (372), OLMoE (293) and 7B (102).
+FP8_WEIGHT_GRADS_MIN_INTENSITY = 512
 
 
 def set_fp8_weight_grads(kind: str) -> str:
     """Choose, process-wide, the precision of ``precision="fp8"``'s weight gradients dW1,
     dW2; returns the previous choice. No effect on bf16.
 
-    * ``"bf16"`` (default): the bf16 varlen-K GEMMs on the bf16 dO, A', dH and X.
+    * ``"auto"`` (default): ``"fp8"`` where the layer's ``d`` (d_model) and ``n``
+      (d_expert) make the GEMMs large against the copies they need, else ``"bf16"``
+      (:func:`fp8_weight_grads_for`).
+    * ``"bf16"``: the bf16 varlen-K GEMMs on the bf16 dO, A', dH and X.
     * ``"fp8"``: the varlen-K GEMMs on e4m3 operands scaled per ``128 x 1`` block along the
       tokens they sum over (DeepSeek-V3 §3.3 quantizes every GEMM's operands along its
       reduction axis): dO, A', dH and gathered X each quantized once into a K-major copy
       (:func:`sonic.kernels.fp8_quant.quantize_cols_grouped`, every expert's rows padded to
       whole 128-row blocks), then :func:`sonic.kernels.grouped_gemm.grouped_gemm_varlen_k_fp8`.
       Same validation loss as bf16 weight gradients (CPU emulation, and three seeds on the
-      GPU), with more peak memory. On the H200 they pay off only where the GEMMs are large
-      against the four column-wise quantization passes (DeepSeek-V3's layer); at the OLMoE
-      and 30B layers they are level or slower (benchmarks/RESULTS.md), hence opt-in.
+      GPU), with more peak memory (the copies: about 1–2 GiB at the large layers). On the
+      H200 they pay off where the GEMMs are large against the four column-wise quantization
+      passes (DeepSeek-V3, Mixtral-8x7B, GLM-4.5); at the OLMoE, 30B and 7B layers they are
+      slower (benchmarks/RESULTS.md).
 
     Both backends follow it (the PyTorch reference emulates the FP8 math). Process-wide
-    rather than a context: the backward runs on autograd's device threads. Read when the
-    layer's forward runs, and carried to its backward as an argument of the op
-    ``sonic::moe_experts_fp8`` (and by expert parallelism's autograd function): a graph
-    built under one choice keeps it, and ``torch.compile`` recompiles when it changes.
+    rather than a context: the backward runs on autograd's device threads. Read (and
+    ``"auto"`` resolved) when the layer's forward runs, and carried to its backward as an
+    argument of the op ``sonic::moe_experts_fp8`` (and by expert parallelism's autograd
+    function): a graph built under one choice keeps it, and ``torch.compile`` recompiles when
+    it changes.
 
     Raises:
         ValueError: ``kind`` not in :data:`FP8_WEIGHT_GRADS`.
@@ -283,8 +296,21 @@ def set_fp8_weight_grads(kind: str) -> str:
 
 
 def fp8_weight_grads() -> str:
-    """The current :func:`set_fp8_weight_grads` choice."""
+    """The current :func:`set_fp8_weight_grads` choice (``"auto"`` unresolved)."""
     return _fp8_weight_grads.value
+
+
+def fp8_weight_grads_for(d: int, n: int) -> str:
+    """The weight gradients' precision, ``"fp8"`` or ``"bf16"``, that the current
+    :func:`set_fp8_weight_grads` choice gives a layer of model width ``d`` and expert width
+    ``n``: ``"auto"`` takes ``"fp8"`` where ``d·n / (2d + 3n)`` is at least
+    :data:`FP8_WEIGHT_GRADS_MIN_INTENSITY` — the weight gradients' FLOPs (``6·P·d·n``) per
+    element of the four column-wise copies they need (``P·(2d + 3n)``), measured on the H200
+    at the named layers (benchmarks/RESULTS.md); the tokens ``P`` cancel."""
+    choice = _fp8_weight_grads.value
+    if choice != "auto":
+        return choice
+    return "fp8" if d * n >= FP8_WEIGHT_GRADS_MIN_INTENSITY * (2 * d + 3 * n) else "bf16"
 
 
 def expert_ops(backend: str, device: torch.device) -> ExpertOps:

@@ -39,8 +39,9 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
   tensors of ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
   for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
   ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
-  gradients; ``sonic::quantize_cols_grouped`` and ``sonic::grouped_mm_varlen_k_fp8`` under
-  ``sonic.backend.set_fp8_weight_grads("fp8")``) and ``aggregate``, and may write dH over H
+  gradients; ``sonic::quantize_cols_grouped`` and ``sonic::grouped_mm_varlen_k_fp8`` where
+  ``weight_grads`` is ``"fp8"``: ``sonic.backend.fp8_weight_grads_for`` at the call) and
+  ``aggregate``, and may write dH over H
   as the bf16 one does;
   ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
   a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
@@ -744,8 +745,8 @@ def _(a_t_q, a_scales, b_t_q, b_scales, k_offsets, backend):
 def weight_grad_fn(offsets: torch.Tensor, backend: str, fp8: bool):
     """``weight_grad(a, b, gather_idx_a, gather_idx_b) = C[e] = A_eᵀ·B_e`` over the experts
     of ``offsets``, for :func:`_grads_after_dh` and expert parallelism's backward: the bf16
-    varlen-K op, or with ``fp8`` (:func:`sonic.backend.set_fp8_weight_grads` ``("fp8")`` when
-    the layer ran forward) both operands quantized per ``128 x 1`` block along the tokens
+    varlen-K op, or with ``fp8`` (:func:`sonic.backend.fp8_weight_grads_for` gave ``"fp8"``
+    when the layer ran forward) both operands quantized per ``128 x 1`` block along the tokens
     into K-major copies, then the FP8 varlen-K GEMM (bf16 out; the padded offsets made once,
     on the device, for both weight gradients). Ops, so the traced backward sees them."""
     if not fp8:
@@ -787,11 +788,12 @@ def _moe_experts_fp8_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         fp8_weights: list[torch.Tensor], top_k: int, gate_up: str,
                         backend: str, activation_cache: str, weight_grads: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # weight_grads (sonic.backend.set_fp8_weight_grads at the call) serves the backward; an
-    # argument, so the choice travels with the graph and keys what torch.compile caches.
-    from sonic.backend import FP8_WEIGHT_GRADS
+    # weight_grads (sonic.backend.fp8_weight_grads_for at the call: "auto" already resolved)
+    # serves the backward; an argument, so the choice travels with the graph and keys what
+    # torch.compile caches.
+    from sonic.backend import FP8_WEIGHT_GRAD_PRECISIONS
 
-    check_choice("weight_grads", weight_grads, FP8_WEIGHT_GRADS)
+    check_choice("weight_grads", weight_grads, FP8_WEIGHT_GRAD_PRECISIONS)
     m = unpack_metadata(meta, x.shape[0], w1.shape[0], scores.shape[0], top_k)
     return experts_forward(x, w1, w2, scores, m, gate_up, backend,
                            activation_cache=activation_cache, fp8_weights=list(fp8_weights))

@@ -650,7 +650,7 @@ def test_train_seeds_benchmark_smoke(capsys):
         se = ((v["std"] ** 2 + b["std"] ** 2) / 2) ** 0.5 / b["mean"]
         assert v["gap_of_means_se"] == pytest.approx(se)
     assert "gap_of_means" not in variants["bf16"]
-    assert backend.fp8_epilogues() == "quantizing" and backend.fp8_weight_grads() == "bf16"
+    assert backend.fp8_epilogues() == "quantizing" and backend.fp8_weight_grads() == "auto"
 
 
 def test_train_seeds_gap_of_means_standard_error():
@@ -708,6 +708,38 @@ def test_fp8_weight_grads_choice_travels_with_the_graph_and_keys_compile():
         got = _grads_under(setter, kind, compiled, inputs, dout)
         assert all(torch.equal(a, b) for a, b in zip(got, eager[kind])), kind
     assert counter.frame_count == 2      # one graph per choice, the first one reused
+
+
+def test_auto_weight_grads_resolve_by_layer_size(monkeypatch):
+    """"auto" (the default) takes FP8 weight gradients where d·n / (2d + 3n) reaches
+    FP8_WEIGHT_GRADS_MIN_INTENSITY — at the named layers, where the H200 measured them
+    faster: DeepSeek-V3, Mixtral-8x7B, GLM-4.5 — and bf16 ones elsewhere; an explicit choice
+    passes through; a layer under "auto" computes bitwise what it computes under the choice
+    "auto" resolves to, whichever that is."""
+    from sonic.backend import fp8_weight_grads, fp8_weight_grads_for
+    from sonic.baselines.configs import CONFIGS
+
+    assert fp8_weight_grads() == "auto"
+    want = {"DeepSeek-V3": "fp8", "Mixtral-8x7B": "fp8", "GLM-4.5": "fp8",
+            "Qwen3-235B": "bf16", "30B": "bf16", "OLMoE": "bf16", "7B": "bf16"}
+    assert set(want) == set(CONFIGS)
+    for name, kind in want.items():
+        _, d, n, _, _ = CONFIGS[name]
+        assert fp8_weight_grads_for(d, n) == kind, name
+    setter = sonic.backend.set_fp8_weight_grads
+    previous = setter("fp8")
+    try:
+        assert fp8_weight_grads_for(1536, 256) == "fp8"
+        setter("bf16")
+        assert fp8_weight_grads_for(7168, 2048) == "bf16"
+    finally:
+        setter(previous)
+    layer, inputs, dout = _compile_problem()
+    for threshold, kind in ((0, "fp8"), (10 ** 9, "bf16")):
+        monkeypatch.setattr(sonic.backend, "FP8_WEIGHT_GRADS_MIN_INTENSITY", threshold)
+        auto = _grads_under(setter, "auto", layer, inputs, dout)
+        explicit = _grads_under(setter, kind, layer, inputs, dout)
+        assert all(torch.equal(a, b) for a, b in zip(auto, explicit)), kind
 
 
 def test_compiled_layer_follows_set_fp8_epilogues_at_run_time():

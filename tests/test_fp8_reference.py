@@ -303,8 +303,9 @@ def test_varlen_k_fp8_reference_against_fp32():
 def test_set_fp8_weight_grads_validates_and_returns_the_previous_choice():
     from sonic.backend import fp8_weight_grads, set_fp8_weight_grads
 
-    assert fp8_weight_grads() == "bf16"
+    assert fp8_weight_grads() == "auto"
     with pytest.raises(ValueError, match="kind"):
         set_fp8_weight_grads("e4m3")
-    assert set_fp8_weight_grads("fp8") == "bf16" and fp8_weight_grads() == "fp8"
+    assert set_fp8_weight_grads("fp8") == "auto" and fp8_weight_grads() == "fp8"
     assert set_fp8_weight_grads("bf16") == "fp8"
+    assert set_fp8_weight_grads("auto") == "bf16"

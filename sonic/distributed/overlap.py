@@ -48,7 +48,7 @@ import torch
 
 from sonic._custom_op import graph_kept
 from sonic.activation_cache import unpack as activation_cache_unpack
-from sonic.backend import expert_ops, fp8_weight_grads, sm_margin
+from sonic.backend import expert_ops, fp8_weight_grads_for, sm_margin
 from sonic.distributed.plan import DispatchPlan
 from sonic.ops import (_acc, _first_order_error, call, dh_step, dx_rows, experts_forward,
                        pair_score_grads, routing_metadata_op, unpack_metadata, weight_grad_fn)
@@ -182,7 +182,8 @@ class ChunkedExperts(torch.autograd.Function):
         ctx.recompute_dispatch = recompute_dispatch
         ctx.activation_cache, ctx.fp8 = activation_cache, fp8_weights is not None
         # The weight gradients' precision as set when the forward ran (as the layer's op).
-        ctx.fp8_weight_grads = ctx.fp8 and fp8_weight_grads() == "fp8"
+        ctx.fp8_weight_grads = ctx.fp8 and fp8_weight_grads_for(w2.shape[1],
+                                                                w2.shape[2]) == "fp8"
         ctx.num_local, ctx.gate_up, ctx.backend = num_local, gate_up, backend
         ctx.activation = activation
         ctx.aggregate, ctx.margin = aggregate, margin

@@ -30,12 +30,13 @@ per 1×128, weights per 128×128, fp32 promotion per k-block) runs the op
   forward copies transposed, q and 128×128 block scales alike: a square block holds the same
   values in both orientations, so this *is* ``quantize_blocks(Wᵀ)``, with no re-quantization;
   they are made with the forward copies, once per optimizer step.
-* Weight gradients dW1, dW2 are bf16 varlen-K GEMMs by default. They reduce over tokens
-  (rows), while the 1×128 row scales run along the reduction's other axis, so FP8 operands
-  need a second, column-wise quantization of dO, A', dH and gathered X into K-major copies
-  (:func:`sonic.backend.set_fp8_weight_grads` ``("fp8")``): no accuracy cost in the CPU
-  emulation, but slower on the H200: the four quantization passes cost more than the FP8
-  varlen-K GEMMs gain (benchmarks/RESULTS.md).
+* Weight gradients dW1, dW2 reduce over tokens (rows), while the 1×128 row scales run along
+  the reduction's other axis, so FP8 operands need a second, column-wise quantization of dO,
+  A', dH and gathered X into K-major copies: no accuracy cost in the CPU emulation, and on
+  the H200 faster than the bf16 varlen-K GEMMs only where the GEMMs are large against those
+  four passes. :func:`sonic.backend.set_fp8_weight_grads` picks; its default ``"auto"``
+  takes FP8 by the layer's ``d`` and ``n`` (:func:`sonic.backend.fp8_weight_grads_for`;
+  benchmarks/RESULTS.md).
 * Saved for backward: as in bf16 (X by reference, H ``(P, 2n)`` in bf16 or, with
   ``activation_cache="fp8"``, in e4m3 + 1×128 scales; scores, metadata; nothing ``P × d``)
   plus the caller's FP8 weight copies by reference.
@@ -60,7 +61,7 @@ from sonic._custom_op import autocast_dtype
 from sonic._validation import (check_choice, check_float, check_index, check_index_ranges,
                                check_same_device)
 from sonic.activation_cache import check_activation_cache
-from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads, resolve_backend
+from sonic.backend import BACKENDS, check_fp8_backend, fp8_weight_grads_for, resolve_backend
 from sonic.types import (ACTIVATIONS, FP8_BLOCK, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, Activation,
                          ActivationCache, Backend, GateUp, Precision, RoutingMetadata)
 
@@ -348,7 +349,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: tor
             fp8_weights = quantize_expert_weights(w1, w2, backend)
         out, _cache, _scales = call.moe_experts_fp8(
             x, w1, w2, scores, packed, list(fp8_weights), top_k, gate_up, backend,
-            activation_cache, fp8_weight_grads())
+            activation_cache, fp8_weight_grads_for(x.shape[1], w2.shape[2]))
         return out
     out, _cache, _scales = call.moe_experts(x, w1, w2, scores, packed, top_k, gate_up, backend,
                                             activation_cache, activation)
