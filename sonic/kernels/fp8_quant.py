@@ -240,9 +240,9 @@ def quantize_cols_grouped(x: torch.Tensor, expert_offsets: torch.Tensor,
     Bitwise equal to :func:`sonic.reference.fp8.quantize_cols_grouped`, padding and tail
     included. One pass: a CTA reads one 128-row block of one expert (gathered rows
     included) in a strip of 64-column chunks, copied by ``cp.async`` into shared memory two
-    chunks ahead of the one it quantizes; a warp holds all 128 rows of its 16 columns, so a column's ``amax`` is a
-    butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves through a byte transpose
-    in registers as 8-byte pieces of rows of the copy.
+    chunks ahead of the one it quantizes; a warp holds all 128 rows of its 16 columns, so a
+    column's ``amax`` is a butterfly of shuffles, and each thread's 8 x 8 e4m3 tile leaves
+    through a byte transpose in registers as 8-byte pieces of rows of the copy.
 
     Args:
         x: ``(P, C)`` bf16 rows sorted by expert, or with ``gather_idx`` the ``(T, C)`` source
