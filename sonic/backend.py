@@ -20,7 +20,7 @@ from typing import Callable, get_args
 
 import torch
 
-from sonic._validation import check_choice
+from sonic._validation import check_choice, check_int
 # sonic.backend.sm_margin is public; the grouped GEMMs own the setting.
 from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm.interface import sm_margin  # noqa: F401
@@ -306,7 +306,14 @@ def fp8_weight_grads_for(d: int, n: int) -> str:
     ``n``: ``"auto"`` takes ``"fp8"`` where ``d·n / (2d + 3n)`` is at least
     :data:`FP8_WEIGHT_GRADS_MIN_INTENSITY` — the weight gradients' FLOPs (``6·P·d·n``) per
     element of the four column-wise copies they need (``P·(2d + 3n)``), measured on the H200
-    at the named layers (benchmarks/RESULTS.md); the tokens ``P`` cancel."""
+    at the named layers (benchmarks/RESULTS.md); the tokens ``P`` cancel.
+
+    Raises:
+        TypeError: ``d`` or ``n`` is not an int.
+        ValueError: ``d`` or ``n`` is below 1.
+    """
+    check_int("d", d, low=1)
+    check_int("n", n, low=1)
     choice = _fp8_weight_grads.value
     if choice != "auto":
         return choice

@@ -714,8 +714,9 @@ def test_auto_weight_grads_resolve_by_layer_size(monkeypatch):
     """"auto" (the default) takes FP8 weight gradients where d·n / (2d + 3n) reaches
     FP8_WEIGHT_GRADS_MIN_INTENSITY — at the named layers, where the H200 measured them
     faster: DeepSeek-V3, Mixtral-8x7B, GLM-4.5 — and bf16 ones elsewhere; an explicit choice
-    passes through; a layer under "auto" computes bitwise what it computes under the choice
-    "auto" resolves to, whichever that is."""
+    passes through; sizes that are not positive ints are refused by name; a layer under
+    "auto" computes bitwise what it computes under the choice "auto" resolves to, whichever
+    that is."""
     from sonic.backend import fp8_weight_grads, fp8_weight_grads_for
     from sonic.baselines.configs import CONFIGS
 
@@ -734,6 +735,12 @@ def test_auto_weight_grads_resolve_by_layer_size(monkeypatch):
         assert fp8_weight_grads_for(7168, 2048) == "bf16"
     finally:
         setter(previous)
+    for bad, error in ((0, ValueError), (-128, ValueError), (128.0, TypeError),
+                       (True, TypeError)):
+        with pytest.raises(error, match="^d must"):
+            fp8_weight_grads_for(bad, 1024)
+        with pytest.raises(error, match="^n must"):
+            fp8_weight_grads_for(1024, bad)
     layer, inputs, dout = _compile_problem()
     for threshold, kind in ((0, "fp8"), (10 ** 9, "bf16")):
         monkeypatch.setattr(sonic.backend, "FP8_WEIGHT_GRADS_MIN_INTENSITY", threshold)
