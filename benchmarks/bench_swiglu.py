@@ -1,6 +1,6 @@
 """SwiGLU and dSwiGLU-epilogue kernels vs the PyTorch reference, same run, same inputs.
 
-    python benchmarks/bench_swiglu.py [--gate-up concat interleaved]
+    python benchmarks/bench_swiglu.py [--gate-up concat interleaved] [--config NAME | T,d,n,E,K ...]
 
 At the paper's configurations (docs/design.md §5; P = T·K rows, n = d_expert) times ``sonic.kernels.swiglu.swiglu`` and
 ``dswiglu_epilogue`` against ``sonic.reference.ops`` (today's GPU path, which builds ``(P, n)``
@@ -9,7 +9,8 @@ both (``_timing.bench``, L2 flushed), the kernel's GB/s on bytes read + written 
 read, ``A`` written = ``6·P·n`` bytes; backward: ``H``, ``dA'``, scores read, ``dH``, ``A'``,
 ``ds`` written = ``12·P·n + 8·P`` bytes), its percentage of the same-run device copy bandwidth
 (target ≥ 70 %), the speedup, and the largest difference from the reference (a sanity check; the
-tests hold the tolerances).
+tests hold the tolerances). ``--config`` (repeatable) times another layer of
+:mod:`sonic.baselines.configs` (``P = T·K`` rows of ``n`` columns) instead.
 
 ``swiglu+q`` (the FP8 path's A): ``swiglu(h, quantize=True)`` — A written in e4m3 with
 its 1×128 scales in the same pass (``H`` read, ``q`` and scales written = ``5·P·n + P·n/32``
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, copy_bandwidth, device_name  # noqa: E402
 
+from sonic.baselines.configs import parse_config  # noqa: E402
 from sonic.kernels.fp8_quant import quantize_rows  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference import ops as ref  # noqa: E402
@@ -48,16 +50,28 @@ def _max_diff(outs, refs) -> float:
     return max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, refs))
 
 
-def main():
+def shapes_of(configs):
+    """``(name, T, K, n)`` of each ``--config`` layer (``parse_config``'s results), or
+    :data:`SHAPES` without any."""
+    if not configs:
+        return SHAPES
+    return [(name, t, k, n) for name, (t, _, n, _, k) in configs]
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gate-up", nargs="+", default=list(ref.GATE_UP_LAYOUTS),
                         choices=ref.GATE_UP_LAYOUTS)
-    args = parser.parse_args()
+    parser.add_argument("--config", type=parse_config, action="append",
+                        help="a named layer or T,d,n,E,K (repeatable; default: "
+                             f"{', '.join(name for name, *_ in SHAPES)})")
+    args = parser.parse_args(argv)
+    shapes = shapes_of(args.config)
     copy = copy_bandwidth()
     print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
-    print(f"{'shape':<10} {'P':>7} {'n':>5} {'gate_up':<11} {'kernel':<8} | {'torch us':>9} "
+    print(f"{'shape':<12} {'P':>7} {'n':>5} {'gate_up':<11} {'kernel':<8} | {'torch us':>9} "
           f"{'kernel us':>9} {'GB/s':>6} {'% copy':>6} {'speedup':>7} {'max diff':>9}")
-    for name, t, k, n in SHAPES:
+    for name, t, k, n in shapes:
         p = t * k
         gen = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(p, 2 * n, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -82,7 +96,7 @@ def main():
                 torch_us = bench(torch_fn)
                 kern_us = bench(kernel_fn)
                 gbs = nbytes / (kern_us * 1e-6) / 1e9
-                print(f"{name:<10} {p:>7} {n:>5} {gate_up:<11} {kernel:<8} | {torch_us:>9.1f} "
+                print(f"{name:<12} {p:>7} {n:>5} {gate_up:<11} {kernel:<8} | {torch_us:>9.1f} "
                       f"{kern_us:>9.1f} {gbs:>6.0f} {100 * gbs / copy:>5.1f}% "
                       f"{torch_us / kern_us:>6.2f}x {diff:>9.2e}")
         del h, da_prime, scores

@@ -343,3 +343,14 @@ def test_bench_moe_refuses_options_for_rows_it_would_not_have(capsys, argv, mess
     with pytest.raises(SystemExit):
         _bench_moe().main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_bench_swiglu_times_the_named_layers_rows():
+    """``bench_swiglu.py --config``: P = T·K rows of n columns of each layer; the paper's
+    shapes without it."""
+    from sonic.baselines.configs import parse_config
+
+    bench = load_benchmark("bench_swiglu")
+    got = bench.shapes_of([parse_config("Mixtral-8x7B"), parse_config("100,256,384,4,2")])
+    assert got == [("Mixtral-8x7B", 16384, 2, 14336), ("100,256,384,4,2", 100, 2, 384)]
+    assert bench.shapes_of(None) == bench.SHAPES

@@ -15,7 +15,11 @@ within ~1e-6 relative of the IEEE functions); each bf16 output is rounded once.
 The backward's ``ds = ⟨dA', A⟩`` is summed by each lane over its slices in slice order, then
 across the warp by a butterfly shuffle with fixed offsets: the order is fixed, no atomics, so
 ``ds`` is bitwise deterministic. Neighbouring lanes touch neighbouring 16-byte slices, so every
-row is read and written in full coalesced lines.
+row is read and written in full coalesced lines. A warp issues all loads of a row before its
+first store when the row has at most :data:`ROW_PASSES` passes of 32 slices (``n ≤ 2048``);
+longer rows go :data:`ROW_CHUNK` passes at a time, so that the registers holding them stay
+bounded (a whole row of ``n = 14336`` spilled). A lane writes only the elements it read, so an
+output written over its input (``dh_out`` over H, ``a_out`` over dA') stays exact either way.
 """
 
 import functools
@@ -33,6 +37,11 @@ LANES_PER_BLOCK = FP8_BLOCK // VEC
 WARP = 32
 # Rows per block (one warp each): 256 threads, enough blocks per SM to hide DRAM latency.
 WARPS = 8
+# Passes (WARP·VEC columns each) of a row a warp holds in registers at once: the whole row
+# up to ROW_PASSES (n ≤ 2048: at most 128 registers per thread), longer rows ROW_CHUNK passes
+# at a time (a whole row of n = 14336 spilled about 1-2.5 KB per thread).
+ROW_PASSES = 8
+ROW_CHUNK = 4
 
 
 def _compile(n: int, gate_up: str, backward: bool, keep_ptx: bool = False,
@@ -259,8 +268,10 @@ def dswiglu_epilogue(da_prime: torch.Tensor, h: torch.Tensor, row_scores: torch.
 
 
 _MARKERS = ("ld.global.v4", "st.global.v4")
+# n = 4232: a row in chunks of ROW_CHUNK passes, the last one partial.
 for _n, _gate_up, _backward in ((256, "concat", False), (1024, "interleaved", False),
-                                (256, "interleaved", True), (1024, "concat", True)):
+                                (256, "interleaved", True), (1024, "concat", True),
+                                (4232, "interleaved", True)):
     register(KernelVariant(
         kernel="swiglu",
         variant=f"{'dswiglu' if _backward else 'swiglu'}_n{_n}_{_gate_up}",
@@ -268,10 +279,10 @@ for _n, _gate_up, _backward in ((256, "concat", False), (1024, "interleaved", Fa
         ptx_markers=_MARKERS + (("shfl.sync.bfly",) if _backward else ())))
 # With quantize (A, or dH as well): the saturating e4m3 conversion, the block amax shuffles and
 # 8-byte fp8 stores beside each kernel's own markers. n = 384: a partial last pass (lanes past
-# n shuffle, store nothing).
+# n shuffle, store nothing); n = 4224: a row in chunks, the last pass partial.
 _FP8_STORES = ("st.global.v2.b32", "st.global.v2.u32", "st.global.b64", "st.global.u64")
 for _backward, _h in ((False, False), (True, False), (False, True)):
-    for _n, _gate_up in ((384, "concat"), (1024, "interleaved")):
+    for _n, _gate_up in ((384, "concat"), (1024, "interleaved"), (4224, "concat")):
         register(KernelVariant(
             kernel="swiglu",
             variant=f"{'dswiglu' if _backward else 'swiglu'}_quantized{'_h' if _h else ''}"

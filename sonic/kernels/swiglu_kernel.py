@@ -10,7 +10,7 @@ from cuda.bindings import driver as cuda
 
 from sonic.kernels import activation, runtime
 from sonic.kernels import fp8_quant_kernel as fp8
-from sonic.kernels.swiglu import LANES_PER_BLOCK, VEC, WARP, WARPS
+from sonic.kernels.swiglu import LANES_PER_BLOCK, ROW_CHUNK, ROW_PASSES, VEC, WARP, WARPS
 from sonic.types import FP8_BLOCK
 
 
@@ -38,6 +38,7 @@ class SwigluKernel:
         self.h_fp8 = h_fp8
         self.slices = n // VEC
         self.iters = (self.slices + WARP - 1) // WARP
+        self.held = self.iters if self.iters <= ROW_PASSES else ROW_CHUNK
         if gate_up == "concat":
             # gate at column c, up at column n + c
             self.h_stride, self.h_scale = (n, 1), 1
@@ -89,38 +90,41 @@ class SwigluKernel:
                           for _ in range(self.iters)]
             dap_frags = [cute.make_rmem_tensor((VEC,), BFloat16) if self.backward else None
                          for _ in range(self.iters)]
-            # All loads of the row are issued before any store: the compiler cannot move a
-            # load above a store that may alias it, so this is what keeps them in flight.
-            for i in cutlass.range_constexpr(self.iters):
-                col = (lane + i * WARP) * VEC
-                # Only the last pass can run past the row, and only when 32·8 ∤ n.
-                frags = (loaded[i], dap_frags[i])
-                if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                    self._load(h_row, da_prime, out_row, col, h_layout, *frags)
-                elif col < self.n:
-                    self._load(h_row, da_prime, out_row, col, h_layout, *frags)
-            if cutlass.const_expr(self.h_fp8):
-                self._dequantize(h_scales, row, num_rows, lane, loaded, h_frags)
             partial = Float32(0.0)
             score = Float32(0.0)
-            if cutlass.const_expr(self.backward):
-                score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
-            if cutlass.const_expr(self.quantize and not self.backward):
-                self._finish_quantized(a, ds, dh_q, dh_scales, row, num_rows, out_row, lane,
-                                       h_layout, h_frags)
-            if cutlass.const_expr(self.quantize and self.backward):
-                partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows,
-                                                    out_row, lane, score, h_layout, h_frags,
-                                                    dap_frags)
-            for i in cutlass.range_constexpr(0 if self.quantize else self.iters):
-                col = (lane + i * WARP) * VEC
-                frags = (h_frags[i], dap_frags[i])
-                if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                    partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
-                                           *frags)
-                elif col < self.n:
-                    partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
-                                           *frags)
+            for c0 in cutlass.range_constexpr(0, self.iters, self.held):
+                passes = (c0, min(c0 + self.held, self.iters))
+                # All loads of the row's chunk are issued before any of its stores: the
+                # compiler cannot move a load above a store that may alias it, so this is
+                # what keeps them in flight (a chunk: the whole row up to ROW_PASSES).
+                for i in cutlass.range_constexpr(*passes):
+                    col = (lane + i * WARP) * VEC
+                    # Only the last pass can run past the row, and only when 32·8 ∤ n.
+                    frags = (loaded[i], dap_frags[i])
+                    if cutlass.const_expr((i + 1) * WARP <= self.slices):
+                        self._load(h_row, da_prime, out_row, col, h_layout, *frags)
+                    elif col < self.n:
+                        self._load(h_row, da_prime, out_row, col, h_layout, *frags)
+                if cutlass.const_expr(self.h_fp8):
+                    self._dequantize(h_scales, row, num_rows, lane, loaded, h_frags, passes)
+                if cutlass.const_expr(self.backward and c0 == 0):
+                    score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
+                if cutlass.const_expr(self.quantize and not self.backward):
+                    self._finish_quantized(a, ds, dh_q, dh_scales, row, num_rows, out_row,
+                                           lane, h_layout, h_frags, passes)
+                if cutlass.const_expr(self.quantize and self.backward):
+                    partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows,
+                                                        out_row, lane, score, h_layout,
+                                                        h_frags, dap_frags, partial, passes)
+                for i in cutlass.range_constexpr(*(passes if not self.quantize else (0, 0))):
+                    col = (lane + i * WARP) * VEC
+                    frags = (h_frags[i], dap_frags[i])
+                    if cutlass.const_expr((i + 1) * WARP <= self.slices):
+                        partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
+                                               *frags)
+                    elif col < self.n:
+                        partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
+                                               *frags)
             if cutlass.const_expr(self.backward):
                 for k in cutlass.range_constexpr(5):
                     partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=16 >> k)
@@ -131,13 +135,14 @@ class SwigluKernel:
     def _finish_quantized(self, q: cute.Pointer, scales: cute.Pointer, h_q: cute.Pointer,
                           h_scales: cute.Pointer, row: Int32, num_rows: Int32,
                           out_row: Int64, lane: Int32, h_layout: cute.Layout,
-                          h_frags: list):
+                          h_frags: list, passes: tuple):
         """Forward with A quantized: per 8-column slice, A rounded to bf16 (the values
         :func:`sonic.kernels.fp8_quant.quantize_rows` would read), the amax of each
         128-column block over its 16 lanes (every lane shuffles, those past ``n`` with 0),
         then ``q`` and, from the block's first lane, its scale at ``scales[block, row]``.
-        With ``quantize_h``, the loaded H as well (:meth:`_store_quantized_h`)."""
-        for i in cutlass.range_constexpr(self.iters):
+        With ``quantize_h``, the loaded H as well (:meth:`_store_quantized_h`). Over the
+        passes ``range(*passes)``."""
+        for i in cutlass.range_constexpr(*passes):
             col = (lane + i * WARP) * VEC
             vals = cute.make_rmem_tensor((VEC,), Float32)
             h_vals = cute.make_rmem_tensor((2, VEC), Float32)
@@ -166,13 +171,13 @@ class SwigluKernel:
 
     @cute.jit
     def _dequantize(self, scales: cute.Pointer, row: Int32, num_rows: Int32, lane: Int32,
-                    q_frags: list, h_frags: list):
+                    q_frags: list, h_frags: list, passes: tuple):
         """``h_frags`` = the loaded e4m3 slices times their 1×128 blocks' scales, rounded to
         bf16: bitwise :func:`sonic.kernels.fp8_quant.dequantize_rows`. After all loads
         are issued, so they stay in flight. A lane past ``n`` reads no scale (its values
-        are never stored)."""
+        are never stored). Over the passes ``range(*passes)``."""
         per_row = scales + Int64(row)
-        for i in cutlass.range_constexpr(self.iters):
+        for i in cutlass.range_constexpr(*passes):
             col = (lane + i * WARP) * VEC
             scale_g, scale_u = Float32(1.0), Float32(1.0)
             if col < self.n:
@@ -237,12 +242,13 @@ class SwigluKernel:
     def _finish_dh_quantized(self, a: cute.Pointer, dh: cute.Pointer, q: cute.Pointer,
                              scales: cute.Pointer, row: Int32, num_rows: Int32,
                              out_row: Int64, lane: Int32, score: Float32,
-                             h_layout: cute.Layout, h_frags: list, dap_frags: list):
-        """Backward with dH also in e4m3 (the dX GEMM's operand): per slice, what
-        :meth:`_finish` stores, then the bf16 dH values it stored in e4m3 per 1×128 block
-        (:meth:`_store_quantized_h`). Returns ``Σ dA'·A`` over this lane's slices."""
-        partial = Float32(0.0)
-        for i in cutlass.range_constexpr(self.iters):
+                             h_layout: cute.Layout, h_frags: list, dap_frags: list,
+                             partial: Float32, passes: tuple):
+        """Backward with dH also in e4m3 (the dX GEMM's operand): per slice of the passes
+        ``range(*passes)``, what :meth:`_finish` stores, then the bf16 dH values it stored
+        in e4m3 per 1×128 block (:meth:`_store_quantized_h`). Returns ``partial + Σ dA'·A``
+        over this lane's slices."""
+        for i in cutlass.range_constexpr(*passes):
             col = (lane + i * WARP) * VEC
             vals = cute.make_rmem_tensor((2, VEC), Float32)
             amax_g, amax_u = Float32(0.0), Float32(0.0)
