@@ -54,8 +54,8 @@ def _m(**kw):
     (dict(multicast_a=True, gather_a=False, cluster=1), "multicast_a serves"),
     (dict(multicast_a=True, gather_a=False, ab_dtype="e4m3"), "multicast_a serves"),
     (dict(multicast_a=True, tile_n=128, pingpong=True), "multicast_a serves"),  # gathered
-    (dict(n_band=-1), "n_band orders the bf16 sm_90a varlen-M tiles"),
-    (dict(n_band=2, ab_dtype="e4m3"), "n_band orders"),
+    (dict(n_band=-1), "n_band orders the sm_90a varlen-M tiles"),
+    (dict(n_band=2, varlen_k=True), "n_band orders"),
     (dict(n_band=2, arch="sm_100a", cluster=1), "n_band orders"),
 ])
 def test_config_rejects_unsupported_combinations(kw, match):
@@ -213,11 +213,33 @@ def test_gathered_tile_order_bands_where_b_is_read_per_m_tile(dim_n, dim_k, rows
         cfg = heuristic.varlen_m_config(dim_n, dim_k, True, epilogue="swiglu",
                                         gate_up="concat", rows_per_expert=rows, memory=memory)
         assert cfg.n_band == tiles.n_band
-    # Unknown rows or GPU: no bands; FP8 and varlen-K never band.
+    # Unknown rows or GPU: no bands.
     assert heuristic.plan(False, dim_n, True, dim_k).n_band == 0
     assert heuristic.plan(False, dim_n, True, dim_k, rows_per_expert=rows).n_band == 0
-    assert heuristic.plan(False, dim_n, True, dim_k, ab_dtype="e4m3", rows_per_expert=rows,
-                          memory=H100).n_band == 0
+
+
+# FP8 (one byte per element, :func:`heuristic.band_width`'s ab_bytes): Mixtral-8x7B's up-proj B
+# (117 MB of e4m3) outgrows both GPUs' L2, its dH kernel's (59 MB) only the H100's; the other
+# named shapes' experts read their B about once per wave; varlen-K never bands.
+@pytest.mark.parametrize("dim_n,dim_k,rows,band", [
+    (28672, 4096, 4096, {"H100": 16, "H200": 20}), (14336, 4096, 4096, {"H100": 16, "H200": 0}),
+    (4096, 7168, 512, None), (3072, 5120, 819, None), (2048, 4096, 2048, None),
+    (4096, 14336, 4096, None),           # Mixtral's down-proj: bands would reread A
+])
+def test_fp8_tile_order_bands_on_one_byte_operands(dim_n, dim_k, rows, band):
+    for name, memory in (("H100", H100), ("H200", H200)):
+        for gathered in (True, False):
+            tiles = heuristic.plan(False, dim_n, gathered, dim_k, ab_dtype="e4m3",
+                                   rows_per_expert=rows, memory=memory)
+            assert tiles.n_band == (band[name] if band else 0), (name, gathered)
+        cfg = heuristic.varlen_m_config(dim_n, dim_k, True, epilogue="swiglu", gate_up="concat",
+                                        ab_dtype="e4m3", rows_per_expert=rows, memory=memory)
+        assert cfg.n_band == (band[name] if band else 0)
+        assert heuristic.plan(True, dim_n, dim_m=dim_k, ab_dtype="e4m3").n_band == 0
+    # Half the bytes of bf16's bands: twice the n-groups a band holds.
+    bf16 = heuristic.band_width(28672, 4096, 256, CLUSTER, False, 4096, H100)
+    assert heuristic.band_width(28672, 4096, 256, CLUSTER, False, 4096, H100, ab_bytes=1) \
+        == 2 * bf16
 
 
 def test_band_width_counts_the_bytes_both_ways():

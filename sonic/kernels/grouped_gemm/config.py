@@ -117,7 +117,7 @@ class GroupedGemmConfig:
             ``w > 0``: N is cut into bands of ``w`` n-groups, and every m-group of every
             expert walks one band before any walks the next, so the m-tiles reading one
             band's B panels run together and share them through L2
-            (:func:`.heuristic.band_width`); bf16 sm_90a varlen-M only.
+            (:func:`.heuristic.band_width`); sm_90a varlen-M only (bf16 or e4m3).
         ab_dtype: operand type, ``"bf16"`` or ``"e4m3"`` (block-scaled FP8 on sm_90a,
             :data:`FP8_MAINLOOPS`: varlen-M with the store, SwiGLU or dSwiGLU epilogue, or
             varlen-K on K-major copies with the store epilogue).
@@ -185,9 +185,8 @@ class GroupedGemmConfig:
                              f"{CLUSTER}-CTA cluster (cooperative tiles with gathered A)")
         if self.pingpong and self.cluster > 1 and self.varlen_k:
             raise ValueError("a ping-pong kernel on a 2-CTA cluster serves varlen-M")
-        if self.n_band < 0 or (self.n_band and (self.varlen_k or self.fp8
-                                                 or self.arch != "sm_90a")):
-            raise ValueError(f"n_band orders the bf16 sm_90a varlen-M tiles: 0 or a positive "
+        if self.n_band < 0 or (self.n_band and (self.varlen_k or self.arch != "sm_90a")):
+            raise ValueError(f"n_band orders the sm_90a varlen-M tiles: 0 or a positive "
                              f"count of n-groups, got {self.n_band}")
         if self.varlen_k and self.multicast_a:
             if self.tile_m != TILE_M or self.n_tiles % self.cluster:

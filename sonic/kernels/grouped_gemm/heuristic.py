@@ -63,7 +63,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       else ``128 x 128`` (:mod:`.sm90_fp8`), on 2-CTA clusters sharing B; varlen-K only when
       M has an even number of m-tiles. The wider tile reads half the A bytes per FLOP.
       ``--fp8 --config OLMoE --config 30B`` times these kernels (the 128-wide alternative
-      with this rule changed to it).
+      with this rule changed to it). varlen-M walks N in bands as bf16 does (below), on
+      e4m3's one byte per element.
     * bf16 ``tile_n``: 256, or 128 when N is below 1024 and not a multiple of 256 (a 256-wide
       tile would be mostly masked).
     * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
@@ -98,14 +99,19 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       from DRAM once for two m-tiles instead of once per m-tile.
       ``--share both --config DeepSeek-V3`` (also GLM-4.5, Qwen3-235B; on an H200 sharing A
       stays faster).
-    * bf16 varlen-M tile order (``n_band``, :func:`band_width`): where an expert's B outgrows
+    * varlen-M tile order (``n_band``, :func:`band_width`): where an expert's B outgrows
       L2 and one wave of CTAs holds fewer of its m-tiles than it has (few experts with
       thousands of rows each: Mixtral-8x7B's up-proj and dH kernel), N is walked in bands
       whose B panels the expert's m-tiles read together. ``--config Mixtral-8x7B``.
     """
     paired = CLUSTER if (dim_m + TILE_M - 1) // TILE_M % CLUSTER == 0 else 1
     if ab_dtype == "e4m3":
-        return TilePlan(256 if dim_n % 256 == 0 else 128, False, paired if varlen_k else CLUSTER)
+        tile_n = 256 if dim_n % 256 == 0 else 128
+        if varlen_k:
+            return TilePlan(tile_n, False, paired)
+        return TilePlan(tile_n, False, CLUSTER,
+                        n_band=band_width(dim_n, dim_k, tile_n, CLUSTER, False, rows_per_expert,
+                                          memory, ab_bytes=1))
     tile_n = 256 if dim_n % 256 == 0 or dim_n >= 1024 else 128
     if arch == "sm_100a":
         return TilePlan(tile_n, False, 1)
@@ -126,9 +132,10 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
 
 
 def band_width(dim_n: int, dim_k: int, tile_n: int, cluster: int, multicast_a: bool,
-               rows_per_expert: int, memory: DeviceMemory | None) -> int:
-    """n-groups per band of a bf16 varlen-M GEMM's tile order
-    (:attr:`GroupedGemmConfig.n_band`), 0 for none.
+               rows_per_expert: int, memory: DeviceMemory | None, ab_bytes: int = 2) -> int:
+    """n-groups per band of a varlen-M GEMM's tile order
+    (:attr:`GroupedGemmConfig.n_band`) on operands of ``ab_bytes`` bytes (2: bf16, 1:
+    e4m3, whose scales the model leaves out: 1/128 of the bytes), 0 for none.
 
     A model of each expert's DRAM bytes. In the unbanded order one wave of persistent CTAs
     holds ``max(1, wave / n_groups)`` of an expert's m-groups, so where the expert's B
@@ -138,7 +145,7 @@ def band_width(dim_n: int, dim_k: int, tile_n: int, cluster: int, multicast_a: b
     where they at least halve the bytes. 0 where the rows per expert or the GPU are
     unknown.
     """
-    if memory is None or rows_per_expert <= 0 or dim_n * dim_k * 2 <= memory.l2_bytes:
+    if memory is None or rows_per_expert <= 0 or dim_n * dim_k * ab_bytes <= memory.l2_bytes:
         return 0
     n_tiles = -(-dim_n // tile_n)
     n_groups = -(-n_tiles // cluster) if multicast_a else n_tiles
@@ -146,11 +153,11 @@ def band_width(dim_n: int, dim_k: int, tile_n: int, cluster: int, multicast_a: b
     m_groups = m_tiles if multicast_a or cluster == 1 else -(-m_tiles // cluster)
     wave = max(1, memory.sms // cluster)
     b_reads = -(-m_groups // max(1, wave // n_groups))
-    panel = tile_n * dim_k * 2 * (cluster if multicast_a else 1)
+    panel = tile_n * dim_k * ab_bytes * (cluster if multicast_a else 1)
     width = max(1, memory.l2_bytes // 3 // panel)
     if width >= n_groups:
         return 0
-    a_bytes, b_bytes = rows_per_expert * dim_k * 2, dim_n * dim_k * 2
+    a_bytes, b_bytes = rows_per_expert * dim_k * ab_bytes, dim_n * dim_k * ab_bytes
     unbanded = a_bytes + b_bytes * b_reads
     banded = a_bytes * -(-n_groups // width) + b_bytes
     return width if 2 * banded <= unbanded else 0
@@ -193,7 +200,7 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
         tile_n = 128
         if n_band:
             n_band = band_width(dim_n, dim_k, tile_n, tiles.cluster, tiles.multicast_a,
-                                rows_per_expert, memory)
+                                rows_per_expert, memory, ab_bytes=1 if ab_dtype == "e4m3" else 2)
     return GroupedGemmConfig(varlen_k=False, tile_n=tile_n, pingpong=tiles.pingpong,
                              cluster=tiles.cluster, dim_m=0, dim_n=dim_n, dim_k=dim_k,
                              gather_a=gathered, b_n_major=b_n_major, epilogue=epilogue,

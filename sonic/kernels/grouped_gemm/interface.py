@@ -316,10 +316,8 @@ def _varlen_m(a, b, expert_offsets, gather_idx, out, swiglu, dswiglu=None, act_o
     cfg = heuristic.varlen_m_config(
         dim_n, dim_k, gathered, b_n_major,
         epilogue="dswiglu" if dswiglu is not None else "swiglu" if swiglu else "store",
-        gate_up=swiglu, arch=runtime.device_arch(device),
-        rows_per_expert=num_pairs // max(num_experts, 1),
-        memory=device_memory(_index(device)) if device.type == "cuda" else None,
-        activation=activation)
+        gate_up=swiglu, activation=activation,
+        **_plan_inputs(device, num_pairs, num_experts))
     ds_parts = None
     if dswiglu is not None:
         if act_out is None:
@@ -406,7 +404,7 @@ def grouped_gemm_fp8(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tenso
         gather_idx)
     out = _output("out", out, (num_pairs, dim_n), device)
     cfg = heuristic.varlen_m_config(dim_n, dim_k, gather_idx is not None, ab_dtype="e4m3",
-                                    arch=runtime.device_arch(device))
+                                    **_plan_inputs(device, num_pairs, num_experts))
     if num_pairs == 0 or a_q.shape[0] == 0:
         return out
     _launch_fp8(cfg, device, num_pairs, num_experts, a_q, a_scales, b_q, b_scales,
@@ -465,7 +463,8 @@ def grouped_gemm_fp8_swiglu(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: tor
     h = _output("h_out", h_out, (num_pairs, dim_n), device)
     act = _output("act_out", act_out, (num_pairs, dim_n // 2), device)
     cfg = heuristic.varlen_m_config(dim_n, dim_k, True, epilogue="swiglu", gate_up=gate_up,
-                                    ab_dtype="e4m3", arch=runtime.device_arch(device))
+                                    ab_dtype="e4m3",
+                                    **_plan_inputs(device, num_pairs, num_experts))
     if num_pairs == 0 or x_q.shape[0] == 0:
         return h, act
     _launch_fp8(cfg, device, num_pairs, num_experts, x_q, x_scales, w1_q, w1_scales,
@@ -528,7 +527,7 @@ def grouped_gemm_fp8_dswiglu(dout_q: torch.Tensor, dout_scales: torch.Tensor,
     dh = _output("dh_out", dh_out, (num_pairs, 2 * n), device)
     act = _output("a_out", a_out, (num_pairs, n), device)
     cfg = heuristic.varlen_m_config(n, dim_k, True, epilogue="dswiglu", ab_dtype="e4m3",
-                                    arch=runtime.device_arch(device))
+                                    **_plan_inputs(device, num_pairs, num_experts))
     ds_parts = torch.zeros(num_pairs, cfg.n_tiles, dtype=torch.float32, device=device)
     if num_pairs == 0 or dout_q.shape[0] == 0:
         return dh, act, ds_parts.sum(1)
@@ -582,6 +581,14 @@ def _check_fp8_operands(names, a_q, a_scales, b_q, b_scales, expert_offsets, gat
                              device=device)
     num_pairs = gather_idx.numel() if gather_idx is not None else a_q.shape[0]
     return device, num_experts, dim_n, dim_k, num_pairs
+
+
+def _plan_inputs(device, num_pairs: int, num_experts: int) -> dict:
+    """A varlen-M plan's device inputs (:func:`.heuristic.varlen_m_config`): arch, rows
+    per expert and the GPU's memory (None off CUDA)."""
+    return dict(arch=runtime.device_arch(device),
+                rows_per_expert=num_pairs // max(num_experts, 1),
+                memory=device_memory(_index(device)) if device.type == "cuda" else None)
 
 
 def _output(name: str, out, shape: tuple, device) -> torch.Tensor:
@@ -871,6 +878,13 @@ for _n, _gate_up in ((384, "concat"), (1024, "concat"), (1024, "interleaved")):
               lambda arch, n=_n, gu=_gate_up: heuristic.varlen_m_config(
                   n, 1536, True, epilogue="swiglu", gate_up=gu, ab_dtype="e4m3", arch=arch),
               archs=("sm_90a",), markers=_FP8_MARKERS)
+# Block-scaled FP8 up-proj in the banded tile order (Mixtral-8x7B's on an H100).
+_register("varlen_m_fp8_n28672_k4096_gather_swiglu_interleaved_banded",
+          lambda arch: heuristic.varlen_m_config(28672, 4096, True, epilogue="swiglu",
+                                                 gate_up="interleaved", ab_dtype="e4m3",
+                                                 arch=arch, rows_per_expert=_MIXTRAL_ROWS,
+                                                 memory=_H100_MEMORY),
+          archs=("sm_90a",), markers=_FP8_MARKERS)
 # Block-scaled FP8 varlen-K (the weight gradients on K-major copies): M with an even
 # m-tile count (2-CTA cluster) on 128 x 256 tiles, an odd one (one CTA) on 128 x 128 tiles
 # (N not a multiple of 256).
