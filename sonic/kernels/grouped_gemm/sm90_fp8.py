@@ -77,6 +77,8 @@ from sonic.kernels.grouped_gemm.sm90 import ColumnPair, Sm90GroupedGemm, WgmmaAc
 
 # N of one WGMMA and of a partial accumulator: one B scale block.
 SUB_N = TILE_K_FP8
+# varlen-K: column-scale pairs the promotion reads ahead of their use (promote_cols).
+COL_PAIRS_AHEAD = 2
 
 
 class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
@@ -297,13 +299,13 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         promote ``partial`` into sub-tile ``sub`` with the scales of slot ``h`` (varlen-K:
         A's row scales and the stage's column scales at ``col_scales``, read during the
         promotion, so the stage is handed back after it)."""
-        warpgroup.wait_group(pending)
         if cutlass.const_expr(col_scales is not None):
-            self.promote_cols(acc, partial, a_sc, col_scales, tCcPartial, sub)
+            self.promote_cols(acc, partial, a_sc, col_scales, tCcPartial, sub, pending)
             if cutlass.const_expr(empty_stage is not None):
                 if release:
                     self.ring.release(empty_stage, lane)
         else:
+            warpgroup.wait_group(pending)
             if cutlass.const_expr(empty_stage is not None):
                 self.ring.release(empty_stage, lane)
             segs = cute.size(b_sc) // 2
@@ -337,26 +339,44 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
 
     @cute.jit
     def promote_cols(self, acc: cute.Tensor, partial: cute.Tensor, a_sc: cute.Tensor,
-                     col_scales: cute.Pointer, tCcPartial: cute.Tensor, sub: cutlass.Constexpr):
-        """varlen-K: ``acc[sub-tile sub] += partial · (a_scale[row] · b_scale[column])`` over
-        the thread's fragment (slot 0's A scales; one fp32 multiply and one FMA each), the B
-        scales of each column pair read from the stage's copy ``col_scales`` (the sub-tile's
-        first column) as it is reached: held in registers for the whole sub-tile, 32 of them
-        beside a 256-wide tile's accumulators spilled."""
+                     col_scales: cute.Pointer, tCcPartial: cute.Tensor, sub: cutlass.Constexpr,
+                     pending: cutlass.Constexpr):
+        """varlen-K: wait until at most ``pending`` WGMMA groups remain, then
+        ``acc[sub-tile sub] += partial · (a_scale[row] · b_scale[column])`` over the thread's
+        fragment (slot 0's A scales; one fp32 multiply and one FMA each). The B scales of each
+        column pair are read from the stage's copy ``col_scales`` (the sub-tile's first
+        column) :data:`COL_PAIRS_AHEAD` pairs ahead of their use, the first ones before the
+        wait, so the shared-memory latency hides behind the WGMMAs and the promotion (held in
+        registers for the whole sub-tile, 32 of them beside a 256-wide tile's accumulators
+        spilled)."""
         view = WgmmaAccumulator(partial, tCcPartial)
-        pair = cute.make_rmem_tensor((2,), F32)
-        for sl in cutlass.range_constexpr(SUB_N // SLAB):
-            for j in cutlass.range_constexpr(SLAB // 8):
-                _, n = view.coord(ColumnPair(sl, 0, j, 0))
-                cute.autovec_copy(cute.make_tensor(col_scales + cute.assume(n, divby=2),
-                                                   cute.make_layout(2)), pair)
-                for mm in cutlass.range_constexpr(view.row_blocks):
-                    for v1 in cutlass.range_constexpr(2):
-                        p = ColumnPair(sl, mm, j, v1)
-                        for v0 in cutlass.range_constexpr(2):
-                            mode = view.mode(p, v0)
-                            # The partial's fragment is the accumulator's at MMA N repeat
-                            # ``sub``.
-                            acc_mode = (mode[0], mode[1], sub)
-                            acc[acc_mode] = (acc[acc_mode]
-                                             + partial[mode] * (a_sc[p.row] * pair[v0]))
+        groups = [(sl, j) for sl in range(SUB_N // SLAB) for j in range(SLAB // 8)]
+        ahead = min(COL_PAIRS_AHEAD, len(groups))
+        pairs = [cute.make_rmem_tensor((2,), F32) for _ in range(ahead)]
+        for i in cutlass.range_constexpr(ahead):
+            self.load_col_pair(view, col_scales, groups[i], pairs[i])
+        warpgroup.wait_group(pending)
+        for i in cutlass.range_constexpr(len(groups)):
+            sl, j = groups[i]
+            pair = pairs[i % ahead]
+            for mm in cutlass.range_constexpr(view.row_blocks):
+                for v1 in cutlass.range_constexpr(2):
+                    p = ColumnPair(sl, mm, j, v1)
+                    for v0 in cutlass.range_constexpr(2):
+                        mode = view.mode(p, v0)
+                        # The partial's fragment is the accumulator's at MMA N repeat ``sub``.
+                        acc_mode = (mode[0], mode[1], sub)
+                        acc[acc_mode] = (acc[acc_mode]
+                                         + partial[mode] * (a_sc[p.row] * pair[v0]))
+            if cutlass.const_expr(i + ahead < len(groups)):
+                self.load_col_pair(view, col_scales, groups[i + ahead], pair)
+
+    @staticmethod
+    def load_col_pair(view, col_scales: cute.Pointer, group: tuple, pair: cute.Tensor):
+        """``pair`` = the B scales of the thread's column pair in 8-column group ``group``
+        (``(slab, j)``) of the sub-tile whose first column's scale is at ``col_scales``.
+        Traced inline."""
+        sl, j = group
+        _, n = view.coord(ColumnPair(sl, 0, j, 0))
+        cute.autovec_copy(cute.make_tensor(col_scales + cute.assume(n, divby=2),
+                                           cute.make_layout(2)), pair)
