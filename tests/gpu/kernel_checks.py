@@ -23,6 +23,21 @@ def fp8_kernels(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
+def force_n_band(monkeypatch, ab_dtype: str, width: int) -> None:
+    """Make the varlen-M plans of ``ab_dtype`` operands (``"bf16"``, ``"e4m3"``) walk N in
+    bands of ``width`` n-groups, whatever ``heuristic.plan`` picks."""
+    from sonic.kernels.grouped_gemm import heuristic
+
+    original = heuristic.plan
+
+    def plan(is_varlen_k, *args, **kwargs):
+        tiles = original(is_varlen_k, *args, **kwargs)
+        if is_varlen_k or kwargs.get("ab_dtype", "bf16") != ab_dtype:
+            return tiles
+        return tiles._replace(n_band=width)
+    monkeypatch.setattr(heuristic, "plan", plan)
+
+
 def poison_allocator(nbytes: int = 256 << 20) -> None:
     """Fill free blocks of PyTorch's caching allocator with 0xFF bytes.
 

@@ -21,12 +21,15 @@ Operands are quantized by :mod:`sonic.reference.fp8` (scale = amax / 448 per blo
 all-zero block; A scales ``(K/128, M)``, B scales ``(E, N/128, K/128)``).
 """
 
+import functools
+
 import pytest
 import torch
 
 from kernel_checks import (fp8_kernels,  # noqa: F401 (fixture)
                            expert_counts as _counts, expert_offsets as _offsets,
-                           fp8_rand as _rand, poison_allocator, rel_err as _rel_err)
+                           force_n_band, fp8_rand as _rand, poison_allocator,
+                           rel_err as _rel_err)
 
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
 
@@ -94,18 +97,7 @@ def test_fp8_varlen_m(num_pairs, num_experts, dim_n, dim_k, mode, gathered):
 @pytest.fixture
 def fp8_banded(monkeypatch):
     """Make the FP8 varlen-M plans walk N in bands of ``width`` n-groups."""
-    from sonic.kernels.grouped_gemm import heuristic
-
-    def force(width):
-        original = heuristic.plan
-
-        def plan(is_varlen_k, *args, **kwargs):
-            tiles = original(is_varlen_k, *args, **kwargs)
-            if is_varlen_k or kwargs.get("ab_dtype", "bf16") != "e4m3":
-                return tiles
-            return tiles._replace(n_band=width)
-        monkeypatch.setattr(heuristic, "plan", plan)
-    return force
+    return functools.partial(force_n_band, monkeypatch, "e4m3")
 
 
 @pytest.mark.parametrize("width", [1, 3])

@@ -1,11 +1,13 @@
 """GPU grouped GEMMs (varlen-M, varlen-K, gathered or not) against per-expert fp32 matmuls."""
 
+import functools
+
 import pytest
 import torch
 
 
 from kernel_checks import (bf16_rand as _rand, dh_problem, expert_counts as _counts,
-                           expert_offsets as _offsets, poison_allocator,
+                           expert_offsets as _offsets, force_n_band, poison_allocator,
                            ref_varlen_m as _ref_varlen_m, require_kernels, up_proj_problem)
 from sonic.kernels.grouped_gemm import heuristic
 from sonic.kernels.grouped_gemm.config import CLUSTER
@@ -334,16 +336,7 @@ def test_up_proj_swiglu_epilogue(num_pairs, num_experts, n, dim_k, mode, gate_up
 @pytest.fixture
 def banded(monkeypatch):
     """Make the bf16 varlen-M plans walk N in bands of ``width`` n-groups."""
-    def force(width):
-        original = heuristic.plan
-
-        def plan(is_varlen_k, *args, **kwargs):
-            tiles = original(is_varlen_k, *args, **kwargs)
-            if is_varlen_k or kwargs.get("ab_dtype", "bf16") != "bf16":
-                return tiles
-            return tiles._replace(n_band=width)
-        monkeypatch.setattr(heuristic, "plan", plan)
-    return force
+    return functools.partial(force_n_band, monkeypatch, "bf16")
 
 
 @pytest.mark.parametrize("width", [1, 3])
