@@ -18,6 +18,13 @@ bytes) — against sonic's two passes, the SwiGLU kernel then ``fp8_quant.quanti
 "torch us" column for this row); ``dswiglu+q``: ``dswiglu_epilogue(..., quantize_dh=True)``
 (dH also in e4m3 for the dX GEMM: ``12·P·n + 8·P`` + ``2·P·n + P·n/16`` bytes) against the
 epilogue kernel then ``quantize_rows(dH)``. The difference must be 0 (bitwise equal).
+
+The FP8 activation cache (``activation_cache="fp8"``): ``swiglu+qh``, ``swiglu(h, quantize=True,
+quantize_h=True)`` (H also written in e4m3: ``+ 2·P·n + P·n/16`` bytes) against the quantizing
+SwiGLU kernel then ``quantize_rows(H)``; ``dswiglu+h8``, ``dswiglu_epilogue`` reading that e4m3 H
+with ``quantize_dh`` (H read in one byte per element, dH written in bf16 and e4m3, both
+scale tensors: ``12·P·n + 8·P + P·n/8`` bytes) against ``dequantize_rows`` then the
+quantizing epilogue.
 """
 
 import argparse
@@ -32,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, copy_bandwidth, device_name  # noqa: E402
 
 from sonic.baselines.configs import parse_config  # noqa: E402
-from sonic.kernels.fp8_quant import quantize_rows  # noqa: E402
+from sonic.kernels.fp8_quant import dequantize_rows, quantize_rows  # noqa: E402
 from sonic.kernels.swiglu import dswiglu_epilogue, swiglu  # noqa: E402
 from sonic.reference import ops as ref  # noqa: E402
 
@@ -44,6 +51,17 @@ def _dswiglu_then_quantize(da_prime, h, scores, gate_up):
     """The two passes ``dswiglu_epilogue(..., quantize_dh=True)`` replaces."""
     dh, a_scaled, ds = dswiglu_epilogue(da_prime, h, scores, gate_up)
     return (dh, a_scaled, ds, *quantize_rows(dh))
+
+
+def _swiglu_then_quantize_h(h, gate_up):
+    """The two passes ``swiglu(..., quantize=True, quantize_h=True)`` replaces."""
+    return (*swiglu(h, gate_up, quantize=True), *quantize_rows(h))
+
+
+def _dequantize_then_dswiglu(da_prime, h_q, h_scales, scores, gate_up):
+    """The two passes ``dswiglu_epilogue(..., h_scales=..., quantize_dh=True)`` replaces."""
+    return dswiglu_epilogue(da_prime, dequantize_rows(h_q, h_scales), scores, gate_up,
+                            quantize_dh=True)
 
 
 def _max_diff(outs, refs) -> float:
@@ -58,6 +76,45 @@ def shapes_of(configs):
     return [(name, t, k, n) for name, (t, _, n, _, k) in configs]
 
 
+def _time_shape(name, p, n, gate_ups, copy):
+    """Print one row per layout and kernel at ``P = p`` rows of ``n`` columns (random inputs,
+    seed 0); ``copy``: the device copy bandwidth in GB/s."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(p, 2 * n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    da_prime = torch.randn(p, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    scores = torch.rand(p, device="cuda", generator=gen) + 0.1
+    h_q, h_scales = quantize_rows(h)
+    for gate_up in gate_ups:
+        cases = (
+            ("swiglu", 6 * p * n,
+             lambda: (ref.swiglu(h, gate_up),), lambda: (swiglu(h, gate_up),)),
+            ("dswiglu", 12 * p * n + 8 * p,
+             lambda: ref.dswiglu_epilogue(da_prime, h, scores, gate_up),
+             lambda: dswiglu_epilogue(da_prime, h, scores, gate_up)),
+            ("swiglu+q", 5 * p * n + p * n // 32,
+             lambda: quantize_rows(swiglu(h, gate_up)),
+             lambda: swiglu(h, gate_up, quantize=True)),
+            ("dswiglu+q", 14 * p * n + 8 * p + p * n // 16,
+             lambda: _dswiglu_then_quantize(da_prime, h, scores, gate_up),
+             lambda: dswiglu_epilogue(da_prime, h, scores, gate_up, quantize_dh=True)),
+            ("swiglu+qh", 7 * p * n + 3 * p * n // 32,
+             lambda: _swiglu_then_quantize_h(h, gate_up),
+             lambda: swiglu(h, gate_up, quantize=True, quantize_h=True)),
+            ("dswiglu+h8", 12 * p * n + 8 * p + p * n // 8,
+             lambda: _dequantize_then_dswiglu(da_prime, h_q, h_scales, scores, gate_up),
+             lambda: dswiglu_epilogue(da_prime, h_q, scores, gate_up, h_scales=h_scales,
+                                      quantize_dh=True)),
+        )
+        for kernel, nbytes, torch_fn, kernel_fn in cases:
+            diff = _max_diff(kernel_fn(), torch_fn())
+            torch_us = bench(torch_fn)
+            kern_us = bench(kernel_fn)
+            gbs = nbytes / (kern_us * 1e-6) / 1e9
+            print(f"{name:<12} {p:>7} {n:>5} {gate_up:<11} {kernel:<10} | {torch_us:>9.1f} "
+                  f"{kern_us:>9.1f} {gbs:>6.0f} {100 * gbs / copy:>5.1f}% "
+                  f"{torch_us / kern_us:>6.2f}x {diff:>9.2e}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gate-up", nargs="+", default=list(ref.GATE_UP_LAYOUTS),
@@ -69,37 +126,10 @@ def main(argv=None):
     shapes = shapes_of(args.config)
     copy = copy_bandwidth()
     print(f"device: {device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
-    print(f"{'shape':<12} {'P':>7} {'n':>5} {'gate_up':<11} {'kernel':<8} | {'torch us':>9} "
+    print(f"{'shape':<12} {'P':>7} {'n':>5} {'gate_up':<11} {'kernel':<10} | {'torch us':>9} "
           f"{'kernel us':>9} {'GB/s':>6} {'% copy':>6} {'speedup':>7} {'max diff':>9}")
     for name, t, k, n in shapes:
-        p = t * k
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(p, 2 * n, device="cuda", generator=gen, dtype=torch.bfloat16)
-        da_prime = torch.randn(p, n, device="cuda", generator=gen, dtype=torch.bfloat16)
-        scores = torch.rand(p, device="cuda", generator=gen) + 0.1
-        for gate_up in args.gate_up:
-            cases = (
-                ("swiglu", 6 * p * n,
-                 lambda: (ref.swiglu(h, gate_up),), lambda: (swiglu(h, gate_up),)),
-                ("dswiglu", 12 * p * n + 8 * p,
-                 lambda: ref.dswiglu_epilogue(da_prime, h, scores, gate_up),
-                 lambda: dswiglu_epilogue(da_prime, h, scores, gate_up)),
-                ("swiglu+q", 5 * p * n + p * n // 32,
-                 lambda: quantize_rows(swiglu(h, gate_up)),
-                 lambda: swiglu(h, gate_up, quantize=True)),
-                ("dswiglu+q", 14 * p * n + 8 * p + p * n // 16,
-                 lambda: _dswiglu_then_quantize(da_prime, h, scores, gate_up),
-                 lambda: dswiglu_epilogue(da_prime, h, scores, gate_up, quantize_dh=True)),
-            )
-            for kernel, nbytes, torch_fn, kernel_fn in cases:
-                diff = _max_diff(kernel_fn(), torch_fn())
-                torch_us = bench(torch_fn)
-                kern_us = bench(kernel_fn)
-                gbs = nbytes / (kern_us * 1e-6) / 1e9
-                print(f"{name:<12} {p:>7} {n:>5} {gate_up:<11} {kernel:<8} | {torch_us:>9.1f} "
-                      f"{kern_us:>9.1f} {gbs:>6.0f} {100 * gbs / copy:>5.1f}% "
-                      f"{torch_us / kern_us:>6.2f}x {diff:>9.2e}")
-        del h, da_prime, scores
+        _time_shape(name, t * k, n, args.gate_up, copy)
         torch.cuda.empty_cache()
 
 
