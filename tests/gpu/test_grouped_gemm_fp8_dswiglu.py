@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kernel_checks import (fp8_kernels,  # noqa: F401 (fixture)
-                           dh_problem, expert_offsets as _offsets, fp8_rand, poison_allocator,
-                           rel_err)
+                           dh_problem, expert_offsets as _offsets, force_n_band, fp8_rand,
+                           poison_allocator, rel_err)
 
 from sonic.reference import ops as ref_ops
 from sonic.reference.fp8 import grouped_mm_fp8_reference, quantize_blocks, quantize_rows
@@ -68,6 +68,23 @@ def test_fp8_dh_dswiglu(num_pairs, num_experts, n, dim_k, mode):
     in_place = grouped_gemm_fp8_dswiglu(*args, dh_out=h, a_out=a_pre)
     assert in_place[0].data_ptr() == h.data_ptr() and in_place[1] is a_pre
     assert all(torch.equal(x, y) for x, y in zip(in_place, (dh, a_scaled, ds)))
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_fp8_dh_dswiglu_banded_is_bitwise_the_plain_one(monkeypatch, width):
+    """Banded (``n_band``, the last band narrower: n = 1280 is five 256-wide n-tiles) the
+    fused FP8 dH kernel computes every tile once with the same math: dH, A' and ds bitwise
+    the unbanded ones; half the experts empty."""
+    from sonic.kernels.grouped_gemm import grouped_gemm_fp8_dswiglu
+
+    dout, w2, offsets, idx, h, scores = _problem(3001, 16, 1280, 512, "empty")
+    dout_q, dout_s = quantize_rows(dout)
+    w2t_q, w2t_s = quantize_blocks(w2.transpose(1, 2).contiguous())
+    args = (dout_q, dout_s, w2t_q, w2t_s, offsets, idx, h, scores)
+    plain = grouped_gemm_fp8_dswiglu(*args)
+    force_n_band(monkeypatch, "e4m3", width)
+    banded = grouped_gemm_fp8_dswiglu(*args)
+    assert all(torch.equal(x, y) for x, y in zip(banded, plain))
 
 
 def test_fp8_dswiglu_empty_and_validation():

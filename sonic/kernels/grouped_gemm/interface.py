@@ -870,6 +870,13 @@ _register("varlen_m_fp8_n1024_k2048_gather_dswiglu",
           lambda arch: heuristic.varlen_m_config(1024, 2048, True, epilogue="dswiglu",
                                                  ab_dtype="e4m3", arch=arch),
           archs=("sm_90a",), markers=_FP8_MARKERS)
+# ... and in the banded tile order (Mixtral-8x7B's on an H100).
+_register("varlen_m_fp8_n14336_k4096_gather_dswiglu_banded",
+          lambda arch: heuristic.varlen_m_config(14336, 4096, True, epilogue="dswiglu",
+                                                 ab_dtype="e4m3", arch=arch,
+                                                 rows_per_expert=_MIXTRAL_ROWS,
+                                                 memory=_H100_MEMORY),
+          archs=("sm_90a",), markers=_FP8_MARKERS)
 # Block-scaled FP8 up-proj with the SwiGLU epilogue, both gate/up layouts; at N = 2n = 384
 # (n = 192) a 128-wide concat tile's up half starts in the middle of a W1 scale block, at
 # N = 1024 a 256-wide one's halves are whole blocks.
