@@ -36,16 +36,15 @@ Ops (``backend`` is ``"auto"``, ``"torch"`` or ``"cute"``, as in :func:`sonic.mo
 * FP8 (``precision="fp8"``; dataflow in :mod:`sonic.experts.moe_experts`):
   ``sonic::moe_experts_fp8(x, w1, w2, scores, meta, fp8_weights, top_k, gate_up, backend,
   activation_cache, weight_grads) -> (out, H, H_scales)`` with ``fp8_weights`` the eight
-  tensors of ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the activation cache as
-  for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
+  tensors of ``sonic.Fp8ExpertWeights`` (saved by reference, like w1 and w2) and the
+  activation cache as for ``sonic::moe_experts``; its backward runs ``sonic::quantize_rows``,
   ``sonic::dh_dswiglu_fp8``, ``sonic::grouped_mm_fp8``, ``grouped_mm_varlen_k`` (bf16 weight
   gradients; ``sonic::quantize_cols_grouped`` and ``sonic::grouped_mm_varlen_k_fp8`` where
   ``weight_grads`` is ``"fp8"``: ``sonic.backend.fp8_weight_grads_for`` at the call) and
-  ``aggregate``, and may write dH over H
-  as the bf16 one does;
-  ``sonic::quantize_blocks`` makes the weight copies. A separate op rather than
-  a ``precision`` argument of ``sonic::moe_experts``: a list of tensors cannot have a default
-  in an op schema, and the bf16 op's callers stay unchanged.
+  ``aggregate``, and may write dH over H as the bf16 one does; ``sonic::quantize_blocks``
+  makes the weight copies. A separate op rather than a ``precision`` argument of
+  ``sonic::moe_experts``: a list of tensors cannot have a default in an op schema, and the
+  bf16 op's callers stay unchanged.
 
 * ``sonic::token_rounding_select(probs, tc_scores, tc_experts, tile, rounding, capacity) ->
   (token_idx, expert_idx, source, scores, num_kept)`` — token rounding's selection kernel
