@@ -83,48 +83,39 @@ class SwigluKernel:
             out_row = r64 * self.n
             h_layout = cute.make_layout((2, VEC), stride=self.h_stride)
             frag_layout = cute.make_layout(self.frag_layout[0], stride=self.frag_layout[1])
-            h_frags = [cute.make_rmem_tensor(frag_layout, BFloat16) for _ in range(self.iters)]
+            h_frags = [cute.make_rmem_tensor(frag_layout, BFloat16) for _ in range(self.held)]
             loaded = h_frags
             if cutlass.const_expr(self.h_fp8):
                 loaded = [cute.make_rmem_tensor(frag_layout, Float8E4M3FN)
-                          for _ in range(self.iters)]
+                          for _ in range(self.held)]
             dap_frags = [cute.make_rmem_tensor((VEC,), BFloat16) if self.backward else None
-                         for _ in range(self.iters)]
+                         for _ in range(self.held)]
+            frags = (h_frags, loaded, dap_frags)
             partial = Float32(0.0)
             score = Float32(0.0)
-            for c0 in cutlass.range_constexpr(0, self.iters, self.held):
-                passes = (c0, min(c0 + self.held, self.iters))
-                # All loads of the row's chunk are issued before any of its stores: the
-                # compiler cannot move a load above a store that may alias it, so this is
-                # what keeps them in flight (a chunk: the whole row up to ROW_PASSES).
-                for i in cutlass.range_constexpr(*passes):
-                    col = (lane + i * WARP) * VEC
-                    # Only the last pass can run past the row, and only when 32·8 ∤ n.
-                    frags = (loaded[i], dap_frags[i])
-                    if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                        self._load(h_row, da_prime, out_row, col, h_layout, *frags)
-                    elif col < self.n:
-                        self._load(h_row, da_prime, out_row, col, h_layout, *frags)
-                if cutlass.const_expr(self.h_fp8):
-                    self._dequantize(h_scales, row, num_rows, lane, loaded, h_frags, passes)
-                if cutlass.const_expr(self.backward and c0 == 0):
+            if cutlass.const_expr(self.iters <= ROW_PASSES):
+                partial, score = self._chunk(h_row, da_prime, row_scores, a, dh, ds, dh_q,
+                                             dh_scales, h_scales, row, num_rows, out_row, lane,
+                                             h_layout, frags, score, partial,
+                                             (0, self.iters, True), True)
+            else:
+                # A long row: its chunks of whole passes in a loop the compiler keeps rolled
+                # (unrolled, the quantizing backward at n = 14336 compiles to 0.6 MB of
+                # machine code), then what is left in straight-line code.
+                if cutlass.const_expr(self.backward):
                     score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
-                if cutlass.const_expr(self.quantize and not self.backward):
-                    self._finish_quantized(a, ds, dh_q, dh_scales, row, num_rows, out_row,
-                                           lane, h_layout, h_frags, passes)
-                if cutlass.const_expr(self.quantize and self.backward):
-                    partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows,
-                                                        out_row, lane, score, h_layout,
-                                                        h_frags, dap_frags, partial, passes)
-                for i in cutlass.range_constexpr(*(passes if not self.quantize else (0, 0))):
-                    col = (lane + i * WARP) * VEC
-                    frags = (h_frags[i], dap_frags[i])
-                    if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                        partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
-                                               *frags)
-                    elif col < self.n:
-                        partial = self._finish(a, dh, out_row, col, score, partial, h_layout,
-                                               *frags)
+                looped = self.slices // WARP // ROW_CHUNK
+                for c in cutlass.range(looped, unroll=1):
+                    partial, score = self._chunk(h_row, da_prime, row_scores, a, dh, ds, dh_q,
+                                                 dh_scales, h_scales, row, num_rows, out_row,
+                                                 lane, h_layout, frags, score, partial,
+                                                 (c * ROW_CHUNK, ROW_CHUNK, False), False)
+                if cutlass.const_expr(looped * ROW_CHUNK < self.iters):
+                    partial, score = self._chunk(h_row, da_prime, row_scores, a, dh, ds, dh_q,
+                                                 dh_scales, h_scales, row, num_rows, out_row,
+                                                 lane, h_layout, frags, score, partial,
+                                                 (looped * ROW_CHUNK,
+                                                  self.iters - looped * ROW_CHUNK, True), False)
             if cutlass.const_expr(self.backward):
                 for k in cutlass.range_constexpr(5):
                     partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=16 >> k)
@@ -132,30 +123,79 @@ class SwigluKernel:
                     cute.make_tensor(ds, cute.make_layout(num_rows))[row] = partial
 
     @cute.jit
+    def _chunk(self, h_row: cute.Pointer, da_prime: cute.Pointer, row_scores: cute.Pointer,
+               a: cute.Pointer, dh: cute.Pointer, ds: cute.Pointer, dh_q: cute.Pointer,
+               dh_scales: cute.Pointer, h_scales: cute.Pointer, row: Int32, num_rows: Int32,
+               out_row: Int64, lane: Int32, h_layout: cute.Layout, frags: tuple, score: Float32,
+               partial: Float32, chunk: tuple, load_score: bool):
+        """Load, compute and store the passes of ``chunk`` (see :meth:`_pass`) into the
+        fragments ``frags = (h_frags, loaded, dap_frags)``; with ``load_score`` (backward)
+        the row's score after the loads. Returns ``(partial + Σ dA'·A over the chunk,
+        score)``."""
+        h_frags, loaded, dap_frags = frags
+        # All loads of the chunk are issued before any of its stores: the compiler cannot
+        # move a load above a store that may alias it, so this is what keeps them in flight.
+        for j in cutlass.range_constexpr(chunk[1]):
+            col, whole = self._pass(lane, chunk, j)
+            pair = (loaded[j], dap_frags[j])
+            if cutlass.const_expr(whole):
+                self._load(h_row, da_prime, out_row, col, h_layout, *pair)
+            elif col < self.n:
+                self._load(h_row, da_prime, out_row, col, h_layout, *pair)
+        if cutlass.const_expr(self.h_fp8):
+            self._dequantize(h_scales, row, num_rows, lane, loaded, h_frags, chunk)
+        if cutlass.const_expr(self.backward and load_score):
+            score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
+        if cutlass.const_expr(self.quantize and not self.backward):
+            self._finish_quantized(a, ds, dh_q, dh_scales, row, num_rows, out_row, lane,
+                                   h_layout, h_frags, chunk)
+        if cutlass.const_expr(self.quantize and self.backward):
+            partial = self._finish_dh_quantized(a, dh, dh_q, dh_scales, row, num_rows, out_row,
+                                                lane, score, h_layout, h_frags, dap_frags,
+                                                partial, chunk)
+        for j in cutlass.range_constexpr(chunk[1] if not self.quantize else 0):
+            col, whole = self._pass(lane, chunk, j)
+            pair = (h_frags[j], dap_frags[j])
+            if cutlass.const_expr(whole):
+                partial = self._finish(a, dh, out_row, col, score, partial, h_layout, *pair)
+            elif col < self.n:
+                partial = self._finish(a, dh, out_row, col, score, partial, h_layout, *pair)
+        return partial, score
+
+    def _pass(self, lane, chunk, j):
+        """Pass ``j`` of ``chunk = (first pass, passes, static)``: this lane's first column,
+        and whether the whole pass lies inside the row (only the row's last pass can run past
+        it, and only when 32·8 ∤ n). ``static``: ``first pass`` is a Python int; else a
+        runtime value, and every pass of the chunk is whole. Traced inline."""
+        first, _, static = chunk
+        whole = not static or (first + j + 1) * WARP <= self.slices
+        return (lane + (first + j) * WARP) * VEC, whole
+
+    @cute.jit
     def _finish_quantized(self, q: cute.Pointer, scales: cute.Pointer, h_q: cute.Pointer,
                           h_scales: cute.Pointer, row: Int32, num_rows: Int32,
                           out_row: Int64, lane: Int32, h_layout: cute.Layout,
-                          h_frags: list, passes: tuple):
+                          h_frags: list, chunk: tuple):
         """Forward with A quantized: per 8-column slice, A rounded to bf16 (the values
         :func:`sonic.kernels.fp8_quant.quantize_rows` would read), the amax of each
         128-column block over its 16 lanes (every lane shuffles, those past ``n`` with 0),
         then ``q`` and, from the block's first lane, its scale at ``scales[block, row]``.
         With ``quantize_h``, the loaded H as well (:meth:`_store_quantized_h`). Over the
-        passes ``range(*passes)``."""
-        for i in cutlass.range_constexpr(*passes):
-            col = (lane + i * WARP) * VEC
+        passes of ``chunk`` (:meth:`_pass`)."""
+        for j in cutlass.range_constexpr(chunk[1]):
+            col, whole = self._pass(lane, chunk, j)
             vals = cute.make_rmem_tensor((VEC,), Float32)
             h_vals = cute.make_rmem_tensor((2, VEC), Float32)
             amax = Float32(0.0)
             amax_g, amax_u = Float32(0.0), Float32(0.0)
-            if cutlass.const_expr((i + 1) * WARP <= self.slices):
-                amax = self._rounded_act(h_frags[i], vals)
+            if cutlass.const_expr(whole):
+                amax = self._rounded_act(h_frags[j], vals)
                 if cutlass.const_expr(self.quantize_h):
-                    amax_g, amax_u = self._pair_values(h_frags[i], h_vals)
+                    amax_g, amax_u = self._pair_values(h_frags[j], h_vals)
             elif col < self.n:
-                amax = self._rounded_act(h_frags[i], vals)
+                amax = self._rounded_act(h_frags[j], vals)
                 if cutlass.const_expr(self.quantize_h):
-                    amax_g, amax_u = self._pair_values(h_frags[i], h_vals)
+                    amax_g, amax_u = self._pair_values(h_frags[j], h_vals)
             scale = fp8.scale_of(fp8.butterfly_max(amax, LANES_PER_BLOCK))
             if col < self.n:
                 fp8.quantize_store(vals, scale, cute.make_tensor(q + (out_row + col),
@@ -166,19 +206,19 @@ class SwigluKernel:
                                      cute.make_layout(num_rows))[row] = scale
             if cutlass.const_expr(self.quantize_h):
                 self._store_quantized_h(h_q, h_scales, row, num_rows, out_row, lane, col,
-                                        h_layout, h_frags[i].layout, h_vals, amax_g,
+                                        h_layout, h_frags[j].layout, h_vals, amax_g,
                                         amax_u)
 
     @cute.jit
     def _dequantize(self, scales: cute.Pointer, row: Int32, num_rows: Int32, lane: Int32,
-                    q_frags: list, h_frags: list, passes: tuple):
+                    q_frags: list, h_frags: list, chunk: tuple):
         """``h_frags`` = the loaded e4m3 slices times their 1×128 blocks' scales, rounded to
         bf16: bitwise :func:`sonic.kernels.fp8_quant.dequantize_rows`. After all loads
         are issued, so they stay in flight. A lane past ``n`` reads no scale (its values
-        are never stored). Over the passes ``range(*passes)``."""
+        are never stored). Over the passes of ``chunk`` (:meth:`_pass`)."""
         per_row = scales + Int64(row)
-        for i in cutlass.range_constexpr(*passes):
-            col = (lane + i * WARP) * VEC
+        for j in cutlass.range_constexpr(chunk[1]):
+            col, _ = self._pass(lane, chunk, j)
             scale_g, scale_u = Float32(1.0), Float32(1.0)
             if col < self.n:
                 gate_block = Int64(col * self.h_scale // FP8_BLOCK)
@@ -190,8 +230,8 @@ class SwigluKernel:
                 scale_u = cute.make_tensor(per_row + up_block * num_rows.to(Int64),
                                            cute.make_layout(1))[0]
             for half, scale in ((0, scale_g), (1, scale_u)):
-                h_frags[i][half, None].store(
-                    (q_frags[i][half, None].load().to(Float32) * scale).to(BFloat16))
+                h_frags[j][half, None].store(
+                    (q_frags[j][half, None].load().to(Float32) * scale).to(BFloat16))
 
     def _pair_values(self, frag, vals):
         """``vals`` = a ``(2, 8)`` slice's gate and up values (H or dH) as fp32; returns
@@ -243,25 +283,25 @@ class SwigluKernel:
                              scales: cute.Pointer, row: Int32, num_rows: Int32,
                              out_row: Int64, lane: Int32, score: Float32,
                              h_layout: cute.Layout, h_frags: list, dap_frags: list,
-                             partial: Float32, passes: tuple):
+                             partial: Float32, chunk: tuple):
         """Backward with dH also in e4m3 (the dX GEMM's operand): per slice of the passes
-        ``range(*passes)``, what :meth:`_finish` stores, then the bf16 dH values it stored
+        of ``chunk`` (:meth:`_pass`), what :meth:`_finish` stores, then the bf16 dH values it stored
         in e4m3 per 1×128 block (:meth:`_store_quantized_h`). Returns ``partial + Σ dA'·A``
         over this lane's slices."""
-        for i in cutlass.range_constexpr(*passes):
-            col = (lane + i * WARP) * VEC
+        for j in cutlass.range_constexpr(chunk[1]):
+            col, whole = self._pass(lane, chunk, j)
             vals = cute.make_rmem_tensor((2, VEC), Float32)
             amax_g, amax_u = Float32(0.0), Float32(0.0)
-            if cutlass.const_expr((i + 1) * WARP <= self.slices):
+            if cutlass.const_expr(whole):
                 partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
-                                                       h_layout, h_frags[i], dap_frags[i],
+                                                       h_layout, h_frags[j], dap_frags[j],
                                                        vals)
             elif col < self.n:
                 partial, amax_g, amax_u = self._finish(a, dh, out_row, col, score, partial,
-                                                       h_layout, h_frags[i], dap_frags[i],
+                                                       h_layout, h_frags[j], dap_frags[j],
                                                        vals)
             self._store_quantized_h(q, scales, row, num_rows, out_row, lane, col, h_layout,
-                                    h_frags[i].layout, vals, amax_g, amax_u)
+                                    h_frags[j].layout, vals, amax_g, amax_u)
         return partial
 
     def _rounded_act(self, h_frag, vals):

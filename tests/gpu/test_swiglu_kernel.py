@@ -42,7 +42,7 @@ def _assert_ds_close(ds, da_prime, h, scores, gate_up, ref_ds):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
-@pytest.mark.parametrize("n", [8, 256, 520, 1024, 4232])
+@pytest.mark.parametrize("n", [8, 256, 520, 1024, 2304, 4232])
 @pytest.mark.parametrize("p", [1, 7, 1000, 4097])
 def test_swiglu_matches_reference(p, n, gate_up):
     require_kernels()
@@ -63,7 +63,7 @@ def test_swiglu_matches_reference(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
-@pytest.mark.parametrize("n", [8, 256, 520, 1024, 4232])
+@pytest.mark.parametrize("n", [8, 256, 520, 1024, 2304, 4232])
 @pytest.mark.parametrize("p", [1, 7, 1000, 4097])
 def test_dswiglu_epilogue_matches_reference(p, n, gate_up):
     require_kernels()
@@ -121,7 +121,8 @@ def test_dswiglu_epilogue_in_place_equals_out_of_place(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
-@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256), (9, 4224)])
+@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256), (5, 2304),
+                                 (9, 4224), (3, 14336)])
 def test_swiglu_quantized_is_quantize_rows_of_swiglu(p, n, gate_up):
     """A written in e4m3 with its 1x128 scales equals quantizing the bf16 A afterwards, bit
     for bit (kernel and reference quantization alike): rows six decades apart in magnitude
@@ -151,7 +152,8 @@ def test_swiglu_quantized_is_quantize_rows_of_swiglu(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
-@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256), (9, 4224)])
+@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256), (5, 2304),
+                                 (9, 4224), (3, 14336)])
 def test_swiglu_quantize_h_is_quantize_rows_of_h(p, n, gate_up):
     """With quantize_h the same pass also writes H in e4m3 with its 1x128 scales (the FP8
     activation cache): bitwise quantize_rows(h), kernel and reference alike, and A's e4m3 and
@@ -186,7 +188,8 @@ def test_swiglu_quantize_h_is_quantize_rows_of_h(p, n, gate_up):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_up", LAYOUTS)
-@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256), (9, 4224)])
+@pytest.mark.parametrize("p,n", [(1, 128), (7, 384), (1000, 1024), (4097, 256), (5, 2304),
+                                 (9, 4224), (3, 14336)])
 def test_dswiglu_quantize_dh_is_quantize_rows_of_dh(p, n, gate_up):
     """dH also written in e4m3 with its 1x128 scales (concat: a slice's gate and up values in
     two blocks; interleaved: 16 consecutive columns) equals quantizing the bf16 dH afterwards,
@@ -227,7 +230,7 @@ def test_dswiglu_quantize_dh_is_quantize_rows_of_dh(p, n, gate_up):
 @pytest.mark.parametrize("gate_up", LAYOUTS)
 @pytest.mark.parametrize("p,n,quantize_dh", [(1, 128, True), (5, 64, False), (7, 384, True),
                                               (1000, 1024, True), (4097, 256, False),
-                                              (9, 4224, True)])
+                                              (5, 2304, True), (9, 4224, True)])
 def test_dswiglu_reads_the_fp8_cache(p, n, quantize_dh, gate_up):
     """With h_scales the kernel reads H in e4m3 (the FP8 activation cache) and dequantizes it
     as it loads it: dH, A', ds (and dH_q) are bitwise those of the bf16 call on
