@@ -146,3 +146,24 @@ def test_compile_check_without_cutlass_names_the_extra():
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and 'pip install -e ".[gpu]"' in lines[0], proc.stderr
+
+
+@pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl, the 'gpu' extra) "
+                                            "is not importable")
+def test_swiglu_long_rows_compile_to_a_loop():
+    # Unrolled, a row of n = 14336 made the quantizing dSwiGLU kernel 0.6 MB of machine code and
+    # the instruction cache cost it 2.5x its time (benchmarks/RESULTS.md): the code of a long
+    # row must not grow with n.
+    code = ("import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+            "from sonic.kernels import swiglu\n"
+            "for n in (4224, 14336):\n"
+            "    for backward in (False, True):\n"
+            "        ptx = swiglu._compile(n, 'concat', backward, keep_ptx=True,\n"
+            "                              quantize=True).artifacts.PTX\n"
+            "        print(n, backward, len(ptx))\n")
+    out = _run("-c", code)
+    assert out.returncode == 0, out.stderr
+    sizes = {(int(n), b == "True"): int(size)
+             for n, b, size in (line.split() for line in out.stdout.splitlines())}
+    for backward in (False, True):
+        assert sizes[14336, backward] <= 1.1 * sizes[4224, backward], sizes
