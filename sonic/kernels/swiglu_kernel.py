@@ -90,14 +90,14 @@ class SwigluKernel:
                           for _ in range(self.held)]
             dap_frags = [cute.make_rmem_tensor((VEC,), BFloat16) if self.backward else None
                          for _ in range(self.held)]
-            frags = (h_frags, loaded, dap_frags)
+            # What every chunk of the row shares (see _chunk).
+            shared = (h_row, da_prime, row_scores, a, dh, ds, dh_q, dh_scales, h_scales, row,
+                      num_rows, out_row, lane, h_layout, (h_frags, loaded, dap_frags))
             partial = Float32(0.0)
             score = Float32(0.0)
             if cutlass.const_expr(self.iters <= ROW_PASSES):
-                partial, score = self._chunk(h_row, da_prime, row_scores, a, dh, ds, dh_q,
-                                             dh_scales, h_scales, row, num_rows, out_row, lane,
-                                             h_layout, frags, score, partial,
-                                             (0, self.iters, True), True)
+                partial, score = self._chunk(*shared, score, partial, (0, self.iters, True),
+                                             True)
             else:
                 # A long row: its chunks of whole passes in a loop the compiler keeps rolled
                 # (unrolled, the quantizing backward at n = 14336 compiles to 0.6 MB of
@@ -106,14 +106,10 @@ class SwigluKernel:
                     score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
                 looped = self.slices // WARP // ROW_CHUNK
                 for c in cutlass.range(looped, unroll=1):
-                    partial, score = self._chunk(h_row, da_prime, row_scores, a, dh, ds, dh_q,
-                                                 dh_scales, h_scales, row, num_rows, out_row,
-                                                 lane, h_layout, frags, score, partial,
+                    partial, score = self._chunk(*shared, score, partial,
                                                  (c * ROW_CHUNK, ROW_CHUNK, False), False)
                 if cutlass.const_expr(looped * ROW_CHUNK < self.iters):
-                    partial, score = self._chunk(h_row, da_prime, row_scores, a, dh, ds, dh_q,
-                                                 dh_scales, h_scales, row, num_rows, out_row,
-                                                 lane, h_layout, frags, score, partial,
+                    partial, score = self._chunk(*shared, score, partial,
                                                  (looped * ROW_CHUNK,
                                                   self.iters - looped * ROW_CHUNK, True), False)
             if cutlass.const_expr(self.backward):
