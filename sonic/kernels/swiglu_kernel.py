@@ -10,7 +10,8 @@ from cuda.bindings import driver as cuda
 
 from sonic.kernels import activation, runtime
 from sonic.kernels import fp8_quant_kernel as fp8
-from sonic.kernels.swiglu import LANES_PER_BLOCK, ROW_CHUNK, ROW_PASSES, VEC, WARP, WARPS
+from sonic.kernels.swiglu import (LANES_PER_BLOCK, ROW_CHUNK, ROW_CHUNK_FP8_CACHE, ROW_PASSES,
+                                  VEC, WARP, WARPS)
 from sonic.types import FP8_BLOCK
 
 
@@ -38,7 +39,9 @@ class SwigluKernel:
         self.h_fp8 = h_fp8
         self.slices = n // VEC
         self.iters = (self.slices + WARP - 1) // WARP
-        self.held = self.iters if self.iters <= ROW_PASSES else ROW_CHUNK
+        # Passes per chunk of a long row.
+        self.chunk = ROW_CHUNK_FP8_CACHE if quantize_h or h_fp8 else ROW_CHUNK
+        self.held = self.iters if self.iters <= ROW_PASSES else self.chunk
         if gate_up == "concat":
             # gate at column c, up at column n + c
             self.h_stride, self.h_scale = (n, 1), 1
@@ -104,14 +107,14 @@ class SwigluKernel:
                 # machine code), then what is left in straight-line code.
                 if cutlass.const_expr(self.backward):
                     score = cute.make_tensor(row_scores, cute.make_layout(num_rows))[row]
-                looped = self.slices // WARP // ROW_CHUNK
+                looped = self.slices // WARP // self.chunk
                 for c in cutlass.range(looped, unroll=1):
                     partial, score = self._chunk(*shared, score, partial,
-                                                 (c * ROW_CHUNK, ROW_CHUNK, False), False)
-                if cutlass.const_expr(looped * ROW_CHUNK < self.iters):
+                                                 (c * self.chunk, self.chunk, False), False)
+                if cutlass.const_expr(looped * self.chunk < self.iters):
                     partial, score = self._chunk(*shared, score, partial,
-                                                 (looped * ROW_CHUNK,
-                                                  self.iters - looped * ROW_CHUNK, True), False)
+                                                 (looped * self.chunk,
+                                                  self.iters - looped * self.chunk, True), False)
             if cutlass.const_expr(self.backward):
                 for k in cutlass.range_constexpr(5):
                     partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=16 >> k)

@@ -230,7 +230,8 @@ def test_dswiglu_quantize_dh_is_quantize_rows_of_dh(p, n, gate_up):
 @pytest.mark.parametrize("gate_up", LAYOUTS)
 @pytest.mark.parametrize("p,n,quantize_dh", [(1, 128, True), (5, 64, False), (7, 384, True),
                                               (1000, 1024, True), (4097, 256, False),
-                                              (5, 2304, True), (9, 4224, True)])
+                                              (5, 2304, True), (9, 4224, True),
+                                              (3, 14336, True)])
 def test_dswiglu_reads_the_fp8_cache(p, n, quantize_dh, gate_up):
     """With h_scales the kernel reads H in e4m3 (the FP8 activation cache) and dequantizes it
     as it loads it: dH, A', ds (and dH_q) are bitwise those of the bf16 call on
