@@ -153,17 +153,24 @@ def test_compile_check_without_cutlass_names_the_extra():
 def test_swiglu_long_rows_compile_to_a_loop():
     # Unrolled, a row of n = 14336 made the quantizing dSwiGLU kernel 0.6 MB of machine code and
     # the instruction cache cost it 2.5x its time (benchmarks/RESULTS.md): the code of a long
-    # row must not grow with n.
+    # row must not grow with n, in the quantizing kernels nor in the FP8 activation cache's
+    # (which take fewer passes per chunk).
+    kinds = {"quantize forward": "False, quantize=True",
+             "quantize backward": "True, quantize=True",
+             "fp8 cache forward": "False, quantize=True, quantize_h=True",
+             "fp8 cache backward": "True, quantize=True, h_fp8=True"}
     code = ("import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
             "from sonic.kernels import swiglu\n"
             "for n in (4224, 14336):\n"
-            "    for backward in (False, True):\n"
-            "        ptx = swiglu._compile(n, 'concat', backward, keep_ptx=True,\n"
-            "                              quantize=True).artifacts.PTX\n"
-            "        print(n, backward, len(ptx))\n")
+            + "".join(f"    print(n, {kind!r}, len(swiglu._compile(n, 'concat', {args}, "
+                      f"keep_ptx=True).artifacts.PTX))\n" for kind, args in kinds.items()))
     out = _run("-c", code)
     assert out.returncode == 0, out.stderr
-    sizes = {(int(n), b == "True"): int(size)
-             for n, b, size in (line.split() for line in out.stdout.splitlines())}
-    for backward in (False, True):
-        assert sizes[14336, backward] <= 1.1 * sizes[4224, backward], sizes
+    sizes = {}
+    for line in out.stdout.splitlines():
+        n, rest = line.split(" ", 1)
+        kind, size = rest.rsplit(" ", 1)
+        sizes[int(n), kind.strip("'")] = int(size)
+    assert len(sizes) == 2 * len(kinds), out.stdout
+    for kind in kinds:
+        assert sizes[14336, kind] <= 1.1 * sizes[4224, kind], sizes
