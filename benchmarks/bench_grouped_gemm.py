@@ -1,7 +1,7 @@
 """Grouped GEMMs: sonic's CuTe-DSL kernels vs ``torch._grouped_mm`` in the same run.
 
     python benchmarks/bench_grouped_gemm.py [--config NAME|T,d,n,E,K ...] [--gemm NAME ...]
-                                            [--ceiling] [--plans | --share both | --fp8]
+                                            [--ceiling] [--plans | --share both] [--fp8]
                                             [--power SECONDS] [--routing topk|balanced]
 
 At the paper's shapes (docs/design.md §5: T, d, n, E, K; ``--config`` for others, as
@@ -48,7 +48,10 @@ the six ``bmm`` rows of the same work.
 ``PLAN_CANDIDATES`` (labelled ``tile_m x tile_n``, schedule, cluster, ``A`` when the cluster
 shares A), in two alternating rounds — the same-run A/B behind ``heuristic.plan``'s choice for
 them — each candidate's relative error against torch beside its time. The candidate replaces
-``heuristic.plan``'s answer in this process only (:func:`forced_plan`).
+``heuristic.plan``'s answer in this process only (:func:`forced_plan`). ``--plans --fp8`` does
+the same for the block-scaled FP8 GEMMs ``up`` (gathered), ``down``, ``dX``, ``dW1`` and
+``dW2`` under ``FP8_PLAN_CANDIDATES`` (128 x 256 or 128 x 128 cooperative tiles, one CTA or a
+2-CTA cluster; the relative error is against torch's bf16 GEMM on the unquantized data).
 
 ``--share both`` times instead the gathered GEMMs (``up``, ``up+act``, ``dA'``, ``dA'+dH``; with
 ``--gemm``, those named) with the 2-CTA cluster sharing A (``multicast_a``), then B, in two
@@ -345,6 +348,13 @@ PLAN_CANDIDATES = {
     True: (None, T(256, False, CLUSTER), T(128, False, CLUSTER), T(128, False, 1, tile_m=256),
            T(128, False, CLUSTER, tile_m=256), T(128, True, 1)),
 }
+# With --fp8: the FP8 mainloop runs cooperative 128-row tiles only, 256 or 128 wide (128: two
+# partial accumulators where A is contiguous), on one CTA or a 2-CTA cluster sharing B.
+FP8_PLAN_CANDIDATES = {
+    varlen_k: (None, T(256, False, CLUSTER), T(256, False, 1), T(128, False, CLUSTER),
+               T(128, False, 1))
+    for varlen_k in (False, True)}
+FP8_PLAN_GEMMS = ("up", "down", "dX", "dW1", "dW2")
 
 
 def _plan_label(tiles):
@@ -356,19 +366,22 @@ def _plan_label(tiles):
 
 
 @contextlib.contextmanager
-def forced_plan(choice, varlen_k=False):
-    """Within the block, ``heuristic.plan`` answers ``choice`` for bf16 varlen-K GEMMs
-    (``varlen_k``) or contiguous-A bf16 varlen-M GEMMs (every other GEMM keeps its plan; dW1
-    is then stored transposed and dW2 not swapped unless ``choice`` has 256-row tiles, as
-    with the plan's own: ``heuristic.transpose_varlen_k``); ``None`` leaves the plan as it
-    is. A varlen-K cluster that cannot pair M's m-tiles becomes one CTA. The compiled kernels
-    are cached per configuration, so each candidate compiles once."""
+def forced_plan(choice, varlen_k=False, ab_dtype="bf16"):
+    """Within the block, ``heuristic.plan`` answers ``choice`` for the varlen-K GEMMs
+    (``varlen_k``) or the varlen-M GEMMs of operand type ``ab_dtype``: bf16 varlen-M ones only
+    with contiguous A (every other GEMM keeps its plan; a bf16 dW1 is then stored transposed
+    and dW2 not swapped unless ``choice`` has 256-row tiles, as with the plan's own:
+    ``heuristic.transpose_varlen_k``), e4m3 ones gathered or not (and without the plan's
+    bands); ``None`` leaves the plan as it is. A varlen-K cluster that cannot pair M's
+    m-tiles becomes one CTA. The compiled kernels are cached per configuration, so each
+    candidate compiles once."""
     original = heuristic.plan
+    forced_dtype = ab_dtype
 
     def plan(is_varlen_k, dim_n, gathered=False, dim_k=0, dim_m=0, arch="sm_90a",
              ab_dtype="bf16", gather_b=False, transpose_c=False, **device):
-        if (choice is not None and is_varlen_k == varlen_k and ab_dtype == "bf16"
-                and (varlen_k or not gathered)):
+        if (choice is not None and is_varlen_k == varlen_k and ab_dtype == forced_dtype
+                and (varlen_k or not gathered or ab_dtype == "e4m3")):
             if varlen_k and -(-dim_m // choice.tile_m) % choice.cluster:
                 return choice._replace(cluster=1)
             return choice
@@ -460,9 +473,11 @@ def share_rows(name, t, d, n, e, k, only, rounds=2):
     torch.cuda.empty_cache()
 
 
-def plan_rows(name, t, d, n, e, k, only, rounds=2):
+def plan_rows(name, t, d, n, e, k, only, rounds=2, fp8=False):
     """``--plans`` rows of one shape: those of ``down``, ``dX``, ``dW1`` and ``dW2`` in
-    ``only`` under every candidate plan of their mode."""
+    ``only`` under every candidate plan of their mode; with ``fp8`` those of the FP8 GEMMs
+    (``up`` as well) under :data:`FP8_PLAN_CANDIDATES`, their error against torch's bf16 GEMM
+    on the unquantized data."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
@@ -471,36 +486,72 @@ def plan_rows(name, t, d, n, e, k, only, rounds=2):
     dh = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    cases = {False: {"down": (2 * p * d * n, lambda: grouped_gemm(act, w2, offsets),
-                              torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)),
-                     "dX": (2 * p * 2 * n * d,
-                            lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
-                            torch._grouped_mm(dh, w1, offs=ends))},
-             True: {"dW1": (2 * p * 2 * n * d,
-                            lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
-                            torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends)),
-                    "dW2": (2 * p * d * n,
-                            lambda: grouped_gemm_varlen_k(do, act, offsets,
-                                                          gather_idx_a=gather_idx),
-                            torch._grouped_mm(do.index_select(0, gidx_long).t(), act,
-                                              offs=ends))}}
+    refs = {"up": lambda: torch._grouped_mm(x.index_select(0, gidx_long), w1.transpose(1, 2),
+                                            offs=ends),
+            "down": lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends),
+            "dX": lambda: torch._grouped_mm(dh, w1, offs=ends),
+            "dW1": lambda: torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends),
+            "dW2": lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends)}
+    flops = {"up": 2 * p * 2 * n * d, "down": 2 * p * d * n, "dX": 2 * p * 2 * n * d,
+             "dW1": 2 * p * 2 * n * d, "dW2": 2 * p * d * n}
+    if fp8:
+        kernels = _fp8_plan_kernels(x, w1, act, w2, dh, do, offsets, gather_idx,
+                                    only & set(FP8_PLAN_GEMMS))
+        modes, candidates_of = {False: ("up", "down", "dX"), True: ("dW1", "dW2")}, \
+            FP8_PLAN_CANDIDATES
+    else:
+        kernels = {"down": lambda: grouped_gemm(act, w2, offsets),
+                   "dX": lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
+                   "dW1": lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
+                   "dW2": lambda: grouped_gemm_varlen_k(do, act, offsets,
+                                                        gather_idx_a=gather_idx)}
+        modes, candidates_of = {False: ("down", "dX"), True: ("dW1", "dW2")}, PLAN_CANDIDATES
+    cases = {varlen_k: {gemm: (flops[gemm], kernels[gemm], refs[gemm]())
+                        for gemm in gemms if gemm in only}
+             for varlen_k, gemms in modes.items()}
     for r in range(rounds):
-        for varlen_k, candidates in PLAN_CANDIDATES.items():
-            if not only & set(cases[varlen_k]):
+        for varlen_k, candidates in candidates_of.items():
+            if not cases[varlen_k]:
                 continue
             for choice in candidates:
-                with forced_plan(choice, varlen_k):
-                    for gemm, (flops, fn, ref) in cases[varlen_k].items():
-                        if gemm not in only:
-                            continue
+                with forced_plan(choice, varlen_k, "e4m3" if fp8 else "bf16"):
+                    for gemm, (work, fn, ref) in cases[varlen_k].items():
                         err = _rel_err(fn(), ref)
                         us = bench(fn)
                         note, _ = _power(fn)
-                        print(f"{name:<6} {gemm:<5} r{r} {_plan_label(choice):<18} | "
-                              f"{us:>9.1f} us {flops / us / 1e6:>7.0f} TF  rel err {err:.1e}"
+                        label = gemm + ("/fp8" if fp8 else "")
+                        print(f"{name:<6} {label:<9} r{r} {_plan_label(choice):<18} | "
+                              f"{us:>9.1f} us {work / us / 1e6:>7.0f} TF  rel err {err:.1e}"
                               f"{note}", flush=True)
-    del w1, w2, act, dh, x, do, cases
+    del w1, w2, act, dh, x, do, cases, kernels
     torch.cuda.empty_cache()
+
+
+def _fp8_plan_kernels(x, w1, act, w2, dh, do, offsets, gather_idx, gemms):
+    """The FP8 GEMMs of ``--plans --fp8`` named in ``gemms``, each a call on e4m3 operands
+    quantized here, outside the timing, as :func:`fp8_rows` quantizes them."""
+    kernels = {}
+    if "up" in gemms:
+        x_q, x_s = quantize_rows(x)
+        w1_q, w1_s = quantize_blocks(w1)
+        kernels["up"] = lambda: grouped_gemm_fp8(x_q, x_s, w1_q, w1_s, offsets,
+                                                 gather_idx=gather_idx)
+    if "down" in gemms:
+        a_q, a_s = quantize_rows(act)
+        w2_q, w2_s = quantize_blocks(w2)
+        kernels["down"] = lambda: grouped_gemm_fp8(a_q, a_s, w2_q, w2_s, offsets)
+    if "dX" in gemms:
+        dh_q, dh_s = quantize_rows(dh)
+        w1t_q, w1t_s = quantize_blocks(w1.transpose(1, 2).contiguous())
+        kernels["dX"] = lambda: grouped_gemm_fp8(dh_q, dh_s, w1t_q, w1t_s, offsets)
+    k_offsets = padded_offsets(offsets)
+    for gemm, a, idx_a, b, idx_b in (("dW1", dh, None, x, gather_idx),
+                                     ("dW2", do, gather_idx, act, None)):
+        if gemm in gemms:
+            copies = (*quantize_cols_grouped(a, offsets, k_offsets, idx_a),
+                      *quantize_cols_grouped(b, offsets, k_offsets, idx_b))
+            kernels[gemm] = lambda copies=copies: grouped_gemm_varlen_k_fp8(*copies, k_offsets)
+    return kernels
 
 
 def _ceiling_row(shape, gemm, flops, fn):
@@ -606,9 +657,10 @@ def main(argv=None):
     mode.add_argument("--share", choices=("both",),
                         help="time the gathered GEMMs (up, up+act, dA', dA'+dH) with the "
                              "cluster sharing A, then B, instead")
-    mode.add_argument("--fp8", action="store_true",
+    parser.add_argument("--fp8", action="store_true",
                         help="time the block-scaled FP8 GEMMs (up, up+act, down, dA'+dH, dX, "
-                             "dW1, dW2) beside bf16 instead")
+                             "dW1, dW2) beside bf16 instead; with --plans, the FP8 up, down, "
+                             "dX, dW1 and dW2 under every FP8 candidate plan")
     parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                         help="also run each kernel back to back for SECONDS and print its SM "
                              "clock, board power and energy per call (needs pynvml)")
@@ -619,6 +671,12 @@ def main(argv=None):
     if args.ceiling and (args.plans or args.share):
         parser.error("--ceiling has no rows under --plans or --share: run it on its own or "
                      "with --fp8")
+    if args.fp8 and args.share:
+        parser.error("argument --fp8: not allowed with argument --share")
+    if args.fp8 and args.plans and args.gemm and not set(args.gemm) <= set(FP8_PLAN_GEMMS):
+        parser.error(f"--plans --fp8 times only the GEMMs {', '.join(FP8_PLAN_GEMMS)}; --gemm "
+                     f"{', '.join(sorted(set(args.gemm) - set(FP8_PLAN_GEMMS)))} has no FP8 "
+                     "plan row")
     if args.fp8 and args.gemm and not set(args.gemm) <= set(FP8_GEMMS):
         parser.error(f"--fp8 times only the GEMMs {', '.join(FP8_GEMMS)}; --gemm "
                      f"{', '.join(sorted(set(args.gemm) - set(FP8_GEMMS)))} has no FP8 row")
@@ -638,7 +696,7 @@ def main(argv=None):
         return
     if args.plans:
         for shape in shapes:
-            plan_rows(*shape, only)
+            plan_rows(*shape, only, fp8=args.fp8)
         return
     if args.fp8:
         for shape in shapes:

@@ -291,8 +291,10 @@ def test_grouped_gemm_refuses_options_it_would_ignore(capsys):
             bench.main(["--fp8", "--gemm", "dW1", "--gemm", gemm])
         assert f"--gemm {gemm} has no FP8 row" in capsys.readouterr().err
     # Modes that would ignore one another.
-    for argv, message in ((["--fp8", "--plans"], "not allowed with"),
+    for argv, message in ((["--plans", "--share", "both"], "not allowed with"),
                           (["--share", "both", "--fp8"], "not allowed with"),
+                          (["--plans", "--fp8", "--gemm", "up+act"],
+                           "--gemm up+act has no FP8 plan row"),
                           (["--plans", "--ceiling"], "--ceiling has no rows under --plans")):
         with pytest.raises(SystemExit):
             bench.main(argv)
@@ -329,6 +331,59 @@ def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, row
     monkeypatch.setattr(bench, "quantize_cols_grouped", lambda *args: (None, None))
     bench.fp8_rows("test", 16, 8, 4, 2, 2, ceiling=True, only=only)
     assert timed == rows
+
+
+@pytest.mark.parametrize("fp8,only,rows", [
+    (True, {"up", "dX", "dW2"}, ["up/fp8", "dX/fp8", "dW2/fp8"]),
+    (False, {"up", "down", "dW1"}, ["down", "dW1"]),
+])
+def test_grouped_gemm_plan_rows_force_every_candidate(monkeypatch, capsys, fp8, only, rows):
+    """``plan_rows`` times each picked GEMM of its mode once per candidate plan per round, with
+    ``heuristic.plan`` answering that candidate for the GEMMs of the operand type timed (FP8
+    varlen-M ones gathered or not) and the plan itself for the rest; on the CPU, with the
+    kernels and torch's GEMM stubbed out."""
+    bench = load_benchmark("bench_grouped_gemm")
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
+    monkeypatch.setattr(bench, "_routing", lambda t, e, k: (
+        torch.arange(t * k, dtype=torch.int32) % t,
+        torch.linspace(0, t * k, e + 1).to(torch.int32)))
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: torch.zeros(1), raising=False)
+    monkeypatch.setattr(bench, "bench", lambda fn: 1.0)
+    monkeypatch.setattr(bench, "_rel_err", lambda out, ref: 0.0)
+    plans = []
+    heuristic = bench.heuristic
+
+    def kernel(varlen_k, gathered):
+        def call():
+            dtype = "e4m3" if fp8 else "bf16"
+            plans.append((varlen_k, heuristic.plan(varlen_k, 256, gathered, 256, dim_m=256,
+                                                   ab_dtype=dtype)))
+        return call
+
+    def fake_kernels(*args):
+        return {"up": kernel(False, True), "down": kernel(False, False),
+                "dX": kernel(False, False), "dW1": kernel(True, False),
+                "dW2": kernel(True, False)}
+    monkeypatch.setattr(bench, "_fp8_plan_kernels", lambda *args: fake_kernels())
+    monkeypatch.setattr(bench, "grouped_gemm", lambda *a, **k: kernel(False, False)())
+    monkeypatch.setattr(bench, "grouped_gemm_varlen_k", lambda *a, **k: kernel(True, False)())
+    bench.plan_rows("test", 16, 8, 4, 2, 2, only, rounds=1, fp8=fp8)
+    printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    candidates = bench.FP8_PLAN_CANDIDATES if fp8 else bench.PLAN_CANDIDATES
+    expected = [gemm for varlen_k in (False, True) for _ in candidates[varlen_k]
+                for gemm in rows if (gemm.split("/")[0] in ("dW1", "dW2")) == varlen_k]
+    assert printed == expected
+    # Each row's one call (the error check; the timing stub calls nothing) ran under its
+    # candidate, the plan itself where the candidate is None.
+    forced = [choice for varlen_k in (False, True) for choice in candidates[varlen_k]
+              for gemm in rows if (gemm.split("/")[0] in ("dW1", "dW2")) == varlen_k]
+    assert len(plans) == len(forced)
+    for (varlen_k, got), choice in zip(plans, forced):
+        if choice is not None:
+            want = choice if not varlen_k or -(-256 // choice.tile_m) % choice.cluster == 0 \
+                else choice._replace(cluster=1)
+            assert got == want
 
 
 @pytest.mark.parametrize("argv,message", [
