@@ -497,15 +497,16 @@ def plan_rows(name, t, d, n, e, k, only, rounds=2, fp8=False):
     if fp8:
         kernels = _fp8_plan_kernels(x, w1, act, w2, dh, do, offsets, gather_idx,
                                     only & set(FP8_PLAN_GEMMS))
-        modes, candidates_of = {False: ("up", "down", "dX"), True: ("dW1", "dW2")}, \
-            FP8_PLAN_CANDIDATES
+        modes = {False: ("up", "down", "dX"), True: ("dW1", "dW2")}
+        candidates_of = FP8_PLAN_CANDIDATES
     else:
         kernels = {"down": lambda: grouped_gemm(act, w2, offsets),
                    "dX": lambda: grouped_gemm(dh, w1.transpose(1, 2), offsets),
                    "dW1": lambda: grouped_gemm_varlen_k(dh, x, offsets, gather_idx_b=gather_idx),
                    "dW2": lambda: grouped_gemm_varlen_k(do, act, offsets,
                                                         gather_idx_a=gather_idx)}
-        modes, candidates_of = {False: ("down", "dX"), True: ("dW1", "dW2")}, PLAN_CANDIDATES
+        modes = {False: ("down", "dX"), True: ("dW1", "dW2")}
+        candidates_of = PLAN_CANDIDATES
     cases = {varlen_k: {gemm: (flops[gemm], kernels[gemm], refs[gemm]())
                         for gemm in gemms if gemm in only}
              for varlen_k, gemms in modes.items()}
