@@ -18,11 +18,11 @@ across the warp by a butterfly shuffle with fixed offsets: the order is fixed, n
 row is read and written in full coalesced lines. A warp issues all loads of a row before its
 first store when the row has at most :data:`ROW_PASSES` passes of 32 slices (``n ≤ 2048``);
 longer rows go :data:`ROW_CHUNK` passes at a time (:data:`ROW_CHUNK_FP8_CACHE` in the FP8
-activation cache's kernels) in a runtime loop, so that the registers
-holding them stay bounded (a whole row of ``n = 14336`` spilled) and so does the code
-(unrolled, the quantizing kernels at ``n = 14336`` took 0.3–0.6 MB of machine code). A lane
-writes only the elements it read, so an output written over its input (``dh_out`` over H,
-``a_out`` over dA') stays exact either way.
+activation cache's kernels) in a runtime loop, so that the registers holding them stay bounded
+(a whole row of ``n = 14336`` spilled) and so does the code (unrolled, the quantizing kernels
+at ``n = 14336`` took 0.3–0.6 MB of machine code). A lane writes only the elements it read, so
+an output written over its input (``dh_out`` over H, ``a_out`` over dA') stays exact either
+way.
 """
 
 import functools

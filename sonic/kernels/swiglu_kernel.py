@@ -284,9 +284,9 @@ class SwigluKernel:
                              h_layout: cute.Layout, h_frags: list, dap_frags: list,
                              partial: Float32, chunk: tuple):
         """Backward with dH also in e4m3 (the dX GEMM's operand): per slice of the passes
-        of ``chunk`` (:meth:`_pass`), what :meth:`_finish` stores, then the bf16 dH values it stored
-        in e4m3 per 1×128 block (:meth:`_store_quantized_h`). Returns ``partial + Σ dA'·A``
-        over this lane's slices."""
+        of ``chunk`` (:meth:`_pass`), what :meth:`_finish` stores, then the bf16 dH values
+        it stored in e4m3 per 1×128 block (:meth:`_store_quantized_h`). Returns
+        ``partial + Σ dA'·A`` over this lane's slices."""
         for j in cutlass.range_constexpr(chunk[1]):
             col, whole = self._pass(lane, chunk, j)
             vals = cute.make_rmem_tensor((2, VEC), Float32)
