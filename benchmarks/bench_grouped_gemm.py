@@ -51,7 +51,9 @@ them — each candidate's relative error against torch beside its time. The cand
 ``heuristic.plan``'s answer in this process only (:func:`forced_plan`). ``--plans --fp8`` does
 the same for the block-scaled FP8 GEMMs ``up`` (gathered), ``down``, ``dX``, ``dW1`` and
 ``dW2`` under ``FP8_PLAN_CANDIDATES`` (128 x 256 or 128 x 128 cooperative tiles, one CTA or a
-2-CTA cluster; the relative error is against torch's bf16 GEMM on the unquantized data).
+2-CTA cluster; the relative error is against torch's bf16 GEMM on the unquantized data). A
+candidate the kernel's configuration rejects at a shape (a 256-wide FP8 tile where N is not a
+multiple of 256) gets a row saying so instead of a time.
 
 ``--share both`` times instead the gathered GEMMs (``up``, ``up+act``, ``dA'``, ``dA'+dH``; with
 ``--gemm``, those named) with the 2-CTA cluster sharing A (``multicast_a``), then B, in two
@@ -517,13 +519,24 @@ def plan_rows(name, t, d, n, e, k, only, rounds=2, fp8=False):
             for choice in candidates:
                 with forced_plan(choice, varlen_k, "e4m3" if fp8 else "bf16"):
                     for gemm, (work, fn, ref) in cases[varlen_k].items():
-                        err = _rel_err(fn(), ref)
+                        label = gemm + ("/fp8" if fp8 else "")
+                        head = f"{name:<6} {label:<9} r{r} {_plan_label(choice):<18} | "
+                        try:
+                            out = fn()
+                        except ValueError as exc:
+                            # A candidate the configuration rejects at this shape (an FP8
+                            # 256-wide tile where N is not a multiple of 256); the plan's
+                            # own errors propagate.
+                            if choice is None:
+                                raise
+                            print(head + f"not a valid plan here: {exc}".splitlines()[0],
+                                  flush=True)
+                            continue
+                        err = _rel_err(out, ref)
                         us = bench(fn)
                         note, _ = _power(fn)
-                        label = gemm + ("/fp8" if fp8 else "")
-                        print(f"{name:<6} {label:<9} r{r} {_plan_label(choice):<18} | "
-                              f"{us:>9.1f} us {work / us / 1e6:>7.0f} TF  rel err {err:.1e}"
-                              f"{note}", flush=True)
+                        print(head + f"{us:>9.1f} us {work / us / 1e6:>7.0f} TF  rel err "
+                              f"{err:.1e}{note}", flush=True)
     del w1, w2, act, dh, x, do, cases, kernels
     torch.cuda.empty_cache()
 

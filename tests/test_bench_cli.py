@@ -333,6 +333,21 @@ def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, row
     assert timed == rows
 
 
+def _stub_plan_rows(monkeypatch, bench, kernel):
+    """``plan_rows`` on the CPU: routing, torch's GEMM, the timing and the error stubbed;
+    every FP8 GEMM runs ``kernel()``."""
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
+    monkeypatch.setattr(bench, "_routing", lambda t, e, k: (
+        torch.arange(t * k, dtype=torch.int32) % t,
+        torch.linspace(0, t * k, e + 1).to(torch.int32)))
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: torch.zeros(1), raising=False)
+    monkeypatch.setattr(bench, "bench", lambda fn: 1.0)
+    monkeypatch.setattr(bench, "_rel_err", lambda out, ref: 0.0)
+    monkeypatch.setattr(bench, "_fp8_plan_kernels", lambda *args: {
+        gemm: kernel for gemm in bench.FP8_PLAN_GEMMS})
+
+
 @pytest.mark.parametrize("fp8,only,rows", [
     (True, {"up", "dX", "dW2"}, ["up/fp8", "dX/fp8", "dW2/fp8"]),
     (False, {"up", "down", "dW1"}, ["down", "dW1"]),
@@ -343,14 +358,6 @@ def test_grouped_gemm_plan_rows_force_every_candidate(monkeypatch, capsys, fp8, 
     varlen-M ones gathered or not) and the plan itself for the rest; on the CPU, with the
     kernels and torch's GEMM stubbed out."""
     bench = load_benchmark("bench_grouped_gemm")
-    randn = torch.randn
-    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: randn(*a, **k))
-    monkeypatch.setattr(bench, "_routing", lambda t, e, k: (
-        torch.arange(t * k, dtype=torch.int32) % t,
-        torch.linspace(0, t * k, e + 1).to(torch.int32)))
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: torch.zeros(1), raising=False)
-    monkeypatch.setattr(bench, "bench", lambda fn: 1.0)
-    monkeypatch.setattr(bench, "_rel_err", lambda out, ref: 0.0)
     plans = []
     heuristic = bench.heuristic
 
@@ -361,11 +368,10 @@ def test_grouped_gemm_plan_rows_force_every_candidate(monkeypatch, capsys, fp8, 
                                                    ab_dtype=dtype)))
         return call
 
-    def fake_kernels(*args):
-        return {"up": kernel(False, True), "down": kernel(False, False),
-                "dX": kernel(False, False), "dW1": kernel(True, False),
-                "dW2": kernel(True, False)}
-    monkeypatch.setattr(bench, "_fp8_plan_kernels", lambda *args: fake_kernels())
+    _stub_plan_rows(monkeypatch, bench, None)
+    monkeypatch.setattr(bench, "_fp8_plan_kernels", lambda *args: {
+        "up": kernel(False, True), "down": kernel(False, False), "dX": kernel(False, False),
+        "dW1": kernel(True, False), "dW2": kernel(True, False)})
     monkeypatch.setattr(bench, "grouped_gemm", lambda *a, **k: kernel(False, False)())
     monkeypatch.setattr(bench, "grouped_gemm_varlen_k", lambda *a, **k: kernel(True, False)())
     bench.plan_rows("test", 16, 8, 4, 2, 2, only, rounds=1, fp8=fp8)
@@ -384,6 +390,28 @@ def test_grouped_gemm_plan_rows_force_every_candidate(monkeypatch, capsys, fp8, 
             want = choice if not varlen_k or -(-256 // choice.tile_m) % choice.cluster == 0 \
                 else choice._replace(cluster=1)
             assert got == want
+
+
+def test_grouped_gemm_plan_rows_report_a_rejected_candidate(monkeypatch, capsys):
+    """A candidate plan the configuration rejects at the shape (``ValueError``) gets a row
+    saying so and the sweep goes on; the plan's own error is raised."""
+    bench = load_benchmark("bench_grouped_gemm")
+
+    def kernel():
+        if bench.heuristic.plan(False, 256, ab_dtype="e4m3").tile_n == 128:
+            raise ValueError("FP8 128-wide tiles rejected here\nsecond line")
+    _stub_plan_rows(monkeypatch, bench, kernel)
+    bench.plan_rows("test", 16, 8, 4, 2, 2, {"down"}, rounds=1, fp8=True)
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == len(bench.FP8_PLAN_CANDIDATES[False])
+    rejected = [row for row in rows if "not a valid plan here" in row]
+    assert len(rejected) == 2 and all(row.endswith("rejected here") for row in rejected)
+
+    def failing():
+        raise ValueError("the plan itself fails")
+    _stub_plan_rows(monkeypatch, bench, failing)
+    with pytest.raises(ValueError, match="the plan itself fails"):
+        bench.plan_rows("test", 16, 8, 4, 2, 2, {"down"}, rounds=1, fp8=True)
 
 
 @pytest.mark.parametrize("argv,message", [
