@@ -338,3 +338,21 @@ def test_wgmma_turns_follow_the_measurements():
     assert not plan(384, False, ab_dtype="e4m3").wgmma_turns    # overlapped promotion
     assert heuristic.varlen_k_config(2048, 1024, False, False, ab_dtype="e4m3").wgmma_turns
     assert not plan(2048, True).wgmma_turns
+
+
+def test_scale_prefetch_follows_the_measurements():
+    """Scales a k-tile ahead on the FP8 tiles with one partial accumulator where that was
+    measured faster (contiguous varlen-M, fused SwiGLU and dSwiGLU), not on the gathered store
+    GEMM or varlen-K (measured slower), not with overlapped promotion, never on bf16."""
+    def plan(dim_n, gathered, **kw):
+        return heuristic.varlen_m_config(dim_n, 2048, gathered, **kw)
+
+    assert plan(2048, False, ab_dtype="e4m3").scale_prefetch
+    assert plan(2048, True, epilogue="swiglu", gate_up="concat",
+                ab_dtype="e4m3").scale_prefetch
+    assert plan(1024, True, epilogue="dswiglu", ab_dtype="e4m3").scale_prefetch
+    assert not plan(2048, True, ab_dtype="e4m3").scale_prefetch
+    assert not plan(384, False, ab_dtype="e4m3").scale_prefetch    # overlapped promotion
+    assert not heuristic.varlen_k_config(2048, 1024, False, False,
+                                         ab_dtype="e4m3").scale_prefetch
+    assert not plan(2048, False).scale_prefetch

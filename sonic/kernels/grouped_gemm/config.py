@@ -441,6 +441,16 @@ class GroupedGemmConfig:
         return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
 
     @property
+    def scale_prefetch(self) -> bool:
+        """FP8 with one partial accumulator: each k-tile's scales are loaded a k-tile ahead of
+        their promotion (:mod:`.sm90_fp8`), so that their L2 round trip does not hold up the
+        WGMMA turn. Where measured faster or level: the contiguous varlen-M GEMMs (down-proj,
+        dX) and the fused SwiGLU and dSwiGLU ones; not the gathered GEMMs with the store
+        epilogue nor varlen-K, measured slower (benchmarks/RESULTS.md)."""
+        return (self.fp8 and not self.overlapped_promotion and not self.varlen_k
+                and not (self.gather_a and self.epilogue == "store"))
+
+    @property
     def tma_stored(self) -> tuple[str, ...]:
         """The outputs (:class:`~sonic.kernels.grouped_gemm.args.Operands` fields) written by
         TMA box stores (``cp.async.bulk.tensor``) instead of thread stores, on sm_90: C of

@@ -11,12 +11,16 @@ order (the reference ``grouped_mm_fp8_reference``).
 
 Scales reach the consumer warps straight from global memory (L2), not through the operand
 ring: a thread's accumulator rows are two per k-tile (cooperative tile, 64 rows per
-warpgroup), so it loads two A scales and one B scalar per sub-tile of the k-block, issued before
-the stage's WGMMAs and first used after them, hiding the L2 latency behind the MMAs. Through
-the ring the gathered rows would need one 4-byte copy per row (below TMA's 16-byte minimum,
-i.e. the LSU ``cp.async`` path the gathered operand loads left for being slow) and the
-contiguous ones a TMA box at an arbitrary 4-byte row offset; the scales are ``1/128`` of
-A's bytes and L2-resident, so the direct load costs nothing measurable against that.
+warpgroup), so it loads two A scales and one B scalar per sub-tile of the k-block. Loaded at
+their own k-tile's start, ptxas places their product before or among that k-tile's WGMMAs,
+and the L2 round trip holds up the warpgroup's WGMMA turn; where
+:attr:`~.config.GroupedGemmConfig.scale_prefetch` says so they are loaded a whole k-tile
+before their promotion instead, into the other of two register slots (the k-tiles taken in
+pairs so that each slot is a compile-time index). Through the ring the gathered rows would
+need one 4-byte copy per row (below TMA's 16-byte minimum, i.e. the LSU ``cp.async`` path
+the gathered operand loads left for being slow) and the contiguous ones a TMA box at an
+arbitrary 4-byte row offset; the scales are ``1/128`` of A's bytes and L2-resident, so the
+direct load costs nothing measurable against that.
 
 Schedule: cooperative ``128 x tile_n`` tiles on 2-CTA clusters. The WGMMA is
 ``m64n128k32`` whatever the tile width, so a partial accumulator always spans one B scale
@@ -221,29 +225,25 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 # One partial: each sub-tile's WGMMAs are waited for and promoted before the
                 # next sub-tile's are queued; the warpgroups queue theirs in turn, so the
                 # other warpgroup's WGMMAs fill the gap.
-                for kt in cutlass.range(tile_k_tiles, unroll=1):
-                    self.load_scales(a_sc, b_sc, 0, kt0 + kt, src, a_scales, b_rows, a_stride)
-                    cute.arch.mbarrier_wait(full + stage, phase)
-                    for g in cutlass.range_constexpr(subs):
-                        if cutlass.const_expr(in_turn):
-                            cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg,
-                                              number_of_threads=256)
-                        tiled_mma = self.issue(tiled_mma, parts[0], tCrA, tCrB, g, stage)
-                        if cutlass.const_expr(in_turn):
-                            cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
-                                                     number_of_threads=256)
-                        col_scales = None
-                        if cutlass.const_expr(cfg.varlen_k):
-                            col_scales = stages.col_scales + stage * cfg.tile_n + g * SUB_N
-                        # With store_in_stage the tile's last stage stays: the epilogue
-                        # stages C there and releases it.
-                        release = True
-                        if cutlass.const_expr(cfg.store_in_stage):
-                            release = kt + 1 < tile_k_tiles
-                        self.retire(acc, parts[0], a_sc, b_sc, 0, row_scale, tCcPartial, g, 0,
-                                    empty + stage if g == subs - 1 else None, lane, col_scales,
-                                    release)
-                    stage, phase = self.ring.next_stage(stage, phase)
+                scales = (a_sc, b_sc, src, a_scales, b_rows, a_stride, row_scale)
+                ring = (full, empty, stages)
+                if cutlass.const_expr(cfg.scale_prefetch):
+                    # k-tiles in pairs, so that each one's scale slot is a compile-time index.
+                    self.load_scales(a_sc, b_sc, 0, kt0, src, a_scales, b_rows, a_stride)
+                    for kp in cutlass.range(tile_k_tiles // 2, unroll=1):
+                        for h in cutlass.range_constexpr(2):
+                            tiled_mma, stage, phase = self.k_tile(
+                                tiled_mma, acc, parts[0], tCrA, tCrB, tCcPartial, scales, ring,
+                                stage, phase, 2 * kp + h, h, kt0, tile_k_tiles, wg, lane)
+                    if tile_k_tiles % 2 == 1:
+                        tiled_mma, stage, phase = self.k_tile(
+                            tiled_mma, acc, parts[0], tCrA, tCrB, tCcPartial, scales, ring,
+                            stage, phase, tile_k_tiles - 1, 0, kt0, tile_k_tiles, wg, lane)
+                else:
+                    for kt in cutlass.range(tile_k_tiles, unroll=1):
+                        tiled_mma, stage, phase = self.k_tile(
+                            tiled_mma, acc, parts[0], tCrA, tCrB, tCcPartial, scales, ring,
+                            stage, phase, kt, 0, kt0, tile_k_tiles, wg, lane)
             stage, phase = self.epilogue.visit(WgmmaAccumulator(acc, tCcC), threads,
                                                pointers.epilogue, epi_tmas, tile, stages,
                                                stage, phase)
@@ -255,12 +255,52 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                 cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
 
     @cute.jit
+    def k_tile(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, partial: cute.Tensor,
+               tCrA: cute.Tensor, tCrB: cute.Tensor, tCcPartial: cute.Tensor, scales: tuple,
+               ring: tuple, stage: Int32, phase: Int32, kt: Int32, h: cutlass.Constexpr,
+               kt0: Int32, tile_k_tiles: Int32, wg: Int32, lane: Int32):
+        """k-tile ``kt`` of a one-partial tile (see :meth:`consume`): its scales into slot
+        ``h`` or, with :attr:`~.config.GroupedGemmConfig.scale_prefetch`, the next k-tile's
+        (the last one's again at the end) into slot ``1 - h``; then for each sub-tile the
+        WGMMAs, queued in turn, and the promotion with slot ``h``'s. Returns ``(tiled_mma,
+        stage, phase)`` of the next k-tile."""
+        cfg = self.cfg
+        a_sc, b_sc, src, a_scales, b_rows, a_stride, row_scale = scales
+        full, empty, stages = ring
+        subs = cfg.tile_n // SUB_N
+        if cutlass.const_expr(cfg.scale_prefetch):
+            self.load_scales(a_sc, b_sc, 1 - h, kt0 + cutlass.min(kt + 1, tile_k_tiles - 1),
+                             src, a_scales, b_rows, a_stride)
+        else:
+            self.load_scales(a_sc, b_sc, h, kt0 + kt, src, a_scales, b_rows, a_stride)
+        cute.arch.mbarrier_wait(full + stage, phase)
+        for g in cutlass.range_constexpr(subs):
+            if cutlass.const_expr(cfg.wgmma_turns):
+                cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN + wg, number_of_threads=256)
+            tiled_mma = self.issue(tiled_mma, partial, tCrA, tCrB, g, stage)
+            if cutlass.const_expr(cfg.wgmma_turns):
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN + 1 - wg,
+                                         number_of_threads=256)
+            col_scales = None
+            if cutlass.const_expr(cfg.varlen_k):
+                col_scales = stages.col_scales + stage * cfg.tile_n + g * SUB_N
+            # With store_in_stage the tile's last stage stays: the epilogue stages C there
+            # and releases it.
+            release = True
+            if cutlass.const_expr(cfg.store_in_stage):
+                release = kt + 1 < tile_k_tiles
+            self.retire(acc, partial, a_sc, b_sc, h, row_scale, tCcPartial, g, 0,
+                        empty + stage if g == subs - 1 else None, lane, col_scales, release)
+        stage, phase = self.ring.next_stage(stage, phase)
+        return tiled_mma, stage, phase
+
+    @cute.jit
     def load_scales(self, a_sc: cute.Tensor, b_sc: cute.Tensor, h: cutlass.Constexpr,
                     kt: Int32, src: cute.Tensor, a_scales: cute.Pointer, b_rows: list,
                     rows_a: Int32):
         """Load k-tile ``kt``'s A scales (this thread's rows) and B scales (each segment) into
-        slot ``h``; first used at the promotion, after the k-tile's WGMMAs, so the L2 latency
-        hides behind the MMAs."""
+        slot ``h``; first used at the promotion, after the k-tile's WGMMAs (a k-tile later
+        with :attr:`~.config.GroupedGemmConfig.scale_prefetch`)."""
         n_rows = cute.size(src)
         for i in cutlass.range_constexpr(n_rows):
             a_sc[h * n_rows + i] = cute.make_tensor(a_scales + (Int64(kt) * rows_a + src[i]),
