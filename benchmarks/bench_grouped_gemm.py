@@ -49,11 +49,11 @@ the six ``bmm`` rows of the same work.
 shares A), in two alternating rounds — the same-run A/B behind ``heuristic.plan``'s choice for
 them — each candidate's relative error against torch beside its time. The candidate replaces
 ``heuristic.plan``'s answer in this process only (:func:`forced_plan`). ``--plans --fp8`` does
-the same for the block-scaled FP8 GEMMs ``up`` (gathered), ``down``, ``dX``, ``dW1`` and
-``dW2`` under ``FP8_PLAN_CANDIDATES`` (128 x 256 or 128 x 128 cooperative tiles, one CTA or a
-2-CTA cluster; the relative error is against torch's bf16 GEMM on the unquantized data). A
-candidate the kernel's configuration rejects at a shape (a 256-wide FP8 tile where N is not a
-multiple of 256) gets a row saying so instead of a time.
+the same for the block-scaled FP8 GEMMs ``up`` and ``dA'`` (gathered), ``down``, ``dX``,
+``dW1`` and ``dW2`` under ``FP8_PLAN_CANDIDATES`` (128 x 256 or 128 x 128 cooperative tiles,
+one CTA or a 2-CTA cluster; the relative error is against torch's bf16 GEMM on the unquantized
+data). A candidate the kernel's configuration rejects at a shape (a 256-wide FP8 tile where N
+is not a multiple of 256) gets a row saying so instead of a time.
 
 ``--share both`` times instead the gathered GEMMs (``up``, ``up+act``, ``dA'``, ``dA'+dH``; with
 ``--gemm``, those named) with the 2-CTA cluster sharing A (``multicast_a``), then B, in two
@@ -61,21 +61,23 @@ alternating rounds — the same-run A/B behind ``heuristic.b_outgrows_l2`` — e
 compared bitwise with the first choice's.
 
 ``--fp8`` times instead the block-scaled FP8 GEMMs (``grouped_gemm_fp8``, Hopper) at the OLMoE
-and 30B shapes (``--config`` for others; ``--gemm`` picks among these seven): ``up``
+and 30B shapes (``--config`` for others; ``--gemm`` picks among these eight): ``up``
 (gathered), ``up+act`` (gathered, SwiGLU epilogue: ``grouped_gemm_fp8_swiglu``, rel err on A),
-``down`` (contiguous) and ``dA'+dH`` (the dH kernel, ``grouped_gemm_fp8_dswiglu`` on a K-major
-e4m3 ``W2ᵀ``, rel err on dH) on e4m3 operands quantized once beforehand, beside sonic's bf16
-kernel and torch's bf16 ``_grouped_mm`` on the same unquantized data; ``rel err`` is the FP8
-output's against torch bf16 (the e4m3 rounding, ≈4%). Beside ``up``, ``down`` and ``dX``,
-``/torch-fp8`` times PyTorch's own FP8 grouped GEMM (``torch._scaled_grouped_mm``, rowwise
-scales) on the same work, rows gathered beforehand. Then ``dX`` (contiguous ``dH·W1`` on a
-K-major e4m3 ``W1ᵀ``) and the weight gradients ``dW1``, ``dW2`` (``grouped_gemm_varlen_k_fp8``
-on the K-major ``128 x 1``-scaled copies of ``quantize_cols_grouped``, made before the timing;
-their cost is in ``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM
-shape also runs as one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``,
-``1 x 128`` A and ``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of
-the same work reaches on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen,
-no epilogue); with ``--gemm``, only the shapes of the picked GEMMs' work.
+``down`` (contiguous), ``dA'`` (gathered ``dO`` on a K-major e4m3 ``W2ᵀ``: the dH step of the
+default ``"quantizing"`` FP8 path, before its dSwiGLU kernel) and ``dA'+dH`` (the dH kernel,
+``grouped_gemm_fp8_dswiglu``, rel err on dH) on e4m3 operands quantized once beforehand, beside
+sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the same unquantized data; ``rel err``
+is the FP8 output's against torch bf16 (the e4m3 rounding, ≈4%). Beside ``up``, ``down``,
+``dA'`` and ``dX``, ``/torch-fp8`` times PyTorch's own FP8 grouped GEMM
+(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand. Then
+``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients ``dW1``,
+``dW2`` (``grouped_gemm_varlen_k_fp8`` on the K-major ``128 x 1``-scaled copies of
+``quantize_cols_grouped``, made before the timing; their cost is in
+``benchmarks/bench_fp8_quant.py``). With ``--ceiling``, each distinct GEMM shape also runs as
+one dense cuBLAS GEMM with the recipe's own scaling (``torch._scaled_mm``, ``1 x 128`` A and
+``128 x 128`` B scales, ``P`` rows): what a dense block-scaled FP8 GEMM of the same work
+reaches on this GPU, a reference for the FP8 grouped GEMMs (no gather, no varlen, no epilogue);
+with ``--gemm``, only the shapes of the picked GEMMs' work.
 
 ``--power SECONDS`` also runs each kernel (each ``--ceiling`` row and ``--plans`` candidate
 too) back to back for that long and prints, beside its time, the median SM clock (MHz), the
@@ -194,15 +196,15 @@ STEP_GEMMS = {"up+act": "up", "down": "down", "dA'+dH": "dA'", "dX": "dX", "dW1"
               "dW2": "dW2"}
 FP8_SHAPES = ("OLMoE", "30B")
 # The GEMMs --fp8 times, and the dense ceiling shape (``--ceiling``) each one's work has.
-FP8_GEMMS = {"up": "up", "up+act": "up", "down": "down", "dA'+dH": "dA'", "dX": "dX",
-             "dW1": "up", "dW2": "dA'"}
+FP8_GEMMS = {"up": "up", "up+act": "up", "down": "down", "dA'": "dA'", "dA'+dH": "dA'",
+             "dX": "dX", "dW1": "up", "dW2": "dA'"}
 
 
 def fp8_rows(name, t, d, n, e, k, ceiling=False, only=tuple(FP8_GEMMS)):
-    """FP8 ``up``, ``up+act`` (SwiGLU epilogue, "concat"), ``down``, ``dA'+dH`` (dSwiGLU
-    epilogue), ``dX``, ``dW1`` and ``dW2`` beside sonic bf16 and torch bf16 at one shape (those
-    of them in ``only``); with ``ceiling``, the dense block-scaled cuBLAS GEMM of each
-    distinct shape of their work."""
+    """FP8 ``up``, ``up+act`` (SwiGLU epilogue, "concat"), ``down``, ``dA'``, ``dA'+dH``
+    (dSwiGLU epilogue), ``dX``, ``dW1`` and ``dW2`` beside sonic bf16 and torch bf16 at one
+    shape (those of them in ``only``); with ``ceiling``, the dense block-scaled cuBLAS GEMM of
+    each distinct shape of their work."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -241,19 +243,34 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False, only=tuple(FP8_GEMMS)):
         del a_q, a_s, b_q, b_s
     do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(p, 2 * n, device="cuda", dtype=torch.bfloat16)
-    if "dA'+dH" in only:
-        # The dH kernel: bf16 reads W2 N-major, FP8 a K-major e4m3 copy of W2ᵀ.
-        scores = torch.rand(p, device="cuda")
+    if "dA'" in only or "dA'+dH" in only:
+        # bf16 reads W2 N-major, FP8 a K-major e4m3 copy of W2ᵀ.
         do_q, do_s = quantize_rows(do)
         w2t_q, w2t_s = quantize_blocks(w2.transpose(1, 2).contiguous())
-        torch_dh = lambda: torch_dswiglu_epilogue(torch._grouped_mm(  # noqa: E731
-            do.index_select(0, gidx_long), w2, offs=ends), h, scores, "concat")[0]
+        torch_da = lambda: torch._grouped_mm(  # noqa: E731
+            do.index_select(0, gidx_long), w2, offs=ends)
+    if "dA'" in only:
+        # The default FP8 path's dA' GEMM (the dSwiGLU kernel follows it).
+        _row(name, "dA'", 2 * p * d * n,
+             lambda: grouped_gemm(do, w2.transpose(1, 2), offsets, gather_idx=gather_idx),
+             torch_da)
+        _row(name, "dA'/fp8", 2 * p * d * n,
+             lambda: grouped_gemm_fp8(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx=gather_idx),
+             torch_da)
+        _torch_fp8_row(name, "dA'", 2 * p * d * n, do.index_select(0, gidx_long),
+                       w2.transpose(1, 2), ends)
+    if "dA'+dH" in only:
+        # The dH kernel: dA' with the dSwiGLU epilogue.
+        scores = torch.rand(p, device="cuda")
+        torch_dh = lambda: torch_dswiglu_epilogue(torch_da(), h, scores, "concat")[0]  # noqa: E731
         _row(name, "dA'+dH", 2 * p * d * n,
              lambda: grouped_gemm_dswiglu(do, w2, offsets, gather_idx, h, scores)[0], torch_dh)
         _row(name, "dA'+dH/fp8", 2 * p * d * n,
              lambda: grouped_gemm_fp8_dswiglu(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx, h,
                                               scores)[0], torch_dh)
-        del w2t_q, w2t_s, do_q, do_s, scores
+        del scores
+    if "dA'" in only or "dA'+dH" in only:
+        del w2t_q, w2t_s, do_q, do_s
     if "dX" in only:
         # dX on W1ᵀ's K-major copy (the layer's fp8_weights[4:6]); h stands in for dH.
         dh_q, dh_s = quantize_rows(h)
@@ -356,7 +373,7 @@ FP8_PLAN_CANDIDATES = {
     varlen_k: (None, T(256, False, CLUSTER), T(256, False, 1), T(128, False, CLUSTER),
                T(128, False, 1))
     for varlen_k in (False, True)}
-FP8_PLAN_GEMMS = ("up", "down", "dX", "dW1", "dW2")
+FP8_PLAN_GEMMS = ("up", "dA'", "down", "dX", "dW1", "dW2")
 
 
 def _plan_label(tiles):
@@ -478,8 +495,8 @@ def share_rows(name, t, d, n, e, k, only, rounds=2):
 def plan_rows(name, t, d, n, e, k, only, rounds=2, fp8=False):
     """``--plans`` rows of one shape: those of ``down``, ``dX``, ``dW1`` and ``dW2`` in
     ``only`` under every candidate plan of their mode; with ``fp8`` those of the FP8 GEMMs
-    (``up`` as well) under :data:`FP8_PLAN_CANDIDATES`, their error against torch's bf16 GEMM
-    on the unquantized data."""
+    (the gathered ``up`` and ``dA'`` as well) under :data:`FP8_PLAN_CANDIDATES`, their error
+    against torch's bf16 GEMM on the unquantized data."""
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
@@ -490,16 +507,18 @@ def plan_rows(name, t, d, n, e, k, only, rounds=2, fp8=False):
     do = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     refs = {"up": lambda: torch._grouped_mm(x.index_select(0, gidx_long), w1.transpose(1, 2),
                                             offs=ends),
+            "dA'": lambda: torch._grouped_mm(do.index_select(0, gidx_long), w2, offs=ends),
             "down": lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends),
             "dX": lambda: torch._grouped_mm(dh, w1, offs=ends),
             "dW1": lambda: torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends),
             "dW2": lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends)}
-    flops = {"up": 2 * p * 2 * n * d, "down": 2 * p * d * n, "dX": 2 * p * 2 * n * d,
+    flops = {"up": 2 * p * 2 * n * d, "dA'": 2 * p * d * n, "down": 2 * p * d * n,
+             "dX": 2 * p * 2 * n * d,
              "dW1": 2 * p * 2 * n * d, "dW2": 2 * p * d * n}
     if fp8:
         kernels = _fp8_plan_kernels(x, w1, act, w2, dh, do, offsets, gather_idx,
                                     only & set(FP8_PLAN_GEMMS))
-        modes = {False: ("up", "down", "dX"), True: ("dW1", "dW2")}
+        modes = {False: ("up", "dA'", "down", "dX"), True: ("dW1", "dW2")}
         candidates_of = FP8_PLAN_CANDIDATES
     else:
         kernels = {"down": lambda: grouped_gemm(act, w2, offsets),
@@ -550,6 +569,11 @@ def _fp8_plan_kernels(x, w1, act, w2, dh, do, offsets, gather_idx, gemms):
         w1_q, w1_s = quantize_blocks(w1)
         kernels["up"] = lambda: grouped_gemm_fp8(x_q, x_s, w1_q, w1_s, offsets,
                                                  gather_idx=gather_idx)
+    if "dA'" in gemms:
+        do_q, do_s = quantize_rows(do)
+        w2t_q, w2t_s = quantize_blocks(w2.transpose(1, 2).contiguous())
+        kernels["dA'"] = lambda: grouped_gemm_fp8(do_q, do_s, w2t_q, w2t_s, offsets,
+                                                  gather_idx=gather_idx)
     if "down" in gemms:
         a_q, a_s = quantize_rows(act)
         w2_q, w2_s = quantize_blocks(w2)
@@ -672,9 +696,9 @@ def main(argv=None):
                         help="time the gathered GEMMs (up, up+act, dA', dA'+dH) with the "
                              "cluster sharing A, then B, instead")
     parser.add_argument("--fp8", action="store_true",
-                        help="time the block-scaled FP8 GEMMs (up, up+act, down, dA'+dH, dX, "
-                             "dW1, dW2) beside bf16 instead; with --plans, the FP8 up, down, "
-                             "dX, dW1 and dW2 under every FP8 candidate plan")
+                        help="time the block-scaled FP8 GEMMs (up, up+act, down, dA', dA'+dH, "
+                             "dX, dW1, dW2) beside bf16 instead; with --plans, the FP8 up, dA', "
+                             "down, dX, dW1 and dW2 under every FP8 candidate plan")
     parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                         help="also run each kernel back to back for SECONDS and print its SM "
                              "clock, board power and energy per call (needs pynvml)")

@@ -283,10 +283,10 @@ def test_grouped_gemm_routing_sorts_every_slot_by_expert(monkeypatch, routing):
 
 def test_grouped_gemm_refuses_options_it_would_ignore(capsys):
     """``bench_grouped_gemm.py --fp8 --gemm`` filters the FP8 rows; a GEMM with no FP8 row
-    (the unfused ``up+act*``, ``dA'`` alone) is refused by name rather than timing nothing,
+    (the unfused ``up+act*`` and ``dA'+dH*``) is refused by name rather than timing nothing,
     and so are two modes at once and ``--ceiling`` where it has no rows."""
     bench = load_benchmark("bench_grouped_gemm")
-    for gemm in ("dA'", "up+act*"):
+    for gemm in ("dA'+dH*", "up+act*"):
         with pytest.raises(SystemExit):
             bench.main(["--fp8", "--gemm", "dW1", "--gemm", gemm])
         assert f"--gemm {gemm} has no FP8 row" in capsys.readouterr().err
@@ -309,6 +309,9 @@ def test_grouped_gemm_refuses_options_it_would_ignore(capsys):
     (("down",), ["down", "down/fp8", "down/torch-fp8", "ceiling down"]),
     (("dA'+dH", "dX"), ["dA'+dH", "dA'+dH/fp8", "dX", "dX/fp8", "dX/torch-fp8", "ceiling dA'",
                         "ceiling dX"]),
+    (("dA'",), ["dA'", "dA'/fp8", "dA'/torch-fp8", "ceiling dA'"]),
+    (("dA'", "dA'+dH"), ["dA'", "dA'/fp8", "dA'/torch-fp8", "dA'+dH", "dA'+dH/fp8",
+                         "ceiling dA'"]),
 ])
 def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, rows):
     """``fp8_rows`` with ``only``: the rows (and dense ceiling shapes) of those GEMMs alone,
@@ -350,6 +353,7 @@ def _stub_plan_rows(monkeypatch, bench, kernel):
 
 @pytest.mark.parametrize("fp8,only,rows", [
     (True, {"up", "dX", "dW2"}, ["up/fp8", "dX/fp8", "dW2/fp8"]),
+    (True, {"dA'", "down"}, ["dA'/fp8", "down/fp8"]),
     (False, {"up", "down", "dW1"}, ["down", "dW1"]),
 ])
 def test_grouped_gemm_plan_rows_force_every_candidate(monkeypatch, capsys, fp8, only, rows):
@@ -370,7 +374,8 @@ def test_grouped_gemm_plan_rows_force_every_candidate(monkeypatch, capsys, fp8, 
 
     _stub_plan_rows(monkeypatch, bench, None)
     monkeypatch.setattr(bench, "_fp8_plan_kernels", lambda *args: {
-        "up": kernel(False, True), "down": kernel(False, False), "dX": kernel(False, False),
+        "up": kernel(False, True), "dA'": kernel(False, True), "down": kernel(False, False),
+        "dX": kernel(False, False),
         "dW1": kernel(True, False), "dW2": kernel(True, False)})
     monkeypatch.setattr(bench, "grouped_gemm", lambda *a, **k: kernel(False, False)())
     monkeypatch.setattr(bench, "grouped_gemm_varlen_k", lambda *a, **k: kernel(True, False)())
