@@ -38,6 +38,7 @@ def _problem(num_pairs, num_experts, n, dim_k, mode):
     (3001, 16, 256, 1536, "empty"),       # half the experts empty
     (2000, 4, 1024, 512, "one"),          # one expert takes every row
     (4097, 128, 384, 256, "ragged"),      # odd n-tile count
+    (2500, 8, 256, 384, "ragged"),        # three k-tiles: a pair, then the odd one
     (6000, 64, 768, 2048, "ragged"),      # 30B-A3B widths (d = 2048, n = 768)
 ])
 def test_fp8_dh_dswiglu(num_pairs, num_experts, n, dim_k, mode):

@@ -76,6 +76,7 @@ def _check_h_and_a(h, a, ref_h, gate_up):
     (3001, 16, 256, 1536, "empty"),       # half the experts empty
     (2000, 4, 1024, 512, "one"),          # one expert takes every row
     (4097, 128, 192, 256, "ragged"),      # n = 192: concat up halves start mid scale block
+    (2500, 8, 256, 384, "ragged"),        # three k-tiles: a pair, then the odd one
     (6000, 64, 768, 2048, "ragged"),      # 30B-A3B widths (d = 2048, n = 768)
 ])
 def test_fp8_up_proj_swiglu(num_pairs, num_experts, n, dim_k, mode, gate_up):
