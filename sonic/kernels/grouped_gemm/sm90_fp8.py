@@ -170,8 +170,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         phase = Int32(0)
         prev = Int32(0)
         t = first
-        in_turn = cfg.wgmma_turns
-        if cutlass.const_expr(in_turn):
+        if cutlass.const_expr(cfg.wgmma_turns):
             # Warpgroup 0 queues first.
             if wg == 1:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
@@ -249,7 +248,7 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                                                stage, phase)
             t += step
         self.epilogue.finish()
-        if cutlass.const_expr(in_turn):
+        if cutlass.const_expr(cfg.wgmma_turns):
             # Warpgroup 1's arrival after its last WGMMAs.
             if wg == 0:
                 cute.arch.barrier(barrier_id=NamedBarrier.MMA_TURN, number_of_threads=256)
