@@ -325,8 +325,9 @@ def test_quantize_cols_strips_cover_the_columns():
 
 def test_wgmma_turns_follow_the_measurements():
     """The warpgroups queue their WGMMAs in turn on FP8 tiles with one partial accumulator
-    (measured faster or level), not with the fused SwiGLU epilogue (measured slower), not
-    where two partials already overlap the promotion, never on bf16."""
+    (measured faster or level), not with the fused SwiGLU epilogue nor on gathered 128-wide
+    tiles (measured slower), not where two partials already overlap the promotion, never on
+    bf16."""
     def plan(dim_n, gathered, **kw):
         return heuristic.varlen_m_config(dim_n, 2048, gathered, **kw)
 
@@ -336,6 +337,8 @@ def test_wgmma_turns_follow_the_measurements():
     assert not plan(2048, True, epilogue="swiglu", gate_up="concat",
                     ab_dtype="e4m3").wgmma_turns
     assert not plan(384, False, ab_dtype="e4m3").wgmma_turns    # overlapped promotion
+    assert not plan(1408, True, ab_dtype="e4m3").wgmma_turns     # gathered, 128-wide
+    assert not plan(1408, True, epilogue="dswiglu", ab_dtype="e4m3").wgmma_turns
     assert heuristic.varlen_k_config(2048, 1024, False, False, ab_dtype="e4m3").wgmma_turns
     assert not plan(2048, True).wgmma_turns
 

@@ -436,9 +436,10 @@ class GroupedGemmConfig:
         """FP8 with one partial accumulator: the two consumer warpgroups queue their WGMMAs in
         turn (named barriers), so one warpgroup's promotion runs while the tensor cores
         work through the other's WGMMAs instead of both waiting at once. Faster or level for
-        every FP8 GEMM but the fused SwiGLU up-proj, which it slows, so not there
-        (benchmarks/RESULTS.md)."""
-        return self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
+        every FP8 GEMM but the fused SwiGLU up-proj, which it slows, and the gathered GEMMs on
+        128-wide tiles, which it makes 3x slower, so not there (benchmarks/RESULTS.md)."""
+        return (self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
+                and not (self.gather_a and self.tile_n == 128))
 
     @property
     def scale_prefetch(self) -> bool:

@@ -33,7 +33,8 @@ With one partial accumulator the two warpgroups queue their WGMMAs in turn (two 
 barriers, :attr:`~.config.GroupedGemmConfig.wgmma_turns`): left free, both queue theirs at
 once, the tensor cores interleave them, both wait and both promote while the tensor cores
 idle; in turn, one warpgroup promotes while the tensor cores run the other's (the gathered
-GEMMs faster, results bitwise the same).
+GEMMs faster, results bitwise the same). Not on gathered ``128 x 128`` tiles: there the
+turns made the GEMM about 3x slower, and the warpgroups queue at once.
 ``128 x 128`` tiles (N not a multiple of 256) with contiguous A
 (:attr:`GroupedGemmConfig.overlapped_promotion`) alternate two partial accumulators over
 the k-tiles: the WGMMAs of k-tile ``kt`` are queued into one before the thread waits for
