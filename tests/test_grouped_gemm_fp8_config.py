@@ -123,6 +123,7 @@ def test_fp8_variants_registered_for_sm90_only():
 
     fp8 = [v for v in registry.variants() if v.kernel == "grouped_gemm" and "fp8" in v.variant]
     assert {v.variant for v in fp8} == {"varlen_m_fp8_n512_k1536_gather",
+                                         "varlen_m_fp8_n1408_k2048_gather",
                                          "varlen_m_fp8_n1536_k256_contig",
                                          "varlen_m_fp8_n384_k256_contig",
                                          "varlen_m_fp8_n384_k1536_gather_swiglu_concat",
@@ -130,6 +131,7 @@ def test_fp8_variants_registered_for_sm90_only():
                                          "varlen_m_fp8_n1024_k1536_gather_swiglu_interleaved",
                                          "varlen_m_fp8_n28672_k4096_gather_swiglu_interleaved_banded",
                                          "varlen_m_fp8_n1024_k2048_gather_dswiglu",
+                                         "varlen_m_fp8_n1408_k2048_gather_dswiglu",
                                          "varlen_m_fp8_n14336_k4096_gather_dswiglu_banded",
                                          "varlen_k_fp8_m1536_n2048", "varlen_k_fp8_m384_n384"}
     for v in fp8:

@@ -860,16 +860,20 @@ _register("varlen_k_m4096_n7168_gather_b_pingpong",
                                          gather_b=True, arch=arch),
           archs=("sm_90a",))
 # Block-scaled FP8: the gathered up-proj and the contiguous down-proj / dX̃ on
-# 256-wide tiles, and the contiguous one on 128-wide tiles (N = 384: overlapped promotion).
-for _n, _k, _gather in ((512, 1536, True), (1536, 256, False), (384, 256, False)):
+# 256-wide tiles, the contiguous one on 128-wide tiles (N = 384: overlapped promotion) and the
+# gathered one on 128-wide tiles (N = 1408: no WGMMA turns).
+for _n, _k, _gather in ((512, 1536, True), (1536, 256, False), (384, 256, False),
+                        (1408, 2048, True)):
     _register(f"varlen_m_fp8_n{_n}_k{_k}_{'gather' if _gather else 'contig'}",
               lambda arch, n=_n, k=_k, g=_gather: heuristic.varlen_m_config(
                   n, k, g, ab_dtype="e4m3", arch=arch), archs=("sm_90a",), markers=_FP8_MARKERS)
-# Block-scaled FP8 dH kernel (dA' with the dSwiGLU epilogue, K-major W2ᵀ copy).
-_register("varlen_m_fp8_n1024_k2048_gather_dswiglu",
-          lambda arch: heuristic.varlen_m_config(1024, 2048, True, epilogue="dswiglu",
-                                                 ab_dtype="e4m3", arch=arch),
-          archs=("sm_90a",), markers=_FP8_MARKERS)
+# Block-scaled FP8 dH kernel (dA' with the dSwiGLU epilogue, K-major W2ᵀ copy), on 256-wide
+# and (n = 1408) 128-wide tiles.
+for _n in (1024, 1408):
+    _register(f"varlen_m_fp8_n{_n}_k2048_gather_dswiglu",
+              lambda arch, n=_n: heuristic.varlen_m_config(n, 2048, True, epilogue="dswiglu",
+                                                           ab_dtype="e4m3", arch=arch),
+              archs=("sm_90a",), markers=_FP8_MARKERS)
 # ... and in the banded tile order (Mixtral-8x7B's on an H100).
 _register("varlen_m_fp8_n14336_k4096_gather_dswiglu_banded",
           lambda arch: heuristic.varlen_m_config(14336, 4096, True, epilogue="dswiglu",
