@@ -69,7 +69,9 @@ default ``"quantizing"`` FP8 path, before its dSwiGLU kernel) and ``dA'+dH`` (th
 sonic's bf16 kernel and torch's bf16 ``_grouped_mm`` on the same unquantized data; ``rel err``
 is the FP8 output's against torch bf16 (the e4m3 rounding, ≈4%). Beside ``up``, ``down``,
 ``dA'`` and ``dX``, ``/torch-fp8`` times PyTorch's own FP8 grouped GEMM
-(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand. Then
+(``torch._scaled_grouped_mm``, rowwise scales) on the same work, rows gathered beforehand, and
+beside the gathered ``up`` and ``dA'`` ``/torch-fp8+gather`` the same with the gather of the
+e4m3 rows and their scales (``index_select``) timed with it: sonic's gathered call does both. Then
 ``dX`` (contiguous ``dH·W1`` on a K-major e4m3 ``W1ᵀ``) and the weight gradients ``dW1``,
 ``dW2`` (``grouped_gemm_varlen_k_fp8`` on the K-major ``128 x 1``-scaled copies of
 ``quantize_cols_grouped``, made before the timing; their cost is in
@@ -230,8 +232,7 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False, only=tuple(FP8_GEMMS)):
             _row(name, gemm + "/fp8", flops,
                  lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, idx=idx: grouped_gemm_fp8(
                      a_q, a_s, b_q, b_s, offsets, gather_idx=idx), torch_fn)
-            _torch_fp8_row(name, gemm, flops,
-                           a.index_select(0, gidx_long) if idx is not None else a, w, ends)
+            _torch_fp8_row(name, gemm, flops, a, w, ends, gather_idx=idx)
         if gemm == "up" and "up+act" in only:
             torch_act = lambda fn=torch_fn: torch_swiglu(fn(), "concat")  # noqa: E731
             _row(name, "up+act", flops,
@@ -257,8 +258,8 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False, only=tuple(FP8_GEMMS)):
         _row(name, "dA'/fp8", 2 * p * d * n,
              lambda: grouped_gemm_fp8(do_q, do_s, w2t_q, w2t_s, offsets, gather_idx=gather_idx),
              torch_da)
-        _torch_fp8_row(name, "dA'", 2 * p * d * n, do.index_select(0, gidx_long),
-                       w2.transpose(1, 2), ends)
+        _torch_fp8_row(name, "dA'", 2 * p * d * n, do, w2.transpose(1, 2), ends,
+                       gather_idx=gather_idx)
     if "dA'+dH" in only:
         # The dH kernel: dA' with the dSwiGLU epilogue.
         scores = torch.rand(p, device="cuda")
@@ -313,26 +314,41 @@ def fp8_rows(name, t, d, n, e, k, ceiling=False, only=tuple(FP8_GEMMS)):
                 _fp8_dense_ceiling(name, gemm, p, kk, nn)
 
 
-def _torch_fp8_row(shape, gemm, flops, rows, w, ends):
+def _torch_fp8_row(shape, gemm, flops, rows, w, ends, gather_idx=None):
     """PyTorch's own FP8 grouped GEMM on the same work: ``torch._scaled_grouped_mm`` with
     rowwise scales (one per row of ``rows`` ``(P, K)``, one per output column of each
-    expert's ``w`` ``(E, N, K)``), on rows gathered beforehand (it has no gather) and
-    quantized outside the timing."""
+    expert's ``w`` ``(E, N, K)``), quantized outside the timing. It has no gather: with
+    ``gather_idx`` ``(P,)``, ``rows`` are the ``(T, K)`` source rows and it runs on rows
+    gathered beforehand (``/torch-fp8``) and, as the same work as sonic's gathered call,
+    after an ``index_select`` of the e4m3 rows and their scales in the timing
+    (``/torch-fp8+gather``)."""
     def rowwise(t):
         scale = t.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
         return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
-    a_q, a_s = rowwise(rows)
+    src_q, src_s = rowwise(rows)
+    a_q, a_s = src_q, src_s
+    if gather_idx is not None:
+        idx = gather_idx.long()
+        a_q, a_s = src_q.index_select(0, idx), src_s.index_select(0, idx)
     # Its B must be column-major (E, K, N): the transpose of a contiguous (E, N, K), which a
     # transposed view such as dX's W1 is not until copied.
     b_q, b_s = rowwise(w.contiguous())
-    try:
-        _ceiling_row(shape, gemm + "/torch-fp8", flops,
-                     lambda: torch._scaled_grouped_mm(a_q, b_q.transpose(1, 2), a_s, b_s,
-                                                      offs=ends, out_dtype=torch.bfloat16))
-    except (RuntimeError, ValueError, NotImplementedError, AttributeError) as exc:
-        print(f"  {gemm}/torch-fp8: torch._scaled_grouped_mm failed: {exc}".splitlines()[0])
-    del a_q, a_s, b_q, b_s
+
+    def gemm_fn(a_q, a_s):
+        return torch._scaled_grouped_mm(a_q, b_q.transpose(1, 2), a_s, b_s, offs=ends,
+                                        out_dtype=torch.bfloat16)
+
+    timed = [("/torch-fp8", lambda: gemm_fn(a_q, a_s))]
+    if gather_idx is not None:
+        timed.append(("/torch-fp8+gather",
+                      lambda: gemm_fn(src_q.index_select(0, idx), src_s.index_select(0, idx))))
+    for suffix, fn in timed:
+        try:
+            _ceiling_row(shape, gemm + suffix, flops, fn)
+        except (RuntimeError, ValueError, NotImplementedError, AttributeError) as exc:
+            print(f"  {gemm}{suffix}: torch._scaled_grouped_mm failed: {exc}".splitlines()[0])
+    del src_q, src_s, a_q, a_s, b_q, b_s, timed
     torch.cuda.empty_cache()
 
 

@@ -326,7 +326,7 @@ def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, row
     timed = []
     monkeypatch.setattr(bench, "_row", lambda name, gemm, *args: timed.append(gemm))
     monkeypatch.setattr(bench, "_torch_fp8_row",
-                        lambda name, gemm, *args: timed.append(gemm + "/torch-fp8"))
+                        lambda name, gemm, *args, **kw: timed.append(gemm + "/torch-fp8"))
     monkeypatch.setattr(bench, "_fp8_dense_ceiling",
                         lambda name, gemm, *args: timed.append("ceiling " + gemm))
     monkeypatch.setattr(bench, "quantize_rows", lambda a: (a, a))
@@ -334,6 +334,30 @@ def test_grouped_gemm_fp8_rows_time_only_the_picked_gemms(monkeypatch, only, row
     monkeypatch.setattr(bench, "quantize_cols_grouped", lambda *args: (None, None))
     bench.fp8_rows("test", 16, 8, 4, 2, 2, ceiling=True, only=only)
     assert timed == rows
+
+
+def test_torch_fp8_gathered_rows_time_the_same_work_with_the_gather(monkeypatch):
+    """Beside a gathered GEMM, ``/torch-fp8`` runs PyTorch's FP8 grouped GEMM on rows gathered
+    beforehand and ``/torch-fp8+gather`` gathers the same e4m3 rows and scales in the timed
+    call; a contiguous GEMM gets the first row only. On the CPU, the GEMM stubbed."""
+    bench = load_benchmark("bench_grouped_gemm")
+    calls = {}
+    monkeypatch.setattr(torch, "_scaled_grouped_mm",
+                        lambda a, b, sa, sb, offs, out_dtype: (a.float(), sa), raising=False)
+    monkeypatch.setattr(bench, "_ceiling_row",
+                        lambda shape, gemm, flops, fn: calls.setdefault(gemm, fn()))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    src, w = torch.randn(5, 8), torch.randn(2, 4, 8)
+    idx, ends = torch.tensor([4, 0, 0, 3, 1, 2], dtype=torch.int32), torch.tensor([2, 6])
+    bench._torch_fp8_row("s", "up", 1.0, src, w, ends, gather_idx=idx)
+    assert set(calls) == {"up/torch-fp8", "up/torch-fp8+gather"}
+    (pre_a, pre_s), (in_a, in_s) = calls["up/torch-fp8"], calls["up/torch-fp8+gather"]
+    assert pre_a.shape == (6, 8) and torch.equal(pre_a, in_a) and torch.equal(pre_s, in_s)
+    # Row i of the gathered operand is source row idx[i], its scale that row's amax / 448.
+    assert torch.allclose(in_s, src.abs().amax(dim=1)[idx.long()] / 448.0)
+    calls.clear()
+    bench._torch_fp8_row("s", "dX", 1.0, src, w, ends)
+    assert set(calls) == {"dX/torch-fp8"} and calls["dX/torch-fp8"][0].shape == (5, 8)
 
 
 def _stub_plan_rows(monkeypatch, bench, kernel):
