@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sonic.kernels import kernels_available
+from sonic.kernels.__main__ import find_nvdisasm, tma_waterfalls
 from sonic.kernels.aggregation import aggregate
 from sonic.kernels.routing_metadata import routing_metadata_pairs, routing_metadata_topk
 
@@ -39,6 +40,9 @@ def test_compile_check_every_variant(arch):
     checked = _run("-m", "sonic.kernels", "--compile-check", arch)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"{len(names)} variant(s), 0 failure(s), arch {arch}" in checked.stdout
+    if arch == "sm_90a" and find_nvdisasm() is not None:
+        # The cubins were read (CI installs nvdisasm with the test extra).
+        assert "cubin(s) without TMA waterfalls, 0 with" in checked.stdout, checked.stdout
     for kernel, variant in names:
         line = next((x for x in checked.stdout.splitlines() if x.split()[:2] == [kernel, variant]),
                     None)
@@ -109,6 +113,60 @@ echo "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instru
     monkeypatch.setenv("SONIC_PTXAS", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="SONIC_PTXAS must name an executable ptxas"):
         find_ptxas()
+
+
+def test_tma_waterfalls_reads_the_disassembly(tmp_path, monkeypatch):
+    waterfall = """
+        /*0100*/                   ELECT P0, URZ, PT ;
+        /*0110*/                   VOTEU.ANY UR4, UPT, PT ;
+        /*0120*/              @UP0 UTMALDG.2D [UR8], [UR6], desc[URZ] ;
+        /*0130*/              @UP0 UTMALDG.3D [UR8], [UR6], desc[URZ] ;
+        /*0140*/                   UTMALDG.2D [UR10], [UR6], desc[URZ] ;
+"""
+    def fake(text, code=0):
+        path = tmp_path / f"nvdisasm{code}{len(text)}"
+        path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\nexit {code}\n")
+        path.chmod(0o755)
+        return str(path)
+
+    assert tma_waterfalls(fake(waterfall), b"\x7fELF") == 2
+    # Predicated loads without a VOTEU.ANY loop are not a waterfall; neither are plain ones.
+    assert tma_waterfalls(fake(waterfall.replace("VOTEU.ANY", "VOTEU.ALL")), b"") == 0
+    assert tma_waterfalls(fake("UTMALDG.2D [UR8], [UR6], desc[URZ] ;"), b"") == 0
+    assert tma_waterfalls(fake("nvdisasm fatal : bad ELF", 1), b"") == "nvdisasm fatal : bad ELF"
+    monkeypatch.setenv("SONIC_NVDISASM", fake(""))
+    assert find_nvdisasm() == os.environ["SONIC_NVDISASM"]
+    monkeypatch.setenv("SONIC_NVDISASM", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="SONIC_NVDISASM must name an executable nvdisasm"):
+        find_nvdisasm()
+
+
+@pytest.mark.skipif(not HAS_CUTLASS or find_nvdisasm() is None,
+                    reason="needs cutlass (the 'gpu' extra) and nvdisasm (the 'test' extra)")
+def test_tma_waterfall_of_the_gathered_fp8_tile_with_wgmma_turns_is_caught():
+    """The check catches the case it exists for: the gathered FP8 GEMM on 128-wide tiles with
+    WGMMA turns (its producers' row-box TMA loads in waterfall loops, 3x slower on an H200);
+    the plan as it is has none."""
+    script = """
+import os, sys
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+from sonic.kernels.__main__ import find_nvdisasm, tma_waterfalls
+from sonic.kernels.grouped_gemm import config, heuristic
+from sonic.kernels.grouped_gemm.interface import compile_config
+
+def waterfalls():
+    cfg = heuristic.varlen_m_config(1408, 2048, True, ab_dtype="e4m3")
+    assert cfg.tile_n == 128
+    return tma_waterfalls(find_nvdisasm(), compile_config(cfg, keep_ptx=True).artifacts.CUBIN)
+
+plain = waterfalls()
+config.GroupedGemmConfig.wgmma_turns = property(lambda c: c.fp8 and not c.overlapped_promotion)
+print(plain, waterfalls())
+"""
+    run = _run("-c", script)
+    assert run.returncode == 0, run.stdout + run.stderr
+    plain, turns = run.stdout.split()[-2:]
+    assert plain == "0" and int(turns) > 0, run.stdout
 
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="cutlass (nvidia-cutlass-dsl, the 'gpu' extra) "

@@ -14,9 +14,18 @@ WGMMA kernels are also assembled, and a variant fails if ptxas serializes its WG
 ``C7520`` or ``C7514`` advisory): the kernel then still runs correctly, but its mainloop at
 about half speed (a dSwiGLU epilogue once did, benchmarks/RESULTS.md). Without a
 ptxas the check says so above its summary line.
+
+Where an ``nvdisasm`` is found (``SONIC_NVDISASM``, ``PATH``, or the ``nvidia-cuda-nvdisasm``
+wheel of the ``test`` extra) the cubin the DSL built for each sm_90a variant is disassembled,
+and a variant fails if a TMA load sits in a waterfall loop: ptxas could not prove the load's
+operands warp-uniform, so it issues the load once per distinct value under a
+``VOTEU.ANY`` loop. The kernel still runs correctly, but a gathered grouped GEMM whose
+producers issue a row box per TMA load once ran three times slower so (benchmarks/RESULTS.md,
+"Gathered FP8 GEMMs on 128-wide tiles").
 """
 
 import argparse
+import glob
 import importlib.util
 import os
 import re
@@ -55,6 +64,46 @@ def find_ptxas() -> str | None:
     return None
 
 
+def find_nvdisasm() -> str | None:
+    """The nvdisasm to read cubins with: ``SONIC_NVDISASM``, ``nvdisasm`` on ``PATH``, else the
+    one the ``nvidia-cuda-nvdisasm`` wheel installs.
+
+    Raises:
+        ValueError: ``SONIC_NVDISASM`` is set but names no executable file.
+    """
+    chosen = os.environ.get("SONIC_NVDISASM")
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise ValueError(f"SONIC_NVDISASM must name an executable nvdisasm, got {chosen!r}")
+        return chosen
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        for path in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))):
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def tma_waterfalls(nvdisasm: str, cubin: bytes) -> int | str:
+    """Disassemble ``cubin``: how many TMA loads (``UTMALDG``) ptxas wrapped in a waterfall loop
+    (issued under a uniform predicate that a ``VOTEU.ANY`` loop walks over the warp's distinct
+    operand values), or why it could not disassemble."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        run = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        err = (run.stderr or run.stdout).strip()
+        return err.splitlines()[0] if err else f"nvdisasm exit {run.returncode}"
+    if "VOTEU.ANY" not in run.stdout:
+        return 0
+    return len(re.findall(r"@!?UP\d+\s+UTMALDG", run.stdout))
+
+
 def wgmma_serialized(ptxas: str, ptx: str, arch: str) -> bool | str:
     """Assemble ``ptx`` for ``arch``: whether ptxas serialized its WGMMAs, or why it could not
     assemble. A ptxas older than the DSL's PTX ISA is retried at the version it names (the
@@ -89,13 +138,15 @@ def compile_check(arch: str, out=sys.stdout) -> int:
         raise ValueError(f"arch must be one of {registry.ARCHS}, got {arch!r}")
     runtime.set_compile_arch(arch)
     ptxas = find_ptxas()
-    assembled = serialized_count = 0
+    nvdisasm = find_nvdisasm() if arch == "sm_90a" else None
+    assembled = serialized_count = disassembled = waterfall_count = 0
     failures = 0
     rows = []
     for v in registry.variants(arch):
         start = time.perf_counter()
         try:
-            ptx = v.compile_fake().artifacts.PTX or ""
+            artifacts = v.compile_fake().artifacts
+            ptx, cubin = artifacts.PTX or "", artifacts.CUBIN
         except Exception:  # a failing variant must not hide the others
             traceback.print_exc()
             rows.append((v.kernel, v.variant, time.perf_counter() - start, "COMPILE FAILED"))
@@ -115,6 +166,16 @@ def compile_check(arch: str, out=sys.stdout) -> int:
                 assembled += 1
             else:
                 status = f"ptxas could not assemble: {serialized}  " + status
+        if nvdisasm and cubin:
+            waterfalls = tma_waterfalls(nvdisasm, cubin)
+            if isinstance(waterfalls, str):
+                status = f"nvdisasm could not read the cubin: {waterfalls}  " + status
+            elif waterfalls:
+                missing.append("TMA waterfall")
+                waterfall_count += 1
+                status = f"TMA WATERFALL ({waterfalls} UTMALDG in VOTEU.ANY loops)"
+            else:
+                disassembled += 1
         failures += bool(missing)
         rows.append((v.kernel, v.variant, seconds,
                      " ".join(f"{m}={c}" for m, c in counts.items()) + "  " + status))
@@ -126,6 +187,10 @@ def compile_check(arch: str, out=sys.stdout) -> int:
               f"{serialized_count} serialized" if ptxas
               else "no ptxas found (SONIC_PTXAS, PATH, Triton): WGMMA serialization not checked",
               file=out)
+        print(f"nvdisasm {nvdisasm}: {disassembled} cubin(s) without TMA waterfalls, "
+              f"{waterfall_count} with" if nvdisasm
+              else "no nvdisasm found (SONIC_NVDISASM, PATH, nvidia-cuda-nvdisasm): TMA "
+                   "waterfalls not checked", file=out)
     print(f"{len(rows)} variant(s), {failures} failure(s), arch {arch}", file=out)
     return failures
 

@@ -235,7 +235,8 @@ class Launcher:
     """A compiled kernel entry that runs on PyTorch's current CUDA stream.
 
     Call it with the ``@cute.jit`` entry's arguments minus the trailing stream; ``artifacts``
-    is the compiled object's (``artifacts.PTX`` when compiled with ``keep_ptx``).
+    is the compiled object's (``artifacts.PTX`` and ``artifacts.CUBIN`` when compiled with
+    ``keep_ptx``).
     """
 
     __slots__ = ("fn", "tvm_ffi")
@@ -262,19 +263,21 @@ def compile_launcher(fn, *args, keep_ptx: bool = False) -> Launcher:
     """Compile ``fn(*args, stream)`` (``args`` without the stream) into a :class:`Launcher`.
 
     ``args`` are placeholders: :func:`fake_address` for addresses, ``cutlass.Int32(...)`` for
-    sizes. Uses TVM-FFI when :func:`tvm_ffi_enabled`.
+    sizes. Uses TVM-FFI when :func:`tvm_ffi_enabled`. ``keep_ptx`` keeps the PTX and the cubin
+    in the compiled object (the compile check reads both).
     """
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_stream
 
     tvm_ffi = tvm_ffi_enabled()
-    options = " ".join(o for o, on in (("--keep-ptx", keep_ptx), ("--enable-tvm-ffi", tvm_ffi)) if on)
+    options = " ".join(o for o, on in (("--keep-ptx --keep-cubin", keep_ptx),
+                                        ("--enable-tvm-ffi", tvm_ffi)) if on)
     if not keep_ptx:
         return Launcher(cute.compile(fn, *args, make_fake_stream(), options=options), tvm_ffi)
-    # The DSL writes the kept PTX to <dump dir>/<function name>.<arch>.ptx (the working
-    # directory by default) and reads it back; function names do not tell configurations
-    # apart, so two processes compiling at once could read each other's file. A private
-    # directory per compile keeps them apart; the PTX stays in the compiled object.
+    # The DSL writes the kept PTX and cubin to <dump dir>/<function name>.<arch>.* (the working
+    # directory by default) and reads them back; function names do not tell configurations
+    # apart, so two processes compiling at once could read each other's files. A private
+    # directory per compile keeps them apart; both stay in the compiled object.
     with tempfile.TemporaryDirectory(prefix="sonic-ptx-") as dump_dir:
         compiled = cute.compile(fn, *args, make_fake_stream(),
                                 options=f"{options} --dump-dir={dump_dir}")
