@@ -42,26 +42,31 @@ import traceback
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
+def _find_tool(tool: str, env: str, bundled: list[str]) -> str | None:
+    """``env``'s file if set, else ``tool`` on ``PATH``, else the first executable of
+    ``bundled``.
+
+    Raises:
+        ValueError: ``env`` is set but names no executable file.
+    """
+    chosen = os.environ.get(env)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise ValueError(f"{env} must name an executable {tool}, got {chosen!r}")
+        return chosen
+    return shutil.which(tool) or next((p for p in bundled if os.access(p, os.X_OK)), None)
+
+
 def find_ptxas() -> str | None:
     """The ptxas to assemble with: ``SONIC_PTXAS``, ``ptxas`` on ``PATH``, else Triton's.
 
     Raises:
         ValueError: ``SONIC_PTXAS`` is set but names no executable file.
     """
-    chosen = os.environ.get("SONIC_PTXAS")
-    if chosen:
-        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
-            raise ValueError(f"SONIC_PTXAS must name an executable ptxas, got {chosen!r}")
-        return chosen
-    found = shutil.which("ptxas")
-    if found:
-        return found
     spec = importlib.util.find_spec("triton")
-    if spec is not None and spec.origin:
-        bundled = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "ptxas")
-        if os.access(bundled, os.X_OK):
-            return bundled
-    return None
+    bundled = ([os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "ptxas")]
+               if spec is not None and spec.origin else [])
+    return _find_tool("ptxas", "SONIC_PTXAS", bundled)
 
 
 def find_nvdisasm() -> str | None:
@@ -71,20 +76,11 @@ def find_nvdisasm() -> str | None:
     Raises:
         ValueError: ``SONIC_NVDISASM`` is set but names no executable file.
     """
-    chosen = os.environ.get("SONIC_NVDISASM")
-    if chosen:
-        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
-            raise ValueError(f"SONIC_NVDISASM must name an executable nvdisasm, got {chosen!r}")
-        return chosen
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
     spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        for path in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))):
-            if os.access(path, os.X_OK):
-                return path
-    return None
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    return _find_tool("nvdisasm", "SONIC_NVDISASM",
+                      [p for root in roots
+                       for p in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))])
 
 
 def tma_waterfalls(nvdisasm: str, cubin: bytes) -> int | str:
