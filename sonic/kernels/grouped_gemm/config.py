@@ -437,7 +437,9 @@ class GroupedGemmConfig:
         turn (named barriers), so one warpgroup's promotion runs while the tensor cores
         work through the other's WGMMAs instead of both waiting at once. Faster or level for
         every FP8 GEMM but the fused SwiGLU up-proj, which it slows, and the gathered GEMMs on
-        128-wide tiles, which it makes 3x slower, so not there (benchmarks/RESULTS.md)."""
+        128-wide tiles: there, beside the row-copy producers' 56 registers, ptxas put the
+        producers' TMA loads in waterfall loops and the GEMM ran 3x slower (benchmarks/
+        RESULTS.md; the compile check now fails such loops)."""
         return (self.fp8 and not self.overlapped_promotion and self.epilogue != "swiglu"
                 and not (self.gather_a and self.tile_n == 128))
 

@@ -33,8 +33,9 @@ With one partial accumulator the two warpgroups queue their WGMMAs in turn (two 
 barriers, :attr:`~.config.GroupedGemmConfig.wgmma_turns`): left free, both queue theirs at
 once, the tensor cores interleave them, both wait and both promote while the tensor cores
 idle; in turn, one warpgroup promotes while the tensor cores run the other's (the gathered
-GEMMs faster, results bitwise the same). Not on gathered ``128 x 128`` tiles: there the
-turns made the GEMM about 3x slower, and the warpgroups queue at once.
+GEMMs faster, results bitwise the same). Not on gathered ``128 x 128`` tiles: there ptxas
+compiled the turns' kernel with its producers' TMA loads in waterfall loops, 3x slower, so the
+warpgroups queue at once.
 ``128 x 128`` tiles (N not a multiple of 256) with contiguous A
 (:attr:`GroupedGemmConfig.overlapped_promotion`) alternate two partial accumulators over
 the k-tiles: the WGMMAs of k-tile ``kt`` are queued into one before the thread waits for
@@ -223,8 +224,8 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
                             empty + prev, lane)
             else:
                 # One partial: each sub-tile's WGMMAs are waited for and promoted before the
-                # next sub-tile's are queued; the warpgroups queue theirs in turn, so the
-                # other warpgroup's WGMMAs fill the gap.
+                # next sub-tile's are queued; with wgmma_turns the warpgroups queue theirs in
+                # turn, so the other warpgroup's WGMMAs fill the gap.
                 scales = (a_sc, b_sc, src, a_scales, b_rows, a_stride, row_scale)
                 ring = (full, empty, stages)
                 if cutlass.const_expr(cfg.scale_prefetch):
@@ -262,7 +263,8 @@ class Sm90Fp8GroupedGemm(Sm90GroupedGemm):
         """k-tile ``kt`` of a one-partial tile (see :meth:`consume`): its scales into slot
         ``h`` or, with :attr:`~.config.GroupedGemmConfig.scale_prefetch`, the next k-tile's
         (the last one's again at the end) into slot ``1 - h``; then for each sub-tile the
-        WGMMAs, queued in turn, and the promotion with slot ``h``'s. Returns ``(tiled_mma,
+        WGMMAs (queued in turn with :attr:`~.config.GroupedGemmConfig.wgmma_turns`) and the
+        promotion with slot ``h``'s. Returns ``(tiled_mma,
         stage, phase)`` of the next k-tile."""
         cfg = self.cfg
         a_sc, b_sc, src, a_scales, b_rows, a_stride, row_scale = scales
