@@ -4,6 +4,7 @@
     python benchmarks/bench_moe.py --sweep --json sweep.json   # every named configuration
     python benchmarks/bench_moe.py --config 8192,4096,1024,256,8 --router both
     python benchmarks/bench_moe.py --vs-sonicmoe sonicmoe.jsonl   # beside SonicMoE's own run
+    python benchmarks/bench_moe.py --results sweep.json --vs-sonicmoe sonicmoe.jsonl --plot s.png
 
 A step is timed as docs/design.md §5 describes: one forward + backward with a fixed random dO, every
 gradient set to None before it (outside the timed region), medians of triton's ``do_bench``
@@ -31,6 +32,9 @@ ratios.
   ratios come out that much lower than SonicMoE's would for equal times. Run at the same
   time on two GPUs of one machine the ratio of ratios compares sonic with SonicMoE; one after
   the other on one GPU, compare the step times as well.
+* ``--results FILE --vs-sonicmoe FILE2 [--plot PNG]`` measures nothing: it sets an earlier
+  run's ``--json`` beside SonicMoE's lines, for the two programs run at the same time on two
+  GPUs (where neither file exists before the other run ends), on any machine.
 * Router options as ``sonic.MoE`` takes them: ``--score sigmoid`` (DeepSeek-V3 §2.1.2; also
   ``topk_softmax``), ``--renormalize``, ``--routed-scaling-factor F``, ``--n-group N
   --topk-group M`` (group-limited routing) and ``--expert-bias`` (a fixed random ``(E,)`` fp32
@@ -653,6 +657,30 @@ def plot_results(results, anchor: dict | None, path: str) -> None:
     print(f"wrote {path}")
 
 
+def report_saved(path: str, sonicmoe: str | None, plot: str | None) -> None:
+    """``--results``: the SonicMoE comparison (:func:`compare_with_sonicmoe`) and the plot
+    (:func:`plot_results`) of the results an earlier run wrote with ``--json`` to ``path``, so
+    that two runs made at the same time on two GPUs (sonic's, and ``bench_sonicmoe.py``'s)
+    are set side by side afterwards, on any machine.
+
+    Raises:
+        ValueError: ``path`` is not a list of ``bench_moe.py`` results (the message names it),
+            or ``sonicmoe`` holds no SonicMoE line (:func:`read_sonicmoe`).
+    """
+    anchor = read_sonicmoe(sonicmoe) if sonicmoe else None
+    with open(path) as f:
+        results = json.load(f)
+    keys = ("config", "sonic", "torch_gmm", "fwd_bwd_speedup", "fwd_speedup", "device")
+    if (not isinstance(results, list) or not results
+            or not all(isinstance(r, dict) and all(k in r for k in keys) for r in results)):
+        raise ValueError(f"--results {path}: expected the JSON list that bench_moe.py --json "
+                         f"writes (each result with {', '.join(keys)})")
+    if anchor is not None:
+        compare_with_sonicmoe(results, anchor, sonicmoe)
+    if plot:
+        plot_results(results, anchor, plot)
+
+
 def _impl_name(router: str, requested: str, precision: str = "bf16") -> str:
     name = "sonic" if requested != "both" else ("sonic-topK" if router == "topk" else "sonic-TR")
     return name if precision == "bf16" else f"{name}-fp8"
@@ -686,6 +714,9 @@ def main(argv=None):
                              "sonic-fp8-wgrad-<choice> (default auto; needs --precision fp8 "
                              "or both)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--results", metavar="FILE",
+                        help="measure nothing: read an earlier run's --json and print its "
+                             "comparison with --vs-sonicmoe and/or draw --plot (any machine)")
     parser.add_argument("--plot", metavar="PNG",
                         help="also draw forward + backward TFLOPS per configuration (sonic, "
                              "torch-gmm, and SonicMoE with --vs-sonicmoe; needs matplotlib)")
@@ -716,6 +747,14 @@ def main(argv=None):
                         help="also the routing phase's cost inside the step with both steps "
                              "captured in CUDA graphs (no host time; two graphs' memory)")
     args = parser.parse_args(argv)
+    if args.results:
+        if args.config or args.sweep or args.json or args.profile or args.trace:
+            parser.error("--results reads an earlier run: --config, --sweep, --json, --profile "
+                         "and --trace measure, so leave them out")
+        if not (args.vs_sonicmoe or args.plot):
+            parser.error("--results needs --vs-sonicmoe FILE and/or --plot PNG")
+        report_saved(args.results, args.vs_sonicmoe, args.plot)
+        return
     # Options that only shape rows the run would not have are refused, not ignored.
     if args.tile is not None and args.router == "topk":
         parser.error("--tile sets the token-rounding tile: add --router token_rounding or both")

@@ -97,6 +97,46 @@ def test_sonicmoe_rows_are_what_bench_moe_compares_with(tmp_path, capsys):
     assert "1.750x" in line and "1.600x" in line and "1.094" in line
 
 
+def test_results_of_an_earlier_run_beside_sonicmoe(tmp_path, capsys):
+    """--results sets a saved --json run beside bench_sonicmoe.py's lines without measuring
+    (the two programs ran at the same time), and refuses what it would ignore."""
+    import json
+
+    anchor_bench, bench = load_benchmark("bench_sonicmoe"), _bench_moe()
+    sizes = CONFIGS["DeepSeek-V3"]
+    lines = [anchor_bench.json_row("DeepSeek-V3", sizes, "torch-gmm", 33000.0, 88000.0, 1.0, 2.0),
+             anchor_bench.json_row("DeepSeek-V3", sizes, "sonicmoe", 23000.0, 67000.0, 1.0, 2.0)]
+    smoe = tmp_path / "sonicmoe.jsonl"
+    smoe.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # sonic at 1.32x its torch-gmm, SonicMoE at 88 / 67 = 1.313x its own; 7B not in SonicMoE's.
+    results = [{"config": name, "device": "test GPU", "fwd_bwd_speedup": speedup,
+                "fwd_speedup": 1.5,
+                "sonic": {"fwd_bwd_us": 66000.0, "peak_MiB": 9.0, "saved_MiB": 1.0,
+                          "fwd_bwd_TFLOPS": 500.0},
+                "torch_gmm": {"fwd_bwd_TFLOPS": 380.0}}
+               for name, speedup in (("DeepSeek-V3", 1.32), ("7B", 3.0))]
+    saved = tmp_path / "sonic.json"
+    saved.write_text(json.dumps(results))
+    png = tmp_path / "sweep.png"
+    argv = ["--results", str(saved), "--vs-sonicmoe", str(smoe)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        argv += ["--plot", str(png)]
+    bench.main(argv)
+    out = capsys.readouterr().out.splitlines()
+    line = next(s for s in out if s.strip().startswith("DeepSeek-V3"))
+    assert "1.320x" in line and "1.313x" in line and "1.005" in line
+    assert any(s.strip().startswith("7B") and "not measured" in s for s in out)
+    if "--plot" in argv:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        bench.main(["--results", str(saved), "--vs-sonicmoe", str(smoe), "--config", "7B"])
+    with pytest.raises(SystemExit):
+        bench.main(["--results", str(saved)])
+    (tmp_path / "bad.json").write_text(json.dumps([{"config": "7B"}]))
+    with pytest.raises(ValueError, match="bench_moe.py --json"):
+        bench.main(["--results", str(tmp_path / "bad.json"), "--vs-sonicmoe", str(smoe)])
+
+
 def test_sonicmoe_bench_says_what_is_missing():
     bench = load_benchmark("bench_sonicmoe")
     if importlib.util.find_spec("sonicmoe") is not None:
