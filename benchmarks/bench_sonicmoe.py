@@ -22,6 +22,10 @@ gradients set to None), clock, power and energy per step, the MiB kept for backw
 and the peak MiB of a step. One JSON line per (shape, implementation) on stdout, with the keys
 ``bench_moe.read_sonicmoe`` reads.
 
+SonicMoE autotunes each GEMM in its first step (QuACK compiles and times several tile configurations
+per GEMM: 9 and 22 for the first two at DeepSeek-V3, the first taking 90 s to compile with 16
+workers on a fresh machine), so the first row of each shape takes minutes before its timing starts.
+
 ``--profile`` adds SonicMoE's per-kernel CUDA time per step (three back-to-back steps after
 three, as ``bench_moe.py --profile`` takes sonic's), its six GEMM launches named by sonic's
 roles in launch order (up-proj, down-proj, dH, dW2, dX, dW1: SonicMoE 0.1.2's launches follow
