@@ -664,12 +664,16 @@ def report_saved(path: str, sonicmoe: str | None, plot: str | None) -> None:
     are set side by side afterwards, on any machine.
 
     Raises:
-        ValueError: ``path`` is not a list of ``bench_moe.py`` results (the message names it),
-            or ``sonicmoe`` holds no SonicMoE line (:func:`read_sonicmoe`).
+        ValueError: ``path`` is not JSON or not a list of ``bench_moe.py`` results (the message
+            names it), or ``sonicmoe`` holds no SonicMoE line (:func:`read_sonicmoe`).
+        OSError: ``path`` cannot be read.
     """
     anchor = read_sonicmoe(sonicmoe) if sonicmoe else None
     with open(path) as f:
-        results = json.load(f)
+        try:
+            results = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--results {path}: not JSON ({err})") from err
     keys = ("config", "sonic", "torch_gmm", "fwd_bwd_speedup", "fwd_speedup", "device")
     if (not isinstance(results, list) or not results
             or not all(isinstance(r, dict) and all(k in r for k in keys) for r in results)):
@@ -748,9 +752,13 @@ def main(argv=None):
                              "captured in CUDA graphs (no host time; two graphs' memory)")
     args = parser.parse_args(argv)
     if args.results:
-        if args.config or args.sweep or args.json or args.profile or args.trace:
-            parser.error("--results reads an earlier run: --config, --sweep, --json, --profile "
-                         "and --trace measure, so leave them out")
+        # Every other option shapes a measurement that --results does not make.
+        given = [name for name, value in vars(args).items()
+                 if name not in ("results", "vs_sonicmoe", "plot")
+                 and value != parser.get_default(name)]
+        if given:
+            parser.error("--results reads an earlier run and measures nothing: leave out "
+                         + ", ".join("--" + name.replace("_", "-") for name in given))
         if not (args.vs_sonicmoe or args.plot):
             parser.error("--results needs --vs-sonicmoe FILE and/or --plot PNG")
         report_saved(args.results, args.vs_sonicmoe, args.plot)

@@ -131,10 +131,16 @@ def test_results_of_an_earlier_run_beside_sonicmoe(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--results", str(saved), "--vs-sonicmoe", str(smoe), "--config", "7B"])
     with pytest.raises(SystemExit):
+        bench.main(["--results", str(saved), "--vs-sonicmoe", str(smoe), "--precision", "fp8"])
+    assert "leave out --precision" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         bench.main(["--results", str(saved)])
     (tmp_path / "bad.json").write_text(json.dumps([{"config": "7B"}]))
     with pytest.raises(ValueError, match="bench_moe.py --json"):
         bench.main(["--results", str(tmp_path / "bad.json"), "--vs-sonicmoe", str(smoe)])
+    (tmp_path / "sonicmoe.jsonl.txt").write_text("not json")
+    with pytest.raises(ValueError, match="--results .*: not JSON"):
+        bench.main(["--results", str(tmp_path / "sonicmoe.jsonl.txt"), "--plot", str(png)])
 
 
 def test_sonicmoe_bench_says_what_is_missing():
