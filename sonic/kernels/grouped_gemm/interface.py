@@ -765,14 +765,18 @@ def _compile_planned(make_config: Callable[..., GroupedGemmConfig], arch: str):
 
 def _register(variant: str, make_config: Callable[..., GroupedGemmConfig],
               archs: tuple[str, ...] = tuple(MAINLOOPS),
-              markers: tuple[str, ...] | None = None) -> None:
+              markers: tuple[str, ...] | None = None,
+              sm90_markers: tuple[str, ...] = ()) -> None:
     """Register a compile-check variant per architecture; ``make_config(arch)`` plans its
-    configuration for that architecture; ``markers``: its PTX markers if not the arch's."""
+    configuration for that architecture; ``markers``: its PTX markers if not the arch's;
+    ``sm90_markers``: more that its sm_90a compile must show."""
     for arch in archs:
         register(KernelVariant(
             kernel="grouped_gemm", variant=variant,
             compile_fake=functools.partial(_compile_planned, make_config, arch),
-            ptx_markers=markers or _MARKERS[arch], archs=(arch,)))
+            ptx_markers=(*(markers or _MARKERS[arch]),
+                         *(sm90_markers if arch == "sm_90a" else ())),
+            archs=(arch,)))
 
 
 # The forward's up-proj and down-proj, and the backward's dA' (gathered dO · N-major W2).
@@ -812,15 +816,17 @@ for _act, _gate_up in (("geglu", "concat"), ("geglu_tanh", "interleaved"), ("reg
 # The backward's dW2 (gathered dO on the M side, or on sm_90 swapped: C stored transposed
 # from 256 x 128 tiles gathering dO on N) and dW1 (gathered X, on sm_90 as C stored
 # transposed when N > 2048, or on 256 x 128 tiles gathered on the B side; on sm_100 gathered
-# on the B side): heuristic.transpose_varlen_k.
+# on the B side): heuristic.transpose_varlen_k. On sm_90 128 x 256 tiles stage C in the last
+# k-tile's ring stage by stmatrix (the transposed C by its .trans form).
 _register("varlen_k_m1536_n256_gather_a",
-          lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch))
+          lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch),
+          sm90_markers=("stmatrix.sync.aligned.m8n8.x4.shared.b16",))
 # dW2 on an even n-tile count (30B): on sm_90 the cluster shares the gathered dO.
 _register("varlen_k_m1536_n512_gather_a",
           lambda arch: heuristic.varlen_k_config(1536, 512, True, False, arch=arch))
 _register("varlen_k_m1536_n512_gather_a_ct",
           lambda arch: heuristic.varlen_k_config(1536, 512, True, False, True, arch=arch),
-          archs=("sm_90a",))
+          archs=("sm_90a",), sm90_markers=("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16",))
 _register("varlen_k_m1024_n2048_gather_b_ct",
           lambda arch: heuristic.varlen_k_config(1024, 2048, False, True, True, arch=arch),
           archs=("sm_90a",))

@@ -45,11 +45,15 @@ class AccumulatorView(Protocol):
         pairs_per_slab: column pairs this thread holds per sub-tile.
         warp_private: a warp holds whole rows, so an epilogue may stage and store them
             without the warpgroup's other warps.
+        matrix_fragments: each 8-column group's pairs over a warp's 8 rows are the 8 x 8
+            matrix fragments of ``stmatrix``, :meth:`pairs` yielding a group's two 8-row
+            halves in turn (sm_90's WGMMA accumulator).
     """
 
     rows_per_thread: int
     pairs_per_slab: int
     warp_private: bool
+    matrix_fragments: bool
 
     def pairs(self, sl: int) -> Iterator[Any]:
         """This thread's column pairs of sub-tile ``sl``, each with ``.row`` (which of the

@@ -108,6 +108,8 @@ class TmemAccumulator:
     # One thread releases an H ring stage for the four epilogue warps: they synchronise as a
     # warpgroup before it does.
     warp_private = False
+    # A thread holds one row's columns, not stmatrix fragments.
+    matrix_fragments = False
 
     def __init__(self, tiled_copy, tTR_tAcc: cute.Tensor, m, written, buffers: tuple):
         self.tiled_copy = tiled_copy

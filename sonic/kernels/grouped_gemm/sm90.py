@@ -64,6 +64,10 @@ class WgmmaAccumulator:
     # A warp holds whole rows (16 of every 64-row block), so an epilogue may stage and store
     # them without the warpgroup's other warps (Epilogue.flush ``private``).
     warp_private = True
+    # Each 8-column group's pairs over a warp's 8 rows are an 8 x 8 matrix in the fragment
+    # layout of stmatrix (lane 4r + q: row r, columns 2q, 2q + 1), pairs() yielding the two
+    # row halves of a group in turn (Epilogue.stage_box_matrices).
+    matrix_fragments = True
 
     def __init__(self, acc: cute.Tensor, coords: cute.Tensor):
         self.acc = acc

@@ -12,7 +12,8 @@ Imports ``cutlass``: only the kernel modules import this one.
 from typing import NamedTuple
 
 import cutlass
-from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, cute
+from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, Uint32, cute, dsl_user_op
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, StageMemory,
@@ -30,6 +31,35 @@ def swizzled(r, c):
     swizzled as TMA's 128-byte mode does (16-byte chunk ``c // 8`` at ``c // 8 ^ r mod 8``;
     bases 1024-byte aligned): a thread quad's column pairs over 8 rows hit distinct banks."""
     return r * SLAB + ((c // 8) ^ (r % 8)) * 8 + c % 8
+
+
+def stmatrix_row(warp, lane, k: int, transposed: bool):
+    """Element offset, in a :func:`swizzled` ``64 x SLAB`` box, of the 16-byte row that
+    ``lane`` of warpgroup warp ``warp`` addresses in ``stmatrix`` ``k`` of
+    :meth:`Epilogue.stage_box_matrices`: row ``lane % 8`` of matrix ``i = lane // 8``, the
+    matrix of 8-column group ``2k + i // 2`` and 8-row half ``i % 2`` of the warp's 16 rows;
+    ``transposed``: the box's rows are the accumulator's columns. Plain arithmetic, for
+    trace-time integers or Python ones."""
+    half, r, group = (lane // 8) % 2, lane % 8, 2 * k + lane // 16
+    if transposed:
+        return swizzled(8 * group + r, 16 * warp + 8 * half)
+    return swizzled(16 * warp + 8 * half + r, 8 * group)
+
+
+# One warp's four 8 x 8 bf16 matrices, a 32-bit register (two adjacent columns of one row)
+# per lane each, as 16-byte rows at the shared addresses lanes 8i .. 8i+7 give for matrix i;
+# ".trans" stores each matrix's columns as the rows.
+_STMATRIX_PTX = "stmatrix.sync.aligned.m8n8.x4{}.shared.b16 [$0], {{$1, $2, $3, $4}};"
+
+
+@dsl_user_op
+def stmatrix_x4(addr, words, transposed: bool, *, loc=None, ip=None):
+    """``stmatrix.x4`` (``.trans`` if ``transposed``) of the four 32-bit ``words`` at shared
+    address ``addr`` (this lane's row of its matrix)."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)] + [Uint32(w).ir_value(loc=loc, ip=ip)
+                                                    for w in words]
+    llvm.inline_asm(None, ops, _STMATRIX_PTX.format(".trans" if transposed else ""),
+                    "r,r,r,r,r,~{memory}", has_side_effects=True, loc=loc, ip=ip)
 
 
 class Epilogue:
@@ -210,6 +240,34 @@ class Epilogue:
                     offset = swizzled(m - wg_row0, n - sl * SLAB)
                 cute.autovec_copy(pair, cute.make_tensor(
                     stage_c + cute.assume(offset, divby=2), cute.make_layout(2)))
+
+    @cute.jit
+    def stage_box_matrices(self, acc, dst: cute.Pointer, wg_tid: Int32, sl: int, mm: int,
+                           transposed: cutlass.Constexpr):
+        """Box ``(sl, mm)`` of an accumulator with :attr:`matrix_fragments` as a swizzled
+        ``64 x SLAB`` block at ``dst`` (``transposed``: staged row = column), by ``stmatrix``:
+        four 8 x 8 matrices per instruction where :meth:`stage_slab` stores each value (or
+        pair) on its own, the transposed ones as 2-byte stores.
+
+        Warp ``w`` holds rows ``16w .. 16w+15`` of the block; each of its 8-column groups
+        ``j`` is two matrices, rows ``16w + 8·v1 ..`` (``v1`` = 0, 1), whose row ``r`` lane
+        ``4r + q`` holds at columns ``8j + 2q, +1`` (the WGMMA accumulator's fragment). A
+        matrix row stored is 16 bytes: 8 columns of one row, or (``transposed``) 8 rows of
+        one column, a swizzled chunk of the block either way."""
+        warp, lane = wg_tid // 32, wg_tid % 32
+        words = cute.make_rmem_tensor((4,), Uint32)
+        pair_f32 = cute.make_rmem_tensor((2,), F32)
+        pair = cute.make_rmem_tensor((2,), BF16)
+        pairs = list(acc.pairs(sl, mm))
+        for k in cutlass.range_constexpr(len(pairs) // 4):
+            for i in cutlass.range_constexpr(4):
+                p = pairs[4 * k + i]
+                pair_f32[0] = acc.value(p, 0)
+                pair_f32[1] = acc.value(p, 1)
+                pair.store(pair_f32.load().to(BF16))
+                words[i] = cute.recast_tensor(pair, Uint32)[0]
+            stmatrix_x4((dst + stmatrix_row(warp, lane, k, transposed)).toint(),
+                        [words[i] for i in range(4)], transposed)
 
     @cute.jit
     def sync(self, wg: EpilogueThreads, private: bool):
@@ -438,8 +496,11 @@ class StoreEpilogue(Epilogue):
                 with cute.arch.elect_one():
                     cute.arch.cp_async_bulk_wait_group(allowance, read=True)
             self.sync(wg, False)
-        self.stage_slab(acc, dst, block_row0, sl, cfg.transpose_c,
-                        None if cfg.rows_wg == 64 else mm, True)
+        if cutlass.const_expr(acc.matrix_fragments):
+            self.stage_box_matrices(acc, dst, wg.tid, sl, mm, cfg.transpose_c)
+        else:
+            self.stage_slab(acc, dst, block_row0, sl, cfg.transpose_c,
+                            None if cfg.rows_wg == 64 else mm, True)
         # The threads' shared-memory writes, then the TMA unit's reads.
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync(wg, False)
