@@ -787,11 +787,13 @@ for _n, _k, _gather, _n_major in ((512, 1536, True, False), (1536, 256, False, F
               lambda arch, n=_n, k=_k, g=_gather, nm=_n_major: heuristic.varlen_m_config(
                   n, k, g, nm, arch=arch))
 # The backward's dX̃ = dH·W1 (contiguous dH, N-major W1); and contiguous A with K > 512 (the
-# down-proj at OLMoE / 30B: on sm_90 ping-pong 128 x 192 tiles on a 2-CTA cluster).
+# down-proj at OLMoE / 30B: on sm_90 cooperative 128 x 256 tiles on a 2-CTA cluster, the
+# stores deferred into the next tile's mainloop and staged by stmatrix).
 _register("varlen_m_n1536_k512_contig_bn",
           lambda arch: heuristic.varlen_m_config(1536, 512, False, True, arch=arch))
 _register("varlen_m_n2048_k1024_contig",
-          lambda arch: heuristic.varlen_m_config(2048, 1024, False, arch=arch))
+          lambda arch: heuristic.varlen_m_config(2048, 1024, False, arch=arch),
+          sm90_markers=("stmatrix.sync.aligned.m8n8.x4.shared.b16",))
 # The forward's up-proj with the SwiGLU epilogue, both gate/up layouts.
 for _n, _gate_up in ((512, "concat"), (2048, "interleaved")):
     _register(f"varlen_m_n{_n}_k1536_gather_swiglu_{_gate_up}",

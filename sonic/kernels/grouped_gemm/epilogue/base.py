@@ -244,8 +244,9 @@ class Epilogue:
     @cute.jit
     def stage_box_matrices(self, acc, dst: cute.Pointer, wg_tid: Int32, sl: int, mm: int,
                            transposed: cutlass.Constexpr):
-        """Box ``(sl, mm)`` of an accumulator with :attr:`matrix_fragments` as a swizzled
-        ``64 x SLAB`` block at ``dst`` (``transposed``: staged row = column), by ``stmatrix``:
+        """Box ``(sl, mm)`` of an accumulator with :attr:`matrix_fragments` (fp32, or bf16
+        already rounded) as a swizzled ``64 x SLAB`` block at ``dst`` (``transposed``: staged
+        row = column; each warp writes only its own 16 rows' values), by ``stmatrix``:
         four 8 x 8 matrices per instruction where :meth:`stage_slab` stores each value (or
         pair) on its own, the transposed ones as 2-byte stores.
 
@@ -262,9 +263,14 @@ class Epilogue:
         for k in cutlass.range_constexpr(len(pairs) // 4):
             for i in cutlass.range_constexpr(4):
                 p = pairs[4 * k + i]
-                pair_f32[0] = acc.value(p, 0)
-                pair_f32[1] = acc.value(p, 1)
-                pair.store(pair_f32.load().to(BF16))
+                if cutlass.const_expr(acc.acc.element_type == BF16):
+                    # Rounded already (the deferred store's held tile).
+                    pair[0] = acc.value(p, 0)
+                    pair[1] = acc.value(p, 1)
+                else:
+                    pair_f32[0] = acc.value(p, 0)
+                    pair_f32[1] = acc.value(p, 1)
+                    pair.store(pair_f32.load().to(BF16))
                 words[i] = cute.recast_tensor(pair, Uint32)[0]
             stmatrix_x4((dst + stmatrix_row(warp, lane, k, transposed)).toint(),
                         [words[i] for i in range(4)], transposed)
@@ -362,14 +368,17 @@ class StoreEpilogue(Epilogue):
         mm, sl = part // slabs, part % slabs
         block_row0 = wg.row0 + mm * 64
         self.begin_box()
-        pair = cute.make_rmem_tensor((2,), BF16)
-        for p in packed.pairs(sl, mm):
-            m, n = packed.coord(p)
-            pair[0] = packed.value(p, 0)
-            pair[1] = packed.value(p, 1)
-            cute.autovec_copy(pair, cute.make_tensor(
-                stage_c + cute.assume(swizzled(m - block_row0, n - sl * SLAB), divby=2),
-                cute.make_layout(2)))
+        if cutlass.const_expr(packed.matrix_fragments):
+            self.stage_box_matrices(packed, stage_c, wg.tid, sl, mm, False)
+        else:
+            pair = cute.make_rmem_tensor((2,), BF16)
+            for p in packed.pairs(sl, mm):
+                m, n = packed.coord(p)
+                pair[0] = packed.value(p, 0)
+                pair[1] = packed.value(p, 1)
+                cute.autovec_copy(pair, cute.make_tensor(
+                    stage_c + cute.assume(swizzled(m - block_row0, n - sl * SLAB), divby=2),
+                    cute.make_layout(2)))
         self.store_warp_box(stage_c, wg.tid, block_row0, tmas.c, swizzle, outs.c,
                             cfg.dim_n, row0, rows, nt * cfg.tile_n + sl * SLAB, cfg.dim_n)
 
