@@ -10,15 +10,31 @@ matrix's column ``r`` there instead. The WGMMA ``m64nN`` accumulator: warp ``w``
 holds rows ``16w + l // 4`` and ``+ 8`` at columns ``8j + 2 (l % 4)`` and ``+ 1``.
 """
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("cutlass")
+from sonic.kernels import runtime
+from sonic.kernels.grouped_gemm.config import SLAB
 
-from sonic.kernels.grouped_gemm.config import SLAB  # noqa: E402
-from sonic.kernels.grouped_gemm.epilogue.base import stmatrix_row, swizzled  # noqa: E402
-from sonic.kernels.grouped_gemm.sm90 import WgmmaAccumulator  # noqa: E402
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel modules' ``stmatrix_row``, ``swizzled`` and ``WgmmaAccumulator``, imported
+    for sm_90a: cutlass keeps the target of its first import, so importing it here without
+    one would skip the in-process sm_90a compile checks that run after this module."""
+    if os.environ.get("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":
+        pytest.skip("CUTE_DSL_ARCH is set to another target")
+    try:
+        runtime.set_compile_arch("sm_90a")
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    pytest.importorskip("cutlass")
+    from sonic.kernels.grouped_gemm.epilogue.base import stmatrix_row, swizzled
+    from sonic.kernels.grouped_gemm.sm90 import WgmmaAccumulator
+    return SimpleNamespace(stmatrix_row=stmatrix_row, swizzled=swizzled,
+                           WgmmaAccumulator=WgmmaAccumulator)
 
 
 def _accumulator_element(warp, lane, group, half, v0):
@@ -26,11 +42,11 @@ def _accumulator_element(warp, lane, group, half, v0):
     return 16 * warp + lane // 4 + 8 * half, 8 * group + 2 * (lane % 4) + v0
 
 
-def _staged_box(transposed):
+def _staged_box(kernel, transposed):
     """{element offset: (row, column) of the accumulator} after every warp's stmatrix."""
     # The staging takes the register pairs in the accumulator's own order, four per
     # instruction (one per matrix).
-    pairs = list(WgmmaAccumulator.pairs(SimpleNamespace(row_blocks=1), 0, 0))
+    pairs = list(kernel.WgmmaAccumulator.pairs(SimpleNamespace(row_blocks=1), 0, 0))
     assert len(pairs) == 4 * (SLAB // 16)
     stored = {}
     for warp in range(4):
@@ -41,7 +57,7 @@ def _staged_box(transposed):
                 values = [[_accumulator_element(warp, 4 * r + c // 2, group, half, c % 2)
                            for c in range(8)] for r in range(8)]
                 for r in range(8):
-                    base = stmatrix_row(warp, 8 * i + r, k, transposed)
+                    base = kernel.stmatrix_row(warp, 8 * i + r, k, transposed)
                     assert base % 8 == 0, "a stored row must be 16-byte aligned"
                     row = [values[c][r] for c in range(8)] if transposed else values[r]
                     for c, element in enumerate(row):
@@ -51,15 +67,19 @@ def _staged_box(transposed):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_stmatrix_staging_places_every_value_where_the_elementwise_staging_does(transposed):
-    stored = _staged_box(transposed)
+def test_stmatrix_staging_places_every_value_where_the_elementwise_staging_does(kernel,
+                                                                              transposed):
+    stored = _staged_box(kernel, transposed)
+    swizzled = kernel.swizzled
     expected = {(swizzled(n, m) if transposed else swizzled(m, n)): (m, n)
                 for m in range(64) for n in range(SLAB)}
     assert stored == expected
 
 
-def test_the_emulation_tells_the_two_layouts_apart():
+def test_the_emulation_tells_the_two_layouts_apart(kernel):
     # Each staging checked against the other's expectation fails: the comparison above can.
+    swizzled = kernel.swizzled
     untransposed = {swizzled(m, n): (m, n) for m in range(64) for n in range(SLAB)}
     transposed = {swizzled(n, m): (m, n) for m in range(64) for n in range(SLAB)}
-    assert _staged_box(True) != untransposed and _staged_box(False) != transposed
+    assert (_staged_box(kernel, True) != untransposed
+            and _staged_box(kernel, False) != transposed)
