@@ -10,27 +10,18 @@ matrix's column ``r`` there instead. The WGMMA ``m64nN`` accumulator: warp ``w``
 holds rows ``16w + l // 4`` and ``+ 8`` at columns ``8j + 2 (l % 4)`` and ``+ 1``.
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
 
-from sonic.kernels import runtime
 from sonic.kernels.grouped_gemm.config import SLAB
 
 
-@pytest.fixture(scope="module")
-def kernel():
+@pytest.fixture
+def kernel(sm90a_compile):
     """The kernel modules' ``stmatrix_row``, ``swizzled`` and ``WgmmaAccumulator``, imported
     for sm_90a: cutlass keeps the target of its first import, so importing it here without
     one would skip the in-process sm_90a compile checks that run after this module."""
-    if os.environ.get("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":
-        pytest.skip("CUTE_DSL_ARCH is set to another target")
-    try:
-        runtime.set_compile_arch("sm_90a")
-    except RuntimeError as err:
-        pytest.skip(str(err))
-    pytest.importorskip("cutlass")
     from sonic.kernels.grouped_gemm.epilogue.base import stmatrix_row, swizzled
     from sonic.kernels.grouped_gemm.sm90 import WgmmaAccumulator
     return SimpleNamespace(stmatrix_row=stmatrix_row, swizzled=swizzled,

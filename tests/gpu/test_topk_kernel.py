@@ -5,12 +5,10 @@ bitwise determinism over the grid T x E x K x dtype; the argument checks and a c
 edge configurations run on the CPU.
 """
 
-import os
-
 import pytest
 import torch
 
-from sonic.kernels import runtime, topk
+from sonic.kernels import topk
 
 from kernel_checks import require_kernels
 
@@ -228,13 +226,6 @@ def test_bad_arguments(args, kwargs, error, match):
     (torch.bfloat16, 512, 16, "sigmoid", False, True, dict(n_group=16, topk_group=3)),
 ], ids=lambda p: f"{str(p[0]).removeprefix('torch.')}_E{p[1]}_K{p[2]}_{p[3]}"
                  + "".join(f"_{k}{v}" for k, v in sorted(p[6].items())))
-def test_edge_plans_compile_for_sm90a(plan):
-    if os.environ.get("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":
-        pytest.skip("CUTE_DSL_ARCH is set to another target")
-    try:
-        runtime.set_compile_arch("sm_90a")
-    except RuntimeError as err:
-        pytest.skip(str(err))
-    pytest.importorskip("cutlass")
+def test_edge_plans_compile_for_sm90a(sm90a_compile, plan):
     *args, kw = plan
     assert topk._compile(topk._plan(*args, **kw)) is not None
