@@ -3,6 +3,7 @@ that ``bench_moe.py --vs-sonicmoe FILE`` compares against.
 
     python benchmarks/bench_sonicmoe.py [--config NAME|T,d,n,E,K ...] [--sweep] [--profile] \
         > sonicmoe.jsonl
+    python benchmarks/bench_sonicmoe.py --wgrads [--config ...]
 
 Needs SonicMoE (the ``sonic-moe`` package, Guo et al., arXiv 2512.14080) importable as
 ``sonicmoe``. It pins its own CuTe DSL, so run it in SonicMoE's environment (sonic's package
@@ -30,9 +31,18 @@ workers on a fresh machine), so the first row of each shape takes minutes before
 three, as ``bench_moe.py --profile`` takes sonic's), its six GEMM launches named by sonic's
 roles in launch order (up-proj, down-proj, dH, dW2, dX, dW1: SonicMoE 0.1.2's launches follow
 that order, as each launch's FLOPs and cluster shape show).
+
+``--wgrads`` times instead SonicMoE's two weight-gradient GEMMs alone, as its backward calls
+them: QuACK's varlen-K ``gemm`` gathering the token rows (``A_idx``), autotuned on its first
+call, writing SonicMoE's ``(2n, d, E)`` / ``(d, n, E)`` gradient layouts, on the operands,
+routing and row format of ``bench_grouped_gemm.py --gemm dW1 --gemm dW2`` (the ``kernel``
+column is SonicMoE's; torch: ``index_select`` + ``_grouped_mm``), so that the two programs'
+rows, one after the other on one GPU, compare kernel with kernel and each with torch timed
+in its own process.
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -42,10 +52,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import device_name  # noqa: E402
+from bench_grouped_gemm import _routing, _row  # noqa: E402
 from bench_moe import _kernel_breakdown, chosen_configs, problem, time_row  # noqa: E402
 
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
+
+
+def _from_sonicmoe(module: str, name: str):
+    """``name`` from ``module`` of SonicMoE's installation (QuACK's come with it).
+
+    Raises:
+        SystemExit: it is not importable (the message says what to install).
+    """
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as err:
+        raise SystemExit(f"bench_sonicmoe.py needs SonicMoE importable as 'sonicmoe' ({err})")
 
 
 def sonicmoe_layer():
@@ -55,10 +78,7 @@ def sonicmoe_layer():
     Raises:
         SystemExit: SonicMoE is not importable (the message says what to install).
     """
-    try:
-        from sonicmoe.functional import moe_TC_softmax_topk_layer
-    except ImportError as err:
-        raise SystemExit(f"bench_sonicmoe.py needs SonicMoE importable as 'sonicmoe' ({err})")
+    moe_TC_softmax_topk_layer = _from_sonicmoe("sonicmoe.functional", "moe_TC_softmax_topk_layer")
 
     def layer(x, router_weight, w1, w2, k):
         return moe_TC_softmax_topk_layer(x, router_weight, w1.permute(1, 2, 0), None,
@@ -97,6 +117,37 @@ def row(name: str, sizes, impl: str, layer, profile: bool = False) -> dict:
     return result
 
 
+def wgrad_rows(name: str, sizes, gemm) -> None:
+    """``--wgrads`` rows of one shape: SonicMoE's dW1 (``X_gatheredᵀ·dH``) and dW2
+    (``dO_gatheredᵀ·A'``) as ``_up_projection_backward_weight`` and
+    ``_down_projection_backward_weight`` of SonicMoE 0.1.2 call QuACK's ``gemm``, beside
+    torch."""
+    t, d, n, e, k = sizes
+    gather_idx, offsets = _routing(t, e, k)
+    p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    x, do = torch.randn(t, d, **kw), torch.randn(t, d, **kw)
+    dh, act = torch.randn(p, 2 * n, **kw), torch.randn(p, n, **kw)
+    # SonicMoE's weights are (2n, d, E) / (d, n, E) views of (E, 2n, d) / (E, d, n) storage.
+    dw1 = torch.empty(e, 2 * n, d, **kw)
+    dw2 = torch.empty(e, d, n, **kw)
+
+    def sonicmoe_dw1():
+        gemm(x.T, dh, out=dw1.permute(0, 2, 1), cu_seqlens_k=offsets, A_idx=gather_idx,
+             batch_idx_permute=None, dynamic_scheduler=False)
+        return dw1
+
+    def sonicmoe_dw2():
+        gemm(do.T, act, out=dw2, cu_seqlens_k=offsets, A_idx=gather_idx,
+             batch_idx_permute=None, dynamic_scheduler=False)
+        return dw2
+
+    _row(name, "dW1", 2 * p * 2 * n * d, sonicmoe_dw1,
+         lambda: torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends))
+    _row(name, "dW2", 2 * p * d * n, sonicmoe_dw2,
+         lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=parse_config, action="append",
@@ -106,9 +157,19 @@ def main(argv=None) -> None:
                         help="every named shape, after those given with --config")
     parser.add_argument("--profile", action="store_true",
                         help="SonicMoE's per-kernel CUDA time per step")
+    parser.add_argument("--wgrads", action="store_true",
+                        help="SonicMoE's dW1 and dW2 GEMMs alone, as bench_grouped_gemm.py's rows")
     args = parser.parse_args(argv)
-    layer = sonicmoe_layer()
     configs = chosen_configs(args.config, args.sweep)
+    if args.wgrads:
+        gemm = _from_sonicmoe("quack.gemm_interface", "gemm")
+        print(f"device: {device_name()}  torch {torch.__version__}", file=sys.stderr)
+        print("shape  gemm    |  torch us kernel us | torch TF kern TF speedup  rel err")
+        for name, sizes in configs:
+            wgrad_rows(name, sizes, gemm)
+            torch.cuda.empty_cache()
+        return
+    layer = sonicmoe_layer()
     print(f"device: {device_name()}  torch {torch.__version__}", file=sys.stderr)
     for name, sizes in configs:
         row(name, sizes, "torch-gmm", torch_gmm_moe)

@@ -145,10 +145,11 @@ def test_results_of_an_earlier_run_beside_sonicmoe(tmp_path, capsys):
 
 def test_sonicmoe_bench_says_what_is_missing():
     bench = load_benchmark("bench_sonicmoe")
-    if importlib.util.find_spec("sonicmoe") is not None:
+    if importlib.util.find_spec("sonicmoe") or importlib.util.find_spec("quack"):
         pytest.skip("SonicMoE is installed here")
-    with pytest.raises(SystemExit, match="needs SonicMoE importable as 'sonicmoe'"):
-        bench.main(["--config", "7B"])
+    for mode in ([], ["--wgrads"]):
+        with pytest.raises(SystemExit, match="needs SonicMoE importable as 'sonicmoe'"):
+            bench.main(["--config", "7B", *mode])
 
 
 def test_time_row_runs_each_pass_and_leaves_no_gradient(monkeypatch):
