@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import cutlass
 from cutlass import BFloat16 as BF16, Float32 as F32, Int32, Int64, Uint32, cute, dsl_user_op
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync
 
 from sonic.kernels.grouped_gemm.args import (EpilogueOutputs, EpilogueThreads, StageMemory,
@@ -46,20 +46,14 @@ def stmatrix_row(warp, lane, k: int, transposed: bool):
     return swizzled(16 * warp + 8 * half + r, 8 * group)
 
 
-# One warp's four 8 x 8 bf16 matrices, a 32-bit register (two adjacent columns of one row)
-# per lane each, as 16-byte rows at the shared addresses lanes 8i .. 8i+7 give for matrix i;
-# ".trans" stores each matrix's columns as the rows.
-_STMATRIX_PTX = "stmatrix.sync.aligned.m8n8.x4{}.shared.b16 [$0], {{$1, $2, $3, $4}};"
-
-
 @dsl_user_op
-def stmatrix_x4(addr, words, transposed: bool, *, loc=None, ip=None):
-    """``stmatrix.x4`` (``.trans`` if ``transposed``) of the four 32-bit ``words`` at shared
-    address ``addr`` (this lane's row of its matrix)."""
-    ops = [Int32(addr).ir_value(loc=loc, ip=ip)] + [Uint32(w).ir_value(loc=loc, ip=ip)
-                                                    for w in words]
-    llvm.inline_asm(None, ops, _STMATRIX_PTX.format(".trans" if transposed else ""),
-                    "r,r,r,r,r,~{memory}", has_side_effects=True, loc=loc, ip=ip)
+def stmatrix_x4(dst: cute.Pointer, words, transposed: bool, *, loc=None, ip=None):
+    """``stmatrix.x4`` of one warp's four ``8 x 8`` bf16 matrices: the four 32-bit ``words``
+    (two adjacent columns of one row each, matrix ``i`` in word ``i``) of each lane, stored as
+    16-byte rows at the shared addresses ``dst`` of lanes ``8i .. 8i+7``; ``transposed``
+    (``.trans``) stores each matrix's columns as the rows."""
+    nvvm.stmatrix(dst.llvm_ptr, [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+                  nvvm.MMALayout.col if transposed else nvvm.MMALayout.row, loc=loc, ip=ip)
 
 
 class Epilogue:
@@ -272,7 +266,7 @@ class Epilogue:
                     pair_f32[1] = acc.value(p, 1)
                     pair.store(pair_f32.load().to(BF16))
                 words[i] = cute.recast_tensor(pair, Uint32)[0]
-            stmatrix_x4((dst + stmatrix_row(warp, lane, k, transposed)).toint(),
+            stmatrix_x4(dst + stmatrix_row(warp, lane, k, transposed),
                         [words[i] for i in range(4)], transposed)
 
     @cute.jit
