@@ -3,7 +3,7 @@ that ``bench_moe.py --vs-sonicmoe FILE`` compares against.
 
     python benchmarks/bench_sonicmoe.py [--config NAME|T,d,n,E,K ...] [--sweep] [--profile] \
         > sonicmoe.jsonl
-    python benchmarks/bench_sonicmoe.py --wgrads [--config ...]
+    python benchmarks/bench_sonicmoe.py --wgrads [--power SECONDS] [--config ...]
 
 Needs SonicMoE (the ``sonic-moe`` package, Guo et al., arXiv 2512.14080) importable as
 ``sonicmoe``. It pins its own CuTe DSL, so run it in SonicMoE's environment (sonic's package
@@ -38,7 +38,8 @@ call, writing SonicMoE's ``(2n, d, E)`` / ``(d, n, E)`` gradient layouts, on the
 routing and row format of ``bench_grouped_gemm.py --gemm dW1 --gemm dW2`` (the ``kernel``
 column is SonicMoE's; torch: ``index_select`` + ``_grouped_mm``), so that the two programs'
 rows, one after the other on one GPU, compare kernel with kernel and each with torch timed
-in its own process.
+in its own process. ``--power SECONDS`` adds the clock, power and energy per call of each
+SonicMoE kernel, as ``bench_grouped_gemm.py --power`` does for sonic's.
 """
 
 import argparse
@@ -52,6 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import device_name  # noqa: E402
+import bench_grouped_gemm  # noqa: E402
 from bench_grouped_gemm import _routing, _row  # noqa: E402
 from bench_moe import _kernel_breakdown, chosen_configs, problem, time_row  # noqa: E402
 
@@ -159,7 +161,13 @@ def main(argv=None) -> None:
                         help="SonicMoE's per-kernel CUDA time per step")
     parser.add_argument("--wgrads", action="store_true",
                         help="SonicMoE's dW1 and dW2 GEMMs alone, as bench_grouped_gemm.py's rows")
+    parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
+                        help="with --wgrads: run each kernel this long under the power sampler")
     args = parser.parse_args(argv)
+    if args.power < 0 or (args.power and not args.wgrads):
+        parser.error(f"--power takes a non-negative number of seconds, with --wgrads; got "
+                     f"{args.power}")
+    bench_grouped_gemm.POWER_SECONDS = args.power
     configs = chosen_configs(args.config, args.sweep)
     if args.wgrads:
         gemm = _from_sonicmoe("quack.gemm_interface", "gemm")

@@ -152,6 +152,16 @@ def test_sonicmoe_bench_says_what_is_missing():
             bench.main(["--config", "7B", *mode])
 
 
+def test_sonicmoe_bench_power_needs_wgrads(capsys):
+    bench = load_benchmark("bench_sonicmoe")
+    for argv in (["--power", "1"], ["--wgrads", "--power", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2
+        assert "--power takes a non-negative number of seconds, with --wgrads" in \
+            capsys.readouterr().err
+
+
 def test_time_row_runs_each_pass_and_leaves_no_gradient(monkeypatch):
     """bench_moe.time_row (every row of bench_moe.py and bench_sonicmoe.py) on the CPU, its
     GPU timers replaced by counters: forward and step timed, a second of steps sampled, the
