@@ -160,6 +160,9 @@ def test_sonicmoe_bench_power_needs_wgrads(capsys):
         assert exc.value.code == 2
         assert "--power takes a non-negative number of seconds, with --wgrads" in \
             capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--wgrads", "--profile"])
+    assert "--profile profiles the layer's step" in capsys.readouterr().err
 
 
 def test_time_row_runs_each_pass_and_leaves_no_gradient(monkeypatch):
