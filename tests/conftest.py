@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -17,8 +18,6 @@ def pytest_collection_finish(session):
     # CuTe DSL keeps the target of its first import, and the in-process compile checks set
     # sm_90a first (sonic.kernels.runtime.set_compile_arch): a test module importing cutlass
     # at collection, before any target is set, would quietly skip them all.
-    import sys
-
     if "cutlass" in sys.modules and not os.environ.get("CUTE_DSL_ARCH"):
         raise pytest.UsageError(
             "a test module imported cutlass at collection without CUTE_DSL_ARCH; import it "
