@@ -3,7 +3,8 @@ that ``bench_moe.py --vs-sonicmoe FILE`` compares against.
 
     python benchmarks/bench_sonicmoe.py [--config NAME|T,d,n,E,K ...] [--sweep] [--profile] \
         > sonicmoe.jsonl
-    python benchmarks/bench_sonicmoe.py --wgrads [--power SECONDS] [--config ...]
+    python benchmarks/bench_sonicmoe.py --gemm NAME [--gemm NAME ...] [--power SECONDS] \
+        [--config ...]
 
 Needs SonicMoE (the ``sonic-moe`` package, Guo et al., arXiv 2512.14080) importable as
 ``sonicmoe``. It pins its own CuTe DSL, so run it in SonicMoE's environment (sonic's package
@@ -32,14 +33,17 @@ three, as ``bench_moe.py --profile`` takes sonic's), its six GEMM launches named
 roles in launch order (up-proj, down-proj, dH, dW2, dX, dW1: SonicMoE 0.1.2's launches follow
 that order, as each launch's FLOPs and cluster shape show).
 
-``--wgrads`` times instead SonicMoE's two weight-gradient GEMMs alone, as its backward calls
-them: QuACK's varlen-K ``gemm`` gathering the token rows (``A_idx``), autotuned on its first
-call, writing SonicMoE's ``(2n, d, E)`` / ``(d, n, E)`` gradient layouts, on the operands,
-routing and row format of ``bench_grouped_gemm.py --gemm dW1 --gemm dW2`` (the ``kernel``
-column is SonicMoE's; torch: ``index_select`` + ``_grouped_mm``), so that the two programs'
-rows, one after the other on one GPU, compare kernel with kernel and each with torch timed
-in its own process. ``--power SECONDS`` adds the clock, power and energy per call of each
-SonicMoE kernel, as ``bench_grouped_gemm.py --power`` does for sonic's.
+``--gemm NAME`` (repeatable) times instead SonicMoE's grouped GEMMs alone, each called as
+SonicMoE's forward or backward calls it (QuACK's ``gemm``, ``gemm_gated`` and
+``gemm_dgated``, varlen-M or varlen-K, gathering the token rows through ``A_idx``; autotuned
+on its first call), on SonicMoE's weight layouts (``(2n, d, E)`` / ``(d, n, E)`` views, W1's
+rows read as interleaved gate/up pairs): ``up+act`` (H and A), ``down``, ``dA'+dH`` (dH, A'
+and ds), ``dX``, ``dW1``, ``dW2``. The operands, routing and row format are those of
+``bench_grouped_gemm.py --gemm NAME`` (the ``kernel`` column is SonicMoE's; torch: the
+same references, the SwiGLU ones on interleaved columns), so that the two programs' rows, one
+after the other on one GPU, compare kernel with kernel and each with torch timed in its own
+process. ``--power SECONDS`` adds the clock, power and energy per call of each kernel, as
+``bench_grouped_gemm.py --power`` does for sonic's.
 """
 
 import argparse
@@ -55,20 +59,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_name  # noqa: E402
 import bench_grouped_gemm  # noqa: E402
 from bench_grouped_gemm import _routing, _row  # noqa: E402
+from sonic.reference.ops import dswiglu_epilogue as torch_dswiglu_epilogue  # noqa: E402
+from sonic.reference.ops import swiglu as torch_swiglu  # noqa: E402
 from bench_moe import _kernel_breakdown, chosen_configs, problem, time_row  # noqa: E402
 
 from sonic.baselines import torch_gmm_moe  # noqa: E402
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 
 
-def _from_sonicmoe(module: str, name: str):
-    """``name`` from ``module`` of SonicMoE's installation (QuACK's come with it).
+def _sonicmoe_module(module: str):
+    """``module`` of SonicMoE's installation (QuACK's come with it).
 
     Raises:
         SystemExit: it is not importable (the message says what to install).
     """
     try:
-        return getattr(importlib.import_module(module), name)
+        return importlib.import_module(module)
     except ImportError as err:
         raise SystemExit(f"bench_sonicmoe.py needs SonicMoE importable as 'sonicmoe' ({err})")
 
@@ -80,7 +86,7 @@ def sonicmoe_layer():
     Raises:
         SystemExit: SonicMoE is not importable (the message says what to install).
     """
-    moe_TC_softmax_topk_layer = _from_sonicmoe("sonicmoe.functional", "moe_TC_softmax_topk_layer")
+    moe_TC_softmax_topk_layer = _sonicmoe_module("sonicmoe.functional").moe_TC_softmax_topk_layer
 
     def layer(x, router_weight, w1, w2, k):
         return moe_TC_softmax_topk_layer(x, router_weight, w1.permute(1, 2, 0), None,
@@ -119,35 +125,75 @@ def row(name: str, sizes, impl: str, layer, profile: bool = False) -> dict:
     return result
 
 
-def wgrad_rows(name: str, sizes, gemm) -> None:
-    """``--wgrads`` rows of one shape: SonicMoE's dW1 (``X_gatheredᵀ·dH``) and dW2
-    (``dO_gatheredᵀ·A'``) as ``_up_projection_backward_weight`` and
-    ``_down_projection_backward_weight`` of SonicMoE 0.1.2 call QuACK's ``gemm``, beside
-    torch."""
+GEMMS = ("up+act", "down", "dA'+dH", "dX", "dW1", "dW2")
+
+
+def gemm_rows(name: str, sizes, quack, only) -> None:
+    """``--gemm`` rows of one shape: each GEMM of :data:`GEMMS` in ``only``, called as
+    SonicMoE 0.1.2's ``_up_projection_forward``, ``_down_projection_forward``,
+    ``_down_projection_backward_act``, ``_up_projection_backward_act``,
+    ``_up_projection_backward_weight`` and ``_down_projection_backward_weight`` call QuACK
+    (``quack``: its ``gemm_interface`` module), beside torch."""
     t, d, n, e, k = sizes
     gather_idx, offsets = _routing(t, e, k)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     x, do = torch.randn(t, d, **kw), torch.randn(t, d, **kw)
-    dh, act = torch.randn(p, 2 * n, **kw), torch.randn(p, n, **kw)
-    # SonicMoE's weights are (2n, d, E) / (d, n, E) views of (E, 2n, d) / (E, d, n) storage.
-    dw1 = torch.empty(e, 2 * n, d, **kw)
-    dw2 = torch.empty(e, d, n, **kw)
+    # (E, 2n, d) / (E, d, n) storage; SonicMoE's weights are its (2n, d, E) / (d, n, E) views.
+    w1 = torch.randn(e, 2 * n, d, **kw) / d ** 0.5
+    w2 = torch.randn(e, d, n, **kw) / n ** 0.5
+    act, dh = torch.randn(p, n, **kw), torch.randn(p, 2 * n, **kw)
+    h, scores = torch.randn(p, 2 * n, **kw), torch.rand(p, device="cuda")
+    xg, dog = (lambda: x.index_select(0, gidx_long)), (lambda: do.index_select(0, gidx_long))
+    out = {"h": torch.empty(p, 2 * n, **kw), "a": torch.empty(p, n, **kw),
+           "y": torch.empty(p, d, **kw), "dh": torch.empty(p, 2 * n, **kw),
+           "a'": torch.empty(p, n, **kw), "dx": torch.empty(p, d, **kw),
+           "dw1": torch.empty(e, 2 * n, d, **kw), "dw2": torch.empty(e, d, n, **kw)}
 
-    def sonicmoe_dw1():
-        gemm(x.T, dh, out=dw1.permute(0, 2, 1), cu_seqlens_k=offsets, A_idx=gather_idx,
-             batch_idx_permute=None, dynamic_scheduler=False)
-        return dw1
+    def up_act():
+        quack.gemm_gated(x, w1.transpose(1, 2), activation="swiglu", cu_seqlens_m=offsets,
+                         A_idx=gather_idx, preact_out=out["h"], postact_out=out["a"],
+                         store_preact=True)
+        return out["a"]
 
-    def sonicmoe_dw2():
-        gemm(do.T, act, out=dw2, cu_seqlens_k=offsets, A_idx=gather_idx,
-             batch_idx_permute=None, dynamic_scheduler=False)
-        return dw2
+    def dh_kernel():
+        quack.gemm_dgated(do, w2, PreAct=h, activation="swiglu", dx_out=out["dh"],
+                          postact_out=out["a'"], colvec_scale=scores, colvec_reduce=True,
+                          cu_seqlens_m=offsets, A_idx=gather_idx, dynamic_scheduler=False)
+        return out["dh"]
 
-    _row(name, "dW1", 2 * p * 2 * n * d, sonicmoe_dw1,
-         lambda: torch._grouped_mm(dh.t(), x.index_select(0, gidx_long), offs=ends))
-    _row(name, "dW2", 2 * p * d * n, sonicmoe_dw2,
-         lambda: torch._grouped_mm(do.index_select(0, gidx_long).t(), act, offs=ends))
+    def call(fn, result, *args, **kwargs):
+        def run():
+            fn(*args, **kwargs)
+            return result
+        return run
+
+    cases = {
+        "up+act": (2 * p * 2 * n * d, up_act, lambda: torch_swiglu(
+            torch._grouped_mm(xg(), w1.transpose(1, 2), offs=ends), "interleaved")),
+        "down": (2 * p * d * n,
+                 call(quack.gemm, out["y"], act, w2.transpose(1, 2), out=out["y"],
+                      cu_seqlens_m=offsets),
+                 lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)),
+        "dA'+dH": (2 * p * d * n, dh_kernel, lambda: torch_dswiglu_epilogue(
+            torch._grouped_mm(dog(), w2, offs=ends), h, scores, "interleaved")[0]),
+        "dX": (2 * p * 2 * n * d,
+               call(quack.gemm, out["dx"], dh, w1, out=out["dx"], cu_seqlens_m=offsets,
+                    dynamic_scheduler=False),
+               lambda: torch._grouped_mm(dh, w1, offs=ends)),
+        "dW1": (2 * p * 2 * n * d,
+                call(quack.gemm, out["dw1"], x.T, dh, out=out["dw1"].transpose(1, 2),
+                     cu_seqlens_k=offsets, A_idx=gather_idx, batch_idx_permute=None,
+                     dynamic_scheduler=False),
+                lambda: torch._grouped_mm(dh.t(), xg(), offs=ends)),
+        "dW2": (2 * p * d * n,
+                call(quack.gemm, out["dw2"], do.T, act, out=out["dw2"], cu_seqlens_k=offsets,
+                     A_idx=gather_idx, batch_idx_permute=None, dynamic_scheduler=False),
+                lambda: torch._grouped_mm(dog().t(), act, offs=ends)),
+    }
+    for gemm in GEMMS:
+        if gemm in only:
+            _row(name, gemm, *cases[gemm])
 
 
 def main(argv=None) -> None:
@@ -159,24 +205,25 @@ def main(argv=None) -> None:
                         help="every named shape, after those given with --config")
     parser.add_argument("--profile", action="store_true",
                         help="SonicMoE's per-kernel CUDA time per step")
-    parser.add_argument("--wgrads", action="store_true",
-                        help="SonicMoE's dW1 and dW2 GEMMs alone, as bench_grouped_gemm.py's rows")
+    parser.add_argument("--gemm", choices=GEMMS, action="append",
+                        help="time this SonicMoE GEMM alone, as bench_grouped_gemm.py's rows "
+                             "(repeatable) instead of the layer")
     parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
-                        help="with --wgrads: run each kernel this long under the power sampler")
+                        help="with --gemm: run each kernel this long under the power sampler")
     args = parser.parse_args(argv)
-    if args.power < 0 or (args.power and not args.wgrads):
-        parser.error(f"--power takes a non-negative number of seconds, with --wgrads; got "
+    if args.power < 0 or (args.power and not args.gemm):
+        parser.error(f"--power takes a non-negative number of seconds, with --gemm; got "
                      f"{args.power}")
     if args.wgrads and args.profile:
         parser.error("--profile profiles the layer's step; --wgrads times GEMMs alone")
     bench_grouped_gemm.POWER_SECONDS = args.power
     configs = chosen_configs(args.config, args.sweep)
-    if args.wgrads:
-        gemm = _from_sonicmoe("quack.gemm_interface", "gemm")
+    if args.gemm:
+        quack = _sonicmoe_module("quack.gemm_interface")
         print(f"device: {device_name()}  torch {torch.__version__}", file=sys.stderr)
         print("shape  gemm    |  torch us kernel us | torch TF kern TF speedup  rel err")
         for name, sizes in configs:
-            wgrad_rows(name, sizes, gemm)
+            gemm_rows(name, sizes, quack, args.gemm)
             torch.cuda.empty_cache()
         return
     layer = sonicmoe_layer()

@@ -147,18 +147,18 @@ def test_sonicmoe_bench_says_what_is_missing():
     bench = load_benchmark("bench_sonicmoe")
     if importlib.util.find_spec("sonicmoe") or importlib.util.find_spec("quack"):
         pytest.skip("SonicMoE is installed here")
-    for mode in ([], ["--wgrads"]):
+    for mode in ([], ["--gemm", "dW1"]):
         with pytest.raises(SystemExit, match="needs SonicMoE importable as 'sonicmoe'"):
             bench.main(["--config", "7B", *mode])
 
 
-def test_sonicmoe_bench_power_needs_wgrads(capsys):
+def test_sonicmoe_bench_power_needs_gemm(capsys):
     bench = load_benchmark("bench_sonicmoe")
-    for argv in (["--power", "1"], ["--wgrads", "--power", "-1"]):
+    for argv in (["--power", "1"], ["--gemm", "dX", "--power", "-1"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
-        assert "--power takes a non-negative number of seconds, with --wgrads" in \
+        assert "--power takes a non-negative number of seconds, with --gemm" in \
             capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--wgrads", "--profile"])
