@@ -128,22 +128,22 @@ def row(name: str, sizes, impl: str, layer, profile: bool = False) -> dict:
 GEMMS = ("up+act", "down", "dA'+dH", "dX", "dW1", "dW2")
 
 
-def gemm_rows(name: str, sizes, quack, only) -> None:
+def gemm_rows(name: str, sizes, quack, only, device: str = "cuda") -> None:
     """``--gemm`` rows of one shape: each GEMM of :data:`GEMMS` in ``only``, called as
     SonicMoE 0.1.2's ``_up_projection_forward``, ``_down_projection_forward``,
     ``_down_projection_backward_act``, ``_up_projection_backward_act``,
     ``_up_projection_backward_weight`` and ``_down_projection_backward_weight`` call QuACK
-    (``quack``: its ``gemm_interface`` module), beside torch."""
+    (``quack``: its ``gemm_interface`` module), beside torch (on ``device``)."""
     t, d, n, e, k = sizes
-    gather_idx, offsets = _routing(t, e, k)
+    gather_idx, offsets = _routing(t, e, k, device)
     p, ends, gidx_long = t * k, offsets[1:], gather_idx.long()
-    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    kw = {"device": device, "dtype": torch.bfloat16}
     x, do = torch.randn(t, d, **kw), torch.randn(t, d, **kw)
     # (E, 2n, d) / (E, d, n) storage; SonicMoE's weights are its (2n, d, E) / (d, n, E) views.
     w1 = torch.randn(e, 2 * n, d, **kw) / d ** 0.5
     w2 = torch.randn(e, d, n, **kw) / n ** 0.5
     act, dh = torch.randn(p, n, **kw), torch.randn(p, 2 * n, **kw)
-    h, scores = torch.randn(p, 2 * n, **kw), torch.rand(p, device="cuda")
+    h, scores = torch.randn(p, 2 * n, **kw), torch.rand(p, device=device)
     xg, dog = (lambda: x.index_select(0, gidx_long)), (lambda: do.index_select(0, gidx_long))
     out = {"h": torch.empty(p, 2 * n, **kw), "a": torch.empty(p, n, **kw),
            "y": torch.empty(p, d, **kw), "dh": torch.empty(p, 2 * n, **kw),

@@ -526,3 +526,68 @@ def test_bench_swiglu_times_the_named_layers_rows():
     got = bench.shapes_of([parse_config("Mixtral-8x7B"), parse_config("100,256,384,4,2")])
     assert got == [("Mixtral-8x7B", 16384, 2, 14336), ("100,256,384,4,2", 100, 2, 384)]
     assert bench.shapes_of(None) == bench.SHAPES
+
+
+def _quack_stand_in():
+    """QuACK's ``gemm``, ``gemm_gated`` and ``gemm_dgated`` as its reference functions define
+    them (fp32 math): varlen-M ``out[rows of e] = A[A_idx[rows]]·B[e]``, varlen-K ``out[e] =
+    A[:, A_idx[rows of e]]·B[rows of e]``, gated on interleaved gate/up columns, with the
+    dgated row scale SonicMoE passes (dH from ``s·dout``, A' = ``s·A``)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    def mm(A, B, out, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None):
+        ends = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
+        for i in range(ends.numel() - 1):
+            rows = slice(ends[i].item(), ends[i + 1].item())
+            idx = A_idx[rows].long() if A_idx is not None else None
+            if cu_seqlens_m is not None:
+                a = A[idx] if idx is not None else A[rows]
+                out[rows] = (a.float() @ B[i].float()).to(out.dtype)
+            else:
+                a = A[:, idx] if idx is not None else A[:, rows]
+                out[i] = (a.float() @ B[rows].float()).to(out.dtype)
+
+    def gemm(A, B, out, batch_idx_permute=None, dynamic_scheduler=False, **varlen):
+        mm(A, B, out, **varlen)
+
+    def gemm_gated(A, B, activation, cu_seqlens_m, A_idx, preact_out, postact_out,
+                   store_preact):
+        mm(A, B, preact_out, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx)
+        gate, up = preact_out[:, 0::2].float(), preact_out[:, 1::2].float()
+        postact_out.copy_(F.silu(gate) * up)
+
+    def gemm_dgated(A, B, PreAct, activation, dx_out, postact_out, colvec_scale, colvec_reduce,
+                    cu_seqlens_m, A_idx, dynamic_scheduler):
+        dout = torch.empty(PreAct.shape[0], B.shape[-1])
+        mm(A, B, dout, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx)
+        gate, up = PreAct[:, 0::2].float(), PreAct[:, 1::2].float()
+        s, sig = colvec_scale.float()[:, None], torch.sigmoid(gate)
+        da = s * dout
+        dx_out.copy_(torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig],
+                                 dim=-1).flatten(-2))
+        postact_out.copy_(s * gate * sig * up)
+        return dx_out, postact_out, (dout * gate * sig * up).sum(-1)
+
+    return SimpleNamespace(gemm=gemm, gemm_gated=gemm_gated, gemm_dgated=gemm_dgated)
+
+
+def test_sonicmoe_gemm_rows_call_quack_on_bench_grouped_gemm_work(monkeypatch):
+    """--gemm's six SonicMoE calls, on a stand-in for QuACK, compute the work of the torch
+    reference beside each (shapes, layouts, interleaved gate/up, the scaled dH): what the rows
+    compare on the GPU."""
+    bench = load_benchmark("bench_sonicmoe")
+    seen = {}
+
+    def row(name, gemm, flops, kernel, torch_fn):
+        out, ref = kernel(), torch_fn()
+        assert out.shape == ref.shape, gemm
+        seen[gemm] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+    monkeypatch.setattr(bench, "_row", row)
+    torch.manual_seed(0)
+    bench.gemm_rows("tiny", (64, 32, 16, 4, 2), _quack_stand_in(), bench.GEMMS, device="cpu")
+    assert set(seen) == set(bench.GEMMS)
+    # bf16 rounding of the reference's intermediate dA' is the only difference allowed.
+    assert all(err < 1e-2 for err in seen.values()), seen
