@@ -214,8 +214,8 @@ def main(argv=None) -> None:
     if args.power < 0 or (args.power and not args.gemm):
         parser.error(f"--power takes a non-negative number of seconds, with --gemm; got "
                      f"{args.power}")
-    if args.wgrads and args.profile:
-        parser.error("--profile profiles the layer's step; --wgrads times GEMMs alone")
+    if args.gemm and args.profile:
+        parser.error("--profile profiles the layer's step; --gemm times GEMMs alone")
     bench_grouped_gemm.POWER_SECONDS = args.power
     configs = chosen_configs(args.config, args.sweep)
     if args.gemm:

@@ -161,7 +161,7 @@ def test_sonicmoe_bench_power_needs_gemm(capsys):
         assert "--power takes a non-negative number of seconds, with --gemm" in \
             capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--wgrads", "--profile"])
+        bench.main(["--gemm", "dW1", "--profile"])
     assert "--profile profiles the layer's step" in capsys.readouterr().err
 
 
