@@ -3,6 +3,8 @@
     python benchmarks/bench_grouped_gemm.py [--config NAME|T,d,n,E,K ...] [--gemm NAME ...]
                                             [--ceiling] [--plans | --share both] [--fp8]
                                             [--power SECONDS] [--routing topk|balanced]
+                                            [--json FILE]
+    python benchmarks/bench_grouped_gemm.py --results FILE [FILE ...]
 
 At the paper's shapes (docs/design.md §5: T, d, n, E, K; ``--config`` for others, as
 ``bench_moe.py``) with random top-K routing (P = T·K rows sorted by expert; ``--routing
@@ -87,10 +89,21 @@ mean board power (W) and the board energy per call (mJ), the last two from NVML'
 counter (``pynvml``); the step line then sums the energy too. On a GPU held at its power cap
 (the H200 at 700 W) every GEMM, cuBLAS's included, runs below its top clock, and a kernel's
 time follows the energy its work takes.
+
+``--json FILE`` also appends each GEMM row (the default mode's and ``--fp8``'s) to ``FILE`` as
+a JSON line: shape, GEMM, implementation, device, kernel and torch µs, relative error, FLOPs,
+and with ``--power`` the clock, power and mJ. ``bench_sonicmoe.py --gemm NAME --json FILE``
+writes SonicMoE's rows the same way. ``--results FILE [FILE ...]`` measures nothing and prints
+such rows side by side, per shape and GEMM: each implementation's time in every run and its
+mean, with ``--power``'s columns its clock range, megacycles and energy, and SonicMoE's mean
+time over sonic's where both ran — the per-kernel comparison of two programs run one after
+the other on one GPU.
 """
 
 import argparse
 import contextlib
+import json
+import math
 import os
 import sys
 from typing import NamedTuple
@@ -157,26 +170,32 @@ class Timing(NamedTuple):
 
 # Seconds each kernel runs under the power sampler (--power); 0: no power columns.
 POWER_SECONDS = 0.0
+# File each GEMM row is also appended to as a JSON line (--json), or None; and whose kernel
+# the rows time (bench_sonicmoe.py --gemm sets "sonicmoe").
+JSON_PATH = None
+KERNEL_IMPL = "sonic"
 # How tokens pick their experts (--routing): "topk" or "balanced" (see _routing).
 ROUTING = "topk"
 
 
-def _power(fn) -> tuple[str, float | None]:
-    """The power columns of ``fn`` and its mJ per call (empty, None without ``--power``)."""
+def _power(fn) -> tuple[str, dict]:
+    """The power columns of ``fn`` and its ``{"sm_mhz", "watts", "mj"}`` (mJ per call; empty
+    without ``--power`` or NVML samples)."""
     if not POWER_SECONDS:
-        return "", None
+        return "", {}
     stats = energy_per_call(fn, seconds=POWER_SECONDS)
     if stats["sm_mhz"] is None or stats["J_per_call"] is None:
-        return " | no NVML samples", None
+        return " | no NVML samples", {}
     mj = stats["J_per_call"] * 1e3
     return (f" | {stats['sm_mhz']:>5} MHz {stats['watts']:>4.0f} W {mj:>7.1f} mJ "
-            f"throttle {stats['throttle']}"), mj
+            f"throttle {stats['throttle']}"), {"sm_mhz": stats["sm_mhz"],
+                                               "watts": stats["watts"], "mj": mj}
 
 
 def _row(shape, gemm, flops, kernel, torch_fn):
     out = kernel()
     kern_us = bench(kernel)
-    note, mj = _power(kernel)
+    note, power = _power(kernel)
     try:
         ref = torch_fn()
         torch_us = bench(torch_fn)
@@ -188,7 +207,54 @@ def _row(shape, gemm, flops, kernel, torch_fn):
         print(f"  torch baseline failed: {exc}".splitlines()[0])
     print(f"{shape:<6} {gemm:<7} | {torch_us:>9.1f} {kern_us:>9.1f} | {torch_tf} "
           f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}{note}", flush=True)
-    return Timing(kern_us, mj)
+    if JSON_PATH is not None:
+        with open(JSON_PATH, "a") as f:
+            f.write(json.dumps({
+                "shape": shape, "gemm": gemm, "impl": KERNEL_IMPL, "device": device_name(),
+                "kernel_us": kern_us, "torch_us": None if math.isnan(torch_us) else torch_us,
+                "rel_err": None if err == "n/a" else float(err), "flops": flops,
+                **power}) + "\n")
+    return Timing(kern_us, power.get("mj"))
+
+
+def results_table(paths) -> None:
+    """Print the ``--json`` rows of one or more runs side by side (``--results``): per shape
+    and GEMM, each implementation's kernel µs in every run and their mean; with ``--power``'s
+    columns also its SM clock range, mean megacycles (µs × MHz) and mean mJ per call; and
+    where sonic
+    and SonicMoE (``bench_sonicmoe.py --gemm --json``) both ran, SonicMoE's mean time over
+    sonic's.
+
+    Raises:
+        SystemExit: a file holds no row (the message names it).
+    """
+    groups: dict = {}
+    for path in paths:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        if not rows:
+            raise SystemExit(f"--results: {path} holds no GEMM row (write one with --json)")
+        for r in rows:
+            groups.setdefault((r["shape"], r["gemm"]), {}).setdefault(r["impl"], []).append(r)
+    print(f"{'shape':<11} {'gemm':<8} {'impl':<9} | {'kernel us, each run':<36} {'mean':>8} | "
+          "MHz, Mcycles, mJ")
+    for (shape, gemm), impls in groups.items():
+        mean_us = {}
+        for impl, rows in impls.items():
+            us = [r["kernel_us"] for r in rows]
+            mean_us[impl] = sum(us) / len(us)
+            line = (f"{shape:<11} {gemm:<8} {impl:<9} | "
+                    f"{' / '.join(f'{u:.0f}' for u in us):<36} {mean_us[impl]:>8.0f} |")
+            if all(r.get("sm_mhz") for r in rows):
+                mhz = [r["sm_mhz"] for r in rows]
+                cycles = sum(u * m for u, m in zip(us, mhz)) / len(rows) / 1e6
+                line += f" {min(mhz)}-{max(mhz)} MHz {cycles:.1f} Mcycles"
+            if all(r.get("mj") is not None for r in rows):
+                line += f" {sum(r['mj'] for r in rows) / len(rows):.0f} mJ"
+            print(line)
+        if "sonic" in mean_us and "sonicmoe" in mean_us:
+            print(f"{shape:<11} {gemm:<8} SonicMoE / sonic time: "
+                  f"{mean_us['sonicmoe'] / mean_us['sonic']:.3f}x")
 
 
 GEMMS = ("up", "up+act", "up+act*", "down", "dA'", "dA'+dH", "dA'+dH*", "dX", "dW1", "dW2")
@@ -610,10 +676,10 @@ def _fp8_plan_kernels(x, w1, act, w2, dh, do, offsets, gather_idx, gemms):
 
 def _ceiling_row(shape, gemm, flops, fn):
     us = bench(fn)
-    note, mj = _power(fn)
+    note, power = _power(fn)
     print(f"{shape:<6} {gemm:<7} | {'':>9} {us:>9.1f} | {'':>7} {flops / us / 1e6:>7.0f}"
           f"{note}", flush=True)
-    return Timing(us, mj)
+    return Timing(us, power.get("mj"))
 
 
 def _step_summary(shape, kernel, bmm):
@@ -721,7 +787,21 @@ def main(argv=None):
     parser.add_argument("--routing", choices=("topk", "balanced"), default="topk",
                         help="topk: random top-K routing (default); balanced: every expert "
                              "gets T*K/E rows")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also append each GEMM row (not those of --plans, --share or the "
+                             "--ceiling references) to FILE as a JSON line")
+    parser.add_argument("--results", nargs="+", metavar="FILE",
+                        help="measure nothing: print the rows of earlier runs' --json files "
+                             "(this script's and bench_sonicmoe.py --gemm's) side by side")
     args = parser.parse_args(argv)
+    if args.results:
+        if args.json or args.plans or args.share or args.fp8 or args.ceiling or args.power:
+            parser.error("--results measures nothing: give it no measuring option")
+        results_table(args.results)
+        return
+    if args.json and (args.plans or args.share):
+        parser.error("--json records the rows of the default mode and --fp8, not those of "
+                     "--plans or --share")
     if args.ceiling and (args.plans or args.share):
         parser.error("--ceiling has no rows under --plans or --share: run it on its own or "
                      "with --fp8")
@@ -736,9 +816,10 @@ def main(argv=None):
                      f"{', '.join(sorted(set(args.gemm) - set(FP8_GEMMS)))} has no FP8 row")
     if args.power < 0:
         parser.error(f"--power must be a non-negative number of seconds, got {args.power}")
-    global POWER_SECONDS, ROUTING
+    global POWER_SECONDS, ROUTING, JSON_PATH
     POWER_SECONDS = args.power
     ROUTING = args.routing
+    JSON_PATH = args.json
     only = set(args.gemm or GEMMS)
     shapes = [(name, *sizes) for name, sizes in args.config] if args.config else SHAPES
     print(f"device: {device_name()}  {device_memory(torch.cuda.current_device())}")

@@ -4,7 +4,7 @@ that ``bench_moe.py --vs-sonicmoe FILE`` compares against.
     python benchmarks/bench_sonicmoe.py [--config NAME|T,d,n,E,K ...] [--sweep] [--profile] \
         > sonicmoe.jsonl
     python benchmarks/bench_sonicmoe.py --gemm NAME [--gemm NAME ...] [--power SECONDS] \
-        [--config ...]
+        [--json FILE] [--config ...]
 
 Needs SonicMoE (the ``sonic-moe`` package, Guo et al., arXiv 2512.14080) importable as
 ``sonicmoe``. It pins its own CuTe DSL, so run it in SonicMoE's environment (sonic's package
@@ -43,7 +43,9 @@ and ds), ``dX``, ``dW1``, ``dW2``. The operands, routing and row format are thos
 same references, the SwiGLU ones on interleaved columns), so that the two programs' rows, one
 after the other on one GPU, compare kernel with kernel and each with torch timed in its own
 process. ``--power SECONDS`` adds the clock, power and energy per call of each kernel, as
-``bench_grouped_gemm.py --power`` does for sonic's.
+``bench_grouped_gemm.py --power`` does for sonic's; ``--json FILE`` appends the rows to
+``FILE`` as ``bench_grouped_gemm.py --json`` does, so that ``bench_grouped_gemm.py --results
+sonic.jsonl sonicmoe.jsonl`` sets the two programs' kernels side by side.
 """
 
 import argparse
@@ -210,13 +212,20 @@ def main(argv=None) -> None:
                              "(repeatable) instead of the layer")
     parser.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                         help="with --gemm: run each kernel this long under the power sampler")
+    parser.add_argument("--json", metavar="FILE",
+                        help="with --gemm: also append each row to FILE as a JSON line "
+                             "(bench_grouped_gemm.py --results reads it)")
     args = parser.parse_args(argv)
     if args.power < 0 or (args.power and not args.gemm):
         parser.error(f"--power takes a non-negative number of seconds, with --gemm; got "
                      f"{args.power}")
     if args.gemm and args.profile:
         parser.error("--profile profiles the layer's step; --gemm times GEMMs alone")
+    if args.json and not args.gemm:
+        parser.error("--json writes --gemm rows (the layer's rows go to standard output)")
     bench_grouped_gemm.POWER_SECONDS = args.power
+    bench_grouped_gemm.JSON_PATH = args.json
+    bench_grouped_gemm.KERNEL_IMPL = "sonicmoe"
     configs = chosen_configs(args.config, args.sweep)
     if args.gemm:
         quack = _sonicmoe_module("quack.gemm_interface")

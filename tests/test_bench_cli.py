@@ -1,6 +1,7 @@
 """The layer benchmark's command line and plot, on the CPU (the timing itself needs a GPU)."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -362,6 +363,70 @@ def test_grouped_gemm_refuses_options_it_would_ignore(capsys):
     # Every FP8 row's work has a dense ceiling shape.
     assert set(bench.FP8_GEMMS) < set(bench.GEMMS)
     assert set(bench.FP8_GEMMS.values()) == {"up", "down", "dA'", "dX"}
+
+
+def test_gemm_rows_go_to_json_and_results_set_the_programs_side_by_side(tmp_path, monkeypatch,
+                                                                        capsys):
+    """``_row`` with ``--json`` appends the row it prints (time, error, power columns) as a
+    JSON line, under the implementation bench_sonicmoe.py sets; ``--results`` groups the
+    lines of several files by shape and GEMM and prints each program's runs, their mean,
+    clock range, megacycles and energy, and SonicMoE's mean time over sonic's. On the CPU,
+    the GPU timer and power sampler replaced by fixed numbers."""
+    bench = load_benchmark("bench_grouped_gemm")
+    path = tmp_path / "rows.jsonl"
+    times = iter([10000.0, 15000.0, 12000.0, 15000.0, 12100.0, 15000.0])  # kernel, torch
+    power = iter([(1600, 30.0), (1500, 31.0), (1400, 33.0)])
+    monkeypatch.setattr(bench, "bench", lambda fn: next(times))
+    monkeypatch.setattr(bench, "device_name", lambda: "test GPU")
+    monkeypatch.setattr(bench, "POWER_SECONDS", 1.0)
+
+    def fake_power(fn):
+        mhz, mj = next(power)
+        return f" | {mhz} MHz", {"sm_mhz": mhz, "watts": 700.0, "mj": mj}
+
+    monkeypatch.setattr(bench, "_power", fake_power)
+    monkeypatch.setattr(bench, "JSON_PATH", str(path))
+    ref = torch.randn(8, 4)
+    for impl in ("sonic", "sonic", "sonicmoe"):
+        monkeypatch.setattr(bench, "KERNEL_IMPL", impl)
+        timing = bench._row("DeepSeek-V3", "dW1", 1e9, lambda: ref, lambda: ref)
+    assert timing == bench.Timing(12100.0, 33.0)
+    capsys.readouterr()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["impl"], r["kernel_us"], r["torch_us"], r["rel_err"], r["sm_mhz"], r["mj"])
+            for r in rows] == [("sonic", 10000.0, 15000.0, 0.0, 1600, 30.0),
+                               ("sonic", 12000.0, 15000.0, 0.0, 1500, 31.0),
+                               ("sonicmoe", 12100.0, 15000.0, 0.0, 1400, 33.0)]
+    # A second file, without power columns: that program's line leaves them out.
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"shape": "7B", "gemm": "up+act", "impl": "sonic",
+                                 "kernel_us": 500.0}) + "\n")
+    bench.main(["--results", str(path), str(other)])
+    out = capsys.readouterr().out.splitlines()
+    sonic_line = next(line for line in out if "dW1" in line and " sonic " in line)
+    # Mean 11000 µs; megacycles (10000·1600 + 12000·1500) / 2 / 1e6 = 17.0; mJ (30 + 31) / 2.
+    assert "10000 / 12000" in sonic_line and " 11000 |" in sonic_line
+    assert "1500-1600 MHz 17.0 Mcycles 30 mJ" in sonic_line
+    assert any("DeepSeek-V3 dW1      SonicMoE / sonic time: 1.100x" in line for line in out)
+    seven_b = next(line for line in out if line.startswith("7B"))
+    assert seven_b.rstrip().endswith("500 |")
+    assert not any("7B" in line and "SonicMoE / sonic" in line for line in out)
+
+
+def test_json_and_results_refuse_the_modes_they_would_ignore(tmp_path, capsys):
+    bench = load_benchmark("bench_grouped_gemm")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for argv, message in ((["--results", str(empty), "--power", "1"],
+                           "--results measures nothing"),
+                          (["--json", "x.jsonl", "--plans"], "--json records the rows of"),
+                          (["--results", str(empty)], "holds no GEMM row")):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert message in str(exc.value) + capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_benchmark("bench_sonicmoe").main(["--json", "x.jsonl"])
+    assert "--json writes --gemm rows" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("only,rows", [
