@@ -114,6 +114,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import bench, device_name, energy_per_call  # noqa: E402
+from bench_moe import options_given  # noqa: E402
 
 from sonic.baselines.configs import CONFIGS, PAPER_CONFIGS, parse_config  # noqa: E402
 from sonic.kernels import runtime  # noqa: E402
@@ -199,11 +200,13 @@ def _row(shape, gemm, flops, kernel, torch_fn):
     try:
         ref = torch_fn()
         torch_us = bench(torch_fn)
-        err = f"{_rel_err(out, ref):.1e}"
+        rel_err = _rel_err(out, ref)
+        err = f"{rel_err:.1e}"
         torch_tf = f"{flops / torch_us / 1e6:>7.0f}"
         speedup = f"{torch_us / kern_us:>6.2f}x"
     except (RuntimeError, TypeError) as exc:  # a torch build without this _grouped_mm form
-        torch_us, err, torch_tf, speedup = float("nan"), "n/a", "    n/a", "   n/a"
+        torch_us, rel_err, err = float("nan"), None, "n/a"
+        torch_tf, speedup = "    n/a", "   n/a"
         print(f"  torch baseline failed: {exc}".splitlines()[0])
     print(f"{shape:<6} {gemm:<7} | {torch_us:>9.1f} {kern_us:>9.1f} | {torch_tf} "
           f"{flops / kern_us / 1e6:>7.0f} {speedup} {err:>8}{note}", flush=True)
@@ -212,7 +215,7 @@ def _row(shape, gemm, flops, kernel, torch_fn):
             f.write(json.dumps({
                 "shape": shape, "gemm": gemm, "impl": KERNEL_IMPL, "device": device_name(),
                 "kernel_us": kern_us, "torch_us": None if math.isnan(torch_us) else torch_us,
-                "rel_err": None if err == "n/a" else float(err), "flops": flops,
+                "rel_err": rel_err, "flops": flops,
                 **power}) + "\n")
     return Timing(kern_us, power.get("mj"))
 
@@ -226,14 +229,22 @@ def results_table(paths) -> None:
     sonic's.
 
     Raises:
-        SystemExit: a file holds no row (the message names it).
+        SystemExit: a file holds no row, a line that is not JSON or a row without the fields
+            ``--json`` writes (the message names the file).
     """
     groups: dict = {}
     for path in paths:
         with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            try:
+                rows = [json.loads(line) for line in f if line.strip()]
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"--results: {path} is not JSON lines ({err})") from err
         if not rows:
             raise SystemExit(f"--results: {path} holds no GEMM row (write one with --json)")
+        keys = ("shape", "gemm", "impl", "kernel_us")
+        if not all(isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+            raise SystemExit(f"--results: {path} holds a line without the fields --json "
+                             f"writes ({', '.join(keys)})")
         for r in rows:
             groups.setdefault((r["shape"], r["gemm"]), {}).setdefault(r["impl"], []).append(r)
     print(f"{'shape':<11} {'gemm':<8} {'impl':<9} | {'kernel us, each run':<36} {'mean':>8} | "
@@ -795,8 +806,9 @@ def main(argv=None):
                              "(this script's and bench_sonicmoe.py --gemm's) side by side")
     args = parser.parse_args(argv)
     if args.results:
-        if args.json or args.plans or args.share or args.fp8 or args.ceiling or args.power:
-            parser.error("--results measures nothing: give it no measuring option")
+        given = options_given(parser, args, ("results",))
+        if given:
+            parser.error("--results measures nothing: leave out " + ", ".join(given))
         results_table(args.results)
         return
     if args.json and (args.plans or args.share):

@@ -657,6 +657,13 @@ def plot_results(results, anchor: dict | None, path: str) -> None:
     print(f"wrote {path}")
 
 
+def options_given(parser, args, keep) -> list[str]:
+    """The options of ``args`` (as ``--name``) set to other than their defaults, but those
+    whose argparse destinations are in ``keep``: what a mode that measures nothing refuses."""
+    return ["--" + name.replace("_", "-") for name, value in vars(args).items()
+            if name not in keep and value != parser.get_default(name)]
+
+
 def report_saved(path: str, sonicmoe: str | None, plot: str | None) -> None:
     """``--results``: the SonicMoE comparison (:func:`compare_with_sonicmoe`) and the plot
     (:func:`plot_results`) of the results an earlier run wrote with ``--json`` to ``path``, so
@@ -753,12 +760,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.results:
         # Every other option shapes a measurement that --results does not make.
-        given = [name for name, value in vars(args).items()
-                 if name not in ("results", "vs_sonicmoe", "plot")
-                 and value != parser.get_default(name)]
+        given = options_given(parser, args, ("results", "vs_sonicmoe", "plot"))
         if given:
             parser.error("--results reads an earlier run and measures nothing: leave out "
-                         + ", ".join("--" + name.replace("_", "-") for name in given))
+                         + ", ".join(given))
         if not (args.vs_sonicmoe or args.plot):
             parser.error("--results needs --vs-sonicmoe FILE and/or --plot PNG")
         report_saved(args.results, args.vs_sonicmoe, args.plot)

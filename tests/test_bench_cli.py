@@ -417,10 +417,18 @@ def test_json_and_results_refuse_the_modes_they_would_ignore(tmp_path, capsys):
     bench = load_benchmark("bench_grouped_gemm")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    not_json = tmp_path / "layer.json"
+    not_json.write_text("[{\"config\": \"7B\",\n  \"sonic\": {}}]\n")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"config": "7B", "impl": "sonic"}\n')
     for argv, message in ((["--results", str(empty), "--power", "1"],
                            "--results measures nothing"),
+                          (["--results", str(empty), "--config", "7B", "--gemm", "dW1"],
+                           "leave out --config, --gemm"),
                           (["--json", "x.jsonl", "--plans"], "--json records the rows of"),
-                          (["--results", str(empty)], "holds no GEMM row")):
+                          (["--results", str(empty)], "holds no GEMM row"),
+                          (["--results", str(not_json)], f"{not_json} is not JSON lines"),
+                          (["--results", str(wrong)], f"{wrong} holds a line without")):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert message in str(exc.value) + capsys.readouterr().err
