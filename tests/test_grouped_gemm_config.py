@@ -262,8 +262,8 @@ def test_plan_varlen_k_cluster_needs_even_m_tiles():
 @pytest.mark.parametrize("dim_m,dim_n,gather_a,gather_b,expected", [
     (512, 1536, False, True, (256, False, False)),   # 7B dW1: 256 x 128, B gathered on N
     (2048, 2048, False, True, (256, False, False)),  # OLMoE dW1
-    # 30B dW1 (N > 2048): transposed 128-row tiles (the cluster shares B: dH)
-    (2048, 4096, False, True, (128, True, False)),
+    # 30B dW1 (N > 2048): transposed 128-row tiles, the cluster sharing the gathered X
+    (2048, 4096, False, True, (128, True, True)),
     (768, 1536, False, True, (128, True, False)),    # 3 m-tiles of 256 rows; 3 n-tiles
     (2048, 2048, True, True, (128, False, False)),   # both gathered: neither
     (2048, 1024, True, False, (256, True, False)),   # OLMoE dW2: swapped, dO gathered on N
@@ -282,6 +282,22 @@ def test_plan_varlen_k_orientation(dim_m, dim_n, gather_a, gather_b, expected):
     if expected[0] == 256:
         assert (cfg.tile_n, cfg.cluster, cfg.gather_a, cfg.gather_b) == (128, CLUSTER, False,
                                                                          True)
+
+
+@pytest.mark.parametrize("rows_per_expert,memory,shares_a", [
+    (2048, H100, True),     # 30B: an expert's dH, 2048 x 2048 bf16, is 8 MiB
+    (4096, H100, False),    # Mixtral-8x7B: 4096 x 28672, 224 MiB, past half the L2
+    (4096, None, True),     # the GPU unknown
+    (0, H100, True),        # the rows per expert unknown
+])
+def test_plan_varlen_k_shares_a_while_panel_fits_l2(rows_per_expert, memory, shares_a):
+    """The transposed dW1 (X gathered on M) shares the gathered rows unless an expert's
+    contiguous dH panel outgrows half the L2."""
+    dim_n = 28672 if rows_per_expert == 4096 else 2048
+    cfg = heuristic.varlen_k_config(4096, dim_n, True, False, True,
+                                    rows_per_expert=rows_per_expert, memory=memory)
+    assert cfg.multicast_a is shares_a and cfg.cluster == CLUSTER and cfg.transpose_c
+    assert heuristic.panel_outgrows_l2(rows_per_expert, dim_n, memory) is (not shares_a)
 
 
 # The weight gradients' configurations of the named layers: 128 x 256 tiles store C from the

@@ -76,10 +76,14 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       256-row m-tiles: cooperative ``256 x 128`` tiles on 2-CTA clusters sharing the gathered
       B, which halves the row copies per CTA; otherwise :func:`transpose_varlen_k` stores
       C transposed (dW2 runs swapped on the same terms). ``--plans --gemm dW1 --gemm dW2``.
-    * varlen-K with only A gathered, C not transposed and an even number of n-tiles (dW2 at
-      30B): the cluster shares A (pairs of n-tiles, each CTA copying half of the gathered
-      rows' columns), as for the gathered varlen-M GEMMs below; the transposed dW1 keeps
-      sharing B (not faster). ``--plans --config 30B --gemm dW2``.
+    * varlen-K with only A gathered and an even number of n-tiles (dW2, and dW1 stored
+      transposed): the cluster shares A (pairs of n-tiles, each CTA copying half of the
+      gathered rows' columns), as for the gathered varlen-M GEMMs below, unless an expert's
+      contiguous B outgrows L2 (:func:`panel_outgrows_l2`: Mixtral-8x7B's dW1, whose
+      ``4096 x 28672`` dH panel a wave sharing A would read from DRAM once per m-tile
+      instead of once per pair). ``--plans --config 30B --gemm dW2``; for dW1 the layer's
+      step with each plan forced (DeepSeek-V3, Qwen3-235B, GLM-4.5, 30B: 0.5-1.8% faster
+      sharing A; Mixtral-8x7B 1.2% slower).
     * Other varlen-K: cooperative tiles, on 2-CTA clusters sharing B when M has an even number
       of m-tiles. ``--plans --gemm dW1 --gemm dW2``.
     * Contiguous varlen-M A (down-proj, dX̃) with K ≤ 512: ping-pong, each warpgroup on its
@@ -121,7 +125,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     if varlen_k:
         if gather_b and not gathered and dim_n <= 2048 and (dim_m + 255) // 256 % CLUSTER == 0:
             return TilePlan(128, False, CLUSTER, tile_m=256)
-        if gathered and not gather_b and not transpose_c and -(-dim_n // tile_n) % CLUSTER == 0:
+        if (gathered and not gather_b and -(-dim_n // tile_n) % CLUSTER == 0
+                and not panel_outgrows_l2(rows_per_expert, dim_n, memory)):
             return TilePlan(tile_n, False, CLUSTER, multicast_a=True)
         return TilePlan(tile_n, False, paired)
     if not gathered and dim_k <= 512:
@@ -182,6 +187,17 @@ def b_outgrows_l2(dim_k: int, tile_n: int, rows_per_expert: int,
     return memory.sms * tile_n * dim_k * 2 // m_tiles > memory.l2_bytes // 2
 
 
+def panel_outgrows_l2(rows_per_expert: int, width: int, memory: DeviceMemory | None) -> bool:
+    """Whether a varlen-K expert's contiguous operand, ``rows_per_expert x width`` bf16,
+    exceeds half the L2. A cluster sharing the gathered operand pairs n-tiles of one m-tile,
+    so a wave of CTAs spans few m-tiles and reads that panel from DRAM once per m-tile when
+    it does not stay in L2 between them. False when the rows per expert or the GPU are
+    unknown."""
+    if memory is None or rows_per_expert <= 0:
+        return False
+    return rows_per_expert * width * 2 > memory.l2_bytes // 2
+
+
 def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = False,
                     epilogue: str = "store", gate_up: str | None = None,
                     arch: str = "sm_90a", ab_dtype: str = "bf16", rows_per_expert: int = 0,
@@ -214,8 +230,10 @@ def varlen_m_config(dim_n: int, dim_k: int, gathered: bool, b_n_major: bool = Fa
 
 def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
                     transpose_c: bool = False, arch: str = "sm_90a",
-                    ab_dtype: str = "bf16") -> GroupedGemmConfig:
-    """The planned varlen-K configuration (:func:`plan`), with C stored by TMA from the last
+                    ab_dtype: str = "bf16", rows_per_expert: int = 0,
+                    memory: DeviceMemory | None = None) -> GroupedGemmConfig:
+    """The planned varlen-K configuration (:func:`plan`; ``rows_per_expert``: ``P / E``, 0
+    if unknown; ``memory``: the GPU's, None if unknown), with C stored by TMA from the last
     k-tile's ring stage (``store_in_stage``) on sm_90a cooperative ``128 x 256`` tiles (bf16,
     and e4m3 on K-major copies) whose C has a multiple of 64 rows per expert
     (``bench_grouped_gemm.py [--fp8] --gemm dW1 --gemm dW2`` at the named layers against thread
@@ -226,7 +244,8 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
         ValueError: as :class:`GroupedGemmConfig`.
     """
     tiles = plan(True, dim_n, gather_a, dim_m=dim_m, arch=arch, ab_dtype=ab_dtype,
-                 gather_b=gather_b, transpose_c=transpose_c)
+                 gather_b=gather_b, transpose_c=transpose_c, rows_per_expert=rows_per_expert,
+                 memory=memory)
     cfg = GroupedGemmConfig(varlen_k=True, tile_n=tiles.tile_n, pingpong=tiles.pingpong,
                             cluster=tiles.cluster, dim_m=dim_m, dim_n=dim_n, dim_k=0,
                             gather_a=gather_a, gather_b=gather_b, transpose_c=transpose_c,

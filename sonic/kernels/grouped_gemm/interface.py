@@ -584,8 +584,9 @@ def _check_fp8_operands(names, a_q, a_scales, b_q, b_scales, expert_offsets, gat
 
 
 def _plan_inputs(device, num_pairs: int, num_experts: int) -> dict:
-    """A varlen-M plan's device inputs (:func:`.heuristic.varlen_m_config`): arch, rows
-    per expert and the GPU's memory (None off CUDA)."""
+    """A plan's device inputs (:func:`.heuristic.varlen_m_config`,
+    :func:`.heuristic.varlen_k_config`): arch, rows per expert and the GPU's memory (None off
+    CUDA)."""
     return dict(arch=runtime.device_arch(device),
                 rows_per_expert=num_pairs // max(num_experts, 1),
                 memory=device_memory(_index(device)) if device.type == "cuda" else None)
@@ -666,7 +667,8 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, gather_idx_a
         dim_m, dim_n, ga, gb = dim_n, dim_m, gb, ga
-    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, arch=arch)
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c,
+                                    **_plan_inputs(device, rows[0], num_experts))
     addr = runtime.address
     operands = Operands(a=addr(a, 16), b=addr(b, 16), c=addr(out, 16),
                         gather_a=None if gather_idx_a is None else addr(gather_idx_a, 4),
