@@ -298,6 +298,9 @@ def test_plan_varlen_k_shares_a_while_panel_fits_l2(rows_per_expert, memory, sha
                                     rows_per_expert=rows_per_expert, memory=memory)
     assert cfg.multicast_a is shares_a and cfg.cluster == CLUSTER and cfg.transpose_c
     assert heuristic.panel_outgrows_l2(rows_per_expert, dim_n, memory) is (not shares_a)
+    # dW2 (C not transposed) shares the gathered dO whatever the panel.
+    assert heuristic.varlen_k_config(4096, dim_n, True, False, rows_per_expert=rows_per_expert,
+                                     memory=memory).multicast_a
 
 
 # The weight gradients' configurations of the named layers: 128 x 256 tiles store C from the

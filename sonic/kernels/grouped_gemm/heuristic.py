@@ -78,12 +78,12 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       C transposed (dW2 runs swapped on the same terms). ``--plans --gemm dW1 --gemm dW2``.
     * varlen-K with only A gathered and an even number of n-tiles (dW2, and dW1 stored
       transposed): the cluster shares A (pairs of n-tiles, each CTA copying half of the
-      gathered rows' columns), as for the gathered varlen-M GEMMs below, unless an expert's
-      contiguous B outgrows L2 (:func:`panel_outgrows_l2`: Mixtral-8x7B's dW1, whose
-      ``4096 x 28672`` dH panel a wave sharing A would read from DRAM once per m-tile
-      instead of once per pair). ``--plans --config 30B --gemm dW2``; for dW1 the layer's
-      step with each plan forced (DeepSeek-V3, Qwen3-235B, GLM-4.5, 30B: 0.5-1.8% faster
-      sharing A; Mixtral-8x7B 1.2% slower).
+      gathered rows' columns), as for the gathered varlen-M GEMMs below. ``--plans --config
+      30B --gemm dW2``; for dW1, the layer's step on each plan (DeepSeek-V3, Qwen3-235B,
+      GLM-4.5, 30B). Except the transposed dW1 whose expert's contiguous B outgrows L2
+      (:func:`panel_outgrows_l2`): Mixtral-8x7B's, whose ``4096 x 28672`` dH panel a wave
+      sharing A reads from DRAM once per m-tile instead of once per pair, shares B. dW2 keeps
+      sharing A there: on B, Mixtral-8x7B's step (its A' panel ``4096 x 14336``) was slower.
     * Other varlen-K: cooperative tiles, on 2-CTA clusters sharing B when M has an even number
       of m-tiles. ``--plans --gemm dW1 --gemm dW2``.
     * Contiguous varlen-M A (down-proj, dX̃) with K ≤ 512: ping-pong, each warpgroup on its
@@ -126,7 +126,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
         if gather_b and not gathered and dim_n <= 2048 and (dim_m + 255) // 256 % CLUSTER == 0:
             return TilePlan(128, False, CLUSTER, tile_m=256)
         if (gathered and not gather_b and -(-dim_n // tile_n) % CLUSTER == 0
-                and not panel_outgrows_l2(rows_per_expert, dim_n, memory)):
+                and not (transpose_c and panel_outgrows_l2(rows_per_expert, dim_n, memory))):
             return TilePlan(tile_n, False, CLUSTER, multicast_a=True)
         return TilePlan(tile_n, False, paired)
     if not gathered and dim_k <= 512:
