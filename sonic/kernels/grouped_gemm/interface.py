@@ -819,9 +819,10 @@ for _act, _gate_up in (("geglu", "concat"), ("geglu_tanh", "interleaved"), ("reg
                   1024, 4096, True, True, epilogue="dswiglu", arch=arch, activation=a))
 # The backward's dW2 (gathered dO on the M side, or on sm_90 swapped: C stored transposed
 # from 256 x 128 tiles gathering dO on N) and dW1 (gathered X, on sm_90 as C stored
-# transposed when N > 2048, or on 256 x 128 tiles gathered on the B side; on sm_100 gathered
-# on the B side): heuristic.transpose_varlen_k. On sm_90 128 x 256 tiles stage C in the last
-# k-tile's ring stage by stmatrix (the transposed C by its .trans form).
+# transposed when N > 2048, the cluster sharing X, or on 256 x 128 tiles gathered on the B
+# side; on sm_100 gathered on the B side): heuristic.transpose_varlen_k. On sm_90 128 x 256
+# tiles stage C in the last k-tile's ring stage by stmatrix (the transposed C by its .trans
+# form).
 _register("varlen_k_m1536_n256_gather_a",
           lambda arch: heuristic.varlen_k_config(1536, 256, True, False, arch=arch),
           sm90_markers=("stmatrix.sync.aligned.m8n8.x4.shared.b16",))
@@ -852,6 +853,13 @@ _register("varlen_m_n28672_k4096_gather_swiglu_interleaved_banded",
 _register("varlen_m_n14336_k4096_gather_bn_dswiglu_banded",
           lambda arch: heuristic.varlen_m_config(14336, 4096, True, True, epilogue="dswiglu",
                                                  arch=arch, rows_per_expert=_MIXTRAL_ROWS,
+                                                 memory=_H100_MEMORY),
+          archs=("sm_90a",))
+# Mixtral-8x7B's transposed dW1 on an H100: its experts' dH panels outgrow L2, so the cluster
+# shares dH (B) rather than the gathered X.
+_register("varlen_k_m4096_n28672_gather_a_ct_share_b",
+          lambda arch: heuristic.varlen_k_config(4096, 28672, True, False, True, arch=arch,
+                                                 rows_per_expert=_MIXTRAL_ROWS,
                                                  memory=_H100_MEMORY),
           archs=("sm_90a",))
 # Plans heuristic.plan does not pick today (bench_grouped_gemm.py --plans times them): a
