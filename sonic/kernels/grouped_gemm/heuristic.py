@@ -52,7 +52,7 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
          memory: DeviceMemory | None = None) -> TilePlan:
     """Tile N, schedule, cluster size, tile M and the cluster's shared operand (``gathered``:
     A's rows are gathered; ``gather_b``: varlen-K B's are; ``transpose_c``: varlen-K stores
-    C transposed; ``rows_per_expert``: varlen-M ``P / E``, 0 if unknown; ``memory``: the
+    C transposed; ``rows_per_expert``: ``P / E``, 0 if unknown; ``memory``: the
     GPU's, None if unknown).
 
     The rules, in the order they are applied; each names the ``benchmarks/bench_grouped_gemm.py``
@@ -81,9 +81,9 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       gathered rows' columns), as for the gathered varlen-M GEMMs below. ``--plans --config
       30B --gemm dW2``; for dW1, the layer's step on each plan (DeepSeek-V3, Qwen3-235B,
       GLM-4.5, 30B). Except the transposed dW1 whose expert's contiguous B outgrows L2
-      (:func:`panel_outgrows_l2`): Mixtral-8x7B's, whose ``4096 x 28672`` dH panel a wave
-      sharing A reads from DRAM once per m-tile instead of once per pair, shares B. dW2 keeps
-      sharing A there: on B, Mixtral-8x7B's step (its A' panel ``4096 x 14336``) was slower.
+      (:func:`panel_outgrows_l2`), Mixtral-8x7B's (a ``4096 x 28672`` dH panel): it shares B,
+      as sharing A made that step slower. dW2 keeps sharing A there: on B, Mixtral-8x7B's step
+      (its A' panel ``4096 x 14336``) was slower too.
     * Other varlen-K: cooperative tiles, on 2-CTA clusters sharing B when M has an even number
       of m-tiles. ``--plans --gemm dW1 --gemm dW2``.
     * Contiguous varlen-M A (down-proj, dX̃) with K ≤ 512: ping-pong, each warpgroup on its
@@ -190,9 +190,9 @@ def b_outgrows_l2(dim_k: int, tile_n: int, rows_per_expert: int,
 def panel_outgrows_l2(rows_per_expert: int, width: int, memory: DeviceMemory | None) -> bool:
     """Whether a varlen-K expert's contiguous operand, ``rows_per_expert x width`` bf16,
     exceeds half the L2. A cluster sharing the gathered operand pairs n-tiles of one m-tile,
-    so a wave of CTAs spans few m-tiles and reads that panel from DRAM once per m-tile when
-    it does not stay in L2 between them. False when the rows per expert or the GPU are
-    unknown."""
+    so a wave of CTAs spans fewer m-tiles than one pairing m-tiles, and such a panel likely
+    leaves L2 between the m-tiles that read it (not measured; the step was). False when the
+    rows per expert or the GPU are unknown."""
     if memory is None or rows_per_expert <= 0:
         return False
     return rows_per_expert * width * 2 > memory.l2_bytes // 2
