@@ -224,9 +224,8 @@ def results_table(paths) -> None:
     """Print the ``--json`` rows of one or more runs side by side (``--results``): per shape
     and GEMM, each implementation's kernel µs in every run and their mean; with ``--power``'s
     columns also its SM clock range, mean megacycles (µs × MHz) and mean mJ per call; and
-    where sonic
-    and SonicMoE (``bench_sonicmoe.py --gemm --json``) both ran, SonicMoE's mean time over
-    sonic's.
+    where sonic and SonicMoE (``bench_sonicmoe.py --gemm --json``) both ran, SonicMoE's mean
+    time over sonic's.
 
     Raises:
         SystemExit: a file holds no row, a line that is not JSON or a row without the fields
