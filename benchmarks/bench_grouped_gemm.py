@@ -533,10 +533,10 @@ def forced_transpose(gather_a, gather_b):
     (``heuristic.transpose_varlen_k``), and so runs that call's plan on contiguous rows."""
     original = heuristic.transpose_varlen_k
 
-    def transpose(ga, gb, arch, dim_m, dim_n):
+    def transpose(ga, gb, arch, dim_m, dim_n, **device):
         if not (ga or gb):
             ga, gb = gather_a, gather_b
-        return original(ga, gb, arch, dim_m, dim_n)
+        return original(ga, gb, arch, dim_m, dim_n, **device)
 
     heuristic.transpose_varlen_k = transpose
     try:
@@ -756,7 +756,8 @@ def ceiling_rows(name, e, offsets, gather_idx, x, do, act, dh, w1, w2, only):
         if gemm in gathered:
             call, gathers, (dim_m, dim_n) = gathered[gemm]
             # Ungathered calls are never stored transposed.
-            if heuristic.transpose_varlen_k(*gathers, arch, dim_m, dim_n):
+            if heuristic.transpose_varlen_k(*gathers, arch, dim_m, dim_n, rows_per_expert=rows,
+                                            memory=device_memory(torch.cuda.current_device())):
                 def same_plan(fn=pre_gathered, gathers=gathers):
                     with forced_transpose(*gathers):
                         return fn()

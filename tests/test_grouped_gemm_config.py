@@ -303,6 +303,35 @@ def test_plan_varlen_k_shares_a_while_panel_fits_l2(rows_per_expert, memory, sha
                                      memory=memory).multicast_a
 
 
+@pytest.mark.parametrize("dim_m,rows_per_expert,memory,expected", [
+    (28672, 4096, H100, (False, 256, True)),    # Mixtral-8x7B: a 4096 x 28672 dH panel
+    (28672, 4096, H200, (False, 256, True)),
+    (28672, 4096, None, (True, 128, True)),     # the GPU unknown: the N > 2048 rule
+    (2048, 2048, H200, (True, 128, True)),      # 30B: an 8 MiB panel fits
+    (28928, 4096, H200, (True, 128, False)),    # 113 tiles of 256 rows: transposed, sharing dH
+])
+def test_plan_dw1_untransposed_where_dh_panel_outgrows_l2(dim_m, rows_per_expert, memory,
+                                                          expected):
+    """dW1 (X gathered, d = 4096 > 2048) runs untransposed on 256 x 128 tiles sharing the
+    gathered X where an expert's dH panel outgrows half the L2 and 2n has an even number of
+    256-row tiles; otherwise transposed. Expected: (transposed, tile M, sharing X)."""
+    plan_inputs = dict(rows_per_expert=rows_per_expert, memory=memory)
+    dim_n = 4096
+    transposed = heuristic.transpose_varlen_k(False, True, "sm_90a", dim_m, dim_n, **plan_inputs)
+    if transposed:
+        cfg = heuristic.varlen_k_config(dim_n, dim_m, True, False, True, **plan_inputs)
+        shares_x = cfg.multicast_a
+    else:
+        cfg = heuristic.varlen_k_config(dim_m, dim_n, False, True, **plan_inputs)
+        # Untransposed, the cluster pairs m-tiles and shares B: the gathered X.
+        shares_x = cfg.gather_b and cfg.cluster == CLUSTER and not cfg.multicast_a
+        assert (cfg.tile_n, cfg.store_in_stage) == (128, False)
+    assert (transposed, cfg.tile_m, shares_x) == expected
+    # dW2 is swapped on the N <= 2048 terms only, whatever the panel.
+    assert not heuristic.transpose_varlen_k(True, False, "sm_90a", dim_n, dim_m // 2,
+                                            **plan_inputs)
+
+
 # The weight gradients' configurations of the named layers: 128 x 256 tiles store C from the
 # ring stage, 256 x 128 tiles and C with rows per expert not a multiple of 64 by threads.
 @pytest.mark.parametrize("args,in_stage", [

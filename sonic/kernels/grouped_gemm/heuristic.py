@@ -72,18 +72,22 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
       tile would be mostly masked).
     * sm_100a: cooperative ``128 x tile_n`` tiles on one CTA, the only schedule its mainloop
       has (no 2-CTA UMMA yet); untuned, no sm_100 measurement exists.
-    * varlen-K with only B gathered (dW1 = dHᵀ·gather(X)), N ≤ 2048 and an even number of
-      256-row m-tiles: cooperative ``256 x 128`` tiles on 2-CTA clusters sharing the gathered
-      B, which halves the row copies per CTA; otherwise :func:`transpose_varlen_k` stores
-      C transposed (dW2 runs swapped on the same terms). ``--plans --gemm dW1 --gemm dW2``.
+    * varlen-K with only B gathered (dW1 = dHᵀ·gather(X)) and an even number of 256-row
+      m-tiles, where N ≤ 2048 or an expert's contiguous A (``P/E x M``, dH) outgrows half the
+      L2 (:func:`panel_outgrows_l2`, Mixtral-8x7B's 4096 x 28672 panel): cooperative ``256 x
+      128`` tiles on 2-CTA clusters sharing the gathered B, which halves the row copies per
+      CTA; otherwise :func:`transpose_varlen_k` stores C transposed (dW2 runs swapped on the
+      N ≤ 2048 terms only). ``--plans --gemm dW1 --gemm dW2``; for the panel rule, dW1 alone
+      and the layer's step with dW1 forced onto each plan (Mixtral-8x7B, an H200).
     * varlen-K with only A gathered and an even number of n-tiles (dW2, and dW1 stored
       transposed): the cluster shares A (pairs of n-tiles, each CTA copying half of the
       gathered rows' columns), as for the gathered varlen-M GEMMs below. ``--plans --config
       30B --gemm dW2``; for dW1, the layer's step on each plan (DeepSeek-V3, Qwen3-235B,
       GLM-4.5, 30B). Except the transposed dW1 whose expert's contiguous B outgrows L2
-      (:func:`panel_outgrows_l2`), Mixtral-8x7B's (a ``4096 x 28672`` dH panel): it shares B,
-      as sharing A made that step slower. dW2 keeps sharing A there: on B, Mixtral-8x7B's step
-      (its A' panel ``4096 x 14336``) was slower too.
+      (:func:`panel_outgrows_l2`; planned only where 2n has an odd number of 256-row tiles,
+      since such a dW1 otherwise runs untransposed, above): it shares B, as sharing A made
+      Mixtral-8x7B's step slower on transposed tiles. dW2 keeps sharing A there: on B,
+      Mixtral-8x7B's step (its A' panel ``4096 x 14336``) was slower too.
     * Other varlen-K: cooperative tiles, on 2-CTA clusters sharing B when M has an even number
       of m-tiles. ``--plans --gemm dW1 --gemm dW2``.
     * Contiguous varlen-M A (down-proj, dX̃) with K ≤ 512: ping-pong, each warpgroup on its
@@ -123,7 +127,8 @@ def plan(varlen_k: bool, dim_n: int, gathered: bool = False, dim_k: int = 0,
     if arch == "sm_100a":
         return TilePlan(tile_n, False, 1)
     if varlen_k:
-        if gather_b and not gathered and dim_n <= 2048 and (dim_m + 255) // 256 % CLUSTER == 0:
+        if (gather_b and not gathered and (dim_m + 255) // 256 % CLUSTER == 0
+                and (dim_n <= 2048 or panel_outgrows_l2(rows_per_expert, dim_m, memory))):
             return TilePlan(128, False, CLUSTER, tile_m=256)
         if (gathered and not gather_b and -(-dim_n // tile_n) % CLUSTER == 0
                 and not (transpose_c and panel_outgrows_l2(rows_per_expert, dim_n, memory))):
@@ -262,10 +267,12 @@ def varlen_k_config(dim_m: int, dim_n: int, gather_a: bool, gather_b: bool,
 
 
 def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
-                       dim_n: int) -> bool:
+                       dim_n: int, rows_per_expert: int = 0,
+                       memory: DeviceMemory | None = None) -> bool:
     """Whether varlen-K ``(M, N)`` with one operand gathered computes ``C[e]ᵀ = B_eᵀ·A_e``
     instead (operands swapped) and stores it transposed, so that the gathered rows sit on the
-    side where :func:`plan` loads them best.
+    side where :func:`plan` loads them best (``rows_per_expert``, ``memory``: as
+    :func:`plan`'s, read for dW1 only).
 
     * Only B gathered (dW1 = dHᵀ·gather(X)): swapped, the gathered rows on the 128-row M side,
       unless the plan gives the untransposed GEMM 256-row tiles (B gathered on N, shared by
@@ -282,6 +289,7 @@ def transpose_varlen_k(gather_a: bool, gather_b: bool, arch: str, dim_m: int,
     if gather_a == gather_b or arch != "sm_90a":
         return False
     if gather_b:
-        tiles = plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True)
+        tiles = plan(True, dim_n, False, dim_m=dim_m, arch=arch, gather_b=True,
+                     rows_per_expert=rows_per_expert, memory=memory)
         return tiles.tile_m == TILE_M and not tiles.pingpong
     return plan(True, dim_m, False, dim_m=dim_n, arch=arch, gather_b=True).tile_m != TILE_M

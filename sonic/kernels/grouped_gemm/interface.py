@@ -662,13 +662,12 @@ def grouped_gemm_varlen_k(a: torch.Tensor, b: torch.Tensor, expert_offsets: torc
     if rows[0] == 0:
         return out.zero_()
     ga, gb = gather_idx_a is not None, gather_idx_b is not None
-    arch = runtime.device_arch(device)
-    transpose_c = heuristic.transpose_varlen_k(ga, gb, arch, dim_m, dim_n)
+    plan_inputs = _plan_inputs(device, rows[0], num_experts)
+    transpose_c = heuristic.transpose_varlen_k(ga, gb, dim_m=dim_m, dim_n=dim_n, **plan_inputs)
     if transpose_c:
         a, b, gather_idx_a, gather_idx_b = b, a, gather_idx_b, gather_idx_a
         dim_m, dim_n, ga, gb = dim_n, dim_m, gb, ga
-    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c,
-                                    **_plan_inputs(device, rows[0], num_experts))
+    cfg = heuristic.varlen_k_config(dim_m, dim_n, ga, gb, transpose_c, **plan_inputs)
     addr = runtime.address
     operands = Operands(a=addr(a, 16), b=addr(b, 16), c=addr(out, 16),
                         gather_a=None if gather_idx_a is None else addr(gather_idx_a, 4),
@@ -855,7 +854,8 @@ _register("varlen_m_n14336_k4096_gather_bn_dswiglu_banded",
                                                  arch=arch, rows_per_expert=_MIXTRAL_ROWS,
                                                  memory=_H100_MEMORY),
           archs=("sm_90a",))
-# Mixtral-8x7B's transposed dW1 on an H100: its experts' dH panels outgrow L2, so the cluster
+# A transposed dW1 whose experts' dH panels outgrow L2 (Mixtral-8x7B's on an H100, were 2n's
+# 256-row tiles odd in number; an even number runs untransposed 256 x 128 tiles): the cluster
 # shares dH (B) rather than the gathered X.
 _register("varlen_k_m4096_n28672_gather_a_ct_share_b",
           lambda arch: heuristic.varlen_k_config(4096, 28672, True, False, True, arch=arch,
