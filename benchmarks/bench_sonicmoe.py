@@ -31,8 +31,8 @@ QuACK writes each autotune's timings (and its compiled kernels) under ``QUACK_CA
 later process given the same directory reads the timings back and picks the same tiles
 without compiling or timing the other candidates (on the same machine it also loads the
 compiled kernels): the seven named shapes took 15 minutes with a fresh cache and 2 with that
-of the first run, on the same two-H200 machine. Keep the directory to rerun SonicMoE cheaply on the same
-GPU type; a cache from another GPU type would carry that GPU's choices.
+of the first run, on one two-H200 machine. Keep the directory to rerun SonicMoE cheaply on
+the same GPU type; a cache from another GPU type would carry that GPU's choices.
 
 ``--profile`` adds SonicMoE's per-kernel CUDA time per step (three back-to-back steps after
 three, as ``bench_moe.py --profile`` takes sonic's), its six GEMM launches named by sonic's
