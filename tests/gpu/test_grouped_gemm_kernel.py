@@ -208,9 +208,18 @@ def test_varlen_k_tile_plans(forced_plan, tiles, num_pairs, num_experts, dim_m, 
     (777, 4, 256, 512, "one"),
     (20000, 512, 128, 256, "ragged"),
     (300, 4, 24, 8, "empty"),
+    # 4096 rows per expert against M = 4096 (a 32 MiB panel, past half an H100's or H200's
+    # L2): with B gathered (dW1) the plan runs it untransposed on 256 x 128 tiles.
+    (8192, 2, 4096, 2304, "ragged"),
 ])
 def test_varlen_k(num_pairs, num_experts, dim_m, dim_n, mode, gather_a, gather_b):
     from sonic.kernels.grouped_gemm import grouped_gemm_varlen_k
+    from sonic.kernels.grouped_gemm.interface import device_memory
+
+    if (dim_m, gather_a, gather_b) == (4096, False, True):
+        assert not heuristic.transpose_varlen_k(
+            False, True, "sm_90a", dim_m, dim_n, rows_per_expert=num_pairs // num_experts,
+            memory=device_memory(torch.cuda.current_device()))
 
     gen = torch.Generator().manual_seed(num_pairs + dim_m + dim_n)
     offsets = _offsets(_counts(mode, num_experts, num_pairs, gen))
