@@ -194,10 +194,12 @@ def b_outgrows_l2(dim_k: int, tile_n: int, rows_per_expert: int,
 
 def panel_outgrows_l2(rows_per_expert: int, width: int, memory: DeviceMemory | None) -> bool:
     """Whether a varlen-K expert's contiguous operand, ``rows_per_expert x width`` bf16,
-    exceeds half the L2. A cluster sharing the gathered operand pairs n-tiles of one m-tile,
-    so a wave of CTAs spans fewer m-tiles than one pairing m-tiles, and such a panel likely
-    leaves L2 between the m-tiles that read it (not measured; the step was). False when the
-    rows per expert or the GPU are unknown."""
+    exceeds half the L2. Where dW1's dH panel does, :func:`plan` runs dW1 untransposed on
+    256-row tiles (dW1 alone and the step measured faster at Mixtral-8x7B), and a transposed
+    dW1 shares dH rather than the gathered X: a cluster sharing the gathered operand pairs
+    n-tiles of one m-tile, so a wave of CTAs spans fewer m-tiles, and such a panel likely
+    leaves L2 between the m-tiles that read it (an inference; the step was measured). False
+    when the rows per expert or the GPU are unknown."""
     if memory is None or rows_per_expert <= 0:
         return False
     return rows_per_expert * width * 2 > memory.l2_bytes // 2
